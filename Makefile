@@ -1,0 +1,31 @@
+# Set-up and everyday commands. Each target creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TESTS ?= tests
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -c constraints-cpu.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)  ## The main job on the embedded CPU default
+	$(PY) -m bapo_megatron.demo
+
+test: $(STAMP)  ## Every test tier; GPU tests skip without CUDA (pytest exit 5, no tests, is not a failure)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(TESTS) || [ $$? -eq 5 ]
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check bapo_megatron tests benchmarks
+
+bench: $(STAMP)  ## BAPO search and loss benchmark (prints a table)
+	$(PY) benchmarks/bench_bapo_search.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,275 @@
+"""Policy losses: BAPO and the spec's baselines, one registry, one aggregation, one set of metrics.
+
+Every loss returns a LossOutput whose loss_sum is sum_t m_t * w_t * loss_t over the tokens it
+was given and whose token_count is sum_t m_t; the caller divides the step's summed loss by the
+step's summed count (all micro-batches, all data-parallel ranks), a global token mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.algo.bapo import BAPOConfig, ClipBounds, contribution_sums, search_clip_bounds
+from bapo_megatron.algo.metrics import LossOutput
+from bapo_megatron.errors import check
+
+LOG_RATIO_CLAMP = 20.0
+"""r_t = exp(clamp(log pi - log mu, -20, 20)), as the spec defines it."""
+
+LossName = Literal["bapo", "ppo", "clip_higher", "dual_clip", "gspo", "cispo"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossConfig:
+    """Which policy loss to use, and the parameters of each."""
+
+    loss: LossName = "bapo"
+    """One of POLICY_LOSSES: bapo, ppo, clip_higher, dual_clip, gspo, cispo."""
+    bapo: BAPOConfig = field(default_factory=BAPOConfig)
+    """BAPO's bound search; its contribution measure also gives the baselines' bapo/rho metric."""
+    ppo_eps: float = 0.2
+    """ppo and dual_clip: fixed bounds (1 - eps, 1 + eps)."""
+    clip_higher_low: float = 0.8
+    """clip_higher (DAPO): the fixed lower bound."""
+    clip_higher_high: float = 1.28
+    """clip_higher (DAPO): the fixed upper bound."""
+    dual_clip_c: float = 3.0
+    """dual_clip: for A < 0 the per-token loss is capped at -c * A."""
+    gspo_eps_low: float = 3e-4
+    """gspo: the sequence ratio is clipped to [1 - eps_low, 1 + eps_high]."""
+    gspo_eps_high: float = 4e-4
+    cispo_eps_high: float = 0.28
+    """cispo: the stop-gradient weight is clip(r, 0, 1 + eps_high)."""
+    tis_cap: float | None = None
+    """Truncated importance weight min(pi_prox / mu, cap) on any loss (None: off)."""
+
+    def __post_init__(self) -> None:
+        check(self.loss in POLICY_LOSSES, "loss", self.loss, f"must be one of {sorted(POLICY_LOSSES)}")
+        check(0.0 < self.ppo_eps < 1.0, "ppo_eps", self.ppo_eps, "must lie in (0, 1)")
+        check(0.0 < self.clip_higher_low <= 1.0, "clip_higher_low", self.clip_higher_low, "must lie in (0, 1]")
+        check(self.clip_higher_high >= 1.0, "clip_higher_high", self.clip_higher_high, "must be >= 1")
+        check(math.isfinite(self.dual_clip_c) and self.dual_clip_c > 1.0, "dual_clip_c", self.dual_clip_c,
+              "must be a finite number > 1")
+        check(0.0 < self.gspo_eps_low < 1.0, "gspo_eps_low", self.gspo_eps_low, "must lie in (0, 1)")
+        check(self.gspo_eps_high > 0.0, "gspo_eps_high", self.gspo_eps_high, "must be > 0")
+        check(self.cispo_eps_high > 0.0, "cispo_eps_high", self.cispo_eps_high, "must be > 0")
+        if self.tis_cap is not None:
+            check(math.isfinite(self.tis_cap) and self.tis_cap >= 1.0, "tis_cap", self.tis_cap,
+                  "must be None or a finite number >= 1")
+
+
+@dataclass
+class PolicyBatch:
+    """Per-token inputs of a policy loss; every tensor has the same shape, e.g. [batch, seq]."""
+
+    logprobs: torch.Tensor
+    """log pi_theta of the sampled tokens (the trainer's forward pass, with gradient)."""
+    old_logprobs: torch.Tensor
+    """log mu: behaviour log-probs reported by the rollout engine, one per token."""
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    """1 for counted response tokens, 0 for prompt and padding (which may hold NaN)."""
+    prox_logprobs: torch.Tensor | None = None
+    """log pi_prox, recomputed at the start of the step; needed only with tis_cap."""
+    entropy: torch.Tensor | None = None
+    """Per-token entropy of pi_theta, reported as policy/entropy when given."""
+    segment_ids: torch.Tensor | None = None
+    """gspo: which response each token belongs to; default: each row of a 2-D batch is one."""
+    first_update: bool = True
+    """Report rollout/logprob_mismatch (this is the first update on a fresh rollout batch)."""
+
+    def __post_init__(self) -> None:
+        shape = self.logprobs.shape
+        for name in ("old_logprobs", "advantages", "mask", "prox_logprobs", "entropy", "segment_ids"):
+            t = getattr(self, name)
+            if t is not None and t.shape != shape:
+                raise ValueError(f"PolicyBatch.{name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces.
+
+
+@dataclass
+class _Tokens:
+    """Sanitised per-token tensors: masked-out positions hold neutral values, never NaN."""
+
+    counted: torch.Tensor
+    weight: torch.Tensor      # m_t (float)
+    logprobs: torch.Tensor    # log pi with gradient, 0 where not counted
+    log_ratio: torch.Tensor   # clamp(log pi - log mu, -20, 20), with gradient
+    ratio: torch.Tensor       # exp(log_ratio), with gradient
+    advantages: torch.Tensor
+    is_weight: torch.Tensor   # truncated importance weight (detached), 1 when off
+
+
+def _prepare(batch: PolicyBatch, cfg: PolicyLossConfig) -> _Tokens:
+    counted = batch.mask != 0
+    weight = torch.where(counted, batch.mask.to(batch.logprobs.dtype), 0.0)
+    logprobs = torch.where(counted, batch.logprobs, 0.0)
+    old = torch.where(counted, batch.old_logprobs.to(logprobs.dtype), 0.0)
+    log_ratio = torch.clamp(logprobs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    advantages = torch.where(counted, batch.advantages.to(logprobs.dtype), 0.0)
+    is_weight = torch.ones_like(weight)
+    if cfg.tis_cap is not None:
+        if batch.prox_logprobs is None:
+            raise ValueError("tis_cap is set but PolicyBatch.prox_logprobs is None")
+        prox = torch.where(counted, batch.prox_logprobs.to(logprobs.dtype), 0.0)
+        is_weight = torch.exp(torch.clamp(prox - old, max=math.log(cfg.tis_cap))).detach()
+    return _Tokens(counted, weight, logprobs, log_ratio, torch.exp(log_ratio), advantages, is_weight)
+
+
+def clipped_surrogate_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, c_low: float, c_high: float, dual_clip: float | None = None,
+) -> torch.Tensor:
+    """Per-token -v_t: -A min(r, c_high) for A > 0, -A max(r, c_low) for A < 0, 0 for A = 0.
+
+    With dual_clip, the loss of A < 0 tokens is capped at -dual_clip * A.
+    """
+    positive = advantages * torch.clamp(ratio, max=c_high)
+    negative = advantages * torch.clamp(ratio, min=c_low)
+    if dual_clip is not None:
+        negative = torch.maximum(negative, dual_clip * advantages)
+    zero = torch.zeros_like(positive)
+    return -torch.where(advantages > 0, positive, torch.where(advantages < 0, negative, zero))
+
+
+def _output(
+    tokens: _Tokens, per_token_loss: torch.Tensor, batch: PolicyBatch, cfg: PolicyLossConfig,
+    c_low: float, c_high: float, dual_clip: float | None, bounds: ClipBounds | None = None,
+) -> LossOutput:
+    """Sum the loss and gather every metric of the spec for one set of (c_low, c_high)."""
+    w = tokens.weight
+    weighted = torch.where(tokens.counted, w * tokens.is_weight * per_token_loss, 0.0)
+    count = w.sum()
+    out = LossOutput(loss_sum=weighted.sum(), token_count=count.detach())
+    r, a = tokens.ratio.detach(), tokens.advantages
+    out.add_mean("loss/pg", weighted.detach().sum(), count)
+    out.add_mean("policy/ratio_mean", (w * r).sum(), count)
+    out.add_max("policy/ratio_max", torch.where(tokens.counted, r, 0.0).max() if r.numel() else r.new_zeros(()))
+    out.add_mean("bapo/clipfrac_low", (w * ((a < 0) & (r < c_low))).sum(), count)
+    out.add_mean("bapo/clipfrac_high", (w * ((a > 0) & (r > c_high))).sum(), count)
+    if batch.entropy is not None:
+        out.add_mean("policy/entropy", torch.where(tokens.counted, w * batch.entropy.detach(), 0.0).sum(), count)
+    if batch.first_update:
+        diff = torch.where(tokens.counted, (tokens.logprobs.detach() - batch.old_logprobs).abs(), 0.0)
+        out.add_mean("rollout/logprob_mismatch", (w * diff).sum(), count)
+    if cfg.tis_cap is not None:
+        out.add_mean("policy/tis_weight_mean", (w * tokens.is_weight).sum(), count)
+    if bounds is None:
+        # Fixed bounds: report the positive share there, reduced as sum(P) / sum(P + N).
+        grid = (torch.tensor([c_low], dtype=torch.float64, device=r.device),
+                torch.tensor([c_high], dtype=torch.float64, device=r.device))
+        p, n, _ = contribution_sums(r, a, w * tokens.is_weight, *grid, cfg.bapo.contribution, dual_clip)
+        out.add_mean("bapo/rho", p.sum(), (p + n).sum())
+        bounds_metrics = {"bapo/clip_low": c_low, "bapo/clip_high": c_high, "bapo/search_steps": 0.0}
+    else:
+        bounds_metrics = bounds.metrics()
+    for name, value in bounds_metrics.items():
+        out.add_mean(name, torch.tensor(value, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The losses.
+
+
+def bapo_loss(
+    batch: PolicyBatch, cfg: PolicyLossConfig, bounds: ClipBounds | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> LossOutput:
+    """BAPO: the clipped surrogate at adaptively chosen bounds.
+
+    bounds: the step's bounds (bound_scope "step", searched by the caller over the whole step);
+    None: search here over these tokens, summed over `group` (bound_scope "microbatch").
+    """
+    t = _prepare(batch, cfg)
+    if bounds is None:
+        bounds = search_clip_bounds(t.ratio.detach(), t.advantages, t.weight * t.is_weight, cfg.bapo, group)
+    loss = clipped_surrogate_loss(t.ratio, t.advantages, bounds.c_low, bounds.c_high, cfg.bapo.dual_clip)
+    return _output(t, loss, batch, cfg, bounds.c_low, bounds.c_high, cfg.bapo.dual_clip, bounds)
+
+
+def _fixed_clip(c_low: float, c_high: float, dual: float | None, batch: PolicyBatch, cfg: PolicyLossConfig):
+    t = _prepare(batch, cfg)
+    loss = clipped_surrogate_loss(t.ratio, t.advantages, c_low, c_high, dual)
+    return _output(t, loss, batch, cfg, c_low, c_high, dual)
+
+
+def ppo_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=None) -> LossOutput:
+    """PPO: fixed bounds (1 - eps, 1 + eps)."""
+    return _fixed_clip(1.0 - cfg.ppo_eps, 1.0 + cfg.ppo_eps, None, batch, cfg)
+
+
+def clip_higher_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=None) -> LossOutput:
+    """DAPO's clip-higher: fixed asymmetric bounds (0.8, 1.28)."""
+    return _fixed_clip(cfg.clip_higher_low, cfg.clip_higher_high, None, batch, cfg)
+
+
+def dual_clip_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=None) -> LossOutput:
+    """PPO plus the dual clip: the loss of A < 0 tokens is capped at -c * A."""
+    return _fixed_clip(1.0 - cfg.ppo_eps, 1.0 + cfg.ppo_eps, cfg.dual_clip_c, batch, cfg)
+
+
+def _segment_mean(values: torch.Tensor, weight: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """Per-token weighted mean of `values` over the token's segment (rows when segment_ids is None)."""
+    if segment_ids is None:
+        if values.dim() != 2:
+            raise ValueError(f"gspo needs a [batch, seq] layout or segment_ids; got shape {tuple(values.shape)}")
+        segment_ids = torch.arange(values.shape[0], device=values.device).unsqueeze(1).expand_as(values)
+    _, inverse = torch.unique(segment_ids.reshape(-1), return_inverse=True)
+    sums = values.new_zeros(int(inverse.max()) + 1 if inverse.numel() else 0)
+    counts = torch.zeros_like(sums)
+    sums = sums.index_add(0, inverse, (weight * values).reshape(-1))
+    counts = counts.index_add(0, inverse, weight.reshape(-1))
+    means = sums / counts.clamp(min=torch.finfo(counts.dtype).tiny)
+    return means[inverse].reshape(values.shape)
+
+
+def gspo_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=None) -> LossOutput:
+    """GSPO: every token of a response takes the sequence ratio exp(mean_t log r_t), clipped tightly.
+
+    Under the global token mean each token carries gradient s_i * A_i * grad log pi_t, the
+    same as GSPO's sequence objective weighted by response length.
+    """
+    t = _prepare(batch, cfg)
+    seq_log_ratio = _segment_mean(t.log_ratio, t.weight, batch.segment_ids)
+    t.ratio = torch.exp(torch.clamp(seq_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    c_low, c_high = 1.0 - cfg.gspo_eps_low, 1.0 + cfg.gspo_eps_high
+    loss = clipped_surrogate_loss(t.ratio, t.advantages, c_low, c_high)
+    return _output(t, loss, batch, cfg, c_low, c_high, None)
+
+
+def cispo_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=None) -> LossOutput:
+    """CISPO: -sg(clip(r, 0, 1 + eps_high)) * A * log pi; every token keeps its gradient."""
+    t = _prepare(batch, cfg)
+    c_high = 1.0 + cfg.cispo_eps_high
+    is_ratio = torch.clamp(t.ratio, max=c_high).detach()
+    loss = -is_ratio * t.advantages * t.logprobs
+    return _output(t, loss, batch, cfg, 0.0, c_high, None)
+
+
+PolicyLossFn = Callable[..., LossOutput]
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "bapo": bapo_loss,
+    "ppo": ppo_loss,
+    "clip_higher": clip_higher_loss,
+    "dual_clip": dual_clip_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+}
+
+
+def policy_loss(
+    batch: PolicyBatch, cfg: PolicyLossConfig, bounds: ClipBounds | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> LossOutput:
+    """The configured loss; `bounds` and `group` matter to bapo only."""
+    return POLICY_LOSSES[cfg.loss](batch, cfg, bounds=bounds, group=group)

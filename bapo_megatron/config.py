@@ -1,0 +1,409 @@
+"""Typed configuration of a whole job: YAML file plus dotted overrides (`algo.bapo.target_rho=0.4`).
+
+    cfg = load_config("examples/tiny_cpu.yaml", ["parallel.tensor=2", "algo.loss=ppo"])
+
+Every section is a keyword-only dataclass that validates itself; an unknown key is rejected
+with the closest valid name, and an invalid value raises ConfigError (a ValueError) naming
+the dotted field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from bapo_megatron.algo.advantages import AdvantageConfig
+from bapo_megatron.algo.bapo import PRESETS as BAPO_PRESETS
+from bapo_megatron.algo.bapo import BAPOConfig
+from bapo_megatron.algo.losses import PolicyLossConfig
+from bapo_megatron.errors import UNKNOWN_KEY, ConfigError, check
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig(PolicyLossConfig):
+    """The RL algorithm: the policy loss and its parameters (BAPO or a baseline), advantages."""
+
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    updates_per_batch: int = 1
+    """Optimizer steps taken on one rollout batch (the batch is split into this many mini-batches)."""
+    kl_coef: float = 0.0
+    """Weight of a k3 KL penalty to the reference policy (0: no reference model is kept)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.updates_per_batch >= 1, "updates_per_batch", self.updates_per_batch, "must be >= 1")
+        check(self.kl_coef >= 0.0, "kl_coef", self.kl_coef, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The policy network: a Hugging Face checkpoint or config, and how Megatron builds it."""
+
+    hf_path: str | None = None
+    """Directory with config.json (and weights, tokenizer); None: the built-in tiny CPU model."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """"transformer_engine" on GPU (needed for fp8); "local" on CPU and in tests."""
+    precision: Literal["fp32", "bf16", "fp8"] = "fp32"
+    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = "delayed"
+    fp8_bf16_first_last_layers: bool = True
+    """Keep the first and last transformer layers in bf16 under fp8."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this times the tensor-parallel size."""
+
+    def __post_init__(self) -> None:
+        check(self.make_vocab_size_divisible_by >= 1, "make_vocab_size_divisible_by",
+              self.make_vocab_size_divisible_by, "must be >= 1")
+        if self.precision == "fp8":
+            check(self.transformer_impl == "transformer_engine", "precision", self.precision,
+                  "fp8 needs transformer_impl='transformer_engine'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Megatron parallel layout; the data-parallel size is what remains of the world size."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    virtual_pipeline: int | None = None
+    """Interleaved pipeline: model chunks per pipeline rank (None: not interleaved)."""
+    sequence_parallel: bool = False
+    max_tokens_per_microbatch: int = 4096
+    """Micro-batches are filled by token count (length-sorted), up to this many tokens each."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline", "context", "max_tokens_per_microbatch"):
+            check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        if self.virtual_pipeline is not None:
+            check(self.virtual_pipeline >= 2 and self.pipeline >= 2, "virtual_pipeline", self.virtual_pipeline,
+                  "needs pipeline >= 2 and at least 2 chunks per rank")
+        if self.sequence_parallel:
+            check(self.tensor >= 2, "sequence_parallel", self.sequence_parallel, "needs tensor >= 2")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size for `world_size` processes; ConfigError if they do not divide."""
+        model = self.tensor * self.pipeline * self.context
+        check(world_size % model == 0, "parallel", f"tensor*pipeline*context={model}",
+              f"does not divide the world size {world_size}")
+        return world_size // model
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Adam with warmup and cosine decay, gradient clipping."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "lr", self.lr, "must be > 0")
+        check(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"must lie in [0, lr={self.lr}]")
+        check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            check(0 <= getattr(self, name) < 1, name, getattr(self, name), "must lie in [0, 1)")
+        check(self.adam_eps > 0, "adam_eps", self.adam_eps, "must be > 0")
+        check(self.clip_grad >= 0, "clip_grad", self.clip_grad, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Generation: the engine, sampling, and partial rollout."""
+
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """"embedded": the CPU engine of this package; "sglang": SGLang servers."""
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    partial: bool = False
+    """Cut responses at a per-step token budget and continue them later under newer weights."""
+    token_budget: int | None = None
+    """Partial rollout: new tokens per response per step (None: max_new_tokens, no cutting)."""
+    max_staleness: int = 4
+    """Drop and regenerate a sample whose oldest token is more than this many versions behind."""
+    mask_stale_prefix: bool = False
+    """Partial rollout: leave tokens sampled by older policy versions out of the loss."""
+    oversample: float = 1.0
+    """Generate this many times the prompts needed, so slow groups do not stall a step."""
+    host: str = "127.0.0.1"
+    """Interface the engines listen on; anything beyond loopback requires an admin key."""
+    servers: int = 1
+    """Engine servers (one per inference data-parallel replica)."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size of each SGLang server."""
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "servers", "tensor_parallel"):
+            check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        check(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+        check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
+        check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+        if self.token_budget is not None:
+            check(self.partial, "token_budget", self.token_budget, "only applies with partial=true")
+            check(1 <= self.token_budget <= self.max_new_tokens, "token_budget", self.token_budget,
+                  f"must lie in [1, max_new_tokens={self.max_new_tokens}]")
+        check(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+        check(self.oversample >= 1.0, "oversample", self.oversample, "must be >= 1")
+        check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompts: a jsonl or parquet file and which fields hold what; None: the synthetic task."""
+
+    path: str | None = None
+    format: Literal["jsonl", "parquet"] = "jsonl"
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Where metrics go: one logger, several backends."""
+
+    backends: tuple[Literal["console", "jsonl", "wandb"], ...] = ("console",)
+    jsonl_path: str | None = None
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        check(self.interval >= 1, "interval", self.interval, "must be >= 1")
+        if "jsonl" in self.backends:
+            check(self.jsonl_path is not None, "jsonl_path", self.jsonl_path, "the jsonl backend needs a path")
+        if "wandb" in self.backends:
+            check(self.wandb_project is not None, "wandb_project", self.wandb_project,
+                  "the wandb backend needs a project")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Megatron dist checkpoints: where, how often, how many to keep, whether to resume."""
+
+    dir: str | None = None
+    interval: int = 0
+    """Save every this many steps (0: only at the end, when dir is set)."""
+    keep_last: int = 2
+    resume: bool = True
+    """Continue from dir's latest checkpoint when there is one."""
+
+    def __post_init__(self) -> None:
+        check(self.interval >= 0, "interval", self.interval, "must be >= 0")
+        check(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """A whole BAPO job."""
+
+    name: str = "bapo"
+    steps: int = 20
+    """Rollout-and-train iterations."""
+    seed: int = 1234
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        check(self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt", self.rollout.samples_per_prompt,
+              "group-relative advantages need at least 2 samples per prompt")
+        samples = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        check(samples % self.algo.updates_per_batch == 0, "algo.updates_per_batch", self.algo.updates_per_batch,
+              f"must divide the {samples} samples of a step (prompts_per_step * samples_per_prompt)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Building dataclasses from plain data, with the field path in every error.
+
+SECTION_PRESETS: dict[type, dict[str, Any]] = {BAPOConfig: BAPO_PRESETS}
+"""Sections that accept a `preset: NAME` key whose fields the other keys override."""
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(valid))}"
+    return ConfigError(f"{path}.{key}" if path else key, UNKNOWN_KEY, hint)
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """`value` as type `hint`, or ConfigError naming `path`."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(value, option, path)
+            except ConfigError as err:
+                errors.append(err.reason)
+        raise ConfigError(path, value, " or ".join(errors))
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint_text = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(path, value, f"must be one of {list(args)}{hint_text}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        item = args[0] if args else Any
+        return tuple(_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value))
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, value, "must be true or false")
+        return value
+    if hint in (int, float) and isinstance(value, str):
+        value = _number_from_text(value, hint, path)  # YAML 1.1 reads 1e-6 as text
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, value, "must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, value, "must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, value, "must be a string")
+        return value
+    raise TypeError(f"config field {path} has a type the loader does not handle: {hint!r}")
+
+
+def _number_from_text(text: str, hint: type, path: str) -> Any:
+    try:
+        number = float(text)
+    except ValueError:
+        return text  # reported below as not a number
+    if hint is int:
+        return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else text
+    return number
+
+
+def build(cls: type, data: Any, path: str = "") -> Any:
+    """An instance of dataclass `cls` from a mapping, validated, errors naming dotted fields."""
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path or cls.__name__, data, f"must be a mapping of {cls.__name__} fields")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    data = dict(data)
+    base: dict[str, Any] = {}
+    presets = SECTION_PRESETS.get(cls)
+    if presets is not None and "preset" in data:
+        preset = data.pop("preset")
+        if preset not in presets:
+            raise ConfigError(f"{path}.preset" if path else "preset", preset, f"must be one of {sorted(presets)}")
+        base = {name: getattr(presets[preset], name) for name in names}
+    kwargs = dict(base)
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown_key(path, key, names + (["preset"] if presets else []))
+        kwargs[key] = _coerce(value, hints[key], f"{path}.{key}" if path else key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.within(path) from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain data (dicts, lists, scalars) of a config, loadable again by `build`."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
+    """Set data[a][b][c] = value for 'a.b.c', checking each name against the dataclass fields."""
+    keys = dotted.split(".")
+    node, node_cls, path = data, cls, ""
+    for i, key in enumerate(keys):
+        names = [f.name for f in dataclasses.fields(node_cls)]
+        allowed = names + (["preset"] if node_cls in SECTION_PRESETS else [])
+        if key not in allowed:
+            raise _unknown_key(path, key, allowed)
+        path = f"{path}.{key}" if path else key
+        if i == len(keys) - 1:
+            node[key] = value
+            return
+        hint = _hints(node_cls).get(key)
+        if not (hint and dataclasses.is_dataclass(hint)):
+            raise ConfigError(path, value, f"is not a section; cannot set {dotted!r}")
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(path, child, "must be a mapping")
+        node, node_cls = child, hint
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'a.b=value' -> ('a.b', value), the value read as YAML (0.4, true, null, [1, 2], text)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError("override", text, "must look like section.field=value")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """A JobConfig from an optional YAML file and dotted overrides applied on top."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("config", str(path), "no such file")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("config", str(path), "the YAML file must hold a mapping at its top level")
+        data = loaded or {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value, JobConfig)
+    return build(JobConfig, data)
+
+
+def dump_config(config: JobConfig) -> str:
+    """The resolved config as YAML (saved beside checkpoints and in logs)."""
+    return yaml.safe_dump(to_dict(config), sort_keys=False)

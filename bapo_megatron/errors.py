@@ -1,0 +1,34 @@
+"""Errors a user can cause, each naming the offending field or value."""
+
+from __future__ import annotations
+
+
+UNKNOWN_KEY = object()
+"""The `value` of a ConfigError about a key that no section defines."""
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; `field` is its dotted name."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        if value is UNKNOWN_KEY:
+            super().__init__(f"{field}: unknown key; {reason}")
+        else:
+            super().__init__(f"{field}={value!r}: {reason}")
+
+    def within(self, prefix: str) -> ConfigError:
+        """The same error with its field named from an enclosing section."""
+        return ConfigError(f"{prefix}.{self.field}" if prefix else self.field, self.value, self.reason)
+
+
+class NonFiniteInputError(ValueError):
+    """Non-finite values where a finite number is required (a step to skip, not a config bug)."""
+
+
+def check(ok: bool, field: str, value: object, reason: str) -> None:
+    """Raise ConfigError(field, value, reason) unless `ok`."""
+    if not ok:
+        raise ConfigError(field, value, reason)
