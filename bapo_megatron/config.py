@@ -370,7 +370,7 @@ def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
             return
         hint = _hints(node_cls).get(key)
         if not (hint and dataclasses.is_dataclass(hint)):
-            raise ConfigError(path, value, f"is not a section; cannot set {dotted!r}")
+            raise ConfigError(dotted, value, f"{path!r} is a value, not a section")
         child = node.get(key)
         if child is None:
             child = node[key] = {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 UNKNOWN_KEY = object()
 """The `value` of a ConfigError about a key that no section defines."""
 

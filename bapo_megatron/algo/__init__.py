@@ -15,7 +15,21 @@ from bapo_megatron.algo.losses import POLICY_LOSSES, PolicyBatch, PolicyLossConf
 from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
 
 __all__ = [
-    "PRESETS", "POLICY_LOSSES", "AdvantageConfig", "BAPOConfig", "BoundSearch", "ClipBounds", "LossOutput",
-    "PolicyBatch", "PolicyLossConfig", "bapo_preset", "group_advantages", "policy_loss", "reduce_metrics",
-    "search_clip_bounds", "search_clip_bounds_reference", "search_path", "token_advantages",
+    "POLICY_LOSSES",
+    "PRESETS",
+    "AdvantageConfig",
+    "BAPOConfig",
+    "BoundSearch",
+    "ClipBounds",
+    "LossOutput",
+    "PolicyBatch",
+    "PolicyLossConfig",
+    "bapo_preset",
+    "group_advantages",
+    "policy_loss",
+    "reduce_metrics",
+    "search_clip_bounds",
+    "search_clip_bounds_reference",
+    "search_path",
+    "token_advantages",
 ]

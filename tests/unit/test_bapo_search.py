@@ -122,7 +122,8 @@ def test_extreme_ratios_and_garbage_at_masked_positions(contribution, order):
         adv = torch.randn(n, generator=g, dtype=torch.float64)
         mask = (torch.rand(n, generator=g) < 0.7).double()
         hidden = mask == 0
-        ratio[hidden] = torch.tensor([math.nan, math.inf, -math.inf, -1.0], dtype=torch.float64).repeat(n)[: int(hidden.sum())]
+        garbage = torch.tensor([math.nan, math.inf, -math.inf, -1.0], dtype=torch.float64).repeat(n)
+        ratio[hidden] = garbage[: int(hidden.sum())]
         adv[hidden.nonzero()[::2]] = math.nan
         _assert_same(cfg, ratio, adv, mask)
 
@@ -200,7 +201,7 @@ def test_bad_configs_name_the_field():
         with pytest.raises(ConfigError, match=field) as err:
             BAPOConfig(**kwargs)
         assert repr(next(iter(kwargs.values())))[:3] in str(err.value)
-    with pytest.raises(ConfigError, match="target_rho=-0.1"):
+    with pytest.raises(ConfigError, match=r"target_rho=-0\.1"):
         BAPOConfig(target_rho=-0.1)
     with pytest.raises(ConfigError, match="preset"):
         bapo_preset("nope")

@@ -1,0 +1,85 @@
+"""Job config: YAML plus dotted overrides, unknown keys and bad values named precisely."""
+
+import pytest
+
+from bapo_megatron.algo.bapo import PRESETS
+from bapo_megatron.config import JobConfig, build, dump_config, load_config, parse_override
+from bapo_megatron.errors import ConfigError
+
+
+def test_defaults_are_the_spec_defaults():
+    cfg = load_config()
+    assert cfg.algo.loss == "bapo"
+    assert cfg.algo.bapo == PRESETS["seed"]
+    assert (cfg.algo.bapo.low_start, cfg.algo.bapo.high_max, cfg.algo.bapo.target_rho) == (0.6, 3.0, 0.5)
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("steps: 5\nalgo:\n  bapo:\n    preset: paper\n    dual_clip: 3\noptimizer:\n  lr: 1e-5\n")
+    cfg = load_config(path, ["algo.bapo.target_rho=0.45", "parallel.tensor=2", "logging.backends=[console]"])
+    assert cfg.steps == 5 and cfg.optimizer.lr == 1e-5
+    assert cfg.algo.bapo.target_rho == 0.45 and cfg.algo.bapo.dual_clip == 3.0
+    assert cfg.parallel.tensor == 2 and cfg.logging.backends == ("console",)
+    # Preset first, explicit keys on top, whatever their order.
+    cfg = load_config(None, ["algo.bapo.low_step=0.01", "algo.bapo.preset=verl_example"])
+    assert cfg.algo.bapo.low_step == 0.01 and cfg.algo.bapo.search_order == "lower_first"
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(None, ["algo.loss=gspo", "rollout.partial=true", "rollout.token_budget=16"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algo.bapo.traget_rho=0.4", "algo.bapo.traget_rho: unknown key; did you mean 'target_rho'?"),
+        ("algo.bapoo.target_rho=0.4", "algo.bapoo: unknown key; did you mean 'bapo'?"),
+        ("algo.bapo.target_rho=1.5", "algo.bapo.target_rho=1.5: must lie in (0, 1)"),
+        ("algo.bapo.low_start=0.95", "algo.bapo.low_start=0.95: must not exceed low_max=0.9"),
+        ("algo.bapo.high_step=0", "algo.bapo.high_step=0.0: must be a positive finite number"),
+        ("algo.loss=ppo_", "algo.loss='ppo_': must be one of"),
+        ("parallel.tensor=two", "parallel.tensor='two': must be an integer"),
+        ("parallel.tensor=1.5", "parallel.tensor=1.5: must be an integer"),
+        ("rollout.partial=maybe", "rollout.partial='maybe': must be true or false"),
+        ("model.precision=fp8", "model.precision='fp8': fp8 needs transformer_impl='transformer_engine'"),
+        ("rollout.token_budget=8", "rollout.token_budget=8: only applies with partial=true"),
+        ("steps.x=1", "steps.x=1: 'steps' is a value, not a section"),
+        ("algo.bapo.preset=fast", "algo.bapo.preset='fast': must be one of"),
+        ("logging.backends=[console, jsonl]", "logging.jsonl_path=None: the jsonl backend needs a path"),
+        ("algo.updates_per_batch=3", "algo.updates_per_batch=3: must divide the 32 samples"),
+        ("noequals", "override='noequals'"),
+    ],
+)
+def test_bad_values_name_field_and_value(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "typo.yaml").write_text("rollout:\n  temprature: 0.7\n")
+    with pytest.raises(ConfigError, match=r"rollout\.temprature: unknown key; did you mean 'temperature'"):
+        load_config(tmp_path / "typo.yaml")
+
+
+def test_parallel_sizes_against_world():
+    cfg = build(JobConfig, {"parallel": {"tensor": 2, "pipeline": 2}}).parallel
+    assert cfg.data_parallel_size(8) == 2
+    with pytest.raises(ConfigError, match="does not divide the world size 6"):
+        cfg.data_parallel_size(6)
+
+
+def test_parse_override_reads_yaml_scalars():
+    assert parse_override("a.b=0.4") == ("a.b", 0.4)
+    assert parse_override("a=null") == ("a", None)
+    assert parse_override("a=[1, 2]") == ("a", [1, 2])
+    assert parse_override("a=text") == ("a", "text")

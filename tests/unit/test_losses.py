@@ -1,0 +1,223 @@
+"""Every policy loss and its gradient equal the formula written out token by token in float64."""
+
+import math
+
+import pytest
+import torch
+
+from bapo_megatron.algo.bapo import BAPOConfig, ClipBounds, search_clip_bounds_reference
+from bapo_megatron.algo.losses import (
+    POLICY_LOSSES,
+    PolicyBatch,
+    PolicyLossConfig,
+    clipped_surrogate_loss,
+    policy_loss,
+)
+from bapo_megatron.algo.metrics import reduce_metrics
+
+B, S = 4, 9
+
+
+def _batch(seed: int, tis: bool = False, wide: bool = True) -> PolicyBatch:
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, S, generator=g, dtype=torch.float64) * 3
+    spread = 1.0 if wide else 0.1
+    logprobs = (old + torch.randn(B, S, generator=g, dtype=torch.float64) * spread).clamp(max=0.0)
+    adv = torch.randn(B, generator=g, dtype=torch.float64).unsqueeze(1).expand(B, S).clone()
+    adv[0] = 0.0
+    mask = torch.ones(B, S, dtype=torch.float64)
+    mask[:, :2] = 0  # prompt
+    mask[1, 6:] = 0  # padding
+    old[mask == 0] = math.nan  # the engine reports nothing there
+    prox = old + torch.randn(B, S, generator=g, dtype=torch.float64) * 0.3 if tis else None
+    entropy = torch.rand(B, S, generator=g, dtype=torch.float64)
+    return PolicyBatch(logprobs=logprobs.requires_grad_(), old_logprobs=old, advantages=adv, mask=mask,
+                       prox_logprobs=prox, entropy=entropy)
+
+
+def _tis(batch: PolicyBatch, cfg: PolicyLossConfig, i: int, j: int) -> float:
+    if cfg.tis_cap is None:
+        return 1.0
+    return min(math.exp(float(batch.prox_logprobs[i, j] - batch.old_logprobs[i, j])), cfg.tis_cap)
+
+
+def _surrogate(r, a: float, c_low: float, c_high: float, dual: float | None):
+    """-v_t written out with Python branches."""
+    if a > 0:
+        return -a * (r if r < c_high else c_high)
+    if a < 0:
+        loss = -a * (r if r > c_low else c_low)
+        if dual is not None and loss > -dual * a:
+            loss = -dual * a
+        return loss
+    return 0.0 * r
+
+
+def _longhand(batch: PolicyBatch, cfg: PolicyLossConfig, bounds: ClipBounds | None):
+    """The step's token-mean loss, one token at a time, gradient through autograd."""
+    lp = batch.logprobs
+    total, count = 0.0, 0.0
+    seq_ratio = {}
+    if cfg.loss == "gspo":
+        for i in range(B):
+            terms = [lp[i, j] - batch.old_logprobs[i, j] for j in range(S) if batch.mask[i, j]]
+            mean = sum(terms) / len(terms)
+            seq_ratio[i] = torch.exp(torch.clamp(mean, -20, 20))
+    for i in range(B):
+        for j in range(S):
+            if not batch.mask[i, j]:
+                continue
+            a = float(batch.advantages[i, j])
+            r = torch.exp(torch.clamp(lp[i, j] - batch.old_logprobs[i, j], -20, 20))
+            if cfg.loss == "bapo":
+                loss = _surrogate(r, a, bounds.c_low, bounds.c_high, cfg.bapo.dual_clip)
+            elif cfg.loss == "ppo":
+                loss = _surrogate(r, a, 1 - cfg.ppo_eps, 1 + cfg.ppo_eps, None)
+            elif cfg.loss == "clip_higher":
+                loss = _surrogate(r, a, cfg.clip_higher_low, cfg.clip_higher_high, None)
+            elif cfg.loss == "dual_clip":
+                loss = _surrogate(r, a, 1 - cfg.ppo_eps, 1 + cfg.ppo_eps, cfg.dual_clip_c)
+            elif cfg.loss == "gspo":
+                loss = _surrogate(seq_ratio[i], a, 1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high, None)
+            else:  # cispo
+                weight = min(float(r.detach()), 1 + cfg.cispo_eps_high)
+                loss = -weight * a * lp[i, j]
+            total = total + _tis(batch, cfg, i, j) * loss
+            count += 1
+    return total / count
+
+
+def _bapo_bounds(batch: PolicyBatch, cfg: PolicyLossConfig) -> ClipBounds:
+    counted = batch.mask != 0
+    log_ratio = torch.where(counted, batch.logprobs.detach() - batch.old_logprobs, 0.0).clamp(-20, 20)
+    weight = batch.mask.clone()
+    if cfg.tis_cap is not None:
+        weight = weight * torch.where(counted, (batch.prox_logprobs - batch.old_logprobs).exp(), 0).clamp(
+            max=cfg.tis_cap)
+    return search_clip_bounds_reference(log_ratio.exp(), batch.advantages, weight, cfg.bapo)
+
+
+CONFIGS = [
+    PolicyLossConfig(loss=name, tis_cap=tis, bapo=BAPOConfig(target_rho=0.5, dual_clip=dual))
+    for name in POLICY_LOSSES
+    for tis in (None, 2.0)
+    for dual in ((None, 2.5) if name == "bapo" else (None,))
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss}-tis{c.tis_cap}-dual{c.bapo.dual_clip}")
+@pytest.mark.parametrize("seed", range(4))
+def test_loss_and_gradient_equal_longhand_formula(cfg, seed):
+    _check_against_longhand(_batch(seed, tis=cfg.tis_cap is not None, wide=seed % 2 == 0), cfg)
+
+
+@pytest.mark.parametrize("dual", [None, 2.5])
+def test_bapo_stopping_mid_path_equals_longhand(dual):
+    batch = _batch(0)
+    cfg = PolicyLossConfig(loss="bapo", bapo=BAPOConfig(target_rho=0.37, dual_clip=dual))
+    bounds = _check_against_longhand(batch, cfg)
+    assert 0 < bounds.steps < 51 and bounds.c_high > 1.2
+
+
+def _check_against_longhand(batch: PolicyBatch, cfg: PolicyLossConfig) -> ClipBounds | None:
+    out = policy_loss(batch, cfg)
+    loss = out.loss_sum / out.token_count
+    (grad,) = torch.autograd.grad(loss, batch.logprobs)
+
+    expected_bounds = _bapo_bounds(batch, cfg) if cfg.loss == "bapo" else None
+    expected = _longhand(batch, cfg, expected_bounds)
+    (expected_grad,) = torch.autograd.grad(expected, batch.logprobs)
+
+    assert out.token_count.item() == batch.mask.sum().item()
+    torch.testing.assert_close(loss, expected.to(loss.dtype), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(grad).all()  # NaN at masked positions never leaks
+    assert grad[batch.mask == 0].abs().sum() == 0
+    return expected_bounds
+
+
+def test_bapo_with_given_bounds_uses_them():
+    batch = _batch(0)
+    cfg = PolicyLossConfig(loss="bapo")
+    bounds = ClipBounds(c_low=0.7, c_high=2.0, rho=0.5, rho_start=0.3, steps=16)
+    out = policy_loss(batch, cfg, bounds=bounds)
+    expected = _longhand(batch, cfg, bounds)
+    torch.testing.assert_close(out.loss_sum / out.token_count, expected)
+    metrics = reduce_metrics([out])
+    assert metrics["bapo/clip_low"] == 0.7 and metrics["bapo/clip_high"] == 2.0
+    assert metrics["bapo/search_steps"] == 16 and metrics["bapo/rho_start"] == 0.3
+
+
+def test_metrics_have_the_spec_names_and_values():
+    batch = _batch(2)
+    out = policy_loss(batch, PolicyLossConfig(loss="ppo"))
+    m = reduce_metrics([out])
+    spec = {"bapo/clip_low", "bapo/clip_high", "bapo/rho", "bapo/search_steps", "bapo/clipfrac_low",
+            "bapo/clipfrac_high", "policy/entropy", "policy/ratio_mean", "policy/ratio_max",
+            "rollout/logprob_mismatch", "loss/pg"}
+    assert spec <= set(m)
+    counted = batch.mask != 0
+    ratio = (batch.logprobs.detach() - batch.old_logprobs).exp()[counted]
+    adv = batch.advantages[counted]
+    assert m["policy/ratio_mean"] == pytest.approx(ratio.mean().item())
+    assert m["policy/ratio_max"] == pytest.approx(ratio.max().item())
+    assert m["policy/entropy"] == pytest.approx(batch.entropy[counted].mean().item())
+    assert m["bapo/clipfrac_high"] == pytest.approx(((adv > 0) & (ratio > 1.2)).double().mean().item())
+    assert m["bapo/clipfrac_low"] == pytest.approx(((adv < 0) & (ratio < 0.8)).double().mean().item())
+    assert m["rollout/logprob_mismatch"] == pytest.approx(ratio.log().abs().mean().item())
+    assert m["loss/pg"] == pytest.approx((out.loss_sum / out.token_count).item())
+    pos = torch.where(adv > 0, adv * ratio.clamp(max=1.2), 0).sum()
+    neg = torch.where(adv < 0, -adv * ratio.clamp(min=0.8), 0).sum()
+    assert m["bapo/rho"] == pytest.approx((pos / (pos + neg)).item())
+
+
+def test_metrics_reduce_as_a_global_mean_over_microbatches():
+    """Splitting a batch in micro-batches changes no metric and no summed loss."""
+    batch = _batch(1)
+    cfg = PolicyLossConfig(loss="clip_higher")
+    whole = policy_loss(batch, cfg)
+    parts = [policy_loss(PolicyBatch(**{k: (v[rows] if isinstance(v, torch.Tensor) else v)
+                                        for k, v in batch.__dict__.items()}), cfg)
+             for rows in (slice(0, 1), slice(1, 4))]
+    assert sum(p.loss_sum for p in parts).item() == pytest.approx(whole.loss_sum.item())
+    split, single = reduce_metrics(parts), reduce_metrics([whole])
+    assert split.keys() == single.keys()
+    for name in single:
+        assert split[name] == pytest.approx(single[name], rel=1e-9, abs=1e-12), name
+
+
+def test_clipped_surrogate_is_min_of_clipped_and_unclipped():
+    g = torch.Generator().manual_seed(0)
+    r = torch.exp(torch.randn(1000, generator=g, dtype=torch.float64))
+    a = torch.randn(1000, generator=g, dtype=torch.float64)
+    a[::7] = 0
+    v = -clipped_surrogate_loss(r, a, 0.7, 1.4)
+    torch.testing.assert_close(v, torch.minimum(r * a, r.clamp(0.7, 1.4) * a))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match=r"old_logprobs has shape \(2, 3\)"):
+        PolicyBatch(logprobs=torch.zeros(2, 4), old_logprobs=torch.zeros(2, 3), advantages=torch.zeros(2, 4),
+                    mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="prox_logprobs"):
+        policy_loss(_batch(0), PolicyLossConfig(loss="ppo", tis_cap=2.0))
+    with pytest.raises(ValueError, match="loss='ppo2'"):
+        PolicyLossConfig(loss="ppo2")
+    with pytest.raises(ValueError, match=r"tis_cap=0\.5"):
+        PolicyLossConfig(tis_cap=0.5)
+    batch = _batch(0)
+    flat = PolicyBatch(logprobs=batch.logprobs.reshape(-1), old_logprobs=batch.old_logprobs.reshape(-1),
+                       advantages=batch.advantages.reshape(-1), mask=batch.mask.reshape(-1))
+    with pytest.raises(ValueError, match="segment_ids"):
+        policy_loss(flat, PolicyLossConfig(loss="gspo"))
+
+
+def test_gspo_segment_ids_match_rows():
+    batch = _batch(3)
+    cfg = PolicyLossConfig(loss="gspo")
+    by_rows = policy_loss(batch, cfg)
+    segments = torch.arange(B).unsqueeze(1).expand(B, S).reshape(1, -1) * 10  # packed, ids need not be dense
+    packed = PolicyBatch(logprobs=batch.logprobs.reshape(1, -1), old_logprobs=batch.old_logprobs.reshape(1, -1),
+                         advantages=batch.advantages.reshape(1, -1), mask=batch.mask.reshape(1, -1),
+                         segment_ids=segments)
+    torch.testing.assert_close(policy_loss(packed, cfg).loss_sum, by_rows.loss_sum)
