@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -c constraints-cpu.txt -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)  ## The main job on the embedded CPU default
-	$(PY) -m bapo_megatron.demo
+demo: $(STAMP)  ## The main job on the embedded CPU default (for now: BAPO vs fixed clipping, synthetic)
+	$(PY) examples/clip_comparison.py
 
 test: $(STAMP)  ## Every test tier; GPU tests skip without CUDA (pytest exit 5, no tests, is not a failure)
 	$(VENV)/bin/ruff check .

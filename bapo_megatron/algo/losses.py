@@ -167,7 +167,8 @@ def _output(
         grid = (torch.tensor([c_low], dtype=torch.float64, device=r.device),
                 torch.tensor([c_high], dtype=torch.float64, device=r.device))
         p, n, _ = contribution_sums(r, a, w * tokens.is_weight, *grid, cfg.bapo.contribution, dual_clip)
-        out.add_mean("bapo/rho", p.sum(), (p + n).sum())
+        for name in ("bapo/rho", "bapo/rho_start"):  # no search: the start is the end
+            out.add_mean(name, p.sum(), (p + n).sum())
         bounds_metrics = {"bapo/clip_low": c_low, "bapo/clip_high": c_high, "bapo/search_steps": 0.0}
     else:
         bounds_metrics = bounds.metrics()

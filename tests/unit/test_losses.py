@@ -152,7 +152,7 @@ def test_metrics_have_the_spec_names_and_values():
     batch = _batch(2)
     out = policy_loss(batch, PolicyLossConfig(loss="ppo"))
     m = reduce_metrics([out])
-    spec = {"bapo/clip_low", "bapo/clip_high", "bapo/rho", "bapo/search_steps", "bapo/clipfrac_low",
+    spec = {"bapo/clip_low", "bapo/clip_high", "bapo/rho", "bapo/rho_start", "bapo/search_steps", "bapo/clipfrac_low",
             "bapo/clipfrac_high", "policy/entropy", "policy/ratio_mean", "policy/ratio_max",
             "rollout/logprob_mismatch", "loss/pg"}
     assert spec <= set(m)
