@@ -52,9 +52,10 @@ class ModelConfig:
     """"transformer_engine" on GPU (needed for fp8); "local" on CPU and in tests."""
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"
     fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
-    fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = "delayed"
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = "tensorwise"
+    """Scaling recipe: "tensorwise" (current scaling, Hopper), "delayed" (amax history), "blockwise"."""
     fp8_bf16_first_last_layers: bool = True
-    """Keep the first and last transformer layers in bf16 under fp8."""
+    """Keep the first and last transformer layers in bf16 under fp8 (not with the delayed recipe)."""
     make_vocab_size_divisible_by: int = 128
     """The embedding is padded to a multiple of this times the tensor-parallel size."""
 
@@ -64,6 +65,9 @@ class ModelConfig:
         if self.precision == "fp8":
             check(self.transformer_impl == "transformer_engine", "precision", self.precision,
                   "fp8 needs transformer_impl='transformer_engine'")
+            check(not (self.fp8_recipe == "delayed" and self.fp8_bf16_first_last_layers), "fp8_recipe",
+                  self.fp8_recipe, "delayed scaling cannot keep the first/last layers in bf16; "
+                  "set fp8_bf16_first_last_layers=false or use 'tensorwise'")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,1 @@
+"""Megatron-Core side: model build, vocab-parallel log-probs, the loss in the pipeline schedule."""

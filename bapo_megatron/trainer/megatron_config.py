@@ -1,0 +1,136 @@
+"""The one translation point to Megatron-Core: our configs -> TransformerConfig and GPTModel.
+
+Nothing else in the package names Megatron's config fields. Transformer Engine is imported
+only when transformer_impl is "transformer_engine".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, padded_vocab_size
+
+FP8_SEQUENCE_MULTIPLE = {"delayed": 16, "tensorwise": 16, "blockwise": 128}
+"""Token counts an fp8 GEMM needs per recipe (TE's alignment for its fp8 kernels)."""
+
+PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
+def check_precision_support(model: ModelConfig) -> None:
+    """ConfigError, before any process group starts, when this machine cannot run `model`'s precision."""
+    if model.transformer_impl == "transformer_engine" or model.precision == "fp8":
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except ImportError as err:
+            raise ConfigError("model.transformer_impl", model.transformer_impl,
+                              f"Transformer Engine is not importable here ({err}); install the [gpu] extra "
+                              "or use transformer_impl='local'") from None
+    if model.precision in ("bf16", "fp8") and not torch.cuda.is_available():
+        raise ConfigError("model.precision", model.precision, "needs a CUDA GPU; use 'fp32' on CPU")
+    if model.precision == "fp8":
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            raise ConfigError("model.precision", "fp8",
+                              f"needs a Hopper-class GPU (compute capability >= 8.9); found {major}.{minor}")
+
+
+def sequence_multiple(model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Every packed sequence length must be a multiple of this (fp8 recipe, sequence/context parallel)."""
+    multiple = 1
+    if model.precision == "fp8":
+        multiple = math.lcm(multiple, FP8_SEQUENCE_MULTIPLE[model.fp8_recipe])
+    if parallel.sequence_parallel:
+        multiple = math.lcm(multiple, parallel.tensor)
+    if parallel.context > 1:
+        multiple = math.lcm(multiple, 2 * parallel.context)
+    return multiple
+
+
+def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig):
+    """Megatron's TransformerConfig for `spec` under our model and parallel settings."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_layout(spec, parallel.tensor, parallel.pipeline, parallel.virtual_pipeline)
+    dtype = PARAMS_DTYPE[model.precision]
+    fp8 = {}
+    if model.precision == "fp8":
+        fp8 = {"fp8": model.fp8_format, "fp8_recipe": model.fp8_recipe,
+               "first_last_layers_bf16": model.fp8_bf16_first_last_layers}
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Parallel layout: set here too, or every stage builds every layer.
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        context_parallel_size=parallel.context,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # The loss returns (sum, token count): Megatron must not average per micro-batch.
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fusions need CUDA kernels; on CPU (local spec) they must all be off.
+        **_fusions(model.transformer_impl == "transformer_engine"),
+        **fp8,
+    )
+
+
+def _fusions(enabled: bool) -> dict:
+    return {name: enabled for name in ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+                                       "persist_layer_norm", "gradient_accumulation_fusion", "apply_rope_fusion")}
+
+
+def layer_spec(model: ModelConfig):
+    """The transformer layer spec: Transformer Engine modules on GPU, Megatron's local ones otherwise."""
+    if model.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(
+    spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
+    vp_stage: int | None = None,
+):
+    """One pipeline stage (or virtual chunk) of the policy as a Megatron GPTModel."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = transformer_config(spec, model, parallel)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model),
+        vocab_size=padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,  # logits stay vocab-parallel: log-probs never gather the vocabulary
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+        rope_scaling=spec.rope_scaling_factor is not None,
+        rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+        vp_stage=vp_stage,
+    )

@@ -1,0 +1,47 @@
+"""Canary: the CPU shim is pinned to one megatron-core; this fails loudly when upstream moves."""
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from bapo_megatron.trainer import cpu_shim
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for machines without CUDA")
+
+
+def test_megatron_core_version_is_the_one_the_shim_was_written_for():
+    assert cpu_shim.megatron_core_version() == cpu_shim.SUPPORTED_MEGATRON_CORE
+
+
+def test_patched_call_sites_still_exist_and_still_assume_cuda():
+    for module, names in cpu_shim.PATCHED_CALL_SITES.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            assert hasattr(mod, name), f"{module}.{name} is gone: re-check the CPU shim"
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    assert "torch.cuda.current_device()" in inspect.getsource(rotary_pos_embedding.RotaryEmbedding.get_emb)
+    assert "torch.cuda.synchronize()" in inspect.getsource(p2p_communication)
+    assert 'device="cuda"' in inspect.getsource(schedules)
+
+
+def test_shim_sends_cuda_placements_to_cpu_and_undoes_itself():
+    cpu_shim.activate_cpu_shim()
+    try:
+        assert cpu_shim.cpu_shim_active()
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(1).cuda().device.type == "cpu"
+        assert torch.ones(1).to(torch.cuda.current_device()).device.type == "cpu"
+        torch.cuda.synchronize()
+        state = torch.cuda.get_rng_state()
+        a = torch.rand(3)
+        torch.cuda.set_rng_state(state)
+        assert torch.equal(torch.rand(3), a)
+    finally:
+        cpu_shim.deactivate_cpu_shim()
+    assert not cpu_shim.cpu_shim_active()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")
