@@ -27,6 +27,7 @@ PATCHED_CALL_SITES: dict[str, tuple[str, ...]] = {
     "megatron.core.tensor_parallel.random": ("_get_cuda_rng_state", "_set_cuda_rng_state"),
     "megatron.core.pipeline_parallel.p2p_communication": ("torch",),
     "megatron.core.models.common.embeddings.rotary_pos_embedding": ("torch",),
+    "megatron.core.optimizer.optimizer": ("clip_grad_by_total_norm_fp32",),
 }
 
 _state: dict[str, object] = {}
@@ -75,6 +76,16 @@ def _cpu_rng_set(new_state: torch.Tensor, device=-1, graph_safe=False) -> None:
     torch.set_rng_state(new_state)
 
 
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
+    """Megatron's clip_grad_by_total_norm_fp32 (same coefficient, same in-place scaling) minus
+    its assertion that gradients are CUDA tensors."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_([g.detach() for g in grads], clip_coeff)
+
+
 def megatron_core_version() -> str:
     return importlib.metadata.version("megatron-core")
 
@@ -91,6 +102,7 @@ def activate_cpu_shim() -> None:
         )
     if torch.cuda.is_available():
         raise RuntimeError("activate_cpu_shim() is for machines without CUDA; this one has it")
+    from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.tensor_parallel import random as mrandom
 
     patches = [
@@ -105,6 +117,7 @@ def activate_cpu_shim() -> None:
         (torch.cuda, "manual_seed", torch.manual_seed),
         (mrandom, "_get_cuda_rng_state", _cpu_rng_get),
         (mrandom, "_set_cuda_rng_state", _cpu_rng_set),
+        (moptimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu),
     ]
     _state["originals"] = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, replacement in patches:

@@ -26,6 +26,24 @@ def test_patched_call_sites_still_exist_and_still_assume_cuda():
     assert "torch.cuda.current_device()" in inspect.getsource(rotary_pos_embedding.RotaryEmbedding.get_emb)
     assert "torch.cuda.synchronize()" in inspect.getsource(p2p_communication)
     assert 'device="cuda"' in inspect.getsource(schedules)
+    from megatron.core.optimizer import clip_grads
+
+    source = inspect.getsource(clip_grads.clip_grad_by_total_norm_fp32)
+    assert "torch.cuda.FloatTensor" in source and "max_norm / (total_norm + 1.0e-6)" in source
+
+
+def test_cpu_clipping_matches_megatron_formula():
+    grads = [torch.randn(5), torch.randn(3, 2)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    total = torch.sqrt(sum((g**2).sum() for g in grads)).item()
+    cpu_shim._clip_grad_by_total_norm_cpu(params, max_norm=0.5, total_norm=total)
+    for p, g in zip(params, grads, strict=True):
+        torch.testing.assert_close(p.grad, g * (0.5 / (total + 1e-6)))
+    cpu_shim._clip_grad_by_total_norm_cpu(params, max_norm=1e9, total_norm=total)  # no-op above the norm
+    for p, g in zip(params, grads, strict=True):
+        torch.testing.assert_close(p.grad, g * (0.5 / (total + 1e-6)))
 
 
 def test_shim_sends_cuda_placements_to_cpu_and_undoes_itself():

@@ -1,0 +1,1 @@
+"""Generation: engines, partial-rollout buffer, rewards, data; and the rollout batch format."""

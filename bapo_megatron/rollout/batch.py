@@ -1,0 +1,141 @@
+"""One step's rollout samples, and their file format (safetensors; never unpickled).
+
+The rollout side writes a RolloutBatch per step (`save`), the trainer reads it
+(`load`, `rollout.replay=PATH`), so training can be run and debugged without generation.
+Every response token keeps the behaviour log-prob it was sampled with and the policy
+version that sampled it (partial rollout mixes versions inside one response).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT_VERSION = "1"
+
+
+@dataclass
+class Sample:
+    """One response to one prompt."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    """log mu of each response token, as the engine reported it when sampling it."""
+    versions: list[int]
+    """The policy version that sampled each response token."""
+    reward: float
+    group: int
+    """Which prompt group (the n samples of one prompt) this sample belongs to."""
+    loss_mask: list[int] | None = None
+    """Per response token: 0 leaves the token out of the loss (e.g. a stale prefix). None: all count."""
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        for name in ("behaviour_logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Sample.{name} has {len(getattr(self, name))} entries for {n} response tokens")
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(f"Sample.loss_mask has {len(self.loss_mask)} entries for {n} response tokens")
+        if not self.prompt_ids:
+            raise ValueError("Sample.prompt_ids is empty: a response needs at least one prompt token")
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class RolloutBatch:
+    """The samples of one step, with what the trainer must know about how they were sampled."""
+
+    samples: list[Sample]
+    temperature: float = 1.0
+    """Sampling temperature: the trainer divides its logits by it, as the engine did."""
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def rewards_by_group(self) -> tuple[list[int], torch.Tensor]:
+        """(group ids in order of first appearance, rewards [groups, group_size]); equal-size groups only."""
+        order: dict[int, list[int]] = {}
+        for i, s in enumerate(self.samples):
+            order.setdefault(s.group, []).append(i)
+        sizes = {len(v) for v in order.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"groups have unequal sizes {sorted(sizes)}: a group trains only when complete")
+        rewards = torch.tensor([[self.samples[i].reward for i in idx] for idx in order.values()],
+                               dtype=torch.float32)
+        return [i for idx in order.values() for i in idx], rewards
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically (a temporary file renamed into place)."""
+        from safetensors.torch import save_file
+
+        tensors = {
+            "prompt_ids": _flat([s.prompt_ids for s in self.samples], torch.int64),
+            "prompt_lengths": torch.tensor([len(s.prompt_ids) for s in self.samples], dtype=torch.int64),
+            "response_ids": _flat([s.response_ids for s in self.samples], torch.int64),
+            "response_lengths": torch.tensor([len(s.response_ids) for s in self.samples], dtype=torch.int64),
+            "behaviour_logprobs": _flat([s.behaviour_logprobs for s in self.samples], torch.float32),
+            "versions": _flat([s.versions for s in self.samples], torch.int64),
+            "loss_mask": _flat([s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+                                for s in self.samples], torch.uint8),
+            "rewards": torch.tensor([s.reward for s in self.samples], dtype=torch.float32),
+            "groups": torch.tensor([s.group for s in self.samples], dtype=torch.int64),
+        }
+        meta = {"format": FORMAT_VERSION, "temperature": repr(self.temperature),
+                "metadata": json.dumps(self.metadata)}
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RolloutBatch:
+        """Read a saved batch; ValueError naming the file for anything malformed."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"rollout batch {path}: no such file")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        except Exception as err:  # safetensors raises its own error types for corrupt files
+            raise ValueError(f"rollout batch {path}: not a readable safetensors file ({err})") from None
+        if meta.get("format") != FORMAT_VERSION:
+            raise ValueError(f"rollout batch {path}: format {meta.get('format')!r}, expected {FORMAT_VERSION!r}")
+        try:
+            prompts = _split(t["prompt_ids"], t["prompt_lengths"])
+            lengths = t["response_lengths"]
+            responses = _split(t["response_ids"], lengths)
+            logprobs = _split(t["behaviour_logprobs"], lengths)
+            versions = _split(t["versions"], lengths)
+            masks = _split(t["loss_mask"], lengths)
+            samples = [
+                Sample(prompt_ids=p, response_ids=r, behaviour_logprobs=lp, versions=v, reward=float(rw),
+                       group=int(g), loss_mask=m)
+                for p, r, lp, v, m, rw, g in zip(prompts, responses, logprobs, versions, masks,
+                                                 t["rewards"].tolist(), t["groups"].tolist(), strict=True)
+            ]
+        except (KeyError, ValueError, RuntimeError) as err:
+            raise ValueError(f"rollout batch {path}: inconsistent contents ({err})") from None
+        return cls(samples=samples, temperature=float(meta["temperature"]),
+                   metadata=json.loads(meta.get("metadata", "{}")))
+
+
+def _flat(rows: list[list], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor([x for row in rows for x in row], dtype=dtype)
+
+
+def _split(flat: torch.Tensor, lengths: torch.Tensor) -> list[list]:
+    if int(lengths.sum()) != flat.numel():
+        raise ValueError(f"{flat.numel()} values for lengths summing to {int(lengths.sum())}")
+    return [part.tolist() for part in torch.split(flat, lengths.tolist())]

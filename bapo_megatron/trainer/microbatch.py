@@ -1,0 +1,106 @@
+"""Split a step's samples over data-parallel ranks and into micro-batches by token budget.
+
+Samples are sorted by length and dealt to data-parallel ranks in snake order (equal counts,
+balanced tokens); each rank packs its samples, longest first, into micro-batches whose
+padded size (samples x longest) stays within the budget; then ranks with fewer
+micro-batches split their fullest ones, so that every rank runs the same number (Megatron's
+schedules and any collective inside the loss need that).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from bapo_megatron.rollout.batch import Sample
+
+
+def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """plan[dp_rank][microbatch] = sample indices, every rank with the same number of micro-batches."""
+    n = len(lengths)
+    if n == 0 or n % dp_size:
+        raise ValueError(f"{n} samples cannot be split evenly over {dp_size} data-parallel ranks")
+    too_long = [(i, length) for i, length in enumerate(lengths) if length > max_tokens]
+    if too_long:
+        i, length = too_long[0]
+        raise ValueError(f"sample {i} has {length} tokens, more than parallel.max_tokens_per_microbatch="
+                         f"{max_tokens} ({len(too_long)} such samples)")
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    per_rank: list[list[int]] = [[] for _ in range(dp_size)]
+    for k, i in enumerate(order):
+        lap, pos = divmod(k, dp_size)
+        per_rank[pos if lap % 2 == 0 else dp_size - 1 - pos].append(i)
+    plans = [_pack(indices, lengths, max_tokens) for indices in per_rank]
+    target = max(len(p) for p in plans)
+    for plan in plans:
+        while len(plan) < target:
+            fullest = max(range(len(plan)), key=lambda j: len(plan[j]))
+            mb = plan.pop(fullest)
+            plan[fullest:fullest] = [mb[: len(mb) // 2], mb[len(mb) // 2:]]
+    return plans
+
+
+def _pack(indices: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Longest first: a micro-batch takes samples while count x longest fits the budget."""
+    batches: list[list[int]] = []
+    for i in indices:  # already longest first
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+@dataclass
+class MicroBatch:
+    """Padded [batch, seq] tensors of one micro-batch; position t predicts targets[:, t]."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    """1.0 where targets[:, t] is a counted response token."""
+    old_logprobs: torch.Tensor
+    """Behaviour log-probs aligned with targets (0 where not counted)."""
+    advantages: torch.Tensor
+    versions: torch.Tensor
+    """Policy version that sampled each target (-1 where not a response token)."""
+    sample_index: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return MicroBatch(**fields)
+
+
+def pack_microbatch(samples: list[Sample], indices: list[int], advantages: list[float],
+                    sequence_multiple: int = 1, pad_id: int = 0) -> MicroBatch:
+    """Right-padded tensors for samples[indices]; advantages[i] is sample i's advantage."""
+    chosen = [samples[i] for i in indices]
+    seq = math.ceil(max(s.length for s in chosen) / sequence_multiple) * sequence_multiple
+    b = len(chosen)
+    input_ids = torch.full((b, seq), pad_id, dtype=torch.long)
+    targets = torch.full((b, seq), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(b, seq)
+    old = torch.zeros(b, seq)
+    adv = torch.zeros(b, seq)
+    versions = torch.full((b, seq), -1, dtype=torch.long)
+    for row, (i, s) in enumerate(zip(indices, chosen, strict=True)):
+        tokens = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[row, : len(tokens)] = tokens
+        targets[row, : len(tokens) - 1] = tokens[1:]
+        span = slice(p - 1, p - 1 + r)  # position p-1 predicts the first response token
+        mask = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
+        loss_mask[row, span] = mask
+        old[row, span] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32) * (mask != 0)
+        adv[row, span] = advantages[i] * (mask != 0)
+        versions[row, span] = torch.tensor(s.versions, dtype=torch.long)
+    position_ids = torch.arange(seq).unsqueeze(0).expand(b, seq).contiguous()
+    return MicroBatch(input_ids=input_ids, position_ids=position_ids, targets=targets, loss_mask=loss_mask,
+                      old_logprobs=old, advantages=adv, versions=versions, sample_index=list(indices))
