@@ -102,7 +102,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """Adam with warmup and cosine decay, gradient clipping."""
+    """Adam with linear warmup and an optional decay, gradient clipping."""
 
     lr: float = 1e-6
     min_lr: float = 0.0
@@ -113,6 +113,8 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: keep lr, or decay it to min_lr over the run."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "lr", self.lr, "must be > 0")

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.config import ModelConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, padded_vocab_size
 
@@ -88,6 +88,8 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         # The loss returns (sum, token count): Megatron must not average per micro-batch.
         calculate_per_token_loss=True,
         variable_seq_lengths=True,
+        # Unused by dense models, but 0.16.1 rejects its default ("allgather") with variable lengths.
+        moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not torch.cuda.is_available(),
         # Fusions need CUDA kernels; on CPU (local spec) they must all be off.
         **_fusions(model.transformer_impl == "transformer_engine"),
@@ -133,4 +135,57 @@ def build_gpt_model(
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
+    )
+
+
+def ddp_config(model: ModelConfig):
+    """Megatron DDP settings: fp32 gradient reduction; the distributed optimizer on GPU."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    on_gpu = torch.cuda.is_available()
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=on_gpu,
+        use_distributed_optimizer=on_gpu,
+        # Non-finite gradients are detected by the trainer, which skips the step instead of raising.
+        check_for_nan_in_grad=False,
+    )
+
+
+def optimizer_config(optimizer: OptimizerConfig, model: ModelConfig):
+    """Megatron's OptimizerConfig: Adam with fp32 main weights (bf16 params on GPU)."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+    dtype = PARAMS_DTYPE[model.precision]
+    return MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=optimizer.lr,
+        min_lr=optimizer.min_lr,
+        weight_decay=optimizer.weight_decay,
+        adam_beta1=optimizer.adam_beta1,
+        adam_beta2=optimizer.adam_beta2,
+        adam_eps=optimizer.adam_eps,
+        clip_grad=optimizer.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=torch.cuda.is_available(),
+    )
+
+
+def lr_scheduler(megatron_optimizer, optimizer: OptimizerConfig, total_steps: int):
+    """Linear warmup from 0, then `optimizer.lr_decay` down to min_lr over the remaining steps."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        megatron_optimizer,
+        init_lr=0.0 if optimizer.warmup_steps else optimizer.lr,
+        max_lr=optimizer.lr,
+        min_lr=optimizer.min_lr,
+        lr_warmup_steps=optimizer.warmup_steps,
+        lr_decay_steps=max(total_steps, optimizer.warmup_steps + 1),
+        lr_decay_style=optimizer.lr_decay,
+        start_wd=optimizer.weight_decay,
+        end_wd=optimizer.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
     )

@@ -68,6 +68,8 @@ class MicroBatch:
     versions: torch.Tensor
     """Policy version that sampled each target (-1 where not a response token)."""
     sample_index: list[int]
+    prox_logprobs: torch.Tensor | None = None
+    """log pi at the start of the step, filled by the trainer's forward-only pass when needed."""
 
     @property
     def num_tokens(self) -> int:

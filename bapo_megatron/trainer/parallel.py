@@ -1,0 +1,79 @@
+"""Process groups of one trainer process: Megatron's parallel state, passed around explicitly."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """This rank's place in the tensor x pipeline x data (x context) layout and its groups."""
+
+    tp_group: dist.ProcessGroup
+    tp_rank: int
+    tp_size: int
+    pp_group: dist.ProcessGroup
+    pp_rank: int
+    pp_size: int
+    dp_cp_group: dist.ProcessGroup
+    """Data x context parallel: where BAPO's statistics and the loss's token counts are summed."""
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+
+def init_distributed() -> None:
+    """Join the job's default process group (torchrun / srun environment), NCCL on GPU, gloo on CPU."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+
+
+def init_model_parallel(parallel: ParallelConfig, seed: int) -> ParallelInfo:
+    """Megatron's groups for `parallel` over the already-initialised world; seeds every RNG."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel.data_parallel_size(dist.get_world_size())  # a clear error before Megatron's own assert
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor,
+            pipeline_model_parallel_size=parallel.pipeline,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+            context_parallel_size=parallel.context,
+        )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return ParallelInfo(
+        tp_group=ps.get_tensor_model_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+    )
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()

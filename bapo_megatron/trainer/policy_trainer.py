@@ -1,0 +1,221 @@
+"""The policy update: BAPO (or a baseline) inside Megatron-Core's pipeline schedule.
+
+One optimizer step on a list of samples:
+  1. advantages from group rewards; samples split over data-parallel ranks and into
+     micro-batches by token budget (every rank the same number);
+  2. where needed (BAPO with bound_scope "step", or a truncated importance weight), a
+     forward-only pass at the parameters of the start of the step: per-micro-batch BAPO
+     tables summed, ONE all-reduce over data x context parallel on the last stage, and
+     pi_prox for the importance weight;
+  3. the training pass through get_forward_backward_func: forward_step on every stage,
+     the loss on the last, (loss_sum, token_count) so that finalize_model_grads divides
+     by the step's global token count;
+  4. a non-finite loss or gradient on any rank skips the step (no NaN ever reaches the
+     weights); else the optimizer and LR schedule step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.algo.advantages import group_advantages
+from bapo_megatron.algo.bapo import BoundSearch, ClipBounds
+from bapo_megatron.algo.losses import LOG_RATIO_CLAMP, PolicyBatch, policy_loss
+from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
+from bapo_megatron.config import JobConfig
+from bapo_megatron.rollout.batch import RolloutBatch
+from bapo_megatron.trainer import megatron_config as mc
+from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
+from bapo_megatron.trainer.microbatch import MicroBatch, pack_microbatch, plan_microbatches
+from bapo_megatron.trainer.model_spec import ModelSpec
+from bapo_megatron.trainer.parallel import ParallelInfo
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    skipped: bool
+
+
+class PolicyTrainer:
+    """Megatron model chunks, optimizer and LR schedule of one trainer rank, and its step."""
+
+    def __init__(self, spec: ModelSpec, cfg: JobConfig, info: ParallelInfo) -> None:
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        self.spec, self.cfg, self.info = spec, cfg, info
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = [
+            DistributedDataParallel(config=chunk.config, ddp_config=mc.ddp_config(cfg.model), module=chunk,
+                                    disable_bucketing=i > 0)
+            for i, chunk in enumerate(self._build_chunks())
+        ]
+        self.optimizer = get_megatron_optimizer(mc.optimizer_config(cfg.optimizer, cfg.model), self.model)
+        total = cfg.steps * cfg.algo.updates_per_batch
+        self.scheduler = mc.lr_scheduler(self.optimizer, cfg.optimizer, total)
+        config = self.model[0].config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        self.search = BoundSearch(cfg.algo.bapo)
+        self.seq_multiple = mc.sequence_multiple(cfg.model, cfg.parallel)
+        self.vocab_local = mc.padded_vocab_size(spec.vocab_size, cfg.model.make_vocab_size_divisible_by,
+                                                info.tp_size) // info.tp_size
+        self.step = 0
+        self._bounds: ClipBounds | None = None
+        self._temperature = 1.0
+        self._first_update = True
+
+    def _build_chunks(self) -> list[torch.nn.Module]:
+        from megatron.core import parallel_state as ps
+
+        vpp = self.cfg.parallel.virtual_pipeline
+        chunks = []
+        for vp_stage in range(vpp or 1):
+            stage = vp_stage if vpp else None
+            chunk = mc.build_gpt_model(
+                self.spec, self.cfg.model, self.cfg.parallel,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=stage),
+                vp_stage=stage,
+            )
+            chunks.append(chunk.to(self.device))
+        return chunks
+
+    # ------------------------------------------------------------------------------------------
+    # Data.
+
+    def microbatches(self, batch: RolloutBatch) -> tuple[list[MicroBatch], dict[str, float]]:
+        """This rank's micro-batches of `batch`, with group-normalised advantages."""
+        order, rewards = batch.rewards_by_group()
+        adv, metrics = group_advantages(rewards, self.cfg.algo.advantage)
+        advantages = [0.0] * len(batch)
+        for i, a in zip(order, adv.reshape(-1).tolist(), strict=True):
+            advantages[i] = a
+        plan = plan_microbatches([s.length for s in batch.samples], self.info.dp_size,
+                                 self.cfg.parallel.max_tokens_per_microbatch)
+        mine = plan[self.info.dp_rank]
+        mbs = [pack_microbatch(batch.samples, idx, advantages, self.seq_multiple).to(self.device) for idx in mine]
+        return mbs, metrics
+
+    # ------------------------------------------------------------------------------------------
+    # The schedule and the loss.
+
+    def _forward_step(self, loss_fn, data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb.input_ids, mb.position_ids, attention_mask=None)
+        return output, partial(loss_fn, mb)
+
+    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iterator = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn),
+            data_iterator=iterator,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(mbs),
+            seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+            micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
+            forward_only=forward_only,
+        )
+
+    def _logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return vocab_parallel_logprobs(
+            logits, mb.targets, group=self.info.tp_group, vocab_start=self.info.tp_rank * self.vocab_local,
+            vocab_size=self.spec.vocab_size, temperature=self._temperature,
+        )
+
+    def _is_weight(self, mb: MicroBatch, prox: torch.Tensor) -> torch.Tensor:
+        cap = self.cfg.algo.tis_cap
+        if cap is None:
+            return torch.ones_like(prox)
+        return torch.exp(torch.clamp(prox - mb.old_logprobs, max=torch.log(torch.tensor(cap)).item()))
+
+    def _stats_loss(self, mb: MicroBatch, logits: torch.Tensor):
+        """Forward-only pass: keep pi_prox and this micro-batch's part of the BAPO table."""
+        logp, _ = self._logprobs(mb, logits)
+        mb.prox_logprobs = logp.detach()
+        ratio = torch.exp(torch.clamp(logp - mb.old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        weights = mb.loss_mask * self._is_weight(mb, logp)
+        table = self.search.table(ratio, mb.advantages, weights)
+        return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), table
+
+    def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor):
+        logp, entropy = self._logprobs(mb, logits)
+        batch = PolicyBatch(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
+                            mask=mb.loss_mask, prox_logprobs=mb.prox_logprobs, entropy=entropy,
+                            first_update=self._first_update)
+        scope_group = self.info.dp_cp_group if self._bounds is None else None
+        out = policy_loss(batch, self.cfg.algo, bounds=self._bounds, group=scope_group)
+        return out.loss_sum, torch.tensor(mb.num_tokens, dtype=torch.int), out
+
+    def _needs_prepass(self) -> bool:
+        algo = self.cfg.algo
+        return (algo.loss == "bapo" and algo.bapo.bound_scope == "step") or algo.tis_cap is not None
+
+    def _step_bounds(self, mbs: list[MicroBatch]) -> ClipBounds | None:
+        """BAPO's bounds over the whole step, at the start-of-step parameters (None: not searched here)."""
+        with torch.no_grad():
+            tables = self._run(mbs, self._stats_loss, forward_only=True)
+        if self.cfg.algo.loss != "bapo" or self.cfg.algo.bapo.bound_scope != "step":
+            return None
+        if not self.info.is_last_stage:
+            return None  # only the last stage computes the loss
+        return self.search.select(torch.stack(tables).sum(0), group=self.info.dp_cp_group)
+
+    # ------------------------------------------------------------------------------------------
+    # One optimizer step.
+
+    def train_step(self, batch: RolloutBatch, first_update: bool = True) -> StepResult:
+        """One optimizer step on all of `batch`'s samples (every rank passes the same batch)."""
+        self._temperature, self._first_update = batch.temperature, first_update
+        mbs, adv_metrics = self.microbatches(batch)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._bounds = self._step_bounds(mbs) if self._needs_prepass() else None
+        outputs: list[LossOutput] = self._run(mbs, self._policy_loss, forward_only=False)
+        skipped = self._nonfinite(outputs)
+        grad_norm = float("nan")
+        if not skipped:
+            _, norm, _ = self.optimizer.step()
+            grad_norm = norm if self.cfg.optimizer.clip_grad > 0 else self.optimizer.get_grad_norm()
+            self.scheduler.step(increment=1)
+            self.step += 1
+        metrics = self._metrics(outputs, adv_metrics, grad_norm, skipped)
+        return StepResult(metrics=metrics, skipped=skipped)
+
+    def _nonfinite(self, outputs: list[LossOutput]) -> bool:
+        """Whether any rank saw a non-finite loss or gradient (one flag all-reduce, outside the loss)."""
+        bad = any(not bool(torch.isfinite(out.loss_sum).all()) for out in outputs)
+        for chunk in self.model:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
+        flag = torch.tensor([float(bad)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _metrics(self, outputs, adv_metrics, grad_norm, skipped) -> dict[str, float]:
+        """The step's metrics on every rank (computed on the last stage, sent along the pipeline)."""
+        from megatron.core import parallel_state as ps
+
+        metrics: dict[str, float] = {}
+        if self.info.is_last_stage:
+            metrics = reduce_metrics(outputs, group=self.info.dp_cp_group)
+        metrics.update(adv_metrics)
+        metrics["train/grad_norm"] = float(grad_norm)
+        metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["train/skipped"] = float(skipped)
+        metrics["train/step"] = float(self.step)
+        if self.info.pp_size > 1:
+            box = [metrics]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=self.info.pp_group)
+            metrics = box[0]
+        return metrics
