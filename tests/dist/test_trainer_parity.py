@@ -1,0 +1,125 @@
+"""TP=2, PP=2, DP=2 and TP=2 x PP=2 train exactly as one process does (gloo, CPU).
+
+The weights are made once at TP=1 and saved as a dist checkpoint; every layout loads them,
+takes one optimizer step on the same replayed rollout batch with BAPO (bound_scope "step")
+and with ppo, reports its metrics and saves the updated weights; one TP=1 process then
+loads every result and compares it with the single-process run.
+"""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo_megatron.rollout.batch import RolloutBatch, Sample
+from tests.dist.launch import run_workers
+
+LOSSES = ("bapo", "ppo")
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (1, 2, 2), "dp2": (1, 1, 2), "tp2pp2": (2, 2, 4)}
+COMPARED = ("loss/pg", "bapo/clip_low", "bapo/clip_high", "bapo/rho", "bapo/rho_start", "train/grad_norm",
+            "policy/entropy", "policy/ratio_mean", "rollout/logprob_mismatch")
+
+
+def _overrides(loss: str, tp: int, pp: int) -> list[str]:
+    return [f"algo.loss={loss}", "algo.bapo.target_rho=0.45", f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
+            "parallel.max_tokens_per_microbatch=48", "optimizer.lr=1e-3", "optimizer.clip_grad=1.0",
+            # Adam's first step is lr * g / (|g| + eps): at eps=1e-8 a gradient element of ~1e-8 turns
+            # float32 summation-order noise (~1e-12) into a visible update. 1e-6 keeps the comparison
+            # well-conditioned without changing what is compared.
+            "optimizer.adam_eps=1e-6"]
+
+
+def _batch() -> RolloutBatch:
+    rng = random.Random(0)
+    samples = []
+    for group in range(4):
+        prompt = [rng.randrange(250) for _ in range(rng.randint(2, 6))]
+        for _ in range(4):
+            n = rng.randint(1, 14)
+            samples.append(Sample(prompt_ids=prompt, response_ids=[rng.randrange(250) for _ in range(n)],
+                                  behaviour_logprobs=[-5.5 + rng.gauss(0, 0.6) for _ in range(n)],
+                                  versions=[0] * n, reward=rng.random(), group=group))
+    return RolloutBatch(samples=samples, temperature=0.9)
+
+
+def _setup(tp: int, pp: int, loss: str = "bapo"):
+    from bapo_megatron.config import load_config
+    from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+    from bapo_megatron.trainer.model_spec import tiny_spec
+    from bapo_megatron.trainer.parallel import init_model_parallel
+
+    activate_cpu_shim()
+    cfg = load_config(None, _overrides(loss, tp, pp))
+    return tiny_spec(), cfg, init_model_parallel(cfg.parallel, cfg.seed)
+
+
+def _make_weights(rank: int, world: int, root: str) -> None:
+    from bapo_megatron.trainer.checkpoint import save_model
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    spec, cfg, info = _setup(1, 1)
+    save_model(PolicyTrainer(spec, cfg, info).model, Path(root) / "init")
+    _batch().save(Path(root) / "batch.safetensors")
+
+
+def _train_layout(rank: int, world: int, root: str, name: str) -> None:
+    from bapo_megatron.trainer.checkpoint import load_model, save_model
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    tp, pp, _ = LAYOUTS[name]
+    batch = RolloutBatch.load(Path(root) / "batch.safetensors")
+    results = {}
+    for loss in LOSSES:
+        spec, cfg, info = _setup(tp, pp, loss)
+        trainer = PolicyTrainer(spec, cfg, info)
+        load_model(trainer.model, Path(root) / "init")
+        result = trainer.train_step(batch)
+        assert not result.skipped
+        results[loss] = result.metrics
+        save_model(trainer.model, Path(root) / f"{name}-{loss}")
+    if rank == 0:
+        (Path(root) / f"{name}.json").write_text(json.dumps(results))
+
+
+def _compare(rank: int, world: int, root: str) -> None:
+    from bapo_megatron.trainer.checkpoint import load_model
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    spec, cfg, info = _setup(1, 1)
+    trainer = PolicyTrainer(spec, cfg, info)
+    weights = {}
+    for name in LAYOUTS:
+        for loss in LOSSES:
+            load_model(trainer.model, Path(root) / f"{name}-{loss}")
+            weights[name, loss] = {k: v.clone() for k, v in trainer.model[0].module.state_dict().items()
+                                   if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    load_model(trainer.model, Path(root) / "init")
+    initial = {k: v.clone() for k, v in trainer.model[0].module.state_dict().items() if k in weights["tp1", "bapo"]}
+    for loss in LOSSES:
+        want = weights["tp1", loss]
+        assert any(not torch.equal(want[k], initial[k]) for k in want), "the step changed nothing"
+        for name in LAYOUTS:
+            worst = max((torch.linalg.norm(t - want[k]) / torch.linalg.norm(want[k]).clamp(min=1e-12)).item()
+                        for k, t in weights[name, loss].items())
+            print(f"{name} {loss}: worst tensor relative difference {worst:.2e}")
+            assert worst <= 1e-5, f"{name} {loss}: updated weights differ by {worst:.3g} (relative norm)"
+
+
+@pytest.mark.slow
+def test_layouts_match_single_process(tmp_path):
+    root = str(tmp_path)
+    run_workers(_make_weights, 1, root)
+    for name, (_, _, world) in LAYOUTS.items():
+        run_workers(_train_layout, world, root, name)
+    metrics = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in LAYOUTS}
+    for loss in LOSSES:
+        want = metrics["tp1"][loss]
+        if loss == "bapo":
+            assert want["bapo/search_steps"] > 0  # the search moved: the bounds are a real check
+        for name in LAYOUTS:
+            got = metrics[name][loss]
+            for key in COMPARED:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (name, loss, key)
+    run_workers(_compare, 1, root)
