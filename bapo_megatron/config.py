@@ -156,6 +156,9 @@ class RolloutConfig:
     tensor_parallel: int = 1
     """Tensor-parallel size of each SGLang server."""
     request_timeout_s: float = 600.0
+    replay: str | None = None
+    """Train from saved rollout batches instead of generating: a .safetensors file (used every
+    step) or a directory of them (one per step, in name order, cycling)."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "servers", "tensor_parallel"):
@@ -240,9 +243,9 @@ class JobConfig:
         check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         check(self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt", self.rollout.samples_per_prompt,
               "group-relative advantages need at least 2 samples per prompt")
-        samples = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
-        check(samples % self.algo.updates_per_batch == 0, "algo.updates_per_batch", self.algo.updates_per_batch,
-              f"must divide the {samples} samples of a step (prompts_per_step * samples_per_prompt)")
+        check(self.rollout.prompts_per_step % self.algo.updates_per_batch == 0, "algo.updates_per_batch",
+              self.algo.updates_per_batch,
+              f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (mini-batches hold whole groups)")
 
 
 # ----------------------------------------------------------------------------------------------

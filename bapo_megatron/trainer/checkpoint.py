@@ -8,13 +8,25 @@ Checkpoints store sharded tensors by global name, so they load at any TP/PP layo
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import warnings
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.config import CheckpointConfig
+
 LATEST = "latest"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
@@ -72,3 +84,114 @@ def load_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> No
     loaded = load_sharded(model_sharded_state_dict(model_chunks), directory)
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(loaded[f"chunk{i}"])
+
+
+def _rng_states() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    states = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(states["cpu"])
+    get_cuda_rng_tracker().set_states(states["tracker"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+class CheckpointManager:
+    """Save and resume a trainer: model, optimizer, LR schedule, RNG, step and registered extras.
+
+    Layout: DIR/step_00000012/ (a dist checkpoint) and DIR/latest (the name of the newest
+    complete one). Extras are objects with state_dict()/load_state_dict() that the driver
+    registers (rollout buffer, data cursor); their state is saved by rank 0.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, config_yaml: str = "") -> None:
+        if cfg.dir is None:
+            raise ValueError("CheckpointManager needs checkpoint.dir")
+        self.cfg = cfg
+        self.root = Path(cfg.dir)
+        self.config_yaml = config_yaml
+        self.extras: dict[str, Stateful] = {}
+
+    def register(self, name: str, obj: Stateful) -> None:
+        self.extras[name] = obj
+
+    def _sharded(self, trainer, is_loading: bool, with_rng: bool) -> dict:
+        model_sd = model_sharded_state_dict(trainer.model)
+        sharded = {"model": model_sd,
+                   "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        if with_rng:
+            from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+            rank, world = dist.get_rank(), dist.get_world_size()
+            sharded["rng"] = ShardedObject("rng_state", _rng_states(), (world,), (rank,), replica_id=0)
+        return sharded
+
+    def save(self, trainer) -> Path:
+        """Write step_<N> through a temporary directory, then point `latest` at it, then prune."""
+        directory = self.root / f"step_{trainer.step:08d}"
+        sharded = self._sharded(trainer, is_loading=False, with_rng=True)
+        sharded["common"] = {
+            "step": trainer.step,
+            "world_size": dist.get_world_size(),
+            "scheduler": trainer.scheduler.state_dict(),
+            "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
+            "config": self.config_yaml,
+        }
+        save_sharded(sharded, directory)
+        if _rank0():
+            tmp = self.root / (LATEST + ".tmp")
+            tmp.write_text(directory.name + "\n")
+            os.replace(tmp, self.root / LATEST)
+            self._prune()
+        _barrier()
+        return directory
+
+    def _prune(self) -> None:
+        steps = sorted(p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+        for old in steps[: -self.cfg.keep_last]:
+            shutil.rmtree(old)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, None when there is none; ValueError when `latest` is broken."""
+        pointer = self.root / LATEST
+        if not pointer.is_file():
+            return None
+        name = pointer.read_text().strip()
+        directory = self.root / name
+        if not STEP_DIR.match(name) or not (directory / "metadata.json").is_file():
+            raise ValueError(f"checkpoint pointer {pointer} names {name!r}, which is not a complete checkpoint")
+        return directory
+
+    def load(self, trainer, directory: str | Path | None = None) -> int | None:
+        """Restore everything from `directory` (default: latest); the step it resumes at, or None."""
+        from megatron.core import dist_checkpointing
+
+        directory = Path(directory) if directory is not None else self.latest()
+        if directory is None:
+            return None
+        common = dist_checkpointing.load_common_state_dict(str(directory))["common"]
+        same_world = common["world_size"] == dist.get_world_size()
+        loaded = load_sharded(self._sharded(trainer, is_loading=True, with_rng=same_world), directory)
+        for i, chunk in enumerate(trainer.model):
+            _unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+        trainer.scheduler.load_state_dict(common["scheduler"])
+        if same_world:
+            _set_rng_states(loaded["rng"])
+        else:
+            warnings.warn(f"checkpoint {directory} was saved by {common['world_size']} ranks, this job has "
+                          f"{dist.get_world_size()}: random states start afresh", stacklevel=2)
+        for name, obj in self.extras.items():
+            if name not in common["extras"]:
+                raise ValueError(f"checkpoint {directory} has no state for {name!r}")
+            obj.load_state_dict(common["extras"][name])
+        trainer.step = common["step"]
+        return trainer.step

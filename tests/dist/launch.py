@@ -19,6 +19,7 @@ COLLECTIVES = (
 
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # as torchrun sets them
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)

@@ -65,7 +65,8 @@ def _make_weights(rank: int, world: int, root: str) -> None:
 
 
 def _train_layout(rank: int, world: int, root: str, name: str) -> None:
-    from bapo_megatron.trainer.checkpoint import load_model, save_model
+    from bapo_megatron.config import CheckpointConfig
+    from bapo_megatron.trainer.checkpoint import CheckpointManager, load_model, save_model
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     tp, pp, _ = LAYOUTS[name]
@@ -79,12 +80,15 @@ def _train_layout(rank: int, world: int, root: str, name: str) -> None:
         assert not result.skipped
         results[loss] = result.metrics
         save_model(trainer.model, Path(root) / f"{name}-{loss}")
+        if name == "tp2" and loss == "bapo":  # a full checkpoint, to be resumed at TP=1
+            CheckpointManager(CheckpointConfig(dir=str(Path(root) / "full-tp2"))).save(trainer)
     if rank == 0:
         (Path(root) / f"{name}.json").write_text(json.dumps(results))
 
 
 def _compare(rank: int, world: int, root: str) -> None:
-    from bapo_megatron.trainer.checkpoint import load_model
+    from bapo_megatron.config import CheckpointConfig
+    from bapo_megatron.trainer.checkpoint import CheckpointManager, load_model
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     spec, cfg, info = _setup(1, 1)
@@ -95,6 +99,12 @@ def _compare(rank: int, world: int, root: str) -> None:
             load_model(trainer.model, Path(root) / f"{name}-{loss}")
             weights[name, loss] = {k: v.clone() for k, v in trainer.model[0].module.state_dict().items()
                                    if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    # The full TP=2 checkpoint (model, optimizer, schedule) resumes at TP=1, weights intact.
+    resumed = PolicyTrainer(spec, cfg, info)
+    assert CheckpointManager(CheckpointConfig(dir=str(Path(root) / "full-tp2"))).load(resumed) == 1
+    for key, tensor in resumed.model[0].module.state_dict().items():
+        if key in weights["tp2", "bapo"]:
+            assert torch.equal(tensor, weights["tp2", "bapo"][key]), key
     load_model(trainer.model, Path(root) / "init")
     initial = {k: v.clone() for k, v in trainer.model[0].module.state_dict().items() if k in weights["tp1", "bapo"]}
     for loss in LOSSES:

@@ -50,7 +50,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("steps.x=1", "steps.x=1: 'steps' is a value, not a section"),
         ("algo.bapo.preset=fast", "algo.bapo.preset='fast': must be one of"),
         ("logging.backends=[console, jsonl]", "logging.jsonl_path=None: the jsonl backend needs a path"),
-        ("algo.updates_per_batch=3", "algo.updates_per_batch=3: must divide the 32 samples"),
+        ("algo.updates_per_batch=3", "algo.updates_per_batch=3: must divide rollout.prompts_per_step=8"),
         ("noequals", "override='noequals'"),
     ],
 )

@@ -1,0 +1,54 @@
+"""One metric logger with backends (console, jsonl, wandb); metrics are dicts with slash names."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from bapo_megatron.config import LoggingConfig
+
+CONSOLE_KEYS = ("rollout/reward_mean", "loss/pg", "bapo/clip_low", "bapo/clip_high", "bapo/rho", "policy/entropy",
+                "train/grad_norm", "train/skipped")
+
+
+class MetricLogger:
+    """Send each step's metrics to every configured backend; a no-op on ranks that do not log."""
+
+    def __init__(self, cfg: LoggingConfig, *, job_name: str, config: dict, enabled: bool = True) -> None:
+        self.cfg = cfg
+        self.enabled = enabled
+        self._jsonl = None
+        self._wandb = None
+        if not enabled:
+            return
+        if "jsonl" in cfg.backends:
+            path = Path(cfg.jsonl_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = path.open("a")
+        if "wandb" in cfg.backends:
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or job_name, config=config)
+        self._start = time.monotonic()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled or step % self.cfg.interval:
+            return
+        if "console" in self.cfg.backends:
+            shown = " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+            print(f"step {step:>5} {shown} ({time.monotonic() - self._start:.1f}s)", file=sys.stdout, flush=True)
+        if self._jsonl is not None:
+            clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,140 @@
+"""The BAPO training driver: rollout, advantages, Megatron update, checkpoint, log.
+
+    python -m bapo_megatron.train CONFIG.yaml key=value ...            # one process (CPU)
+    torchrun --nproc-per-node 8 -m bapo_megatron.train CONFIG.yaml ...  # a parallel job
+
+Today the rollout comes from saved batches (`rollout.replay=PATH`); generation through
+SGLang or the embedded engine plugs in at `next_batch` (issue 5).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from bapo_megatron.config import JobConfig, dump_config, load_config, to_dict
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.logger import MetricLogger
+from bapo_megatron.rollout.batch import RolloutBatch
+from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, tiny_spec
+
+
+class ReplaySource:
+    """Saved rollout batches, one per step, cycling; its cursor is checkpointed."""
+
+    def __init__(self, path: str) -> None:
+        root = Path(path)
+        self.files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
+        if not self.files or not all(f.is_file() for f in self.files):
+            raise ConfigError("rollout.replay", path, "no rollout batch (.safetensors) found there")
+        self.index = 0
+
+    def next_batch(self) -> RolloutBatch:
+        batch = RolloutBatch.load(self.files[self.index % len(self.files)])
+        self.index += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = state["index"]
+
+
+def model_spec(cfg: JobConfig) -> ModelSpec:
+    return ModelSpec.from_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else tiny_spec()
+
+
+def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
+    """Every check that needs no process group, so bad input fails before expensive work starts."""
+    from bapo_megatron.trainer.megatron_config import check_precision_support
+
+    check_layout(spec, cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline)
+    dp = cfg.parallel.data_parallel_size(world_size)
+    per_update = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.algo.updates_per_batch
+    if per_update % dp:
+        raise ConfigError("rollout.prompts_per_step", cfg.rollout.prompts_per_step,
+                          f"{per_update} samples per optimizer step do not split over {dp} data-parallel ranks")
+    check_precision_support(cfg.model)
+    if cfg.rollout.replay is None:
+        raise ConfigError("rollout.replay", None, "generation is not built yet (issue 5): train from saved "
+                          "rollout batches with rollout.replay=PATH")
+
+
+def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
+    """`parts` mini-batches of whole prompt groups, in order."""
+    groups: dict[int, list] = {}
+    for s in batch.samples:
+        groups.setdefault(s.group, []).append(s)
+    if len(groups) % parts:
+        raise ValueError(f"rollout batch has {len(groups)} groups, not divisible into {parts} updates")
+    keys = list(groups)
+    size = len(keys) // parts
+    return [RolloutBatch(samples=[s for g in keys[i * size:(i + 1) * size] for s in groups[g]],
+                         temperature=batch.temperature, metadata=batch.metadata) for i in range(parts)]
+
+
+def _single_process_env() -> None:
+    """Outside torchrun/srun: a world of one on this machine."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def run(cfg: JobConfig) -> list[dict[str, float]]:
+    """Train for cfg.steps steps (resuming from cfg.checkpoint.dir when it holds one)."""
+    import torch
+
+    from bapo_megatron.trainer.checkpoint import CheckpointManager
+    from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    spec = model_spec(cfg)
+    _single_process_env()
+    validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
+    source = ReplaySource(cfg.rollout.replay)
+    init_distributed()
+    if not torch.cuda.is_available():
+        from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+
+        activate_cpu_shim()
+    trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
+    ckpt = CheckpointManager(cfg.checkpoint, dump_config(cfg)) if cfg.checkpoint.dir else None
+    if ckpt is not None:
+        ckpt.register("replay", source)
+    start = (ckpt.load(trainer) if ckpt and cfg.checkpoint.resume else None) or 0
+    step = start // cfg.algo.updates_per_batch
+    logger = MetricLogger(cfg.logging, job_name=cfg.name, config=to_dict(cfg), enabled=dist.get_rank() == 0)
+    history = []
+    try:
+        while step < cfg.steps:
+            batch = source.next_batch()
+            for k, part in enumerate(split_groups(batch, cfg.algo.updates_per_batch)):
+                result = trainer.train_step(part, first_update=k == 0)
+                logger.log(trainer.step, result.metrics)
+                history.append(result.metrics)
+            step += 1
+            if ckpt and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                ckpt.save(trainer)
+        if ckpt and (not cfg.checkpoint.interval or step % cfg.checkpoint.interval) and step > start:
+            ckpt.save(trainer)
+    finally:
+        logger.close()
+    return history
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    run(load_config(path, argv))
+
+
+if __name__ == "__main__":
+    main()
