@@ -16,6 +16,7 @@ One optimizer step on a list of samples:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,6 +28,7 @@ from bapo_megatron.algo.bapo import BoundSearch, ClipBounds
 from bapo_megatron.algo.losses import LOG_RATIO_CLAMP, PolicyBatch, policy_loss
 from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
 from bapo_megatron.config import JobConfig
+from bapo_megatron.errors import NonFiniteInputError
 from bapo_megatron.rollout.batch import RolloutBatch
 from bapo_megatron.trainer import megatron_config as mc
 from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
@@ -68,6 +70,7 @@ class PolicyTrainer:
                                                 info.tp_size) // info.tp_size
         self.step = 0
         self._bounds: ClipBounds | None = None
+        self._skip_reason = ""
         self._temperature = 1.0
         self._first_update = True
 
@@ -152,8 +155,23 @@ class PolicyTrainer:
                             mask=mb.loss_mask, prox_logprobs=mb.prox_logprobs, entropy=entropy,
                             first_update=self._first_update)
         scope_group = self.info.dp_cp_group if self._bounds is None else None
-        out = policy_loss(batch, self.cfg.algo, bounds=self._bounds, group=scope_group)
+        try:
+            out = policy_loss(batch, self.cfg.algo, bounds=self._bounds, group=scope_group)
+        except NonFiniteInputError as err:
+            # Every rank of the group raised together (the search reduces its error counts first):
+            # finish the schedule with the starting bounds so no pipeline peer waits, then skip.
+            self._invalid(err)
+            out = policy_loss(batch, self.cfg.algo, bounds=self._start_bounds())
         return out.loss_sum, torch.tensor(mb.num_tokens, dtype=torch.int), out
+
+    def _start_bounds(self) -> ClipBounds:
+        c_low, c_high = self.search.path.points[0]
+        return ClipBounds(c_low=c_low, c_high=c_high, rho=float("nan"), rho_start=float("nan"), steps=0)
+
+    def _invalid(self, err: Exception) -> None:
+        if not self._skip_reason:
+            warnings.warn(f"step {self.step + 1} will be skipped: {err}", stacklevel=2)
+        self._skip_reason = str(err)
 
     def _needs_prepass(self) -> bool:
         algo = self.cfg.algo
@@ -167,7 +185,11 @@ class PolicyTrainer:
             return None
         if not self.info.is_last_stage:
             return None  # only the last stage computes the loss
-        return self.search.select(torch.stack(tables).sum(0), group=self.info.dp_cp_group)
+        try:
+            return self.search.select(torch.stack(tables).sum(0), group=self.info.dp_cp_group)
+        except NonFiniteInputError as err:
+            self._invalid(err)
+            return self._start_bounds()
 
     # ------------------------------------------------------------------------------------------
     # One optimizer step.
@@ -175,6 +197,7 @@ class PolicyTrainer:
     def train_step(self, batch: RolloutBatch, first_update: bool = True) -> StepResult:
         """One optimizer step on all of `batch`'s samples (every rank passes the same batch)."""
         self._temperature, self._first_update = batch.temperature, first_update
+        self._skip_reason = ""
         mbs, adv_metrics = self.microbatches(batch)
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -193,7 +216,7 @@ class PolicyTrainer:
 
     def _nonfinite(self, outputs: list[LossOutput]) -> bool:
         """Whether any rank saw a non-finite loss or gradient (one flag all-reduce, outside the loss)."""
-        bad = any(not bool(torch.isfinite(out.loss_sum).all()) for out in outputs)
+        bad = bool(self._skip_reason) or any(not bool(torch.isfinite(out.loss_sum).all()) for out in outputs)
         for chunk in self.model:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                 bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
