@@ -83,3 +83,12 @@ def test_parse_override_reads_yaml_scalars():
     assert parse_override("a=null") == ("a", None)
     assert parse_override("a=[1, 2]") == ("a", [1, 2])
     assert parse_override("a=text") == ("a", "text")
+
+
+def test_every_example_config_loads():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        load_config(path)
