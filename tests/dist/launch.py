@@ -7,6 +7,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -20,7 +21,11 @@ COLLECTIVES = (
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # as torchrun sets them
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    backend = "gloo"
+    if torch.cuda.is_available():  # tests/gpu: one device per rank, NCCL as in a real job
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:

@@ -1,0 +1,138 @@
+"""Throughput of one BAPO training step: tokens/s, TFLOP/s and MFU, per precision.
+
+    python benchmarks/bench_train_step.py --shape qwen2.5-1.5b --precision bf16 fp8   # one H100/H200
+    python benchmarks/bench_train_step.py --shape tiny --precision fp32              # CPU smoke run
+
+A step is what the trainer does: a forward-only pass (BAPO's step-scope bound search),
+then forward and backward through Megatron's schedule, then the optimizer. FLOPs count
+that work: 2N per token for the extra forward and 6N for forward + backward (N = matmul
+parameters, the output layer included), plus causal attention, 2 * 2 * L * s * d per token
+forward (half of the full s x s score matrix), three times that with backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+import torch
+
+from bapo_megatron.config import load_config
+from bapo_megatron.rollout.batch import RolloutBatch, Sample
+from bapo_megatron.trainer.model_spec import ModelSpec, tiny_spec
+
+SHAPES = {
+    "tiny": tiny_spec(),
+    "qwen2.5-1.5b": ModelSpec(
+        architecture="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+        ffn_hidden_size=8960, head_dim=128, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+        qkv_bias=True, tie_embeddings=True,
+    ),
+}
+PEAK_TFLOPS = {("H100", "bf16"): 989.0, ("H100", "fp8"): 1979.0, ("H200", "bf16"): 989.0, ("H200", "fp8"): 1979.0}
+"""Dense peak of the SXM parts (NVIDIA's datasheet figures, without sparsity)."""
+
+
+def matmul_params(spec: ModelSpec) -> int:
+    d, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
+    attn = d * spec.num_heads * spec.head_dim + 2 * d * kv + spec.num_heads * spec.head_dim * d
+    mlp = 3 * d * spec.ffn_hidden_size
+    return spec.num_layers * (attn + mlp) + spec.vocab_size * d
+
+
+def step_flops(spec: ModelSpec, tokens: int, seq: int) -> float:
+    dense = 8 * matmul_params(spec) * tokens  # 2N forward-only pass + 6N forward/backward
+    attention_fwd = 2 * 2 * spec.num_layers * (seq / 2) * spec.num_heads * spec.head_dim * tokens
+    return dense + 4 * attention_fwd  # forward-only + forward + backward (2x)
+
+
+def synthetic_batch(spec: ModelSpec, prompts: int, n: int, seq: int, seed: int = 0) -> RolloutBatch:
+    rng = random.Random(seed)
+    samples = []
+    prompt_len = seq // 4
+    for g in range(prompts):
+        prompt = [rng.randrange(spec.vocab_size) for _ in range(prompt_len)]
+        for _ in range(n):
+            r = seq - prompt_len
+            samples.append(Sample(prompt_ids=prompt, response_ids=[rng.randrange(spec.vocab_size) for _ in range(r)],
+                                  behaviour_logprobs=[-2.0 + rng.gauss(0, 0.3) for _ in range(r)], versions=[0] * r,
+                                  reward=rng.random(), group=g))
+    return RolloutBatch(samples=samples)
+
+
+def bench(shape: str, precision: str, seq: int, prompts: int, n: int, steps: int, mb_tokens: int) -> dict:
+    from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    spec = SHAPES[shape]
+    impl = "transformer_engine" if precision in ("bf16", "fp8") else "local"
+    cfg = load_config(None, [f"model.precision={precision}", f"model.transformer_impl={impl}",
+                             f"parallel.max_tokens_per_microbatch={mb_tokens}",
+                             f"rollout.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}",
+                             "optimizer.lr=1e-6"])
+    init_distributed()
+    trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
+    batch = synthetic_batch(spec, prompts, n, seq)
+    tokens = sum(s.length for s in batch.samples)
+    trainer.train_step(batch)  # warm-up (allocations, fp8 scales)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(batch)
+    sync()
+    seconds = (time.perf_counter() - start) / steps
+    tflops = step_flops(spec, tokens, seq) / seconds / 1e12
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    peak = next((v for (name, p), v in PEAK_TFLOPS.items() if name in device and p == precision), None)
+    if torch.cuda.is_available():
+        memory = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        import resource
+
+        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tflops": tflops,
+            "mfu": tflops / peak if peak else float("nan"), "memory_gib": memory, "device": device}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp8"])
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sample (default 4096 GPU, 128 CPU)")
+    parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--samples-per-prompt", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--microbatch-tokens", type=int, default=None, help="token budget (default 2 samples)")
+    args = parser.parse_args()
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+
+        activate_cpu_shim()
+        os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+    from bapo_megatron.train import _single_process_env
+
+    _single_process_env()
+    seq = args.seq or (4096 if gpu else 128)
+    prompts = args.prompts or (8 if gpu else 2)
+    mb_tokens = args.microbatch_tokens or 2 * seq
+    rows = [(p, bench(args.shape, p, seq, prompts, args.samples_per_prompt, args.steps, mb_tokens))
+            for p in args.precision]
+    print(f"shape={args.shape} ({matmul_params(SHAPES[args.shape]) / 1e6:,.1f}M matmul params), seq={seq}, "
+          f"{prompts}x{args.samples_per_prompt} samples per step, device={rows[0][1]['device']}")
+    header = f"{'precision':>9} {'tokens':>8} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
+    print(header)
+    print("-" * len(header))
+    for precision, r in rows:
+        print(f"{precision:>9} {r['tokens']:>8} {r['seconds']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} "
+              f"{r['mfu']:>6.1%} {r['memory_gib']:>8.2f}")
+    if len(rows) == 2 and {p for p, _ in rows} == {"bf16", "fp8"}:
+        speed = {p: r["tokens_per_s"] for p, r in rows}
+        print(f"fp8 / bf16 step throughput: {speed['fp8'] / speed['bf16']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
