@@ -1,0 +1,1 @@
+"""Weights: HF <-> Megatron layout maps, conversion, resharding to the inference layout."""
