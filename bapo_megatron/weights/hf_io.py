@@ -1,0 +1,151 @@
+"""Hugging Face checkpoint directories: read safetensors shards (validated), write them atomically.
+
+Only safetensors are read: a checkpoint is never unpickled. Every problem names the file
+or tensor at fault before any expensive work is done with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from bapo_megatron.trainer.model_spec import ModelSpec
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+MAX_SHARD_BYTES = 5 * 10**9
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json")
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor a HF checkpoint of `spec` holds, with its shape (lm_head absent when tied)."""
+    d, hd, kv = spec.hidden_size, spec.head_dim, spec.num_kv_heads * spec.head_dim
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, d), "model.norm.weight": (d,)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (spec.num_heads * hd, d), p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, spec.num_heads * hd),
+            p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, d), p + "mlp.up_proj.weight": (spec.ffn_hidden_size, d),
+            p + "mlp.down_proj.weight": (d, spec.ffn_hidden_size),
+        })
+        if spec.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (spec.num_heads * hd,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    if not spec.tie_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, d)
+    return shapes
+
+
+class HFCheckpoint:
+    """A validated HF checkpoint directory: its spec, and lazy access to its tensors."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.dir = Path(directory)
+        self.spec = ModelSpec.from_hf_dir(self.dir)
+        self.config = json.loads((self.dir / "config.json").read_text())
+        self.files = self._shard_map()
+        self._handles = {}
+        for file in sorted(set(self.files.values())):
+            try:
+                self._handles[file] = safe_open(str(self.dir / file), framework="pt")
+            except Exception as err:  # safetensors reports truncation and bad headers with its own types
+                raise ValueError(f"{self.dir / file}: not a readable safetensors file ({err})") from None
+        self._check_shapes()
+
+    def _shard_map(self) -> dict[str, str]:
+        index = self.dir / INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no weight_map")
+            missing = sorted({f for f in weight_map.values() if not (self.dir / f).is_file()})
+            if missing:
+                raise ValueError(f"{self.dir}: shard(s) named in {INDEX} are missing: {', '.join(missing)}")
+            return dict(weight_map)
+        if (self.dir / SINGLE).is_file():
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(self.dir / SINGLE), framework="pt") as f:
+                    return dict.fromkeys(f.keys(), SINGLE)
+            except Exception as err:
+                raise ValueError(f"{self.dir / SINGLE}: not a readable safetensors file ({err})") from None
+        raise ValueError(f"{self.dir}: no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
+
+    def _check_shapes(self) -> None:
+        expected = expected_shapes(self.spec)
+        missing = sorted(set(expected) - set(self.files))
+        if missing:
+            raise ValueError(f"{self.dir}: {len(missing)} tensors missing, e.g. {missing[0]}")
+        for name, shape in expected.items():
+            got = tuple(self._handles[self.files[name]].get_slice(name).get_shape())
+            if got != shape:
+                raise ValueError(f"{self.dir}: {name} has shape {got}, config.json implies {shape}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handles[self.files[name]].get_tensor(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def keys(self):
+        return self.files.keys()
+
+
+@contextmanager
+def atomic_directory(out: str | Path) -> Iterator[Path]:
+    """Write into OUT.tmp; rename to OUT only when the block completes (never a half-written OUT)."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists already; refusing to overwrite it")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.replace(tmp, out)
+
+
+def write_hf_checkpoint(tensors: Mapping[str, torch.Tensor], directory: Path, config: dict,
+                        template: Path | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """safetensors shards of at most max_shard_bytes, the index, config.json and tokenizer files."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    weight_map = {}
+    total = len(shards)
+    for i, shard in enumerate(shards):
+        file = SINGLE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    if total > 1:
+        total_size = sum(t.numel() * t.element_size() for t in tensors.values())
+        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total_size},
+                                                   "weight_map": weight_map}, indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    if template is not None:
+        for name in TOKENIZER_FILES:
+            if (template / name).is_file():
+                shutil.copy2(template / name, directory / name)
