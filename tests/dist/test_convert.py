@@ -21,13 +21,14 @@ CASES = {"qwen2-gqa2": ("qwen2", 2, False), "llama-gqa4-tied": ("llama", 1, True
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
-def make_hf_model(root: Path, name: str):
+def make_hf_model(root: Path, name: str, case: tuple[str, int, bool] | None = None):
+    """A random HF model saved under root/name; `case` = (architecture, kv heads, tied), default CASES[name]."""
     import tokenizers
     import transformers
 
     from bapo_megatron.trainer.model_spec import tiny_spec
 
-    arch, kv, tied = CASES[name]
+    arch, kv, tied = case or CASES[name]
     spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**spec.to_hf_config()),
                                                           dtype=torch.float32).eval()

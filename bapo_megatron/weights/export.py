@@ -1,0 +1,87 @@
+"""Live export of a running TP x PP Megatron model to HF names, in buckets, layer by layer.
+
+Every rank of a pipeline stage runs the generator (the tensor-parallel gathers are
+collectives) and gets the same buckets: the stage's HF tensors, in the order the receiver
+can load them (embedding, layers in order, final norm and output layer), each exactly once
+per stage. The caller decides which rank sends them (e.g. tensor- and data-parallel rank 0
+of every stage). Memory beyond the model: one layer's gathered tensors plus one bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.trainer.model_spec import ModelSpec
+from bapo_megatron.trainer.parallel import ParallelInfo
+from bapo_megatron.weights.layout import megatron_layer_to_hf
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def gather_tensor_parallel(param: torch.Tensor, info: ParallelInfo, gated: bool = False) -> torch.Tensor:
+    """The whole tensor of a (possibly) tensor-parallel parameter, on every TP rank.
+
+    gated: the parameter is a gated fc1 whose shards are each [gate_i; up_i]; the whole
+    tensor is [gate; up].
+    """
+    if info.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return param.detach()
+    dim = param.partition_dim
+    shards = [torch.empty_like(param) for _ in range(info.tp_size)]
+    dist.all_gather(shards, param.detach().contiguous(), group=info.tp_group)
+    if gated:
+        halves = [s.chunk(2, dim=dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
+def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torch.Tensor]:
+    return {name: gather_tensor_parallel(p, info, gated=name.endswith("mlp.linear_fc1.weight"))
+            for name, p in layer.named_parameters()}
+
+
+def _stage_tensors(chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo,
+                   impl: str) -> Iterator[tuple[str, torch.Tensor]]:
+    model = _unwrap(chunk)
+    if model.pre_process:
+        embedding = gather_tensor_parallel(model.embedding.word_embeddings.weight, info)
+        yield "model.embed_tokens.weight", embedding[: spec.vocab_size]
+    for layer in model.decoder.layers:
+        index = layer.layer_number - 1  # global, 1-based in Megatron
+        local = {f"decoder.layers.{index}.{name}": t for name, t in _layer_tensors(layer, info).items()}
+        yield from megatron_layer_to_hf(spec, index, local, impl)
+    if model.post_process:
+        yield "model.norm.weight", model.decoder.final_layernorm.weight.detach()
+        if not spec.tie_embeddings:
+            output = gather_tensor_parallel(model.output_layer.weight, info)
+            yield "lm_head.weight", output[: spec.vocab_size]
+
+
+def stream_hf_buckets(model_chunks: list[torch.nn.Module], spec: ModelSpec, info: ParallelInfo,
+                      bucket_bytes: int = 512 << 20, impl: str = "local",
+                      dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+    """This stage's HF (name, tensor) pairs, grouped into buckets of at most bucket_bytes.
+
+    A tensor larger than bucket_bytes travels alone in its own bucket.
+    """
+    bucket: Bucket = []
+    size = 0
+    for chunk in model_chunks:
+        for name, tensor in _stage_tensors(chunk, spec, info, impl):
+            if dtype is not None:
+                tensor = tensor.to(dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor.contiguous()))
+            size += nbytes
+    if bucket:
+        yield bucket
