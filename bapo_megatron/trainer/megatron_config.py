@@ -51,8 +51,11 @@ def sequence_multiple(model: ModelConfig, parallel: ParallelConfig) -> int:
     return multiple
 
 
-def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig):
-    """Megatron's TransformerConfig for `spec` under our model and parallel settings."""
+def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, initialize: bool = True):
+    """Megatron's TransformerConfig for `spec` under our model and parallel settings.
+
+    initialize=False skips the random initialisation of weights that are about to be loaded.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_layout(spec, parallel.tensor, parallel.pipeline, parallel.virtual_pipeline)
@@ -91,6 +94,7 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         # Unused by dense models, but 0.16.1 rejects its default ("allgather") with variable lengths.
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=initialize,
         # Fusions need CUDA kernels; on CPU (local spec) they must all be off.
         **_fusions(model.transformer_impl == "transformer_engine"),
         **fp8,
@@ -115,12 +119,12 @@ def layer_spec(model: ModelConfig):
 
 def build_gpt_model(
     spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
-    vp_stage: int | None = None,
+    vp_stage: int | None = None, initialize: bool = True,
 ):
     """One pipeline stage (or virtual chunk) of the policy as a Megatron GPTModel."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    config = transformer_config(spec, model, parallel)
+    config = transformer_config(spec, model, parallel, initialize)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(model),

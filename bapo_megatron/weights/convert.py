@@ -45,7 +45,8 @@ def _model(spec: ModelSpec, tp: int):
     # The checkpoint is written from a TP=1 model whose vocabulary is padded for the target TP.
     divisible = ModelConfig().make_vocab_size_divisible_by * tp
     model_cfg = ModelConfig(make_vocab_size_divisible_by=divisible)
-    return mc.build_gpt_model(spec, model_cfg, ParallelConfig(), pre_process=True, post_process=True).eval()
+    return mc.build_gpt_model(spec, model_cfg, ParallelConfig(), pre_process=True, post_process=True,
+                              initialize=False).eval()  # every weight is loaded right after
 
 
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str = "float32") -> Path:
