@@ -10,7 +10,6 @@ SGLang or the embedded engine plugs in at `next_batch` (issue 5).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -78,26 +77,16 @@ def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
                          temperature=batch.temperature, metadata=batch.metadata) for i in range(parts)]
 
 
-def _single_process_env() -> None:
-    """Outside torchrun/srun: a world of one on this machine."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-
-
 def run(cfg: JobConfig) -> list[dict[str, float]]:
     """Train for cfg.steps steps (resuming from cfg.checkpoint.dir when it holds one)."""
     import torch
 
     from bapo_megatron.trainer.checkpoint import CheckpointManager
-    from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel
+    from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel, single_process_env
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     spec = model_spec(cfg)
-    _single_process_env()
+    single_process_env()
     validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
     source = ReplaySource(cfg.rollout.replay)
     init_distributed()

@@ -113,9 +113,9 @@ def main() -> None:
 
         activate_cpu_shim()
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
-    from bapo_megatron.train import _single_process_env
+    from bapo_megatron.trainer.parallel import single_process_env
 
-    _single_process_env()
+    single_process_env()
     seq = args.seq or (4096 if gpu else 128)
     prompts = args.prompts or (8 if gpu else 2)
     mb_tokens = args.microbatch_tokens or 2 * seq

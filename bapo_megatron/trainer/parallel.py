@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,16 @@ class ParallelInfo:
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
+
+
+def single_process_env() -> None:
+    """Outside torchrun/srun: the environment of a world of one on this machine (free loopback port)."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
 def init_distributed() -> None:

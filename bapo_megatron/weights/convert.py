@@ -25,10 +25,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _megatron_world_of_one() -> None:
     import torch.distributed as dist
 
-    from bapo_megatron.train import _single_process_env
-    from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel
+    from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel, single_process_env
 
-    _single_process_env()
+    single_process_env()
     init_distributed()
     if not torch.cuda.is_available():
         from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
