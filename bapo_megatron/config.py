@@ -58,10 +58,14 @@ class ModelConfig:
     """Keep the first and last transformer layers in bf16 under fp8 (not with the delayed recipe)."""
     make_vocab_size_divisible_by: int = 128
     """The embedding is padded to a multiple of this times the tensor-parallel size."""
+    vocab_pad_tp: int = 8
+    """Pad the vocabulary as for this tensor-parallel size too (a multiple of divisible_by x lcm(tp, this)),
+    so that a checkpoint loads at every TP dividing it; the padding is masked and never exported."""
 
     def __post_init__(self) -> None:
         check(self.make_vocab_size_divisible_by >= 1, "make_vocab_size_divisible_by",
               self.make_vocab_size_divisible_by, "must be >= 1")
+        check(self.vocab_pad_tp >= 1, "vocab_pad_tp", self.vocab_pad_tp, "must be >= 1")
         if self.precision == "fp8":
             check(self.transformer_impl == "transformer_engine", "precision", self.precision,
                   "fp8 needs transformer_impl='transformer_engine'")

@@ -2,10 +2,11 @@
 
     python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp N --pp M --dtype float32]
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype bfloat16]
-    python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tp N] [--tolerance 1e-4]
+    python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4]
 
 Run each as one process (not under torchrun). Inputs are validated before any work starts,
-and outputs appear under their final name only when complete.
+and outputs appear under their final name only when complete. The Megatron checkpoint loads
+at any pipeline size and at every tensor-parallel size dividing model.vocab_pad_tp (8).
 """
 
 from __future__ import annotations
@@ -23,28 +24,26 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint")
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint's vocab padding targets")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check the model's split against")
     p.add_argument("--pp", type=int, default=1, help="pipeline size to check the layer split against")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     p.add_argument("--mcore", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--hf-template", help="directory with config.json and tokenizer files to copy")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint's vocab padding targets")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p = sub.add_parser("verify", help="compare logits of the two on random token ids")
     p.add_argument("--hf", required=True)
     p.add_argument("--mcore", required=True)
-    p.add_argument("--tp", type=int, default=1)
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest relative logit difference allowed")
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-to-mcore":
             print(f"wrote {hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.dtype)}")
         elif args.command == "mcore-to-hf":
-            print(f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, args.tp)}")
+            print(f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype)}")
         else:
-            result = verify(args.hf, args.mcore, args.tp)
+            result = verify(args.hf, args.mcore)
             ok = result["max_rel"] <= args.tolerance
             print(f"max abs diff {result['max_abs']:.3e}  max rel diff {result['max_rel']:.3e}  "
                   f"({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")

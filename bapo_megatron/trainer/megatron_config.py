@@ -117,6 +117,12 @@ def layer_spec(model: ModelConfig):
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
+def padded_vocab(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Rows of the (vocab-parallel) embedding and output layer, padding included."""
+    return padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor,
+                             model.vocab_pad_tp)
+
+
 def build_gpt_model(
     spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
     vp_stage: int | None = None, initialize: bool = True,
@@ -128,7 +134,7 @@ def build_gpt_model(
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(model),
-        vocab_size=padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor),
+        vocab_size=padded_vocab(spec, model, parallel),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,

@@ -139,9 +139,9 @@ def tiny_spec(architecture: Literal["qwen2", "llama"] = "qwen2") -> ModelSpec:
     )
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """The embedding's row count: vocab_size rounded up to a multiple of divisible_by * tp."""
-    multiple = divisible_by * tensor_parallel
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int, pad_for_tp: int = 1) -> int:
+    """The embedding's row count: vocab_size rounded up to a multiple of divisible_by * lcm(tp, pad_for_tp)."""
+    multiple = divisible_by * math.lcm(tensor_parallel, pad_for_tp)
     return math.ceil(vocab_size / multiple) * multiple
 
 

@@ -66,8 +66,7 @@ class PolicyTrainer:
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         self.search = BoundSearch(cfg.algo.bapo)
         self.seq_multiple = mc.sequence_multiple(cfg.model, cfg.parallel)
-        self.vocab_local = mc.padded_vocab_size(spec.vocab_size, cfg.model.make_vocab_size_divisible_by,
-                                                info.tp_size) // info.tp_size
+        self.vocab_local = mc.padded_vocab(spec, cfg.model, cfg.parallel) // info.tp_size
         self.step = 0
         self._bounds: ClipBounds | None = None
         self._skip_reason = ""

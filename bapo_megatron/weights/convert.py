@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from bapo_megatron.config import ModelConfig, ParallelConfig
-from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, padded_vocab_size
+from bapo_megatron.trainer.model_spec import ModelSpec, check_layout
 from bapo_megatron.weights.hf_io import HFCheckpoint, atomic_directory, write_hf_checkpoint
 from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
 
@@ -38,19 +38,18 @@ def _megatron_world_of_one() -> None:
     init_model_parallel(ParallelConfig(), seed=0)
 
 
-def _model(spec: ModelSpec, tp: int):
+def _model(spec: ModelSpec):
+    """A TP=1 model of `spec`; its padded vocabulary is the one every TP dividing vocab_pad_tp uses."""
     from bapo_megatron.trainer import megatron_config as mc
 
-    # The checkpoint is written from a TP=1 model whose vocabulary is padded for the target TP.
-    divisible = ModelConfig().make_vocab_size_divisible_by * tp
-    model_cfg = ModelConfig(make_vocab_size_divisible_by=divisible)
-    return mc.build_gpt_model(spec, model_cfg, ParallelConfig(), pre_process=True, post_process=True,
+    return mc.build_gpt_model(spec, ModelConfig(), ParallelConfig(), pre_process=True, post_process=True,
                               initialize=False).eval()  # every weight is loaded right after
 
 
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str = "float32") -> Path:
-    """A Megatron dist checkpoint of a HF checkpoint, loadable by the trainer at any TP/PP
-    whose padded vocabulary matches `tp`'s (make_vocab_size_divisible_by x tp)."""
+    """A Megatron dist checkpoint of a HF checkpoint, loadable by the trainer at any PP and at every
+    TP dividing model.vocab_pad_tp (8); `tp` and `pp` are checked against the model's shape."""
+    from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.checkpoint import save_model
 
     hf = HFCheckpoint(hf_dir)
@@ -58,8 +57,8 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
     _megatron_world_of_one()
-    model = _model(hf.spec, tp)
-    padded = padded_vocab_size(hf.spec.vocab_size, ModelConfig().make_vocab_size_divisible_by, tp)
+    model = _model(hf.spec)
+    padded = mc.padded_vocab(hf.spec, ModelConfig(), ParallelConfig())
     state = {k: v.to(DTYPES[dtype]) for k, v in hf_to_megatron(hf.spec, hf, padded).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any(not k.endswith("_extra_state") for k in missing):
@@ -70,11 +69,11 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
     return out
 
 
-def load_mcore_state(mcore_dir: str | Path, spec: ModelSpec, tp: int = 1) -> dict[str, torch.Tensor]:
+def load_mcore_state(mcore_dir: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """The full (TP=1) Megatron state dict of a dist checkpoint (converted or saved by the trainer)."""
     from bapo_megatron.trainer.checkpoint import load_model
 
-    model = _model(spec, tp)
+    model = _model(spec)
     load_model([model], mcore_dir)
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
@@ -90,7 +89,7 @@ def _mcore_spec(mcore_dir: Path, template: Path | None) -> tuple[ModelSpec, dict
 
 
 def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path | None = None,
-                dtype: str = "bfloat16", tp: int = 1) -> Path:
+                dtype: str = "bfloat16") -> Path:
     """safetensors shards (<= 5 GB), index, config.json and the template's tokenizer files."""
     mcore_dir = Path(mcore_dir)
     template = Path(hf_template) if hf_template else None
@@ -100,7 +99,7 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path 
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
     _megatron_world_of_one()
-    state = load_mcore_state(mcore_dir, spec, tp)
+    state = load_mcore_state(mcore_dir, spec)
     tensors = {k: v.to(DTYPES[dtype]) for k, v in megatron_to_hf(spec, state).items()}
     config = {**config, "torch_dtype": dtype}
     with atomic_directory(out) as tmp:
@@ -108,14 +107,14 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path 
     return Path(out)
 
 
-def verify(hf_dir: str | Path, mcore_dir: str | Path, tp: int = 1, seed: int = 0,
-           batch: int = 2, seq: int = 32) -> dict[str, float]:
+def verify(hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int = 2,
+           seq: int = 32) -> dict[str, float]:
     """Logits of the HF model (transformers) and the Megatron checkpoint on random token ids."""
     import transformers
 
     hf = HFCheckpoint(hf_dir)
     _megatron_world_of_one()
-    model = _model(hf.spec, tp)
+    model = _model(hf.spec)
     from bapo_megatron.trainer.checkpoint import load_model
 
     load_model([model], mcore_dir)

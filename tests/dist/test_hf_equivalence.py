@@ -1,7 +1,7 @@
 """Megatron built from a HF config, with HF weights mapped in, gives transformers' logits.
 
 Random Qwen2 and Llama models (transformers, offline, every weight randomised including the
-norms) cover GQA ratios 1, 2 and 4, a vocabulary that needs padding (250 -> 256), tied and
+norms) cover GQA ratios 1, 2 and 4, a vocabulary that needs padding (250 -> 1024), tied and
 untied embeddings, QKV bias on and off. The map back to HF names is bitwise exact.
 """
 
@@ -20,7 +20,7 @@ def _worker(rank: int, world: int) -> None:
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.model_spec import padded_vocab_size, tiny_spec
+    from bapo_megatron.trainer.model_spec import tiny_spec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
 
@@ -37,7 +37,7 @@ def _worker(rank: int, world: int) -> None:
                 base = 1.0 if "norm" in name else 0.0
                 p.copy_(base + 0.08 * torch.randn(p.shape, generator=g))
         hf_state = hf_model.state_dict()
-        padded = padded_vocab_size(spec.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
+        padded = mc.padded_vocab(spec, cfg.model, cfg.parallel)
         model = mc.build_gpt_model(spec, cfg.model, cfg.parallel, pre_process=True, post_process=True).eval()
         missing, unexpected = model.load_state_dict(hf_to_megatron(spec, hf_state, padded), strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)

@@ -63,6 +63,9 @@ def test_vocab_padding():
     assert padded_vocab_size(250, 128, 2) == 256
     assert padded_vocab_size(152064, 128, 8) == 152576  # Qwen2.5: 149 x 1024
     assert padded_vocab_size(152064, 128, 4) == 152064
+    # Padding as for TP 8 as well makes the size the same at every TP dividing 8.
+    for vocab, padded in ((152064, 152576), (128256, 129024), (250, 1024)):
+        assert {padded_vocab_size(vocab, 128, tp, pad_for_tp=8) for tp in (1, 2, 4, 8)} == {padded}
 
 
 def test_fp8_errors_at_config_time():
