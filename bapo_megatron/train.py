@@ -123,12 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     path = argv.pop(0) if argv and "=" not in argv[0] else None
     try:
-        cfg = load_config(path, argv)
-        validate(cfg, model_spec(cfg), int(os.environ.get("WORLD_SIZE", "1")))
+        run(load_config(path, argv))  # run validates before any process group starts
     except ConfigError as err:
         # A config mistake is the user's to fix: say what, without a traceback.
         raise SystemExit(f"error: {err}") from None
-    run(cfg)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,16 @@ class PolicyBatch:
 # Shared pieces.
 
 
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """r_t = exp(clamp(log pi - log mu, -20, 20))."""
+    return torch.exp(torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def truncated_is_weight(prox_logprobs: torch.Tensor, old_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """w_t = min(pi_prox / mu, cap), detached."""
+    return torch.exp(torch.clamp(prox_logprobs - old_logprobs, max=math.log(cap))).detach()
+
+
 @dataclass
 class _Tokens:
     """Sanitised per-token tensors: masked-out positions hold neutral values, never NaN."""
@@ -114,14 +124,14 @@ def _prepare(batch: PolicyBatch, cfg: PolicyLossConfig) -> _Tokens:
     weight = torch.where(counted, batch.mask.to(batch.logprobs.dtype), 0.0)
     logprobs = torch.where(counted, batch.logprobs, 0.0)
     old = torch.where(counted, batch.old_logprobs.to(logprobs.dtype), 0.0)
-    log_ratio = torch.clamp(logprobs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = torch.clamp(logprobs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # gspo needs it before exp
     advantages = torch.where(counted, batch.advantages.to(logprobs.dtype), 0.0)
     is_weight = torch.ones_like(weight)
     if cfg.tis_cap is not None:
         if batch.prox_logprobs is None:
             raise ValueError("tis_cap is set but PolicyBatch.prox_logprobs is None")
         prox = torch.where(counted, batch.prox_logprobs.to(logprobs.dtype), 0.0)
-        is_weight = torch.exp(torch.clamp(prox - old, max=math.log(cfg.tis_cap))).detach()
+        is_weight = truncated_is_weight(prox, old, cfg.tis_cap)
     return _Tokens(counted, weight, logprobs, log_ratio, torch.exp(log_ratio), advantages, is_weight)
 
 

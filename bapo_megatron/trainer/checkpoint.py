@@ -31,10 +31,11 @@ class Stateful(Protocol):
 
 def model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
     """Every chunk's sharded tensors (global names, so any layout can read them back)."""
-    return {f"chunk{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+    return {f"chunk{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside a DDP wrapper (or the module itself)."""
     return getattr(chunk, "module", chunk)
 
 
@@ -83,7 +84,7 @@ def save_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> No
 def load_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> None:
     loaded = load_sharded(model_sharded_state_dict(model_chunks), directory)
     for i, chunk in enumerate(model_chunks):
-        _unwrap(chunk).load_state_dict(loaded[f"chunk{i}"])
+        unwrap(chunk).load_state_dict(loaded[f"chunk{i}"])
 
 
 def _rng_states() -> dict:
@@ -181,7 +182,7 @@ class CheckpointManager:
         same_world = common["world_size"] == dist.get_world_size()
         loaded = load_sharded(self._sharded(trainer, is_loading=True, with_rng=same_world), directory)
         for i, chunk in enumerate(trainer.model):
-            _unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
+            unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
         trainer.optimizer.load_state_dict(loaded["optimizer"])
         trainer.scheduler.load_state_dict(common["scheduler"])
         if same_world:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from bapo_megatron.algo.advantages import group_advantages
 from bapo_megatron.algo.bapo import BoundSearch, ClipBounds
-from bapo_megatron.algo.losses import LOG_RATIO_CLAMP, PolicyBatch, policy_loss
+from bapo_megatron.algo.losses import PolicyBatch, importance_ratio, policy_loss, truncated_is_weight
 from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import NonFiniteInputError
@@ -135,15 +135,13 @@ class PolicyTrainer:
 
     def _is_weight(self, mb: MicroBatch, prox: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.algo.tis_cap
-        if cap is None:
-            return torch.ones_like(prox)
-        return torch.exp(torch.clamp(prox - mb.old_logprobs, max=torch.log(torch.tensor(cap)).item()))
+        return torch.ones_like(prox) if cap is None else truncated_is_weight(prox, mb.old_logprobs, cap)
 
     def _stats_loss(self, mb: MicroBatch, logits: torch.Tensor):
         """Forward-only pass: keep pi_prox and this micro-batch's part of the BAPO table."""
         logp, _ = self._logprobs(mb, logits)
         mb.prox_logprobs = logp.detach()
-        ratio = torch.exp(torch.clamp(logp - mb.old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        ratio = importance_ratio(logp, mb.old_logprobs)
         weights = mb.loss_mask * self._is_weight(mb, logp)
         table = self.search.table(ratio, mb.advantages, weights)
         return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), table

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.trainer.checkpoint import unwrap
 from bapo_megatron.trainer.model_spec import ModelSpec
 from bapo_megatron.trainer.parallel import ParallelInfo
 from bapo_megatron.weights.layout import megatron_layer_to_hf
@@ -38,10 +39,6 @@ def gather_tensor_parallel(param: torch.Tensor, info: ParallelInfo, gated: bool 
     return torch.cat(shards, dim=dim)
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    return getattr(chunk, "module", chunk)
-
-
 def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torch.Tensor]:
     return {name: gather_tensor_parallel(p, info, gated=name.endswith("mlp.linear_fc1.weight"))
             for name, p in layer.named_parameters()}
@@ -49,7 +46,7 @@ def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torc
 
 def _stage_tensors(chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo,
                    impl: str) -> Iterator[tuple[str, torch.Tensor]]:
-    model = _unwrap(chunk)
+    model = unwrap(chunk)
     if model.pre_process:
         embedding = gather_tensor_parallel(model.embedding.word_embeddings.weight, info)
         yield "model.embed_tokens.weight", embedding[: spec.vocab_size]

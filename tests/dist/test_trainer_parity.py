@@ -15,6 +15,7 @@ import torch
 
 from bapo_megatron.rollout.batch import RolloutBatch, Sample
 from tests.dist.launch import run_workers
+from tests.e2e.test_train_resume import make_batch
 
 LOSSES = ("bapo", "ppo")
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (1, 2, 2), "dp2": (1, 1, 2), "tp2pp2": (2, 2, 4)}
@@ -32,16 +33,7 @@ def _overrides(loss: str, tp: int, pp: int) -> list[str]:
 
 
 def _batch() -> RolloutBatch:
-    rng = random.Random(0)
-    samples = []
-    for group in range(4):
-        prompt = [rng.randrange(250) for _ in range(rng.randint(2, 6))]
-        for _ in range(4):
-            n = rng.randint(1, 14)
-            samples.append(Sample(prompt_ids=prompt, response_ids=[rng.randrange(250) for _ in range(n)],
-                                  behaviour_logprobs=[-5.5 + rng.gauss(0, 0.6) for _ in range(n)],
-                                  versions=[0] * n, reward=rng.random(), group=group))
-    return RolloutBatch(samples=samples, temperature=0.9)
+    return make_batch(0, max_len=14, temperature=0.9)
 
 
 def _setup(tp: int, pp: int, loss: str = "bapo"):
