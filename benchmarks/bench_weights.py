@@ -1,6 +1,6 @@
 """Weight movement: HF <-> Megatron conversion and the live export, against plain copies.
 
-    python benchmarks/bench_weights.py --size-gb 2        # CPU, one process
+    python benchmarks/bench_weights.py --size-gb 2        # CPU; the TP=2 export runs 2 gloo processes
 
 Conversion is timed against a plain safetensors read + write of the same bytes on the same
 disk; the live export (gather, rename, bucket) against a memcpy of the same bytes.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +50,60 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def timed_with_memory(fn) -> tuple[float, float]:
+    """Seconds, and the peak growth of this process's resident memory (GB) while fn ran (sampled)."""
+    import threading
+
+    import psutil
+
+    process = psutil.Process()
+    base = process.memory_info().rss
+    peak = base
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.wait(0.02):
+            peak = max(peak, process.memory_info().rss)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    seconds = timed(fn)
+    done.set()
+    thread.join()
+    return seconds, (peak - base) / 1e9
+
+
+def _tp_export_worker(rank: int, world: int, spec_dict: dict, out: str) -> None:
+    """Live export at TP=world: gather + rename + bucket, against a memcpy of the same bytes."""
+    from bapo_megatron.config import ModelConfig, ParallelConfig
+    from bapo_megatron.trainer import megatron_config as mc
+    from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+    from bapo_megatron.trainer.parallel import init_model_parallel
+    from bapo_megatron.weights.export import stream_hf_buckets
+
+    activate_cpu_shim()
+    spec = ModelSpec(**spec_dict)
+    parallel = ParallelConfig(tensor=world)
+    info = init_model_parallel(parallel, seed=0)
+    model = mc.build_gpt_model(spec, ModelConfig(), parallel, pre_process=True, post_process=True, initialize=False)
+    exported = 0
+
+    def export():
+        nonlocal exported
+        for bucket in stream_hf_buckets([model], spec, info, bucket_bytes=512 << 20):
+            exported += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    export()  # warm-up (allocator, gloo buffers)
+    exported = 0
+    torch.distributed.barrier()
+    live = timed(export)
+    whole = [torch.empty(exported // 4, dtype=torch.float32)]
+    memcpy = timed(lambda: [t.clone() for t in whole])
+    if rank == 0:
+        Path(out).write_text(json.dumps({"live": live, "memcpy": memcpy, "bytes": exported}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0)
@@ -58,6 +113,7 @@ def main() -> None:
 
     from bapo_megatron.trainer.parallel import init_model_parallel  # noqa: F401 (imported before timing)
     from bapo_megatron.weights.convert import _megatron_world_of_one, hf_to_mcore, mcore_to_hf
+    from bapo_megatron.weights.hf_io import hf_entries
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_weights_"))
     spec = synthetic_spec(args.size_gb)
@@ -67,10 +123,20 @@ def main() -> None:
     def plain_copy():
         save_file(load_file(str(root / "hf" / "model.safetensors")), str(root / "plain.safetensors"))
 
-    plain = timed(plain_copy)
+    def plain_copy_durable():
+        import os
+
+        save_file(load_file(str(root / "hf" / "model.safetensors")), str(root / "plain2.safetensors"))
+        with open(root / "plain2.safetensors", "rb+") as f:
+            os.fsync(f.fileno())
+
+    plain, plain_mem = timed_with_memory(plain_copy)
+    durable = timed(plain_copy_durable)
     _megatron_world_of_one()
-    to_mcore = timed(lambda: hf_to_mcore(root / "hf", root / "mcore"))
-    to_hf = timed(lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32"))
+    to_mcore, to_mcore_mem = timed_with_memory(lambda: hf_to_mcore(root / "hf", root / "mcore", progress=False))
+    to_hf, to_hf_mem = timed_with_memory(
+        lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32", progress=False))
+    layer_gb = sum(e.nbytes for e in hf_entries(spec, torch.float32) if e.name.startswith("model.layers.0.")) / 1e9
 
     from bapo_megatron.config import ModelConfig, ParallelConfig
     from bapo_megatron.trainer import megatron_config as mc
@@ -98,17 +164,32 @@ def main() -> None:
             pass
 
     live_bf16 = timed(export_bf16)
-    print(f"synthetic model: {spec.num_layers} layers, {gb:.2f} GB float32; scratch {root}; "
-          f"{torch.get_num_threads()} threads")
-    header = f"{'operation':<28} {'seconds':>8} {'GB/s':>7} {'vs baseline':>12}"
+    import dataclasses
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.dist.launch import run_workers
+
+    run_workers(_tp_export_worker, 2, dataclasses.asdict(spec), str(root / "tp2.json"))
+    tp2 = json.loads((root / "tp2.json").read_text())
+    print(f"synthetic model: {spec.num_layers} layers, {gb:.2f} GB float32 (one layer {layer_gb:.3f} GB); "
+          f"scratch {root}; {torch.get_num_threads()} threads")
+    header = f"{'operation':<34} {'seconds':>8} {'GB/s':>7} {'vs baseline':>12} {'peak extra GB':>14}"
     print(header)
     print("-" * len(header))
-    rows = [("safetensors read+write", plain, None), ("hf-to-mcore", to_mcore, plain), ("mcore-to-hf", to_hf, plain),
-            ("memcpy of the weights", memcpy, None), ("live export, TP=1 (views)", live, memcpy),
-            ("live export, TP=1, to bf16", live_bf16, memcpy)]
-    for label, seconds, base in rows:
+    rows = [("safetensors read+write", plain, None, plain_mem), ("  same, fsync'd", durable, None, None),
+            ("hf-to-mcore (fsync'd)", to_mcore, plain, to_mcore_mem),
+            ("mcore-to-hf (streamed)", to_hf, plain, to_hf_mem),
+            ("memcpy of the weights", memcpy, None, None), ("live export, TP=1 (views)", live, memcpy, None),
+            ("live export, TP=1, to bf16", live_bf16, memcpy, None)]
+    for label, seconds, base, mem in rows:
         ratio = f"{base / seconds:>11.2f}x" if base else f"{'(baseline)':>12}"
-        print(f"{label:<28} {seconds:>8.2f} {gb / seconds:>7.2f} {ratio}")
+        extra = f"{mem:>14.2f}" if mem is not None else f"{'':>14}"
+        print(f"{label:<34} {seconds:>8.2f} {gb / seconds:>7.2f} {ratio} {extra}")
+    tp_gb = tp2["bytes"] / 1e9
+    print(f"{'memcpy, per TP rank (whole model)':<34} {tp2['memcpy']:>8.2f} {tp_gb / tp2['memcpy']:>7.2f} "
+          f"{'(baseline)':>12}")
+    print(f"{'live export, TP=2 (gloo gather)':<34} {tp2['live']:>8.2f} {tp_gb / tp2['live']:>7.2f} "
+          f"{tp2['memcpy'] / tp2['live']:>11.2f}x")
     assert exported == nbytes, (exported, nbytes)
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)

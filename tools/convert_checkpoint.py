@@ -4,6 +4,9 @@
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype bfloat16]
     python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4]
 
+Conversions hold about one decoder layer beyond their inputs (hf-to-mcore: beyond the
+model it writes) and show a progress bar in bytes/s on stderr (--no-progress: none).
+
 Run each as one process (not under torchrun). Inputs are validated before any work starts,
 and outputs appear under their final name only when complete. The Megatron checkpoint loads
 at any pipeline size and at every tensor-parallel size dividing model.vocab_pad_tp (8).
@@ -36,12 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf", required=True)
     p.add_argument("--mcore", required=True)
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest relative logit difference allowed")
+    for p in sub.choices.values():
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    show = not args.no_progress
     try:
         if args.command == "hf-to-mcore":
-            print(f"wrote {hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.dtype)}")
+            print(f"wrote {hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.dtype, progress=show)}")
         elif args.command == "mcore-to-hf":
-            print(f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype)}")
+            print(f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, progress=show)}")
         else:
             result = verify(args.hf, args.mcore)
             ok = result["max_rel"] <= args.tolerance

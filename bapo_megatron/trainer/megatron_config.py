@@ -55,6 +55,9 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
     """Megatron's TransformerConfig for `spec` under our model and parallel settings.
 
     initialize=False skips the random initialisation of weights that are about to be loaded.
+    Megatron's own switch for that (perform_initialization=False) also skips marking the
+    parameters tensor-parallel, which breaks TP gathers and grad-norm de-duplication at
+    TP > 1; so the initialisation runs, with init methods that leave the memory as it is.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -94,11 +97,15 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         # Unused by dense models, but 0.16.1 rejects its default ("allgather") with variable lengths.
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not torch.cuda.is_available(),
-        perform_initialization=initialize,
+        **({} if initialize else {"init_method": _leave_as_is, "output_layer_init_method": _leave_as_is}),
         # Fusions need CUDA kernels; on CPU (local spec) they must all be off.
         **_fusions(model.transformer_impl == "transformer_engine"),
         **fp8,
     )
+
+
+def _leave_as_is(weight: torch.Tensor) -> None:
+    """An init method that does nothing: the weights are loaded right after the model is built."""
 
 
 def _fusions(enabled: bool) -> dict:

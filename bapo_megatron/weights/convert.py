@@ -15,10 +15,19 @@ import torch
 
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.trainer.model_spec import ModelSpec, check_layout
-from bapo_megatron.weights.hf_io import HFCheckpoint, atomic_directory, write_hf_checkpoint
-from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
+from bapo_megatron.weights import sglang_shards
+from bapo_megatron.weights.hf_io import (
+    MAX_SHARD_BYTES,
+    HFCheckpoint,
+    atomic_directory,
+    finish_hf_checkpoint,
+    hf_entries,
+    hf_writer,
+)
+from bapo_megatron.weights.layout import EXTRA_STATE, hf_layer_to_megatron, pad_vocab
+from bapo_megatron.weights.mcore_io import HF_CONFIG, McoreCheckpoint
+from bapo_megatron.weights.safetensors_stream import ByteProgress, StreamingWriter, plan_files
 
-HF_CONFIG = "hf_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,9 +55,14 @@ def _model(spec: ModelSpec):
                               initialize=False).eval()  # every weight is loaded right after
 
 
-def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str = "float32") -> Path:
+def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str = "float32",
+                progress: bool = True) -> Path:
     """A Megatron dist checkpoint of a HF checkpoint, loadable by the trainer at any PP and at every
-    TP dividing model.vocab_pad_tp (8); `tp` and `pp` are checked against the model's shape."""
+    TP dividing model.vocab_pad_tp (8); `tp` and `pp` are checked against the model's shape.
+
+    The HF shards are memory-mapped and copied into the model one layer at a time; the model
+    itself is the output, which dist_checkpointing writes in one save.
+    """
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.checkpoint import save_model
 
@@ -57,12 +71,26 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
     _megatron_world_of_one()
-    model = _model(hf.spec)
-    padded = mc.padded_vocab(hf.spec, ModelConfig(), ParallelConfig())
-    state = {k: v.to(DTYPES[dtype]) for k, v in hf_to_megatron(hf.spec, hf, padded).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or any(not k.endswith("_extra_state") for k in missing):
-        raise RuntimeError(f"layout map and model disagree: missing {missing}, unexpected {unexpected}")
+    spec = hf.spec
+    model = _model(spec).to(DTYPES[dtype])
+    params = {k: v for k, v in model.state_dict().items() if not k.endswith(EXTRA_STATE)}
+    padded = mc.padded_vocab(spec, ModelConfig(), ParallelConfig())
+    groups = [lambda: [("embedding.word_embeddings.weight", pad_vocab(hf["model.embed_tokens.weight"], padded))]]
+    groups += [lambda i=i: hf_layer_to_megatron(spec, i, hf) for i in range(spec.num_layers)]
+    groups.append(lambda: [("decoder.final_layernorm.weight", hf["model.norm.weight"])]
+                  + ([] if spec.tie_embeddings else [("output_layer.weight", pad_vocab(hf["lm_head.weight"], padded))]))
+    written: set[str] = set()
+    size = sum(t.numel() * t.element_size() for t in params.values())
+    with ByteProgress(size, "hf-to-mcore", progress) as bar:
+        for group in groups:
+            for name, tensor in group():
+                if name not in params or name in written:
+                    raise RuntimeError(f"layout map and model disagree at {name}")
+                params[name].copy_(tensor)
+                written.add(name)
+                bar.update(tensor.numel() * params[name].element_size())
+    if written != set(params):
+        raise RuntimeError(f"layout map left {sorted(set(params) - written)[:3]} unset")
     out = Path(out)
     save_model([model], out)
     (out / HF_CONFIG).write_text(json.dumps(hf.config, indent=2))
@@ -78,32 +106,50 @@ def load_mcore_state(mcore_dir: str | Path, spec: ModelSpec) -> dict[str, torch.
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def _mcore_spec(mcore_dir: Path, template: Path | None) -> tuple[ModelSpec, dict]:
-    source = mcore_dir / HF_CONFIG if (mcore_dir / HF_CONFIG).is_file() else None
-    if source is None and template is not None:
-        source = template / "config.json"
-    if source is None or not source.is_file():
-        raise ValueError(f"{mcore_dir}: no {HF_CONFIG}; pass --hf-template DIR with the model's config.json")
-    config = json.loads(source.read_text())
-    return ModelSpec.from_hf_config(config), config
-
-
 def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path | None = None,
-                dtype: str = "bfloat16") -> Path:
-    """safetensors shards (<= 5 GB), index, config.json and the template's tokenizer files."""
-    mcore_dir = Path(mcore_dir)
+                dtype: str = "bfloat16", sglang_tp: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+                progress: bool = True) -> Path:
+    """safetensors shards (<= max_shard_bytes), index, config.json and the template's tokenizer files;
+    with sglang_tp, per-rank files for SGLang's sharded_state loader instead.
+
+    Streams: one decoder layer is read from the checkpoint, renamed, written to its place in
+    the output files and dropped before the next is read.
+    """
     template = Path(hf_template) if hf_template else None
-    if not (mcore_dir / "metadata.json").is_file():
-        raise ValueError(f"{mcore_dir}: not a complete Megatron dist checkpoint (no metadata.json)")
-    spec, config = _mcore_spec(mcore_dir, template)
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
     _megatron_world_of_one()
-    state = load_mcore_state(mcore_dir, spec)
-    tensors = {k: v.to(DTYPES[dtype]) for k, v in megatron_to_hf(spec, state).items()}
-    config = {**config, "torch_dtype": dtype}
+    source = McoreCheckpoint(mcore_dir, template)
+    spec, torch_dtype = source.spec, DTYPES[dtype]
+    if sglang_tp is not None:
+        sglang_shards.check_sglang_tp(spec, sglang_tp)
+    config = {**source.config, "torch_dtype": dtype}
     with atomic_directory(out) as tmp:
-        write_hf_checkpoint(tensors, tmp, config, template)
+        if sglang_tp is None:
+            writers = [hf_writer(tmp, hf_entries(spec, torch_dtype), max_shard_bytes)]
+        else:
+            entries = sglang_shards.rank_entries(spec, sglang_tp, torch_dtype)
+            writers = [StreamingWriter(tmp, plan_files(entries, max_shard_bytes,
+                                                       lambda i, n, r=r: sglang_shards.PATTERN.format(rank=r, part=i)))
+                       for r in range(sglang_tp)]
+        total = sum(w.total_bytes for w in writers)
+        with ByteProgress(total, "mcore-to-hf", progress) as bar:
+            for w in writers:
+                w.progress = bar
+            for group in source.hf_groups():
+                if sglang_tp is None:
+                    for name, tensor in group.items():
+                        writers[0].write(name, tensor)
+                    continue
+                for rank, writer in enumerate(writers):
+                    for name, tensor in sglang_shards.rank_tensors(spec, group, sglang_tp, rank).items():
+                        writer.write(name, tensor)
+        if sglang_tp is None:
+            finish_hf_checkpoint(tmp, writers[0], config, template)
+        else:
+            for w in writers:
+                w.close()
+            finish_hf_checkpoint(tmp, None, config, template)
     return Path(out)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from bapo_megatron.trainer.model_spec import ModelSpec
+from bapo_megatron.weights.safetensors_stream import ByteProgress, StreamingWriter, TensorEntry, plan_files
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -25,24 +26,32 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor a HF checkpoint of `spec` holds, with its shape (lm_head absent when tied)."""
+    """Every tensor a HF checkpoint of `spec` holds, with its shape, in loading order: embedding,
+    layers in order, final norm, lm_head (absent when tied)."""
     d, hd, kv = spec.hidden_size, spec.head_dim, spec.num_kv_heads * spec.head_dim
-    shapes = {"model.embed_tokens.weight": (spec.vocab_size, d), "model.norm.weight": (d,)}
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, d)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         shapes.update({
-            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (spec.num_heads * hd, d), p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, spec.num_heads * hd),
-            p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, d), p + "mlp.up_proj.weight": (spec.ffn_hidden_size, d),
-            p + "mlp.down_proj.weight": (d, spec.ffn_hidden_size),
+            p + "input_layernorm.weight": (d,), p + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
+            p + "self_attn.k_proj.weight": (kv, d), p + "self_attn.v_proj.weight": (kv, d),
         })
         if spec.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (spec.num_heads * hd,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        shapes.update({
+            p + "self_attn.o_proj.weight": (d, spec.num_heads * hd), p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, d), p + "mlp.up_proj.weight": (spec.ffn_hidden_size, d),
+            p + "mlp.down_proj.weight": (d, spec.ffn_hidden_size),
+        })
+    shapes["model.norm.weight"] = (d,)
     if not spec.tie_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, d)
     return shapes
+
+
+def hf_entries(spec: ModelSpec, dtype: torch.dtype) -> list[TensorEntry]:
+    return [TensorEntry(name, shape, dtype) for name, shape in expected_shapes(spec).items()]
 
 
 class HFCheckpoint:
@@ -120,32 +129,34 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     os.replace(tmp, out)
 
 
-def write_hf_checkpoint(tensors: Mapping[str, torch.Tensor], directory: Path, config: dict,
-                        template: Path | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-    """safetensors shards of at most max_shard_bytes, the index, config.json and tokenizer files."""
-    from safetensors.torch import save_file
+def hf_writer(directory: Path, entries: list[TensorEntry], max_shard_bytes: int = MAX_SHARD_BYTES,
+              progress: ByteProgress | None = None) -> StreamingWriter:
+    """A StreamingWriter for the HF shard files of `entries` (model.safetensors or model-0000i-of-0000N)."""
+    files = plan_files(entries, max_shard_bytes,
+                       lambda i, n: SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+    return StreamingWriter(directory, files, progress=progress)
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.contiguous()
-        size += nbytes
-    weight_map = {}
-    total = len(shards)
-    for i, shard in enumerate(shards):
-        file = SINGLE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-        save_file(shard, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    if total > 1:
-        total_size = sum(t.numel() * t.element_size() for t in tensors.values())
-        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total_size},
-                                                   "weight_map": weight_map}, indent=2))
+
+def finish_hf_checkpoint(directory: Path, writer: StreamingWriter | None, config: dict,
+                         template: Path | None) -> None:
+    """Close the shards; write the index (several shards), config.json and the template's tokenizer files."""
+    if writer is not None:
+        writer.close()
+    if writer is not None and len(set(writer.weight_map.values())) > 1:
+        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": writer.total_bytes},
+                                                   "weight_map": writer.weight_map}, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if template is not None:
         for name in TOKENIZER_FILES:
             if (template / name).is_file():
                 shutil.copy2(template / name, directory / name)
+
+
+def write_hf_checkpoint(tensors: Mapping[str, torch.Tensor], directory: Path, config: dict,
+                        template: Path | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """safetensors shards of at most max_shard_bytes, the index, config.json and tokenizer files."""
+    writer = hf_writer(directory, [TensorEntry(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
+                       max_shard_bytes)
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)
+    finish_hf_checkpoint(directory, writer, config, template)

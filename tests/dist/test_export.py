@@ -34,6 +34,19 @@ def _export(rank: int, world: int, root: str, name: str) -> None:
     cfg = load_config(None, ["parallel.tensor=2", "parallel.pipeline=2"])
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
     load_model(trainer.model, root / f"{name}-mcore")
+    # A model built to be loaded (no random init) carries the same tensor-parallel marks the gathers read.
+    from bapo_megatron.trainer import megatron_config as mc
+    from bapo_megatron.trainer.checkpoint import unwrap
+
+    live = unwrap(trainer.model[0])
+    bare = mc.build_gpt_model(spec, cfg.model, cfg.parallel, pre_process=live.pre_process,
+                              post_process=live.post_process, initialize=False)
+
+    def marks(model):
+        return {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
+                for n, p in model.named_parameters()}
+
+    assert marks(bare) == marks(live) and any(m[0] for m in marks(bare).values())
     names, sizes, tensors = [], [], {}
     for bucket in stream_hf_buckets(trainer.model, spec, trainer.info, bucket_bytes=BUCKET_BYTES):
         sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))

@@ -1,0 +1,157 @@
+"""tools/reshard.py: a checkpoint saved by a TP=2 x PP=2 trainer to HF and to SGLang's per-rank layout.
+
+The HF output is bitwise the original model (read one layer at a time from the resharded
+dist checkpoint). The SGLang pre-split output is checked rank by rank against shards cut
+straight from the original HF tensors, and merged back into them exactly.
+"""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.launch import run_workers
+from tests.dist.test_convert import make_hf_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+NAME = "qwen2-gqa2"  # 4 heads, 2 key/value heads, QKV bias, untied, vocab 250 (padded)
+
+
+def _resave_at(rank: int, world: int, root: str, tp: int, pp: int) -> None:
+    from bapo_megatron.config import load_config
+    from bapo_megatron.trainer.checkpoint import load_model, save_model
+    from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+    from bapo_megatron.trainer.model_spec import ModelSpec
+    from bapo_megatron.trainer.parallel import init_model_parallel
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    activate_cpu_shim()
+    root = Path(root)
+    spec = ModelSpec.from_hf_dir(root / NAME)
+    cfg = load_config(None, [f"parallel.tensor={tp}", f"parallel.pipeline={pp}"])
+    trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
+    load_model(trainer.model, root / "mcore")
+    save_model(trainer.model, root / "trained")
+
+
+def _convert(rank: int, world: int, root: str) -> None:
+    import convert_checkpoint as cli
+
+    root = Path(root)
+    assert cli.main(["hf-to-mcore", "--hf", str(root / NAME), "--out", str(root / "mcore"), "--no-progress"]) == 0
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A HF model, and a dist checkpoint of it saved by the trainer at TP=2 x PP=2 (no hf_config.json)."""
+    root = tmp_path_factory.mktemp("reshard")
+    model = make_hf_model(root, NAME)
+    run_workers(_convert, 1, str(root))
+    run_workers(_resave_at, 4, str(root), 2, 2)
+    return root, model.state_dict()
+
+
+def _read(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in directory.glob("*.safetensors"):
+        out.update(load_file(str(file)))
+    return out
+
+
+def test_trainer_checkpoint_to_hf_bitwise(saved, tmp_path):
+    import reshard
+
+    root, original = saved
+    out = tmp_path / "hf"
+    assert reshard.main(["--mcore", str(root / "trained"), "--out", str(out), "--hf-template", str(root / NAME),
+                         "--dtype", "float32", "--max-shard-gb", "0.0002", "--no-progress"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and (out / "tokenizer.json").is_file()
+    tensors = _read(out)
+    assert set(tensors) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
+def _expected_rank(original: dict, rank: int, tp: int, kv_heads: int, head_dim: int, heads: int, vocab: int):
+    """Rank `rank`'s tensors for layer 0 and the embedding, cut directly from the HF tensors."""
+    from bapo_megatron.weights.sglang_shards import padded_vocab
+
+    q = original["model.layers.0.self_attn.q_proj.weight"]
+    k, v = original["model.layers.0.self_attn.k_proj.weight"], original["model.layers.0.self_attn.v_proj.weight"]
+    q_rows = heads // tp * head_dim
+    kv_head = [rank * kv_heads // tp] if tp >= kv_heads else list(range(rank * kv_heads // tp,
+                                                                         (rank + 1) * kv_heads // tp))
+    kv_rows = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in kv_head])
+    qkv = torch.cat([q[rank * q_rows:(rank + 1) * q_rows], k[kv_rows], v[kv_rows]])
+    per = padded_vocab(vocab, tp) // tp
+    embed = torch.zeros(per, q.shape[1])
+    part = original["model.embed_tokens.weight"][rank * per:(rank + 1) * per]
+    embed[: part.shape[0]] = part
+    return qkv, embed
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sglang_presplit(saved, tmp_path, tp):
+    import reshard
+
+    from safetensors.torch import load_file
+
+    from bapo_megatron.trainer.model_spec import ModelSpec
+    from bapo_megatron.weights.sglang_shards import merge_ranks, rank_entries
+
+    root, original = saved
+    spec = ModelSpec.from_hf_dir(root / NAME)
+    out = tmp_path / "sglang"
+    assert reshard.main(["--mcore", str(root / "trained"), "--out", str(out), "--hf-template", str(root / NAME),
+                         "--dtype", "float32", "--sglang-tp", str(tp), "--no-progress"]) == 0
+    ranks = []
+    for rank in range(tp):
+        files = sorted(out.glob(f"model-rank-{rank}-part-*.safetensors"))
+        assert [f.name for f in files] == [f"model-rank-{rank}-part-0.safetensors"]
+        tensors = load_file(str(files[0]))
+        assert {n: tuple(t.shape) for n, t in tensors.items()} == {
+            e.name: e.shape for e in rank_entries(spec, tp, torch.float32)}
+        qkv, embed = _expected_rank(original, rank, tp, spec.num_kv_heads, spec.head_dim, spec.num_heads,
+                                    spec.vocab_size)
+        assert torch.equal(tensors["model.layers.0.self_attn.qkv_proj.weight"], qkv)
+        assert torch.equal(tensors["model.embed_tokens.weight"], embed)
+        ranks.append(tensors)
+    merged = merge_ranks(spec, ranks)
+    assert set(merged) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(merged[name], tensor), name
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+def test_reshard_bad_input(saved, tmp_path, capsys):
+    import reshard
+
+    root, _ = saved
+    args = ["--hf-template", str(root / NAME), "--no-progress"]
+    assert reshard.main(["--mcore", str(root / "trained"), "--out", str(tmp_path / "a"), "--sglang-tp", "3", *args]) == 2
+    assert "SGLang TP 3 must divide the 4 attention heads" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "a.tmp").exists()
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "trained", broken)
+    (broken / "metadata.json").unlink()
+    assert reshard.main(["--mcore", str(broken), "--out", str(tmp_path / "b"), *args]) == 2
+    assert "not a complete Megatron dist checkpoint (no metadata.json)" in capsys.readouterr().err
+    other = tmp_path / "other"
+    shutil.copytree(root / NAME, other)
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] = 6
+    (other / "config.json").write_text(json.dumps(config))
+    assert reshard.main(["--mcore", str(root / "trained"), "--out", str(tmp_path / "c"), "--hf-template", str(other),
+                         "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "layer_norm_weight has shape (4, 64), the model's config implies (6, 64)" in err, err
+    assert not (tmp_path / "c").exists()
+    assert reshard.main(["--mcore", str(root / "trained"), "--out", str(root / NAME), *args]) == 2
+    assert "exists already" in capsys.readouterr().err
