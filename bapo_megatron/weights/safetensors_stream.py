@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -100,7 +101,10 @@ class StreamingWriter:
             self.progress.update(entry.nbytes)
 
     def close(self) -> None:
+        """Flush every file to disk (the directory is renamed into place next, so it must be durable)."""
         for handle in self._handles:
+            handle.flush()
+            os.fsync(handle.fileno())
             handle.close()
         missing = sorted(set(self._slots) - self._written)
         if missing:

@@ -1,0 +1,158 @@
+"""Async HTTP client for one SGLang server (or the embedded engine): generation, control, weights.
+
+Every call names the server and endpoint in its errors. Timeouts, refused connections and
+5xx answers are retried with exponential backoff up to `retries` times, then raised as
+EngineUnavailable (the caller drops the server and resubmits its requests elsewhere); 4xx
+answers are raised at once as EngineError with the server's message. A /generate retry
+first aborts the request id on the server, so a request is never generating twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from bapo_megatron.rollout import protocol
+from bapo_megatron.rollout.protocol import Completion, SamplingParams
+
+
+class EngineError(RuntimeError):
+    """The engine refused a request (4xx) or answered it with a failure."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.url, self.status = url, status
+
+
+class EngineUnavailable(ConnectionError):
+    """The engine did not answer (refused, timed out, or 5xx) after the retries."""
+
+
+class EngineClient:
+    def __init__(self, base_url: str, admin_key: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.admin_key, self.api_key = admin_key, api_key
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self._session = None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self):
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
+
+    def _headers(self, path: str) -> dict[str, str]:
+        key = (self.admin_key or self.api_key) if path in protocol.ADMIN_ENDPOINTS else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def request(self, path: str, body: dict | None = None, method: str = "POST",
+                      retry: bool = True) -> Any:
+        """One call; JSON (or None for an empty body) back. Retries as the module says."""
+        import aiohttp
+
+        url = self.base_url + path
+        attempts = 1 + (self.retries if retry else 0)
+        last: Exception | None = None
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                async with self._http().request(method, url, json=body, headers=self._headers(path)) as resp:
+                    text = await resp.text()
+                    if resp.status >= 500:
+                        last = EngineError(url, resp.status, text[:500])
+                        continue
+                    if resp.status >= 400:
+                        raise EngineError(url, resp.status, text[:500])
+                    if not text:
+                        return None
+                    try:
+                        return await resp.json(content_type=None)
+                    except ValueError:
+                        raise protocol.MalformedResponse(f"{url}: not JSON: {text[:200]!r}") from None
+            except (TimeoutError, aiohttp.ClientConnectionError) as err:
+                last = err
+        raise EngineUnavailable(f"{url}: no answer after {attempts} attempt(s): {last}")
+
+    # -- generation -----------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Completion:
+        body = protocol.generate_request(input_ids, sampling, rid)
+        for attempt in range(self.retries + 1):
+            try:
+                result = await self.request("/generate", body, retry=False)
+                return protocol.parse_generate_response(result, rid)
+            except EngineUnavailable:
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                with contextlib.suppress(EngineUnavailable, EngineError):  # never let it generate twice
+                    await self.abort(rid)
+        raise AssertionError("unreachable")
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (its /generate call returns the partial output), or every request."""
+        await self.request("/abort_request", {"rid": rid} if rid else {"abort_all": True}, retry=False)
+
+    async def pause(self, mode: str = "abort") -> None:
+        if mode not in protocol.PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {protocol.PAUSE_MODES}, got {mode!r}")
+        await self.request("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self.request("/continue_generation", {})
+
+    async def health(self) -> bool:
+        try:
+            await self.request("/health", method="GET", retry=False)
+            return True
+        except (EngineUnavailable, EngineError):
+            return False
+
+    async def model_info(self) -> dict:
+        return await self.request("/model_info", method="GET")
+
+    # -- weights --------------------------------------------------------------------------
+    async def _checked(self, path: str, body: dict) -> str:
+        result = await self.request(path, body, retry=False)
+        if isinstance(result, dict) and result.get("success") is False:
+            raise EngineError(self.base_url + path, 200, str(result.get("message")))
+        return str((result or {}).get("message", ""))
+
+    async def begin_weight_update(self) -> None:
+        await self._checked("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> None:
+        await self._checked("/end_weight_update", {})
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = protocol.DEFAULT_GROUP,
+                                        backend: str = "nccl") -> None:
+        await self._checked("/init_weights_update_group", protocol.init_group_request(
+            master_address, master_port, rank_offset, world_size, group_name, backend))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              version: str, group_name: str = protocol.DEFAULT_GROUP) -> None:
+        """Announce one bucket; the caller broadcasts its tensors, in this order, while this call waits."""
+        await self._checked("/update_weights_from_distributed",
+                            protocol.update_distributed_request(names, dtypes, shapes, version, group_name))
+
+    async def update_weights_from_disk(self, model_path: str, version: str) -> None:
+        await self._checked("/update_weights_from_disk", protocol.update_disk_request(model_path, version))
+
+    async def update_weight_version(self, version: str, abort_all_requests: bool = False) -> None:
+        await self._checked("/update_weight_version", {"new_version": version,
+                                                       "abort_all_requests": abort_all_requests})

@@ -1,0 +1,331 @@
+"""The embedded engine: SGLang's HTTP subset, served on CPU for the demo, tests and CI.
+
+    python -m bapo_megatron.rollout.embedded --model HF_DIR --port 30000 [--host 127.0.0.1]
+
+Same payloads as SGLang 0.5.23 (rollout/protocol.py): /generate with logprobs,
+/abort_request, /pause_generation (abort | retract | in_place), /continue_generation,
+/health, /health_generate, /ready, /model_info, /begin_weight_update, /end_weight_update,
+/init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed
+(gloo; the trainer is rank 0), /update_weights_from_disk (safetensors only),
+/update_weight_version.
+
+Security as SGLang's: it listens on loopback unless --host names an interface, and then
+refuses to start without an admin key. With an admin key (BAPO_ADMIN_API_KEY, or
+--admin-api-key-file), the control endpoints answer 401 unless the request carries
+`Authorization: Bearer KEY`; with an API key (BAPO_API_KEY), so do the others (health aside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import secrets
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+
+from bapo_megatron.rollout import protocol
+from bapo_megatron.rollout.engine_core import EngineCore, Request
+
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def authorized(path: str, header: str | None, api_key: str | None, admin_key: str | None) -> bool:
+    """SGLang's rule: control endpoints need the admin key when one is set (else the API key when
+    that is set); other endpoints need the API key when set; health and readiness are open."""
+    if path.startswith(OPEN_PATHS):
+        return True
+
+    def bearer(expected: str) -> bool:
+        parts = (header or "").split(" ", 1)
+        return len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1], expected)
+
+    if path in protocol.ADMIN_ENDPOINTS:
+        key = admin_key or api_key
+        return key is None or bearer(key)
+    return api_key is None or bearer(api_key)
+
+
+class EmbeddedServer:
+    """The HTTP front of an EngineCore; the model runs in a worker thread, one step at a time."""
+
+    def __init__(self, core: EngineCore, api_key: str | None = None, admin_key: str | None = None) -> None:
+        self.core = core
+        self.api_key, self.admin_key = api_key, admin_key
+        self.paused = False
+        self.session_open = False
+        self.groups: dict[str, object] = {}
+        self._wake = asyncio.Event()
+        self._model_lock = asyncio.Lock()
+        self._loop_task: asyncio.Task | None = None
+
+    # -- app ------------------------------------------------------------------------------
+    def app(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def auth(request, handler):
+            if not authorized(request.path, request.headers.get("Authorization"), self.api_key, self.admin_key):
+                return web.json_response({"error": "unauthorized"}, status=401)
+            return await handler(request)
+
+        app = web.Application(middlewares=[auth], client_max_size=1 << 30)
+        get = {"/health": self.health, "/health_generate": self.health, "/ready": self.health,
+               "/model_info": self.model_info, "/get_model_info": self.model_info}
+        post = {"/generate": self.generate, "/abort_request": self.abort, "/pause_generation": self.pause,
+                "/continue_generation": self.resume, "/begin_weight_update": self.begin_update,
+                "/end_weight_update": self.end_update, "/init_weights_update_group": self.init_group,
+                "/destroy_weights_update_group": self.destroy_group,
+                "/update_weights_from_distributed": self.update_from_distributed,
+                "/update_weights_from_disk": self.update_from_disk, "/update_weight_version": self.set_version}
+        for path, handler in get.items():
+            app.router.add_get(path, handler)
+        for path, handler in post.items():
+            app.router.add_post(path, _guarded(handler))
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app) -> None:
+        self._loop_task = asyncio.create_task(self._run())
+
+    async def _stop(self, app) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            if self.paused or not self.core.busy:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._model_lock:
+                await asyncio.to_thread(self.core.step)
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    # -- generation -----------------------------------------------------------------------
+    async def generate(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        if not isinstance(body, dict) or "input_ids" not in body or body.get("text") is not None:
+            raise ValueError("the embedded engine takes input_ids (token ids), not text")
+        if body.get("stream"):
+            raise ValueError("stream=true is not supported by the embedded engine")
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("input_ids must be one list of token ids (batches: one request each)")
+        sampling = protocol.SamplingParams.from_json(body.get("sampling_params") or {})
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def finished(r: Request) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
+
+        rid = body.get("rid") or uuid.uuid4().hex
+        async with self._model_lock:  # the request lists change between steps only
+            self.core.add(Request(rid, ids, sampling, on_finish=finished))
+        self._poke()
+        r = await done
+        return web.json_response(protocol.generate_response(
+            r.rid, r.output_ids, r.logprobs, r.finish, len(r.input_ids), self.core.version,
+            [tuple(s) for s in r.spans]))
+
+    async def abort(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        async with self._model_lock:  # not in the middle of a step
+            self.core.abort(None if body.get("abort_all") else body.get("rid"))
+        return web.Response(status=200)
+
+    async def pause(self, request):
+        from aiohttp import web
+
+        mode = (await request.json()).get("mode", "abort")
+        if mode not in protocol.PAUSE_MODES:
+            raise ValueError(f"mode must be one of {protocol.PAUSE_MODES}, got {mode!r}")
+        self.paused = True
+        async with self._model_lock:
+            if mode == "abort":
+                self.core.abort(None)
+            elif mode == "retract":
+                self.core.drop_caches()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request):
+        from aiohttp import web
+
+        self.paused = False
+        self._poke()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def health(self, request):
+        from aiohttp import web
+
+        return web.Response(status=200)
+
+    async def model_info(self, request):
+        from aiohttp import web
+
+        return web.json_response({"model_path": self.core.model_dir, "weight_version": self.core.version,
+                                  "is_generation": True})
+
+    # -- weights --------------------------------------------------------------------------
+    async def begin_update(self, request):
+        self.session_open = True
+        return _ok("weight-update session open")
+
+    async def end_update(self, request):
+        self.session_open = False
+        return _ok("weight-update session closed")
+
+    def _need_session(self) -> None:
+        if not self.session_open:
+            raise ValueError("no weight-update session: call /begin_weight_update first (SGLang >= 0.5.21)")
+
+    async def init_group(self, request):
+        body = await request.json()
+        if body.get("backend", "gloo") != "gloo":
+            raise ValueError(f"the embedded engine joins gloo groups only, not {body.get('backend')!r}")
+        name = body.get("group_name", protocol.DEFAULT_GROUP)
+        self.groups[name] = await asyncio.to_thread(
+            join_group, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
+            int(body["world_size"]), name)
+        return _ok(f"joined {name}")
+
+    async def destroy_group(self, request):
+        name = (await request.json()).get("group_name", protocol.DEFAULT_GROUP)
+        self.groups.pop(name, None)
+        return _ok(f"left {name}")
+
+    async def update_from_distributed(self, request):
+        body = await request.json()
+        self._need_session()
+        name = body.get("group_name", protocol.DEFAULT_GROUP)
+        if name not in self.groups:
+            raise ValueError(f"no weight-update group {name!r}: call /init_weights_update_group first")
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError("names, dtypes and shapes differ in length")
+        group = self.groups[name]
+
+        def receive() -> list[tuple[str, torch.Tensor]]:
+            out = []
+            for n, d, s in zip(names, dtypes, shapes, strict=True):
+                tensor = torch.empty(s, dtype=protocol.torch_dtype(d))
+                group.broadcast(tensor, root=0).wait()
+                out.append((n, tensor))
+            return out
+
+        async with self._model_lock:
+            tensors = await asyncio.to_thread(receive)  # every broadcast is joined before anything is checked
+            self.core.load_weights(tensors)
+            self._after_update(body)
+        return _ok(f"updated {len(tensors)} tensors")
+
+    async def update_from_disk(self, request):
+        from bapo_megatron.weights.hf_io import HFCheckpoint
+
+        body = await request.json()
+        checkpoint = await asyncio.to_thread(HFCheckpoint, body["model_path"])  # validated; safetensors only
+        async with self._model_lock:
+            count = self.core.load_weights((k, checkpoint[k]) for k in list(checkpoint.files))
+            self._after_update(body)
+        return _ok(f"loaded {count} tensors from {body['model_path']}")
+
+    def _after_update(self, body: dict) -> None:
+        if body.get("weight_version") is not None:
+            self.core.version = str(body["weight_version"])
+        if body.get("abort_all_requests"):
+            self.core.abort(None)
+        if body.get("flush_cache", True):
+            self.core.drop_caches()  # cached keys/values were computed with the old weights
+        self._poke()
+
+    async def set_version(self, request):
+        body = await request.json()
+        async with self._model_lock:
+            self.core.version = str(body["new_version"])
+            if body.get("abort_all_requests", True):
+                self.core.abort(None)
+        return _ok(f"weight version {self.core.version}")
+
+
+def _ok(message: str):
+    from aiohttp import web
+
+    return web.json_response({"success": True, "message": message})
+
+
+def _guarded(handler):
+    """Bad requests (missing fields, wrong values) answer 400 with the reason, as SGLang's do."""
+    from aiohttp import web
+
+    async def wrapped(request):
+        try:
+            return await handler(request)
+        except (ValueError, KeyError, TypeError) as err:
+            return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
+
+    return wrapped
+
+
+def join_group(address: str, port: int, rank: int, world_size: int, group_name: str):
+    """This engine's end of a weight-update group: gloo over a TCPStore under PrefixStore(group_name),
+    the rendezvous SGLang's init_custom_process_group uses (the trainer is rank 0 and hosts the store)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(address, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=300))
+    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size)
+
+
+def _key(env: str, file: str | None) -> str | None:
+    if file:
+        return Path(file).read_text().strip()
+    return os.environ.get(env) or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="HF model directory (safetensors)")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--admin-api-key-file", help="file holding the admin key (else $BAPO_ADMIN_API_KEY)")
+    parser.add_argument("--api-key-file", help="file holding the API key (else $BAPO_API_KEY)")
+    args = parser.parse_args(argv)
+    admin_key = _key("BAPO_ADMIN_API_KEY", args.admin_api_key_file)
+    api_key = _key("BAPO_API_KEY", args.api_key_file)
+    if not is_loopback(args.host) and admin_key is None:
+        print(f"error: --host {args.host} is not loopback: set an admin key (BAPO_ADMIN_API_KEY or "
+              "--admin-api-key-file) so that weight updates and pauses are protected", file=sys.stderr)
+        return 2
+    from aiohttp import web
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    server = EmbeddedServer(EngineCore(args.model, seed=args.seed, max_batch=args.max_batch), api_key, admin_key)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

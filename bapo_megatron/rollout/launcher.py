@@ -1,0 +1,93 @@
+"""Engine servers as subprocesses: start, wait for readiness (or fail with the log's tail), stop.
+
+Servers always run as separate processes: a failed in-process SGLang Engine start kills its
+caller, and the trainer and engine may use different Python environments.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One engine server process, its URL and its log file."""
+
+    def __init__(self, command: list[str], url: str, log_path: str | Path, env: dict[str, str] | None = None) -> None:
+        self.command, self.url, self.log_path = command, url.rstrip("/"), Path(log_path)
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        return self
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout_s: float = 300.0, path: str = "/health") -> ServerProcess:
+        """Poll until the server answers 200, the process exits, or the timeout passes (clear error)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise EngineStartError(f"engine server exited with code {self.process.returncode} before it was "
+                                       f"ready ({' '.join(self.command[:4])} ...); log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineStartError(f"engine server at {self.url} not ready after {timeout_s:.0f} s; "
+                                       f"log tail:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        """Kill at once (fault tests, a hung server)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def embedded_server(model_dir: str | Path, log_path: str | Path, port: int | None = None, host: str = "127.0.0.1",
+                    seed: int = 0, admin_key: str | None = None) -> ServerProcess:
+    """A (not yet started) embedded engine serving model_dir; the admin key travels in its environment."""
+    port = port or free_port(host)
+    command = [sys.executable, "-m", "bapo_megatron.rollout.embedded", "--model", str(model_dir),
+               "--port", str(port), "--host", host, "--seed", str(seed)]
+    env = {"BAPO_ADMIN_API_KEY": admin_key} if admin_key else {}
+    return ServerProcess(command, f"http://{host}:{port}", log_path, env)

@@ -1,0 +1,182 @@
+"""The HTTP subset of SGLang 0.5.23 that the trainer speaks, as plain payloads and parsers.
+
+One definition, used by the client (requests it sends, responses it parses) and by the
+embedded engine (requests it accepts, responses it produces). Field names are SGLang's
+(sglang/srt/managers/io_struct.py, entrypoints/http_server.py); tests/unit/test_conformance.py
+reads them from the released wheel and fails when ours drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Control endpoints: once a server has an admin key, only a request carrying it may call these
+# (SGLang marks them ADMIN_OPTIONAL). /generate and health/info endpoints are not among them.
+ADMIN_ENDPOINTS = frozenset({
+    "/abort_request", "/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
+    "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weight_version",
+    "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache",
+})
+FINISH_TYPES = ("stop", "length", "abort")
+PAUSE_MODES = ("abort", "retract", "in_place")
+DEFAULT_GROUP = "weight_update_group"
+
+
+class MalformedResponse(ValueError):
+    """An engine answered with a body that does not have the fields and types the protocol promises."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """SGLang sampling_params. max_new_tokens is always sent (SGLang's default is 128)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or (self.top_k == 0 or self.top_k < -1):
+            raise ValueError(f"invalid sampling params: temperature={self.temperature}, top_p={self.top_p}, "
+                             f"top_k={self.top_k}")
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                               "top_p": self.top_p, "top_k": self.top_k}
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.sampling_seed is not None:
+            out["sampling_seed"] = self.sampling_seed
+        return out
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> SamplingParams:
+        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed"}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unsupported field(s) {unknown}")
+        args = dict(body)
+        args.setdefault("max_new_tokens", 128)
+        if "stop_token_ids" in args:
+            args["stop_token_ids"] = tuple(args["stop_token_ids"] or ())
+        return cls(**args)
+
+
+def generate_request(input_ids: list[int], sampling: SamplingParams, rid: str) -> dict[str, Any]:
+    """POST /generate body: token ids in, per-token logprobs of the output back."""
+    return {"input_ids": list(input_ids), "sampling_params": sampling.to_json(), "return_logprob": True,
+            "logprob_start_len": -1, "rid": rid, "stream": False}
+
+
+@dataclass
+class Completion:
+    """One parsed /generate response."""
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish: str                     # stop | length | abort
+    weight_version: str | None = None
+    # [(version, start, end)] over output tokens, when the engine reports versions per span
+    version_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def token_versions(self) -> list[str | None]:
+        """The weight version each output token was sampled under."""
+        if not self.version_spans:
+            return [self.weight_version] * len(self.output_ids)
+        out: list[str | None] = [None] * len(self.output_ids)
+        for version, start, end in self.version_spans:
+            out[start:end] = [version] * (min(end, len(out)) - start)
+        return out
+
+
+def _need(container: dict, key: str, kinds, where: str):
+    if not isinstance(container, dict) or key not in container:
+        raise MalformedResponse(f"{where}: no '{key}'")
+    value = container[key]
+    if not isinstance(value, kinds):
+        raise MalformedResponse(f"{where}.{key}: expected {kinds}, got {type(value).__name__}")
+    return value
+
+
+def parse_generate_response(body: Any, rid: str) -> Completion:
+    """A /generate response (non-streaming, one request) as a Completion; MalformedResponse if it is not one."""
+    where = f"/generate response for {rid}"
+    if isinstance(body, list) and len(body) == 1:
+        body = body[0]
+    output_ids = _need(body, "output_ids", list, where)
+    meta = _need(body, "meta_info", dict, where)
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind not in FINISH_TYPES:
+        raise MalformedResponse(f"{where}.meta_info.finish_reason: expected a type in {FINISH_TYPES}, got {finish!r}")
+    triples = _need(meta, "output_token_logprobs", list, where + ".meta_info")
+    if len(triples) != len(output_ids):
+        raise MalformedResponse(f"{where}: {len(output_ids)} output ids but {len(triples)} output_token_logprobs")
+    logprobs = []
+    for i, (triple, token) in enumerate(zip(triples, output_ids, strict=True)):
+        if not isinstance(triple, list | tuple) or len(triple) < 2 or triple[1] != token:
+            raise MalformedResponse(f"{where}: output_token_logprobs[{i}] = {triple!r} does not match token {token}")
+        if not isinstance(triple[0], int | float):
+            raise MalformedResponse(f"{where}: output_token_logprobs[{i}] has no logprob ({triple[0]!r})")
+        logprobs.append(float(triple[0]))
+    spans = []
+    for span in meta.get("weight_versions") or []:
+        try:
+            spans.append((str(span["version"]), int(span["start"]), int(span["end"])))
+        except (KeyError, TypeError, ValueError):
+            raise MalformedResponse(f"{where}.meta_info.weight_versions: bad span {span!r}") from None
+    version = meta.get("weight_version")
+    return Completion(rid=str(meta.get("id", rid)), output_ids=[int(t) for t in output_ids], logprobs=logprobs,
+                      finish=kind, weight_version=None if version is None else str(version), version_spans=spans,
+                      prompt_tokens=int(meta.get("prompt_tokens", 0)))
+
+
+def generate_response(rid: str, output_ids: list[int], logprobs: list[float], finish: dict[str, Any],
+                      prompt_tokens: int, weight_version: str, spans: list[tuple[str, int, int]]) -> dict[str, Any]:
+    """The body the embedded engine answers /generate with (SGLang's shape, text left empty)."""
+    meta = {"id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens, "weight_version": weight_version,
+            "num_retractions": 0, "completion_tokens": len(output_ids), "cached_tokens": 0, "reasoning_tokens": 0,
+            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=True)],
+            "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans]}
+    return {"text": "", "output_ids": list(output_ids), "meta_info": meta}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the form update_weights_from_distributed takes (getattr(torch, name))."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def init_group_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                       group_name: str = DEFAULT_GROUP, backend: str = "nccl") -> dict[str, Any]:
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+def update_distributed_request(names: list[str], dtypes: list[str], shapes: list[list[int]], version: str,
+                               group_name: str = DEFAULT_GROUP, flush_cache: bool = True) -> dict[str, Any]:
+    return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": version}
+
+
+def update_disk_request(model_path: str, version: str, flush_cache: bool = True) -> dict[str, Any]:
+    return {"model_path": model_path, "weight_version": version, "flush_cache": flush_cache}

@@ -1,0 +1,154 @@
+"""The client against the embedded engine over real HTTP on localhost.
+
+Log-probs equal transformers' log_softmax(logits / T) for the sampled tokens; abort returns
+partial output; pause holds new requests until continue; weights from disk change the
+model; a keyed engine refuses unauthenticated control calls and changes nothing.
+"""
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+
+from bapo_megatron.rollout.client import EngineClient, EngineError
+from bapo_megatron.rollout.launcher import embedded_server
+from bapo_megatron.rollout.protocol import SamplingParams
+from tests.dist.test_convert import make_hf_model
+
+pytestmark = pytest.mark.e2e
+NAME = "qwen2-gqa2"
+ADMIN = "s3cret-admin-key"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    make_hf_model(root, NAME)
+    return root / NAME
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    proc = embedded_server(model_dir, tmp_path_factory.mktemp("logs") / "engine.log").start().wait_ready(120)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(model_dir, tmp_path_factory):
+    proc = embedded_server(model_dir, tmp_path_factory.mktemp("logs") / "keyed.log",
+                           admin_key=ADMIN).start().wait_ready(120)
+    yield proc
+    proc.stop()
+
+
+def _reference_logprobs(model_dir, prompt, output, temperature):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def test_generation_logprobs_match_transformers(server, model_dir):
+    prompts = [[5, 9, 17], [3, 1, 4, 1, 5, 9, 2, 6], [100, 200], [7] * 12]
+    lengths = [24, 6, 40, 15]
+
+    async def run():
+        async with EngineClient(server.url) as client:
+            sampling = [SamplingParams(max_new_tokens=n, temperature=0.7, ignore_eos=True) for n in lengths]
+            return await asyncio.gather(*(client.generate(p, s, f"r{i}")
+                                          for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))))
+
+    results = asyncio.run(run())
+    for prompt, n, result in zip(prompts, lengths, results, strict=True):
+        assert result.finish == "length" and len(result.output_ids) == n
+        assert result.token_versions() == ["0"] * n
+        want = _reference_logprobs(model_dir, prompt, result.output_ids, 0.7)
+        torch.testing.assert_close(torch.tensor(result.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_abort_returns_partial_output_and_pause_holds_requests(server):
+    async def run():
+        async with EngineClient(server.url) as client:
+            long = asyncio.create_task(client.generate([1, 2, 3], SamplingParams(max_new_tokens=5000, ignore_eos=True),
+                                                       "long"))
+            await asyncio.sleep(1.0)
+            await client.abort("long")
+            partial = await long
+            await client.pause("in_place")
+            held = asyncio.create_task(client.generate([4, 5], SamplingParams(max_new_tokens=4), "held"))
+            await asyncio.sleep(0.5)
+            was_done = held.done()
+            await client.resume()
+            return partial, was_done, await held
+
+    partial, was_done, held = asyncio.run(run())
+    assert partial.finish == "abort" and 0 < len(partial.output_ids) < 5000
+    assert len(partial.logprobs) == len(partial.output_ids)
+    assert not was_done and held.finish in ("length", "stop") and len(held.output_ids) >= 1
+
+
+def test_weights_from_disk_and_version(server, model_dir, tmp_path):
+    new_dir = tmp_path / "new"
+    shutil.copytree(model_dir, new_dir)
+    from safetensors.torch import load_file, save_file
+
+    for file in new_dir.glob("*.safetensors"):
+        tensors = {k: v * 1.5 if "proj" in k else v for k, v in load_file(str(file)).items()}
+        save_file(tensors, str(file), metadata={"format": "pt"})
+
+    async def run():
+        async with EngineClient(server.url) as client:
+            await client.update_weights_from_disk(str(new_dir), "7")
+            info = await client.model_info()
+            result = await client.generate([8, 9, 10], SamplingParams(max_new_tokens=8, temperature=1.0,
+                                                                      ignore_eos=True), "after")
+            await client.update_weights_from_disk(str(model_dir), "8")  # back, for the other tests
+            return info, result
+
+    info, result = asyncio.run(run())
+    assert info["weight_version"] == "7" and result.weight_version == "7"
+    want = _reference_logprobs(new_dir, [8, 9, 10], result.output_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(result.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_distributed_update_needs_a_session(server):
+    async def run():
+        async with EngineClient(server.url) as client:
+            with pytest.raises(EngineError, match="begin_weight_update first"):
+                await client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]], "9")
+
+    asyncio.run(run())
+
+
+def test_keyed_engine_refuses_unauthenticated_control(keyed, model_dir, tmp_path):
+    broken = tmp_path / "zeros"
+    shutil.copytree(model_dir, broken)
+    from safetensors.torch import load_file, save_file
+
+    for file in broken.glob("*.safetensors"):
+        save_file({k: torch.zeros_like(v) for k, v in load_file(str(file)).items()}, str(file))
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def run():
+        async with EngineClient(keyed.url) as anonymous, EngineClient(keyed.url, admin_key="wrong") as wrong, \
+                EngineClient(keyed.url, admin_key=ADMIN) as admin:
+            before = await anonymous.generate([3, 4, 5], sampling, "a")  # generation is not a control endpoint
+            for client in (anonymous, wrong):
+                for call in (client.pause("abort"), client.update_weights_from_disk(str(broken), "x"),
+                             client.abort()):
+                    with pytest.raises(EngineError) as err:
+                        await call
+                    assert err.value.status == 401
+            after = await anonymous.generate([3, 4, 5], sampling, "b")  # not paused, weights unchanged
+            info = await anonymous.model_info()
+            await admin.pause("abort")
+            await admin.resume()
+            return before, after, info
+
+    before, after, info = asyncio.run(run())
+    assert before.output_ids == after.output_ids and before.logprobs == after.logprobs
+    assert info["weight_version"] == "0"
