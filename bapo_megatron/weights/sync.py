@@ -1,0 +1,80 @@
+"""Trainer -> engine weight sync over update_weights_from_distributed (NCCL on GPU, gloo on CPU).
+
+The trainer's sending rank is rank 0 of a group it hosts: a TCPStore at (host, port) under
+PrefixStore(group_name), which is how SGLang's init_custom_process_group joins (a plain
+init_process_group would rendezvous on other keys and hang). Engine i joins at rank_offset
+1 + the ranks before it. Each bucket: announce names/dtypes/shapes over HTTP to every engine,
+broadcast the tensors in that order while the requests wait, then collect the answers.
+The whole sync runs inside one begin/end weight-update session (SGLang >= 0.5.21) and
+sets the new weight version on every engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import Iterable
+
+import torch
+
+from bapo_megatron.rollout import protocol
+from bapo_megatron.rollout.client import EngineClient
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+class DistributedWeightSender:
+    def __init__(self, clients: list[EngineClient], engine_ranks: list[int], host: str, port: int,
+                 group_name: str = protocol.DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 600.0) -> None:
+        if len(clients) != len(engine_ranks):
+            raise ValueError("one rank count per engine")
+        self.clients, self.engine_ranks = clients, engine_ranks
+        self.host, self.port, self.group_name, self.backend = host, port, group_name, backend
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.engine_ranks)
+
+    async def connect(self) -> None:
+        """Host the store, ask every engine to join, and build our end of the group."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.host, self.port, self.world_size, is_master=True, timeout=self.timeout,
+                              wait_for_workers=False)
+        prefixed = dist.PrefixStore(self.group_name, store)
+        offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.clients))]
+        joins = [c.init_weights_update_group(self.host, self.port, off, self.world_size, self.group_name, self.backend)
+                 for c, off in zip(self.clients, offsets, strict=True)]
+        if self.backend == "nccl":
+            make = lambda: dist.ProcessGroupNCCL(prefixed, 0, self.world_size)  # noqa: E731
+        else:
+            make = lambda: dist.ProcessGroupGloo(prefixed, 0, self.world_size, self.timeout)  # noqa: E731
+        self.group, *_ = await asyncio.gather(asyncio.to_thread(make), *joins)
+        self._store = store  # the store must outlive the group's rendezvous
+
+    async def send(self, buckets: Iterable[Bucket], version: str) -> int:
+        """Every bucket to every engine; the engines' weight version becomes `version`. Returns bytes sent."""
+        if self.group is None:
+            raise RuntimeError("connect() first")
+        await asyncio.gather(*(c.begin_weight_update() for c in self.clients))
+        sent = 0
+        try:
+            for bucket in buckets:
+                names = [n for n, _ in bucket]
+                dtypes = [protocol.dtype_name(t.dtype) for _, t in bucket]
+                shapes = [list(t.shape) for _, t in bucket]
+                answers = asyncio.gather(*(c.update_weights_from_distributed(names, dtypes, shapes, version,
+                                                                             self.group_name)
+                                           for c in self.clients))
+                await asyncio.to_thread(self._broadcast, [t for _, t in bucket])
+                await answers
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        finally:
+            await asyncio.gather(*(c.end_weight_update() for c in self.clients), return_exceptions=True)
+        return sent
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self.group.broadcast(tensor.contiguous(), 0).wait()

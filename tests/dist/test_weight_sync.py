@@ -1,0 +1,99 @@
+"""Weight sync: a TP=2 trainer streams its weights to the embedded engine over gloo
+(update_weights_from_distributed, inside a begin/end session); afterwards the engine's
+log-probs for its sampled sequence equal the trainer's own (float32, <= 1e-5)."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo_megatron.rollout.launcher import embedded_server, free_port
+from tests.dist.launch import run_workers
+from tests.dist.test_convert import make_hf_model
+
+ENGINE, TRAINED = "qwen2-gqa2", "qwen2-gqa2-trained"  # same shape, different random weights
+
+
+def _convert(rank: int, world: int, root: str) -> None:
+    from bapo_megatron.weights.convert import hf_to_mcore
+
+    hf_to_mcore(Path(root) / TRAINED, Path(root) / "mcore", progress=False)
+
+
+def _sync_and_compare(rank: int, world: int, root: str, url: str, port: int) -> None:
+    import torch.distributed as dist
+
+    from bapo_megatron.config import load_config
+    from bapo_megatron.rollout.batch import RolloutBatch, Sample
+    from bapo_megatron.rollout.client import EngineClient
+    from bapo_megatron.rollout.protocol import SamplingParams
+    from bapo_megatron.trainer.checkpoint import load_model
+    from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+    from bapo_megatron.trainer.model_spec import ModelSpec
+    from bapo_megatron.trainer.parallel import init_model_parallel
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+    from bapo_megatron.weights.export import stream_hf_buckets
+    from bapo_megatron.weights.sync import DistributedWeightSender
+
+    activate_cpu_shim()
+    root = Path(root)
+    spec = ModelSpec.from_hf_dir(root / TRAINED)
+    cfg = load_config(None, ["parallel.tensor=2", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2"])
+    trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
+    load_model(trainer.model, root / "mcore")
+    buckets = stream_hf_buckets(trainer.model, spec, trainer.info, bucket_bytes=50_000)
+    prompt = [11, 22, 33, 44]
+    tokens = torch.zeros(24, dtype=torch.long)
+    engine_logprobs = torch.zeros(20, dtype=torch.float64)
+    if rank == 0:
+        async def drive():
+            async with EngineClient(url) as client:
+                sender = DistributedWeightSender([client], [1], "127.0.0.1", port)
+                await sender.connect()
+                sent = await sender.send(buckets, "1")
+                result = await client.generate(prompt, SamplingParams(max_new_tokens=20, temperature=0.9,
+                                                                      ignore_eos=True), "after-sync")
+                return sent, result
+
+        sent, result = asyncio.run(drive())
+        assert sent > 0 and result.weight_version == "1" and len(result.output_ids) == 20
+        tokens[:] = torch.tensor(prompt + result.output_ids)
+        engine_logprobs[:] = torch.tensor(result.logprobs)
+    else:
+        for _ in buckets:  # the TP gathers are collectives: every rank walks the stream
+            pass
+    dist.broadcast(tokens, 0)
+    ids = tokens.tolist()
+    batch = RolloutBatch(samples=[Sample(prompt_ids=ids[:4], response_ids=ids[4:], behaviour_logprobs=[0.0] * 20,
+                                         versions=[0] * 20, reward=float(i), group=0) for i in range(2)],
+                         temperature=0.9)
+    mbs, _ = trainer.microbatches(batch)
+    trainer._temperature = 0.9  # the rollout temperature the engine sampled with (set by train_step normally)
+
+    def collect(mb, logits):
+        logp, _ = trainer._logprobs(mb, logits)
+        return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), (mb.sample_index, logp, mb.loss_mask)
+
+    with torch.no_grad():
+        outputs = trainer._run(mbs, collect, forward_only=True)
+    if rank == 0:
+        index, logp, mask = outputs[0]
+        row = list(index).index(0)
+        ours = logp[row][mask[row] != 0].double()
+        (root / "sync.json").write_text(json.dumps({"trainer": ours.tolist(), "engine": engine_logprobs.tolist()}))
+
+
+@pytest.mark.dist
+def test_tp2_trainer_weights_reach_the_engine(tmp_path):
+    make_hf_model(tmp_path, ENGINE)
+    make_hf_model(tmp_path, TRAINED, ("qwen2", 2, False))
+    run_workers(_convert, 1, str(tmp_path))
+    engine = embedded_server(tmp_path / ENGINE, tmp_path / "engine.log").start().wait_ready(120)
+    try:
+        run_workers(_sync_and_compare, 2, str(tmp_path), engine.url, free_port())
+    finally:
+        engine.stop()
+    result = json.loads((tmp_path / "sync.json").read_text())
+    torch.testing.assert_close(torch.tensor(result["engine"]), torch.tensor(result["trainer"]), rtol=0, atol=1e-5)

@@ -1,0 +1,125 @@
+"""Our SGLang payloads against SGLang 0.5.23's own request schemas, read from its released wheel.
+
+The wheel is downloaded once (`pip download --no-deps sglang==0.5.23`, 39 MB) into a cache
+(BAPO_CACHE_DIR, default ~/.cache/bapo-megatron) and read without importing sglang: the
+request classes' fields are collected with `ast`. The test fails if the client sends a
+field a request class does not define, parses a response field SGLang does not produce, or
+calls an endpoint the server does not route (control endpoints: with ADMIN_OPTIONAL auth).
+Skipped, with the reason, when the registry cannot be reached.
+"""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from bapo_megatron.rollout import protocol
+from bapo_megatron.rollout.protocol import SamplingParams
+
+VERSION = "0.5.23"
+ROOT = "sglang/srt/"
+
+
+@pytest.fixture(scope="module")
+def wheel() -> zipfile.ZipFile:
+    cache = Path(os.environ.get("BAPO_CACHE_DIR", Path.home() / ".cache" / "bapo-megatron")) / f"sglang-{VERSION}"
+    found = sorted(cache.glob(f"sglang-{VERSION}-*.whl"))
+    if not found:
+        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={VERSION}",
+                                     "-d", str(cache), "-q"], capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"pip download sglang=={VERSION} timed out (registry unreachable?)")
+        found = sorted(cache.glob(f"sglang-{VERSION}-*.whl"))
+        if result.returncode != 0 or not found:
+            pytest.skip(f"cannot download sglang=={VERSION}: {result.stderr.strip()[-300:]}")
+    return zipfile.ZipFile(found[0])
+
+
+def _source(wheel: zipfile.ZipFile, path: str) -> str:
+    return wheel.read(ROOT + path).decode()
+
+
+def _fields(source: str) -> dict[str, set[str]]:
+    """Every class's annotated fields, inherited ones (from classes in the same file) included."""
+    tree = ast.parse(source)
+    own, bases = {}, {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            own[node.name] = {s.target.id for s in node.body
+                              if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+
+    def collect(name: str) -> set[str]:
+        out = set(own.get(name, ()))
+        for base in bases.get(name, ()):
+            out |= collect(base)
+        return out
+
+    return {name: collect(name) for name in own}
+
+
+def test_requests_use_only_fields_sglang_defines(wheel):
+    io = _fields(_source(wheel, "managers/io_struct.py"))
+    sampling_fields = _fields(_source(wheel, "sampling/sampling_params.py"))["SamplingParams"]
+    full = SamplingParams(max_new_tokens=5, temperature=0.5, top_p=0.9, top_k=20, stop_token_ids=(1, 2),
+                          ignore_eos=True, sampling_seed=3)
+    generate = protocol.generate_request([1, 2, 3], full, "rid-1")
+    cases = {
+        "GenerateReqInput": generate,
+        "InitWeightsUpdateGroupReqInput": protocol.init_group_request("127.0.0.1", 1234, 1, 2),
+        "UpdateWeightsFromDistributedReqInput": protocol.update_distributed_request(["w"], ["bfloat16"], [[2]], "3"),
+        "UpdateWeightFromDiskReqInput": protocol.update_disk_request("/m", "3"),
+        "PauseGenerationReqInput": {"mode": "abort"},
+        "ContinueGenerationReqInput": {},
+        "AbortReq": {"rid": "x", "abort_all": True},
+        "UpdateWeightVersionReqInput": {"new_version": "3", "abort_all_requests": False},
+        "BeginWeightUpdateReqInput": {},
+        "EndWeightUpdateReqInput": {},
+    }
+    for cls, body in cases.items():
+        assert cls in io, f"SGLang {VERSION} has no request class {cls}"
+        extra = set(body) - io[cls]
+        assert not extra, f"{cls}: we send {sorted(extra)}, which SGLang {VERSION} does not define"
+    extra = set(generate["sampling_params"]) - sampling_fields
+    assert not extra, f"sampling_params: we send {sorted(extra)}, which SGLang {VERSION} does not define"
+    for mode in protocol.PAUSE_MODES:
+        assert f'"{mode}"' in _source(wheel, "managers/io_struct.py")
+
+
+def test_parsed_response_fields_are_ones_sglang_produces(wheel):
+    manager = _source(wheel, "managers/tokenizer_manager.py") + _source(wheel, "utils/weight_versions.py")
+    produced = set(re.findall(r'"([a-z_]+)"\s*:', manager)) | set(re.findall(r'meta_info\["([a-z_]+)"\]', manager))
+    response = protocol.generate_response("r", [5, 6], [-0.1, -0.2], {"type": "length", "length": 2}, 3, "1",
+                                          [("1", 0, 2)])
+    ours = set(response["meta_info"])
+    assert not ours - produced, f"meta_info fields SGLang {VERSION} does not produce: {sorted(ours - produced)}"
+    for key in ("output_ids", "meta_info", "text"):
+        assert f'"{key}"' in manager
+    for key in ("version", "start", "end"):  # weight_versions spans
+        assert f'"{key}"' in _source(wheel, "utils/weight_versions.py")
+    finish_types = set(re.findall(r'"type":\s*"([a-z]+)"', _source(wheel, "managers/schedule_batch.py")))
+    assert set(protocol.FINISH_TYPES) <= finish_types
+    parsed = protocol.parse_generate_response(response, "r")  # the parser reads exactly what we produce
+    assert parsed.output_ids == [5, 6] and parsed.finish == "length" and parsed.token_versions() == ["1", "1"]
+
+
+def test_endpoints_exist_and_control_ones_are_admin_protected(wheel):
+    server = _source(wheel, "entrypoints/http_server.py")
+    # each route with the whole decorator block of its handler
+    routes = {}
+    for block in re.split(r"\n(?:async )?def ", server):
+        decorators = block[block.rfind("\n\n"):]
+        for path in re.findall(r'@app\.(?:post|get|api_route)\(\s*"(/[a-z_]+)"', decorators):
+            routes[path] = decorators
+    for path in {"/generate", "/health", "/health_generate", "/model_info"} | protocol.ADMIN_ENDPOINTS:
+        assert path in routes, f"SGLang {VERSION} does not route {path}"
+    for path in protocol.ADMIN_ENDPOINTS:
+        assert "AuthLevel.ADMIN_OPTIONAL" in routes[path] or "AuthLevel.ADMIN_FORCE" in routes[path], path
+    assert "ADMIN_OPTIONAL" not in routes["/generate"]
