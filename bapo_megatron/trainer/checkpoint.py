@@ -8,6 +8,7 @@ Checkpoints store sharded tensors by global name, so they load at any TP/PP layo
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shutil
 import warnings
@@ -48,10 +49,25 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def in_process_results_queue() -> None:
+    """Let torch_dist report write results through a plain in-process queue.
+
+    Its writer creates, on first use, a module-level spawn-context Manager queue: a second
+    Python process that imports our main module again (seconds, once per process), needed
+    only for asynchronous saves. Ours are synchronous and in this process. Pinned to
+    megatron-core 0.16.1 (tests/unit/test_cpu_shim.py has the canary).
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_sharded(sharded: dict, directory: str | Path) -> None:
     """dist_checkpointing.save into `directory` through a temporary sibling, renamed when complete."""
     from megatron.core import dist_checkpointing
 
+    in_process_results_queue()
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     if _rank0():

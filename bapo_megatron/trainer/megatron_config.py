@@ -57,7 +57,8 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
     initialize=False skips the random initialisation of weights that are about to be loaded.
     Megatron's own switch for that (perform_initialization=False) also skips marking the
     parameters tensor-parallel, which breaks TP gathers and grad-norm de-duplication at
-    TP > 1; so the initialisation runs, with init methods that leave the memory as it is.
+    TP > 1; there the initialisation runs, with init methods that leave the memory as it is.
+    At TP = 1 (the converters) nothing is marked or gathered, and the switch saves a copy.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -97,6 +98,7 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         # Unused by dense models, but 0.16.1 rejects its default ("allgather") with variable lengths.
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=initialize or parallel.tensor > 1,
         **({} if initialize else {"init_method": _leave_as_is, "output_layer_init_method": _leave_as_is}),
         # Fusions need CUDA kernels; on CPU (local spec) they must all be off.
         **_fusions(model.transformer_impl == "transformer_engine"),

@@ -76,7 +76,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
     params = {k: v for k, v in model.state_dict().items() if not k.endswith(EXTRA_STATE)}
     padded = mc.padded_vocab(spec, ModelConfig(), ParallelConfig())
     groups = [lambda: [("embedding.word_embeddings.weight", pad_vocab(hf["model.embed_tokens.weight"], padded))]]
-    groups += [lambda i=i: hf_layer_to_megatron(spec, i, hf) for i in range(spec.num_layers)]
+    groups += [lambda i=i: hf_layer_to_megatron(spec, i, hf, out=params) for i in range(spec.num_layers)]
     groups.append(lambda: [("decoder.final_layernorm.weight", hf["model.norm.weight"])]
                   + ([] if spec.tie_embeddings else [("output_layer.weight", pad_vocab(hf["lm_head.weight"], padded))]))
     written: set[str] = set()
@@ -86,7 +86,8 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
             for name, tensor in group():
                 if name not in params or name in written:
                     raise RuntimeError(f"layout map and model disagree at {name}")
-                params[name].copy_(tensor)
+                if tensor.data_ptr() != params[name].data_ptr():  # not fused in place already
+                    params[name].copy_(tensor)
                 written.add(name)
                 bar.update(tensor.numel() * params[name].element_size())
     if written != set(params):

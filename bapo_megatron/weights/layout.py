@@ -26,14 +26,18 @@ def _norm_names(impl: str) -> tuple[str, str]:
     return "input_layernorm.weight", "pre_mlp_layernorm.weight"
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
-    """[q; k; v] in Megatron's per-query-group interleaving (weights [rows, hidden] or biases [rows])."""
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """[q; k; v] in Megatron's per-query-group interleaving (weights [rows, hidden] or biases [rows]),
+    written into `out` (contiguous, of the fused shape) when given."""
     groups, d = spec.num_kv_heads, spec.head_dim
     per_group = spec.num_heads // groups
     tail = q.shape[1:]
-    fused = torch.cat([q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail),
-                       v.reshape(groups, d, *tail)], dim=1)
-    return fused.reshape(groups * (per_group + 2) * d, *tail)
+    parts = [q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)]
+    if out is not None:
+        torch.cat(parts, dim=1, out=out.view(groups, (per_group + 2) * d, *tail))
+        return out
+    return torch.cat(parts, dim=1).reshape(groups * (per_group + 2) * d, *tail)
 
 
 def split_qkv(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,20 +55,28 @@ def pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
 
 
-def hf_layer_to_megatron(spec: ModelSpec, i: int, hf: Mapping[str, torch.Tensor],
-                         impl: str = "local") -> Iterator[tuple[str, torch.Tensor]]:
-    """Megatron (name, tensor) pairs of decoder layer i, read from HF names in `hf`."""
+def hf_layer_to_megatron(spec: ModelSpec, i: int, hf: Mapping[str, torch.Tensor], impl: str = "local",
+                         out: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron (name, tensor) pairs of decoder layer i, read from HF names in `hf`.
+
+    out: Megatron tensors to fuse q/k/v and gate/up straight into (saves a copy); the pairs
+    then hold those tensors, already written.
+    """
     h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
     attn_norm, mlp_norm = _norm_names(impl)
+    into = (lambda name: out[name]) if out is not None else (lambda name: None)
     yield m + attn_norm, hf[h + "input_layernorm.weight"]
-    yield m + "self_attention.linear_qkv.weight", fuse_qkv(
-        hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"], spec)
+    name = m + "self_attention.linear_qkv.weight"
+    yield name, fuse_qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
+                         hf[h + "self_attn.v_proj.weight"], spec, into(name))
     if spec.qkv_bias:
-        yield m + "self_attention.linear_qkv.bias", fuse_qkv(
-            hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"], spec)
+        name = m + "self_attention.linear_qkv.bias"
+        yield name, fuse_qkv(hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"],
+                             hf[h + "self_attn.v_proj.bias"], spec, into(name))
     yield m + "self_attention.linear_proj.weight", hf[h + "self_attn.o_proj.weight"]
     yield m + mlp_norm, hf[h + "post_attention_layernorm.weight"]
-    yield m + "mlp.linear_fc1.weight", torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
+    name = m + "mlp.linear_fc1.weight"
+    yield name, torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], out=into(name))
     yield m + "mlp.linear_fc2.weight", hf[h + "mlp.down_proj.weight"]
 
 

@@ -1,0 +1,169 @@
+"""One rollout step over a pool of engines: requests out, groups of finished samples back.
+
+A step keeps ceil(prompts_per_step x oversample) groups in flight, sends every unfinished
+sample's request (capped by the partial-rollout token budget) to the least-loaded live
+engine, records each completion's tokens, log-probs and versions as it arrives, scores
+finished samples beside generation, and returns as soon as prompts_per_step groups are
+complete. What is still generating is then aborted: with partial rollout its partial
+output stays in the buffer and continues next step; without, it is discarded.
+
+Faults: a request that fails with EngineUnavailable (after the client's retries) marks its
+engine dead and is resubmitted to another; dead engines are probed and come back when
+they answer /health again. A completion's tokens are recorded exactly once, by the one
+request that produced them, so no sample is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
+from bapo_megatron.rollout.partial import GroupState, PartialRolloutBuffer, Request
+from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.rollout.rewards import RewardWorkers
+
+PromptFn = Callable[[], tuple[str, list[int], dict[str, Any]]]
+
+
+class EnginePool:
+    """Live engines and their load; waits (up to timeout_s) for one to come back when all are down."""
+
+    def __init__(self, clients: list[EngineClient], timeout_s: float = 600.0, probe_s: float = 0.5) -> None:
+        if not clients:
+            raise ValueError("no engines")
+        self.clients = clients
+        self.load = dict.fromkeys(range(len(clients)), 0)
+        self.dead: set[int] = set()
+        self.timeout_s, self.probe_s = timeout_s, probe_s
+        self.failures = 0
+
+    async def pick(self) -> int:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            live = [i for i in self.load if i not in self.dead]
+            if live:
+                return min(live, key=lambda i: self.load[i])
+            for i in list(self.dead):
+                if await self.clients[i].health():
+                    self.dead.discard(i)
+            if len(self.dead) < len(self.load):
+                continue
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"no engine answered for {self.timeout_s:.0f} s: "
+                                        f"{[c.base_url for c in self.clients]}")
+            await asyncio.sleep(self.probe_s)
+
+    def mark_dead(self, index: int) -> None:
+        self.dead.add(index)
+        self.failures += 1
+
+
+class RolloutManager:
+    def __init__(self, pool: EnginePool, buffer: PartialRolloutBuffer, prompts: PromptFn, reward: RewardWorkers,
+                 sampling: SamplingParams, prompts_per_step: int, oversample: float = 1.0, partial: bool = True,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        self.pool, self.buffer, self.prompts, self.reward = pool, buffer, prompts, reward
+        self.sampling, self.partial = sampling, partial
+        self.prompts_per_step = prompts_per_step
+        self.in_flight_groups = math.ceil(prompts_per_step * oversample)
+        self.decode = decode or (lambda ids: "")
+        self._attempt = 0
+        self._engine_of: dict[str, int] = {}  # request id -> the engine it was last sent to
+        self.stats: dict[str, float] = {}
+
+    async def step(self, version: int) -> list[GroupState]:
+        """Generate until prompts_per_step groups are complete (and rewarded); return them, oldest first."""
+        start = time.monotonic()
+        while self.buffer.in_flight < self.in_flight_groups:
+            self.buffer.add_group(*self.prompts())
+        tokens = 0
+        running: dict[asyncio.Task, tuple[Request, str]] = {}
+        pending_rewards: set[asyncio.Task] = set()
+
+        def launch() -> None:
+            busy = frozenset(req.sample.uid for req, _ in running.values())
+            for req in self.buffer.requests(version, busy):
+                if req.max_new_tokens > 0:
+                    self._attempt += 1
+                    rid = f"{req.sample.uid}#{self._attempt}"
+                    running[asyncio.create_task(self._generate(req, rid))] = (req, rid)
+
+        def complete() -> int:
+            return sum(g.finished for g in self.buffer.groups.values())
+
+        launch()
+        while complete() < self.prompts_per_step:
+            if not running and not pending_rewards:
+                launch()
+                if not running:
+                    raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
+            done, _ = await asyncio.wait(set(running) | pending_rewards, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task in pending_rewards:
+                    pending_rewards.discard(task)
+                    task.result()
+                    continue
+                req, _ = running.pop(task)
+                completion = task.result()
+                self.buffer.record(req, completion, version)
+                tokens += len(completion.output_ids)
+                if req.sample.finished:
+                    pending_rewards.add(asyncio.create_task(self._score(req)))
+            launch()
+        tokens += await self._cut(running, version)
+        for task in pending_rewards:
+            await task
+        groups = self.buffer.pop_finished(self.prompts_per_step)
+        elapsed = time.monotonic() - start
+        self.stats = {"rollout/seconds": elapsed, "rollout/tokens": tokens,
+                      "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
+                      "rollout/in_buffer": self.buffer.in_flight,
+                      "rollout/dropped_stale": self.buffer.counters["dropped_stale"],
+                      "rollout/engine_failures": self.pool.failures, "rollout/reward_failures": self.reward.failures}
+        return groups
+
+    async def _cut(self, running: dict[asyncio.Task, tuple[Request, str]], version: int) -> int:
+        """Abort what is still generating; keep its partial output (partial rollout) or drop it."""
+        if not running:
+            return 0
+        for _, rid in running.values():
+            client = self.pool.clients[self._engine_of.get(rid, 0)]
+            with contextlib.suppress(EngineUnavailable, EngineError):  # a dead engine: its request fails below
+                await client.abort(rid)
+        tokens = 0
+        for task, (req, _) in running.items():
+            try:
+                completion = await task
+            except EngineUnavailable:
+                continue
+            if self.partial:
+                self.buffer.record(req, completion, version)
+                tokens += len(completion.output_ids)
+                if req.sample.finished:
+                    await self._score(req)
+            else:
+                req.sample.reset()
+        return tokens
+
+    async def _generate(self, req: Request, rid: str):
+        sampling = SamplingParams(**{**self.sampling.__dict__, "max_new_tokens": req.max_new_tokens})
+        while True:
+            index = await self.pool.pick()
+            self._engine_of[rid] = index
+            self.pool.load[index] += 1
+            try:
+                return await self.pool.clients[index].generate(req.input_ids, sampling, rid)
+            except EngineUnavailable:
+                self.pool.mark_dead(index)  # resubmitted elsewhere (or here, once it answers again)
+            finally:
+                self.pool.load[index] -= 1
+
+    async def _score(self, req: Request) -> None:
+        s = req.sample
+        group = self.buffer.groups[s.uid.rpartition("/")[0]]
+        s.reward = await self.reward(self.decode(s.response_ids), s.response_ids, group.meta)

@@ -1,0 +1,116 @@
+"""Partial rollout against the embedded engine: versions and log-probs per token across three
+weight versions, staleness drops, and a rollout step that survives its engine being killed."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from bapo_megatron.rollout.client import EngineClient
+from bapo_megatron.rollout.launcher import ServerProcess, embedded_server
+from bapo_megatron.rollout.manager import EnginePool, RolloutManager
+from bapo_megatron.rollout.partial import PartialRolloutBuffer
+from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.rollout.rewards import RewardWorkers
+from tests.dist.test_convert import make_hf_model
+
+pytestmark = pytest.mark.e2e
+MODELS = ("model-a", "model-bb", "model-ccc")  # same shape, different weights (the seed is the name's length)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("partial")
+    return {name: (root / name, make_hf_model(root, name, ("qwen2", 2, False))) for name in MODELS}
+
+
+def _token_logprobs(model, prompt, response, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+async def _round(client, buffer, version):
+    for req in buffer.requests(version):
+        sampling = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=1.0, ignore_eos=True)
+        buffer.record(req, await client.generate(req.input_ids, sampling, req.sample.uid + f"@{version}"), version)
+
+
+def test_tokens_keep_the_version_and_logprob_they_were_sampled_with(models, tmp_path):
+    server = embedded_server(models[MODELS[0]][0], tmp_path / "engine.log").start().wait_ready(120)
+    try:
+        async def run():
+            async with EngineClient(server.url) as client:
+                buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4,
+                                              max_staleness=2)
+                for i in range(2):
+                    buffer.add_group(f"p{i}", [10 + i, 20 + i, 30 + i])
+                for version, name in enumerate(MODELS, start=1):
+                    await client.update_weights_from_disk(str(models[name][0]), str(version))
+                    await _round(client, buffer, version)
+                kept = [s for g in buffer.groups.values() for s in g.samples]
+                drops_before = buffer.counters["dropped_stale"]
+                stale = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4,
+                                             max_staleness=1)
+                stale.add_group("q", [5, 6, 7])
+                for version in (1, 2):
+                    await client.update_weight_version(str(version))
+                    await _round(client, stale, version)  # tokens of versions 1 and 2
+                requests = stale.requests(3)  # 3 - 1 > 1: both samples dropped, restarted from the prompt
+                return kept, drops_before, stale.counters["dropped_stale"], requests
+
+        kept, drops_before, drops, requests = asyncio.run(run())
+    finally:
+        server.stop()
+    assert drops_before == 0 and drops == 2 and all(r.input_ids == [5, 6, 7] for r in requests)
+    for sample in kept:
+        assert sample.finished and sample.versions == [1] * 4 + [2] * 4 + [3] * 4
+        got = torch.tensor(sample.logprobs)
+        for version, name in enumerate(MODELS, start=1):
+            want = _token_logprobs(models[name][1], sample.prompt_ids, sample.response_ids)
+            sel = torch.tensor(sample.versions) == version
+            torch.testing.assert_close(got[sel], want[sel], rtol=0, atol=1e-5)
+
+
+def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
+    path, model = models[MODELS[0]]
+    server = embedded_server(path, tmp_path / "engine.log").start().wait_ready(120)
+    counter = iter(range(100))
+
+    def prompts():
+        i = next(counter)
+        return f"p{i}", [3 + i, 4 + i, 5 + i], {"answer_ids": [1]}
+
+    async def run():
+        async with EngineClient(server.url, retries=1, backoff_s=0.2) as client:
+            pool = EnginePool([client], timeout_s=120, probe_s=0.2)
+            buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=150)
+            manager = RolloutManager(pool, buffer, prompts, RewardWorkers("exact_ids", inline=True),
+                                     SamplingParams(max_new_tokens=150, ignore_eos=True), prompts_per_step=2)
+            step = asyncio.create_task(manager.step(0))
+            await asyncio.sleep(1.0)
+            assert not step.done(), "the step finished before the engine could be killed: make it longer"
+            server.kill()
+            await asyncio.sleep(0.5)
+            restarted = ServerProcess(server.command, server.url, tmp_path / "engine2.log").start()
+            await asyncio.to_thread(restarted.wait_ready, 120)
+            try:
+                groups = await step
+            finally:
+                restarted.stop()
+            return groups, pool.failures, manager.stats
+
+    start = time.monotonic()
+    groups, failures, stats = asyncio.run(run())
+    assert time.monotonic() - start < 300
+    assert failures >= 1 and stats["rollout/engine_failures"] >= 1
+    assert sorted(g.uid for g in groups) == ["p0", "p1"]
+    uids = [s.uid for g in groups for s in g.samples]
+    assert len(uids) == len(set(uids)) == 4
+    for g in groups:
+        for s in g.samples:
+            assert s.finished and len(s.response_ids) == len(s.logprobs) == len(s.versions) == 150
+            assert s.reward == 0.0
+            want = _token_logprobs(model, s.prompt_ids, s.response_ids)
+            torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)

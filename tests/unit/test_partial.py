@@ -1,0 +1,117 @@
+"""The partial-rollout buffer: budgets, resumption, versions, staleness drops, round trip; and rewards."""
+
+import json
+
+import pytest
+
+from bapo_megatron.rollout.partial import PartialRolloutBuffer, stale_mask
+from bapo_megatron.rollout.protocol import Completion
+from bapo_megatron.rollout.rewards import RewardWorkers, last_boxed, score
+
+
+def _completion(n: int, finish: str, version: str, start: int = 0) -> Completion:
+    ids = list(range(start, start + n))
+    return Completion(rid="r", output_ids=ids, logprobs=[-0.1 * (i + 1) for i in ids], finish=finish,
+                      weight_version=version)
+
+
+def _step(buffer: PartialRolloutBuffer, version: int, finish: str = "length") -> None:
+    for req in buffer.requests(version):
+        buffer.record(req, _completion(req.max_new_tokens, finish, str(version), len(req.sample.response_ids)),
+                      version)
+
+
+def test_budgeted_requests_resume_with_the_partial_response():
+    buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=10, token_budget=4, max_staleness=5)
+    buffer.add_group("p", [7, 8, 9])
+    first = buffer.requests(0)
+    assert [r.max_new_tokens for r in first] == [4, 4] and first[0].input_ids == [7, 8, 9]
+    _step(buffer, 0)
+    second = buffer.requests(1)
+    assert second[0].input_ids == [7, 8, 9, 0, 1, 2, 3] and second[0].max_new_tokens == 4
+    _step(buffer, 1)
+    third = buffer.requests(2)
+    assert [r.max_new_tokens for r in third] == [2, 2]  # the remaining allowance, not the budget
+    _step(buffer, 2)
+    sample = buffer.groups["p"].samples[0]
+    assert sample.finished and sample.finish == "length" and sample.response_ids == list(range(10))
+    assert sample.versions == [0] * 4 + [1] * 4 + [2] * 2
+    assert buffer.counters["resumed"] == 4
+    assert buffer.pop_finished() == []  # no rewards yet
+    for s in buffer.groups["p"].samples:
+        s.reward = 1.0
+    assert [g.uid for g in buffer.pop_finished()] == ["p"] and buffer.in_flight == 0
+
+
+def test_stop_finishes_abort_does_not_and_duplicates_are_refused():
+    buffer = PartialRolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
+    buffer.add_group("p", [1])
+    req = buffer.requests(0)[0]
+    buffer.record(req, _completion(3, "abort", "0"), 0)
+    assert not req.sample.finished and len(req.sample.response_ids) == 3
+    req = buffer.requests(0)[0]
+    buffer.record(req, _completion(2, "stop", "0", 3), 0)
+    assert req.sample.finish == "stop"
+    with pytest.raises(RuntimeError, match="duplicate completion"):
+        buffer.record(req, _completion(1, "stop", "0"), 0)
+    assert buffer.requests(0) == []
+
+
+def test_versions_come_from_the_engine_spans():
+    buffer = PartialRolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
+    buffer.add_group("p", [1])
+    req = buffer.requests(3)[0]
+    completion = _completion(5, "length", "4")
+    completion.version_spans = [("3", 0, 2), ("4", 2, 5)]
+    buffer.record(req, completion, 3)
+    assert req.sample.versions == [3, 3, 4, 4, 4]
+
+
+def test_staleness_drops_exactly_when_the_oldest_token_is_too_old():
+    buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=20, token_budget=2, max_staleness=2)
+    buffer.add_group("p", [1, 2])
+    _step(buffer, 0)              # tokens of version 0
+    _step(buffer, 1)
+    _step(buffer, 2)              # version 2 - 0 = 2: not yet stale
+    assert buffer.counters["dropped_stale"] == 0
+    busy = frozenset({"p/1"})
+    requests = buffer.requests(3, busy)  # 3 - 0 > 2: p/0 dropped and restarted; p/1 is generating: kept
+    assert buffer.counters["dropped_stale"] == 1 and [r.sample.uid for r in requests] == ["p/0"]
+    assert requests[0].input_ids == [1, 2] and buffer.groups["p"].samples[0].regenerated == 1
+    assert len(buffer.groups["p"].samples[1].response_ids) == 6
+
+
+def test_state_dict_round_trip_is_exact():
+    buffer = PartialRolloutBuffer(samples_per_prompt=3, max_new_tokens=9, token_budget=3, max_staleness=1)
+    buffer.add_group("a", [1, 2], {"answer": "4"})
+    buffer.add_group("b", [3])
+    _step(buffer, 0)
+    buffer.groups["a"].samples[1].reward = 0.5
+    state = json.loads(json.dumps(buffer.state_dict()))  # it is plain JSON
+    restored = PartialRolloutBuffer(samples_per_prompt=3, max_new_tokens=9, token_budget=3, max_staleness=1)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == buffer.state_dict()
+    assert [r.input_ids for r in restored.requests(1)] == [r.input_ids for r in buffer.requests(1)]
+    other = PartialRolloutBuffer(samples_per_prompt=3, max_new_tokens=12, token_budget=3, max_staleness=1)
+    with pytest.raises(ValueError, match="saved with"):
+        other.load_state_dict(state)
+
+
+def test_stale_prefix_mask():
+    assert stale_mask([1, 1, 2, 3, 3], True) == [0, 0, 0, 1, 1]
+    assert stale_mask([1, 1, 2], False) is None
+
+
+def test_rewards_boxed_math_and_failures():
+    assert last_boxed(r"so \boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert score("math", r"The answer is \boxed{\frac{1}{2}}.", [], {"answer": "0.5"}) == (1.0, None)
+    assert score("math", r"The answer is \boxed{3}.", [], {"answer": "0.5"}) == (0.0, None)
+    assert score("exact_ids", "", [5, 6, 2], {"answer_ids": [5, 6], "stop_ids": [2]}) == (1.0, None)
+    value, error = score("exact_ids", "", [5], {})  # no answer_ids: the verifier throws
+    assert value == 0.0 and error.startswith("KeyError")
+    import asyncio
+
+    workers = RewardWorkers("exact_ids", inline=True)
+    assert asyncio.run(workers("", [1], {})) == 0.0 and workers.failures == 1
+    with pytest.raises(ValueError, match="unknown reward"):
+        RewardWorkers("nope")
