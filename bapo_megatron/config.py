@@ -160,6 +160,15 @@ class RolloutConfig:
     tensor_parallel: int = 1
     """Tensor-parallel size of each SGLang server."""
     request_timeout_s: float = 600.0
+    port: int = 30000
+    """First server port; server i listens on port + i."""
+    mem_fraction_static: float = 0.8
+    """SGLang: fraction of GPU memory for weights and KV cache."""
+    colocate: bool = False
+    """SGLang shares the trainer's GPUs: memory saver on, weights pushed with update_weights_from_tensor."""
+    admin_key_file: str | None = None
+    """File holding the engines' admin key (else $BAPO_ADMIN_API_KEY; generated when the servers
+    listen beyond loopback and none is given)."""
     replay: str | None = None
     """Train from saved rollout batches instead of generating: a .safetensors file (used every
     step) or a directory of them (one per step, in name order, cycling)."""
@@ -177,6 +186,8 @@ class RolloutConfig:
         check(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
         check(self.oversample >= 1.0, "oversample", self.oversample, "must be >= 1")
         check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+        check(1 <= self.port <= 65535 - self.servers, "port", self.port, "must leave room for one port per server")
+        check(0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static, "must lie in (0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)

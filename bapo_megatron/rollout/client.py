@@ -145,10 +145,12 @@ class EngineClient:
             master_address, master_port, rank_offset, world_size, group_name, backend))
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              version: str, group_name: str = protocol.DEFAULT_GROUP) -> None:
-        """Announce one bucket; the caller broadcasts its tensors, in this order, while this call waits."""
-        await self._checked("/update_weights_from_distributed",
-                            protocol.update_distributed_request(names, dtypes, shapes, version, group_name))
+                                              version: str, group_name: str = protocol.DEFAULT_GROUP,
+                                              flattened: bool = False) -> None:
+        """Announce one bucket; the caller broadcasts it (one flattened uint8 tensor, or each tensor
+        in this order) while this call waits."""
+        await self._checked("/update_weights_from_distributed", protocol.update_distributed_request(
+            names, dtypes, shapes, version, group_name, flattened=flattened))
 
     async def update_weights_from_disk(self, model_path: str, version: str) -> None:
         await self._checked("/update_weights_from_disk", protocol.update_disk_request(model_path, version))

@@ -224,11 +224,21 @@ class EmbeddedServer:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError("names, dtypes and shapes differ in length")
         group = self.groups[name]
+        torch_dtypes = [protocol.torch_dtype(d) for d in dtypes]
+        flattened = body.get("load_format") == protocol.FLATTENED
+        if body.get("load_format") not in (None, protocol.FLATTENED):
+            raise ValueError(f"load_format {body['load_format']!r}: expected none or {protocol.FLATTENED!r}")
+        layout = protocol.flattened_layout(torch_dtypes, shapes) if flattened else None
 
         def receive() -> list[tuple[str, torch.Tensor]]:
+            if flattened:
+                flat = torch.empty(layout[-1][1] if layout else 0, dtype=torch.uint8)
+                group.broadcast(flat, root=0).wait()
+                return [(n, flat[a:b].view(d).reshape(s))
+                        for n, d, s, (a, b) in zip(names, torch_dtypes, shapes, layout, strict=True)]
             out = []
-            for n, d, s in zip(names, dtypes, shapes, strict=True):
-                tensor = torch.empty(s, dtype=protocol.torch_dtype(d))
+            for n, d, s in zip(names, torch_dtypes, shapes, strict=True):
+                tensor = torch.empty(s, dtype=d)
                 group.broadcast(tensor, root=0).wait()
                 out.append((n, tensor))
             return out

@@ -172,10 +172,35 @@ def init_group_request(master_address: str, master_port: int, rank_offset: int, 
             "world_size": world_size, "group_name": group_name, "backend": backend}
 
 
+FLATTENED = "flattened_bucket"
+
+
 def update_distributed_request(names: list[str], dtypes: list[str], shapes: list[list[int]], version: str,
-                               group_name: str = DEFAULT_GROUP, flush_cache: bool = True) -> dict[str, Any]:
-    return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                               group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
+                               flattened: bool = False) -> dict[str, Any]:
+    """flattened: the tensors travel as one uint8 broadcast, their bytes concatenated in order
+    (SGLang's load_format "flattened_bucket"); else one broadcast per tensor."""
+    body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "flush_cache": flush_cache, "weight_version": version}
+    if flattened:
+        body["load_format"] = FLATTENED
+    return body
+
+
+def flattened_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[tuple[int, int]]:
+    """(start, end) byte offsets of each tensor in a flattened bucket; each start must be aligned
+    to its dtype, as SGLang's receiver requires."""
+    out, offset = [], 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        size = dtype.itemsize
+        if offset % size:
+            raise ValueError(f"flattened bucket: a {dtype} tensor would start at unaligned byte {offset}")
+        nbytes = size
+        for d in shape:
+            nbytes *= d
+        out.append((offset, offset + nbytes))
+        offset += nbytes
+    return out
 
 
 def update_disk_request(model_path: str, version: str, flush_cache: bool = True) -> dict[str, Any]:

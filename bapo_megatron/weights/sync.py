@@ -4,7 +4,9 @@ The trainer's sending rank is rank 0 of a group it hosts: a TCPStore at (host, p
 PrefixStore(group_name), which is how SGLang's init_custom_process_group joins (a plain
 init_process_group would rendezvous on other keys and hang). Engine i joins at rank_offset
 1 + the ranks before it. Each bucket: announce names/dtypes/shapes over HTTP to every engine,
-broadcast the tensors in that order while the requests wait, then collect the answers.
+broadcast the bucket while the requests wait (by default as one uint8 tensor of the
+tensors' bytes in order, SGLang's load_format "flattened_bucket"; else one broadcast per
+tensor), then collect the answers.
 The whole sync runs inside one begin/end weight-update session (SGLang >= 0.5.21) and
 sets the new weight version on every engine.
 """
@@ -25,12 +27,14 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 class DistributedWeightSender:
     def __init__(self, clients: list[EngineClient], engine_ranks: list[int], host: str, port: int,
-                 group_name: str = protocol.DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 600.0) -> None:
+                 group_name: str = protocol.DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 600.0,
+                 flatten: bool = True) -> None:
         if len(clients) != len(engine_ranks):
             raise ValueError("one rank count per engine")
         self.clients, self.engine_ranks = clients, engine_ranks
         self.host, self.port, self.group_name, self.backend = host, port, group_name, backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.flatten = flatten  # one broadcast per bucket (load_format flattened_bucket), not one per tensor
         self.group = None
 
     @property
@@ -66,9 +70,13 @@ class DistributedWeightSender:
                 dtypes = [protocol.dtype_name(t.dtype) for _, t in bucket]
                 shapes = [list(t.shape) for _, t in bucket]
                 answers = asyncio.gather(*(c.update_weights_from_distributed(names, dtypes, shapes, version,
-                                                                             self.group_name)
+                                                                             self.group_name, self.flatten)
                                            for c in self.clients))
-                await asyncio.to_thread(self._broadcast, [t for _, t in bucket])
+                tensors = [t for _, t in bucket]
+                if self.flatten:
+                    protocol.flattened_layout([t.dtype for t in tensors], shapes)  # aligned, or a clear error
+                    tensors = [torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])]
+                await asyncio.to_thread(self._broadcast, tensors)
                 await answers
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
         finally:

@@ -1,6 +1,7 @@
 """Weight sync: a TP=2 trainer streams its weights to the embedded engine over gloo
-(update_weights_from_distributed, inside a begin/end session); afterwards the engine's
-log-probs for its sampled sequence equal the trainer's own (float32, <= 1e-5)."""
+(update_weights_from_distributed, inside a begin/end session), once tensor by tensor and
+once as flattened buckets; after each, the engine's log-probs for the sequence it samples
+equal the trainer's own (float32, <= 1e-5)."""
 
 import asyncio
 import json
@@ -22,7 +23,7 @@ def _convert(rank: int, world: int, root: str) -> None:
     hf_to_mcore(Path(root) / TRAINED, Path(root) / "mcore", progress=False)
 
 
-def _sync_and_compare(rank: int, world: int, root: str, url: str, port: int) -> None:
+def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
     import torch.distributed as dist
 
     from bapo_megatron.config import load_config
@@ -43,32 +44,38 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str, port: int) -> 
     cfg = load_config(None, ["parallel.tensor=2", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2"])
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
     load_model(trainer.model, root / "mcore")
-    buckets = stream_hf_buckets(trainer.model, spec, trainer.info, bucket_bytes=50_000)
     prompt = [11, 22, 33, 44]
-    tokens = torch.zeros(24, dtype=torch.long)
-    engine_logprobs = torch.zeros(20, dtype=torch.float64)
+    tokens = torch.zeros(2, 24, dtype=torch.long)
+    engine_logprobs = torch.zeros(2, 20, dtype=torch.float64)
+
+    def stream():
+        return stream_hf_buckets(trainer.model, spec, trainer.info, bucket_bytes=50_000)
+
     if rank == 0:
         async def drive():
             async with EngineClient(url) as client:
-                sender = DistributedWeightSender([client], [1], "127.0.0.1", port)
-                await sender.connect()
-                sent = await sender.send(buckets, "1")
-                result = await client.generate(prompt, SamplingParams(max_new_tokens=20, temperature=0.9,
-                                                                      ignore_eos=True), "after-sync")
-                return sent, result
+                results = []
+                for flatten, version in ((False, "1"), (True, "2")):
+                    sender = DistributedWeightSender([client], [1], "127.0.0.1", free_port(),
+                                                     group_name=f"sync-{version}", flatten=flatten)
+                    await sender.connect()
+                    assert await sender.send(stream(), version) > 0
+                    results.append(await client.generate(prompt, SamplingParams(
+                        max_new_tokens=20, temperature=0.9, ignore_eos=True), f"after-{version}"))
+                return results
 
-        sent, result = asyncio.run(drive())
-        assert sent > 0 and result.weight_version == "1" and len(result.output_ids) == 20
-        tokens[:] = torch.tensor(prompt + result.output_ids)
-        engine_logprobs[:] = torch.tensor(result.logprobs)
+        for i, result in enumerate(asyncio.run(drive())):
+            assert result.weight_version == str(i + 1) and len(result.output_ids) == 20
+            tokens[i] = torch.tensor(prompt + result.output_ids)
+            engine_logprobs[i] = torch.tensor(result.logprobs)
     else:
-        for _ in buckets:  # the TP gathers are collectives: every rank walks the stream
-            pass
+        for _ in range(2):
+            for _ in stream():  # the TP gathers are collectives: every rank walks the stream
+                pass
     dist.broadcast(tokens, 0)
-    ids = tokens.tolist()
     batch = RolloutBatch(samples=[Sample(prompt_ids=ids[:4], response_ids=ids[4:], behaviour_logprobs=[0.0] * 20,
-                                         versions=[0] * 20, reward=float(i), group=0) for i in range(2)],
-                         temperature=0.9)
+                                         versions=[0] * 20, reward=float(i), group=0)
+                                  for i, ids in enumerate(tokens.tolist())], temperature=0.9)
     mbs, _ = trainer.microbatches(batch)
     trainer._temperature = 0.9  # the rollout temperature the engine sampled with (set by train_step normally)
 
@@ -79,10 +86,12 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str, port: int) -> 
     with torch.no_grad():
         outputs = trainer._run(mbs, collect, forward_only=True)
     if rank == 0:
-        index, logp, mask = outputs[0]
-        row = list(index).index(0)
-        ours = logp[row][mask[row] != 0].double()
-        (root / "sync.json").write_text(json.dumps({"trainer": ours.tolist(), "engine": engine_logprobs.tolist()}))
+        ours = {}
+        for index, logp, mask in outputs:
+            for row, i in enumerate(index):
+                ours[int(i)] = logp[row][mask[row] != 0].double().tolist()
+        (root / "sync.json").write_text(json.dumps({"trainer": [ours[0], ours[1]],
+                                                    "engine": engine_logprobs.tolist()}))
 
 
 @pytest.mark.dist
@@ -92,7 +101,7 @@ def test_tp2_trainer_weights_reach_the_engine(tmp_path):
     run_workers(_convert, 1, str(tmp_path))
     engine = embedded_server(tmp_path / ENGINE, tmp_path / "engine.log").start().wait_ready(120)
     try:
-        run_workers(_sync_and_compare, 2, str(tmp_path), engine.url, free_port())
+        run_workers(_sync_and_compare, 2, str(tmp_path), engine.url)
     finally:
         engine.stop()
     result = json.loads((tmp_path / "sync.json").read_text())

@@ -74,7 +74,8 @@ def test_requests_use_only_fields_sglang_defines(wheel):
     cases = {
         "GenerateReqInput": generate,
         "InitWeightsUpdateGroupReqInput": protocol.init_group_request("127.0.0.1", 1234, 1, 2),
-        "UpdateWeightsFromDistributedReqInput": protocol.update_distributed_request(["w"], ["bfloat16"], [[2]], "3"),
+        "UpdateWeightsFromDistributedReqInput": protocol.update_distributed_request(["w"], ["bfloat16"], [[2]], "3",
+                                                                                    flattened=True),
         "UpdateWeightFromDiskReqInput": protocol.update_disk_request("/m", "3"),
         "PauseGenerationReqInput": {"mode": "abort"},
         "ContinueGenerationReqInput": {},
@@ -91,6 +92,8 @@ def test_requests_use_only_fields_sglang_defines(wheel):
     assert not extra, f"sampling_params: we send {sorted(extra)}, which SGLang {VERSION} does not define"
     for mode in protocol.PAUSE_MODES:
         assert f'"{mode}"' in _source(wheel, "managers/io_struct.py")
+    updater = _source(wheel, "model_executor/model_runner_components/weight_updater.py")
+    assert f'load_format == "{protocol.FLATTENED}"' in updater and "_receive_bucketed_weights_from_distributed" in updater
 
 
 def test_parsed_response_fields_are_ones_sglang_produces(wheel):
@@ -123,3 +126,27 @@ def test_endpoints_exist_and_control_ones_are_admin_protected(wheel):
     for path in protocol.ADMIN_ENDPOINTS:
         assert "AuthLevel.ADMIN_OPTIONAL" in routes[path] or "AuthLevel.ADMIN_FORCE" in routes[path], path
     assert "ADMIN_OPTIONAL" not in routes["/generate"]
+
+
+def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
+    from bapo_megatron.config import load_config
+    from bapo_megatron.rollout.sglang_launcher import server_args, sglang_servers
+
+    fields = set()
+    for name in wheel.namelist():
+        if name.startswith(ROOT + "arg_groups/fields/") and name.endswith(".py"):
+            for cls_fields in _fields(wheel.read(name).decode()).values():
+                fields |= cls_fields
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true", "rollout.host=10.0.0.5",
+                             "rollout.servers=2", "rollout.tensor_parallel=2"]).rollout
+    args = server_args(cfg, "/models/qwen", 1, "k" * 32)
+    unknown = {k for k in args if k.replace("-", "_") not in fields}
+    assert not unknown, f"SGLang {VERSION} has no server options {sorted(unknown)}"
+    assert args["port"] == 30001 and args["enable-memory-saver"] and args["dp-size"] == 1
+    servers, key = sglang_servers(cfg, "/models/qwen", tmp_path)  # beyond loopback: a key is generated
+    assert key and (tmp_path / "admin_api_key").read_text().strip() == key
+    assert (tmp_path / "admin_api_key").stat().st_mode & 0o777 == 0o600
+    config = tmp_path / "sglang_0.yaml"
+    assert config.stat().st_mode & 0o777 == 0o600 and key in config.read_text()
+    assert key not in " ".join(servers[0].command)  # never on the command line
+    assert [s.url for s in servers] == ["http://10.0.0.5:30000", "http://10.0.0.5:30001"]

@@ -1,0 +1,114 @@
+"""SGLang 0.5.23 servers from our config: one `python -m sglang.launch_server` per rollout replica.
+
+Each server gets its own GPUs (base_gpu_id = i x tensor_parallel on its node), its own
+port (rollout.port + i) and dp_size 1, which weight updates need. Every argument goes in
+a YAML file (mode 0600) passed with --config, so the admin key never shows in `ps`.
+Servers listen on rollout.host: beyond loopback an admin key is required, read from
+rollout.admin_key_file or $BAPO_ADMIN_API_KEY, or generated into the run directory; the
+client sends it (rollout/client.py). Colocated with the trainer, the memory saver is on
+(weights and KV cache released while training, pushed again after resume).
+Readiness: /health_generate, with the server's log tail when it fails or times out.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bapo_megatron.config import RolloutConfig
+from bapo_megatron.rollout.embedded import is_loopback
+from bapo_megatron.rollout.launcher import ServerProcess
+
+KEY_ENV = "BAPO_ADMIN_API_KEY"
+
+
+def admin_key(cfg: RolloutConfig, run_dir: str | Path) -> str | None:
+    """The engines' admin key: from the key file or environment; generated (0600 file in run_dir)
+    when the servers listen beyond loopback and none was given; None on loopback without one."""
+    if cfg.admin_key_file:
+        path = Path(cfg.admin_key_file)
+        if not path.is_file():
+            raise ValueError(f"rollout.admin_key_file={path}: no such file")
+        key = path.read_text().strip()
+        if len(key) < 16:
+            raise ValueError(f"rollout.admin_key_file={path}: the key is shorter than 16 characters")
+        return key
+    if os.environ.get(KEY_ENV):
+        return os.environ[KEY_ENV]
+    if is_loopback(cfg.host):
+        return None
+    path = Path(run_dir) / "admin_api_key"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+def server_args(cfg: RolloutConfig, model_path: str, index: int, key: str | None, weight_version: str = "0",
+                seed: int = 0) -> dict[str, Any]:
+    """SGLang's options (its CLI names) for server `index`."""
+    args: dict[str, Any] = {
+        "model-path": model_path, "host": cfg.host, "port": cfg.port + index, "tp-size": cfg.tensor_parallel,
+        "dp-size": 1, "base-gpu-id": (index * cfg.tensor_parallel) % max(1, _gpus_per_node()),
+        "mem-fraction-static": cfg.mem_fraction_static, "weight-version": weight_version,
+        "random-seed": seed + index, "skip-tokenizer-init": True,  # we send and read token ids
+    }
+    if cfg.colocate:
+        args["enable-memory-saver"] = True
+    if key is not None:
+        args["admin-api-key"] = key
+    return args
+
+
+def _gpus_per_node() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() or 1
+    except Exception:
+        return 1
+
+
+def sglang_servers(cfg: RolloutConfig, model_path: str, run_dir: str | Path, weight_version: str = "0",
+                   seed: int = 0) -> tuple[list[ServerProcess], str | None]:
+    """Not yet started server processes (one per rollout.servers) and the admin key they use."""
+    key = admin_key(cfg, run_dir)
+    run_dir = Path(run_dir)
+    servers = []
+    for i in range(cfg.servers):
+        config = run_dir / f"sglang_{i}.yaml"
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(server_args(cfg, model_path, i, key, weight_version, seed), f)
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+        servers.append(ServerProcess([sys.executable, "-m", "sglang.launch_server", "--config", str(config)],
+                                     f"http://{host}:{cfg.port + i}", run_dir / f"sglang_{i}.log"))
+    return servers, key
+
+
+def start_sglang(cfg: RolloutConfig, model_path: str, run_dir: str | Path, timeout_s: float = 900.0,
+                 weight_version: str = "0", seed: int = 0) -> tuple[list[ServerProcess], str | None]:
+    """Start every server and wait until each generates; on any failure all are stopped."""
+    try:
+        import sglang  # noqa: F401 (a clear error before any process starts)
+    except ImportError:
+        raise RuntimeError("rollout.engine=sglang needs SGLang 0.5.23: pip install -e '.[sglang]' "
+                           "(CUDA only; use rollout.engine=embedded on CPU)") from None
+    servers, key = sglang_servers(cfg, model_path, run_dir, weight_version, seed)
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(timeout_s, path="/health_generate")
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers, key
