@@ -184,6 +184,11 @@ class RolloutConfig:
             check(1 <= self.token_budget <= self.max_new_tokens, "token_budget", self.token_budget,
                   f"must lie in [1, max_new_tokens={self.max_new_tokens}]")
         check(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+        if self.partial and self.token_budget is not None:
+            reach = self.token_budget * (self.max_staleness + 1)
+            check(reach >= self.max_new_tokens, "token_budget", self.token_budget,
+                  f"x (max_staleness + 1) = {reach} tokens is all a response can get before it is stale; "
+                  f"it must reach max_new_tokens={self.max_new_tokens}, or long responses never finish")
         check(self.oversample >= 1.0, "oversample", self.oversample, "must be >= 1")
         check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
         check(1 <= self.port <= 65535 - self.servers, "port", self.port, "must leave room for one port per server")

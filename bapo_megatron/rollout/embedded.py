@@ -23,6 +23,7 @@ import ipaddress
 import os
 import secrets
 import sys
+import traceback
 import uuid
 from pathlib import Path
 
@@ -113,7 +114,11 @@ class EmbeddedServer:
                 await self._wake.wait()
                 continue
             async with self._model_lock:
-                await asyncio.to_thread(self.core.step)
+                try:
+                    await asyncio.to_thread(self.core.step)
+                except Exception:  # a bug must not leave every client waiting forever
+                    traceback.print_exc()
+                    self.core.fail_all(f"engine step failed: {traceback.format_exc(limit=1).strip()}")
 
     def _poke(self) -> None:
         self._wake.set()
@@ -138,8 +143,7 @@ class EmbeddedServer:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
 
         rid = body.get("rid") or uuid.uuid4().hex
-        async with self._model_lock:  # the request lists change between steps only
-            self.core.add(Request(rid, ids, sampling, on_finish=finished))
+        self.core.add(Request(rid, ids, sampling, on_finish=finished))  # joins at the next step
         self._poke()
         r = await done
         return web.json_response(protocol.generate_response(
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--admin-api-key-file", help="file holding the admin key (else $BAPO_ADMIN_API_KEY)")
     parser.add_argument("--api-key-file", help="file holding the API key (else $BAPO_API_KEY)")
     args = parser.parse_args(argv)

@@ -9,6 +9,7 @@ back. Log-probs are log_softmax(logits / T) over the full vocabulary, as SGLang 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,7 @@ def _eos_ids(model) -> set[int]:
 class EngineCore:
     """Requests in, tokens out, one `step()` at a time (the caller owns the loop and the locking)."""
 
-    def __init__(self, model_dir: str | Path, seed: int = 0, max_batch: int = 32) -> None:
+    def __init__(self, model_dir: str | Path, seed: int = 0, max_batch: int = 64) -> None:
         import transformers
 
         self.model_dir = str(model_dir)
@@ -58,13 +59,16 @@ class EngineCore:
         self.seed = seed
         self.max_batch = max_batch
         self.version = "0"
+        self.incoming: collections.deque[Request] = collections.deque()  # added by other threads
+        self.generator = torch.Generator().manual_seed(seed)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._count = 0
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        if any(r.rid == request.rid for r in self.waiting + self.running):
+        """Queue a request; safe to call from another thread while a step runs."""
+        if any(r.rid == request.rid for r in [*self.incoming, *self.waiting, *self.running]):
             raise ValueError(f"request id {request.rid!r} is already in flight")
         vocab = self.model.config.vocab_size
         if not request.input_ids or any(not 0 <= t < vocab for t in request.input_ids):
@@ -72,14 +76,26 @@ class EngineCore:
         seed = request.sampling.sampling_seed
         self._count += 1
         request.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self._count if seed is None else seed)
-        self.waiting.append(request)
+        self.incoming.append(request)
+
+    def _admit(self) -> None:
+        while self.incoming:
+            self.waiting.append(self.incoming.popleft())
 
     def abort(self, rid: str | None = None) -> int:
-        """Finish (with finish reason abort and their partial output) one request, or all if rid is None."""
+        """Finish (with finish reason abort and their partial output) one request, or all if rid is None.
+        Not concurrently with step()."""
+        self._admit()
         hit = [r for r in self.waiting + self.running if rid is None or r.rid == rid]
         for r in hit:
             self._finish(r, {"type": "abort", "message": "aborted", "status_code": None, "err_type": None})
         return len(hit)
+
+    def fail_all(self, message: str) -> None:
+        """Finish every request with an abort carrying `message` (the engine hit an internal error)."""
+        self._admit()
+        for r in self.waiting + self.running:
+            self._finish(r, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalError"})
 
     def drop_caches(self) -> None:
         """Forget every running request's KV cache (retract, or weights changed): they re-prefill."""
@@ -90,7 +106,7 @@ class EngineCore:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.incoming or self.waiting or self.running)
 
     # -- weights --------------------------------------------------------------------------
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -110,28 +126,47 @@ class EngineCore:
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Prefill the waiting requests (up to max_batch running), then one batched decode step."""
+        """One batched decode step of the running requests, then one batched prefill of the waiting
+        ones (up to max_batch running), which samples their first tokens."""
         finished: list[Request] = []
+        self._admit()
         with torch.no_grad():
-            while self.waiting and len(self.running) < self.max_batch:
+            admitted = []
+            while self.waiting and len(self.running) + len(admitted) < self.max_batch:
                 request = self.waiting.pop(0)
                 if request.sampling.max_new_tokens <= len(request.output_ids):
                     self._finish(request, {"type": "length", "length": len(request.output_ids)})
                     finished.append(request)
-                    continue
-                if self._prefill(request):
-                    finished.append(request)
                 else:
-                    self.running.append(request)
-            if self.running:
+                    admitted.append(request)
+            if self.running:  # decode the running ones first: arrivals never starve them
                 finished += self._decode()
+            if admitted:
+                for request, done in zip(admitted, self._prefill(admitted), strict=True):
+                    if done:
+                        finished.append(request)
+                    else:
+                        self.running.append(request)
         return finished
 
-    def _prefill(self, request: Request) -> bool:
-        ids = torch.tensor([request.input_ids + request.output_ids])
-        out = self.model(input_ids=ids, use_cache=True)
-        request.cache = [(k[0], v[0]) for k, v in _layers(out.past_key_values)]
-        return self._emit(request, out.logits[0, -1])
+    def _prefill(self, batch: list[Request]) -> list[bool]:
+        """One forward over the requests' whole sequences, right-padded (a real token never attends
+        to a pad under the causal mask); each keeps its own cache, pads cut off."""
+        sequences = [r.input_ids + r.output_ids for r in batch]
+        longest = max(len(s) for s in sequences)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros(len(batch), longest, dtype=torch.long)
+        for b, seq in enumerate(sequences):
+            ids[b, : len(seq)] = torch.tensor(seq)
+            mask[b, : len(seq)] = 1
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True)
+        layers = _layers(out.past_key_values)
+        last = out.logits[torch.arange(len(batch)), torch.tensor([len(seq) - 1 for seq in sequences])]
+        done = []
+        for b, (request, seq, picked) in enumerate(zip(batch, sequences, self._sample(batch, last), strict=True)):
+            request.cache = [(k[b, :, : len(seq)], v[b, :, : len(seq)]) for k, v in layers]
+            done.append(self._emit(request, *picked))
+        return done
 
     def _decode(self) -> list[Request]:
         batch = self.running
@@ -144,17 +179,37 @@ class EngineCore:
         out = self.model(input_ids=torch.tensor([[r.output_ids[-1]] for r in batch]), attention_mask=mask,
                          position_ids=torch.tensor([[n] for n in lengths]), past_key_values=cache, use_cache=True)
         layers = _layers(out.past_key_values)
+        picked = self._sample(batch, out.logits[:, -1])
         finished = []
         for b, (r, n) in enumerate(zip(batch, lengths, strict=True)):
             r.cache = [(k[b, :, longest - n:], v[b, :, longest - n:]) for k, v in layers]
-            if self._emit(r, out.logits[b, -1]):
+            if self._emit(r, *picked[b]):
                 finished.append(r)
         self.running = [r for r in self.running if r.finish is None]
         return finished
 
-    def _emit(self, request: Request, logits: torch.Tensor) -> bool:
-        """Sample the next token of `request`; True when it finished."""
-        token, logprob = sample(logits.float(), request.sampling, request.generator)
+    def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[tuple[int, float]]:
+        """(token, logprob) per row. Rows with plain sampling (T > 0, no top-p/top-k, no seed of
+        their own) are drawn together from the engine's generator; the others one by one."""
+        logits = logits.float()
+        plain = [b for b, r in enumerate(batch) if r.sampling.temperature > 0 and r.sampling.top_p == 1
+                 and r.sampling.top_k == -1 and r.sampling.sampling_seed is None]
+        out: list[tuple[int, float] | None] = [None] * len(batch)
+        if plain:
+            rows = torch.tensor(plain)
+            temps = torch.tensor([batch[b].sampling.temperature for b in plain])
+            logprobs = torch.log_softmax(logits[rows] / temps[:, None], -1)
+            tokens = torch.multinomial(logprobs.exp(), 1, generator=self.generator)[:, 0]
+            chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+            for b, t, lp in zip(plain, tokens.tolist(), chosen.tolist(), strict=True):
+                out[b] = (t, lp)
+        for b, r in enumerate(batch):
+            if out[b] is None:
+                out[b] = sample(logits[b], r.sampling, r.generator)
+        return out
+
+    def _emit(self, request: Request, token: int, logprob: float) -> bool:
+        """Append a sampled token to `request`; True when it finished."""
         request.output_ids.append(token)
         request.logprobs.append(logprob)
         n = len(request.output_ids)

@@ -73,34 +73,46 @@ class RolloutManager:
         self.in_flight_groups = math.ceil(prompts_per_step * oversample)
         self.decode = decode or (lambda ids: "")
         self._attempt = 0
+        self.rounds = 0
         self._engine_of: dict[str, int] = {}  # request id -> the engine it was last sent to
         self.stats: dict[str, float] = {}
 
     async def step(self, version: int) -> list[GroupState]:
-        """Generate until prompts_per_step groups are complete (and rewarded); return them, oldest first."""
+        """Generate until prompts_per_step groups are complete (and rewarded); return them, oldest first.
+
+        Each sample gets at most the token budget per round: a round ends when no request is
+        left; a step runs one round, and another only while too few groups are complete.
+        """
         start = time.monotonic()
         while self.buffer.in_flight < self.in_flight_groups:
             self.buffer.add_group(*self.prompts())
+        self.buffer.drop_stale(version)  # once per step: what this step generates is never stale in it
         tokens = 0
         running: dict[asyncio.Task, tuple[Request, str]] = {}
         pending_rewards: set[asyncio.Task] = set()
+        used: dict[str, int] = {}  # tokens each sample generated in this round
 
-        def launch() -> None:
+        def launch() -> int:
             busy = frozenset(req.sample.uid for req, _ in running.values())
-            for req in self.buffer.requests(version, busy):
+            started = 0
+            for req in self.buffer.requests(busy):
+                req.max_new_tokens = min(req.max_new_tokens, self.buffer.token_budget - used.get(req.sample.uid, 0))
                 if req.max_new_tokens > 0:
                     self._attempt += 1
                     rid = f"{req.sample.uid}#{self._attempt}"
                     running[asyncio.create_task(self._generate(req, rid))] = (req, rid)
+                    started += 1
+            return started
 
         def complete() -> int:
             return sum(g.finished for g in self.buffer.groups.values())
 
-        launch()
+        self.rounds = 0
         while complete() < self.prompts_per_step:
             if not running and not pending_rewards:
-                launch()
-                if not running:
+                used.clear()  # a new round
+                self.rounds += 1
+                if not launch():
                     raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
             done, _ = await asyncio.wait(set(running) | pending_rewards, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -111,16 +123,17 @@ class RolloutManager:
                 req, _ = running.pop(task)
                 completion = task.result()
                 self.buffer.record(req, completion, version)
+                used[req.sample.uid] = used.get(req.sample.uid, 0) + len(completion.output_ids)
                 tokens += len(completion.output_ids)
                 if req.sample.finished:
                     pending_rewards.add(asyncio.create_task(self._score(req)))
-            launch()
+            launch()  # samples of this round cut short (an abort) continue within their budget
         tokens += await self._cut(running, version)
         for task in pending_rewards:
             await task
         groups = self.buffer.pop_finished(self.prompts_per_step)
         elapsed = time.monotonic() - start
-        self.stats = {"rollout/seconds": elapsed, "rollout/tokens": tokens,
+        self.stats = {"rollout/seconds": elapsed, "rollout/tokens": tokens, "rollout/rounds": self.rounds,
                       "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
                       "rollout/in_buffer": self.buffer.in_flight,
                       "rollout/dropped_stale": self.buffer.counters["dropped_stale"],
@@ -166,4 +179,7 @@ class RolloutManager:
     async def _score(self, req: Request) -> None:
         s = req.sample
         group = self.buffer.groups[s.uid.rpartition("/")[0]]
-        s.reward = await self.reward(self.decode(s.response_ids), s.response_ids, group.meta)
+        response = list(s.response_ids)
+        reward = await self.reward(self.decode(response), response, group.meta)
+        if s.finished and s.response_ids == response:  # not reset while it was being scored
+            s.reward = reward

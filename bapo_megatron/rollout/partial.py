@@ -96,10 +96,9 @@ class PartialRolloutBuffer:
         self.counters["dropped_stale"] += dropped
         return dropped
 
-    def requests(self, version: int, busy: frozenset[str] = frozenset()) -> list[Request]:
-        """Requests for every unfinished sample not being generated (`busy` uids), stale ones restarted
-        first, oldest groups first."""
-        self.drop_stale(version, busy)
+    def requests(self, busy: frozenset[str] = frozenset()) -> list[Request]:
+        """Requests for every unfinished sample not being generated (`busy` uids), oldest groups first.
+        (Call drop_stale once per step, before the step's first requests.)"""
         out = []
         for group in self.groups.values():
             for s in group.samples:

@@ -92,3 +92,11 @@ def test_every_example_config_loads():
     assert examples
     for path in examples:
         load_config(path)
+
+
+def test_partial_budget_must_reach_max_new_tokens_before_staleness():
+    with pytest.raises(ConfigError, match=r"rollout.token_budget=8: x \(max_staleness \+ 1\) = 40 tokens"):
+        load_config(None, ["rollout.partial=true", "rollout.max_new_tokens=64", "rollout.token_budget=8"])
+    cfg = load_config(None, ["rollout.partial=true", "rollout.max_new_tokens=64", "rollout.token_budget=8",
+                             "rollout.max_staleness=7"])
+    assert cfg.rollout.token_budget * (cfg.rollout.max_staleness + 1) == 64

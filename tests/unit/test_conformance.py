@@ -93,7 +93,8 @@ def test_requests_use_only_fields_sglang_defines(wheel):
     for mode in protocol.PAUSE_MODES:
         assert f'"{mode}"' in _source(wheel, "managers/io_struct.py")
     updater = _source(wheel, "model_executor/model_runner_components/weight_updater.py")
-    assert f'load_format == "{protocol.FLATTENED}"' in updater and "_receive_bucketed_weights_from_distributed" in updater
+    assert f'load_format == "{protocol.FLATTENED}"' in updater
+    assert "_receive_bucketed_weights_from_distributed" in updater
 
 
 def test_parsed_response_fields_are_ones_sglang_produces(wheel):

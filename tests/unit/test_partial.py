@@ -16,7 +16,8 @@ def _completion(n: int, finish: str, version: str, start: int = 0) -> Completion
 
 
 def _step(buffer: PartialRolloutBuffer, version: int, finish: str = "length") -> None:
-    for req in buffer.requests(version):
+    buffer.drop_stale(version)
+    for req in buffer.requests():
         buffer.record(req, _completion(req.max_new_tokens, finish, str(version), len(req.sample.response_ids)),
                       version)
 
@@ -24,13 +25,13 @@ def _step(buffer: PartialRolloutBuffer, version: int, finish: str = "length") ->
 def test_budgeted_requests_resume_with_the_partial_response():
     buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=10, token_budget=4, max_staleness=5)
     buffer.add_group("p", [7, 8, 9])
-    first = buffer.requests(0)
+    first = buffer.requests()
     assert [r.max_new_tokens for r in first] == [4, 4] and first[0].input_ids == [7, 8, 9]
     _step(buffer, 0)
-    second = buffer.requests(1)
+    second = buffer.requests()
     assert second[0].input_ids == [7, 8, 9, 0, 1, 2, 3] and second[0].max_new_tokens == 4
     _step(buffer, 1)
-    third = buffer.requests(2)
+    third = buffer.requests()
     assert [r.max_new_tokens for r in third] == [2, 2]  # the remaining allowance, not the budget
     _step(buffer, 2)
     sample = buffer.groups["p"].samples[0]
@@ -46,21 +47,21 @@ def test_budgeted_requests_resume_with_the_partial_response():
 def test_stop_finishes_abort_does_not_and_duplicates_are_refused():
     buffer = PartialRolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
     buffer.add_group("p", [1])
-    req = buffer.requests(0)[0]
+    req = buffer.requests()[0]
     buffer.record(req, _completion(3, "abort", "0"), 0)
     assert not req.sample.finished and len(req.sample.response_ids) == 3
-    req = buffer.requests(0)[0]
+    req = buffer.requests()[0]
     buffer.record(req, _completion(2, "stop", "0", 3), 0)
     assert req.sample.finish == "stop"
     with pytest.raises(RuntimeError, match="duplicate completion"):
         buffer.record(req, _completion(1, "stop", "0"), 0)
-    assert buffer.requests(0) == []
+    assert buffer.requests() == []
 
 
 def test_versions_come_from_the_engine_spans():
     buffer = PartialRolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
     buffer.add_group("p", [1])
-    req = buffer.requests(3)[0]
+    req = buffer.requests()[0]
     completion = _completion(5, "length", "4")
     completion.version_spans = [("3", 0, 2), ("4", 2, 5)]
     buffer.record(req, completion, 3)
@@ -75,7 +76,8 @@ def test_staleness_drops_exactly_when_the_oldest_token_is_too_old():
     _step(buffer, 2)              # version 2 - 0 = 2: not yet stale
     assert buffer.counters["dropped_stale"] == 0
     busy = frozenset({"p/1"})
-    requests = buffer.requests(3, busy)  # 3 - 0 > 2: p/0 dropped and restarted; p/1 is generating: kept
+    assert buffer.drop_stale(3, busy) == 1  # 3 - 0 > 2: p/0 dropped and restarted; p/1 is generating: kept
+    requests = buffer.requests(busy)
     assert buffer.counters["dropped_stale"] == 1 and [r.sample.uid for r in requests] == ["p/0"]
     assert requests[0].input_ids == [1, 2] and buffer.groups["p"].samples[0].regenerated == 1
     assert len(buffer.groups["p"].samples[1].response_ids) == 6
@@ -91,7 +93,7 @@ def test_state_dict_round_trip_is_exact():
     restored = PartialRolloutBuffer(samples_per_prompt=3, max_new_tokens=9, token_budget=3, max_staleness=1)
     restored.load_state_dict(state)
     assert restored.state_dict() == buffer.state_dict()
-    assert [r.input_ids for r in restored.requests(1)] == [r.input_ids for r in buffer.requests(1)]
+    assert [r.input_ids for r in restored.requests()] == [r.input_ids for r in buffer.requests()]
     other = PartialRolloutBuffer(samples_per_prompt=3, max_new_tokens=12, token_budget=3, max_staleness=1)
     with pytest.raises(ValueError, match="saved with"):
         other.load_state_dict(state)
