@@ -24,7 +24,7 @@ from bapo_megatron.weights.hf_io import (
     hf_entries,
     hf_writer,
 )
-from bapo_megatron.weights.layout import EXTRA_STATE, hf_layer_to_megatron, pad_vocab
+from bapo_megatron.weights.layout import EXTRA_STATE, iter_hf_to_megatron
 from bapo_megatron.weights.mcore_io import HF_CONFIG, McoreCheckpoint
 from bapo_megatron.weights.safetensors_stream import ByteProgress, StreamingWriter, plan_files
 
@@ -75,36 +75,22 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
     model = _model(spec).to(DTYPES[dtype])
     params = {k: v for k, v in model.state_dict().items() if not k.endswith(EXTRA_STATE)}
     padded = mc.padded_vocab(spec, ModelConfig(), ParallelConfig())
-    groups = [lambda: [("embedding.word_embeddings.weight", pad_vocab(hf["model.embed_tokens.weight"], padded))]]
-    groups += [lambda i=i: hf_layer_to_megatron(spec, i, hf, out=params) for i in range(spec.num_layers)]
-    groups.append(lambda: [("decoder.final_layernorm.weight", hf["model.norm.weight"])]
-                  + ([] if spec.tie_embeddings else [("output_layer.weight", pad_vocab(hf["lm_head.weight"], padded))]))
     written: set[str] = set()
     size = sum(t.numel() * t.element_size() for t in params.values())
     with ByteProgress(size, "hf-to-mcore", progress) as bar:
-        for group in groups:
-            for name, tensor in group():
-                if name not in params or name in written:
-                    raise RuntimeError(f"layout map and model disagree at {name}")
-                if tensor.data_ptr() != params[name].data_ptr():  # not fused in place already
-                    params[name].copy_(tensor)
-                written.add(name)
-                bar.update(tensor.numel() * params[name].element_size())
+        for name, tensor in iter_hf_to_megatron(spec, hf, padded, out=params):
+            if name not in params or name in written:
+                raise RuntimeError(f"layout map and model disagree at {name}")
+            if tensor.data_ptr() != params[name].data_ptr():  # not fused in place already
+                params[name].copy_(tensor)
+            written.add(name)
+            bar.update(tensor.numel() * params[name].element_size())
     if written != set(params):
         raise RuntimeError(f"layout map left {sorted(set(params) - written)[:3]} unset")
     out = Path(out)
     save_model([model], out)
     (out / HF_CONFIG).write_text(json.dumps(hf.config, indent=2))
     return out
-
-
-def load_mcore_state(mcore_dir: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """The full (TP=1) Megatron state dict of a dist checkpoint (converted or saved by the trainer)."""
-    from bapo_megatron.trainer.checkpoint import load_model
-
-    model = _model(spec)
-    load_model([model], mcore_dir)
-    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path | None = None,
@@ -119,38 +105,39 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path 
     template = Path(hf_template) if hf_template else None
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
-    _megatron_world_of_one()
-    source = McoreCheckpoint(mcore_dir, template)
+    source = McoreCheckpoint(mcore_dir, template)  # reads through torch DCP: no process group needed
     spec, torch_dtype = source.spec, DTYPES[dtype]
-    if sglang_tp is not None:
+    if sglang_tp is None:
+        def layout(tmp: Path) -> list[StreamingWriter]:
+            return [hf_writer(tmp, hf_entries(spec, torch_dtype), max_shard_bytes)]
+
+        def split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+            return [group]
+    else:
         sglang_shards.check_sglang_tp(spec, sglang_tp)
-    config = {**source.config, "torch_dtype": dtype}
+        entries = sglang_shards.rank_entries(spec, sglang_tp, torch_dtype)
+
+        def layout(tmp: Path) -> list[StreamingWriter]:
+            return [StreamingWriter(tmp, plan_files(entries, max_shard_bytes,
+                                                    lambda i, n, r=r: sglang_shards.PATTERN.format(rank=r, part=i)))
+                    for r in range(sglang_tp)]
+
+        def split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+            return [sglang_shards.rank_tensors(spec, group, sglang_tp, r) for r in range(sglang_tp)]
+
     with atomic_directory(out) as tmp:
-        if sglang_tp is None:
-            writers = [hf_writer(tmp, hf_entries(spec, torch_dtype), max_shard_bytes)]
-        else:
-            entries = sglang_shards.rank_entries(spec, sglang_tp, torch_dtype)
-            writers = [StreamingWriter(tmp, plan_files(entries, max_shard_bytes,
-                                                       lambda i, n, r=r: sglang_shards.PATTERN.format(rank=r, part=i)))
-                       for r in range(sglang_tp)]
-        total = sum(w.total_bytes for w in writers)
-        with ByteProgress(total, "mcore-to-hf", progress) as bar:
+        writers = layout(tmp)
+        with ByteProgress(sum(w.total_bytes for w in writers), "mcore-to-hf", progress) as bar:
             for w in writers:
                 w.progress = bar
             for group in source.hf_groups():
-                if sglang_tp is None:
-                    for name, tensor in group.items():
-                        writers[0].write(name, tensor)
-                    continue
-                for rank, writer in enumerate(writers):
-                    for name, tensor in sglang_shards.rank_tensors(spec, group, sglang_tp, rank).items():
+                for writer, tensors in zip(writers, split(group), strict=True):
+                    for name, tensor in tensors.items():
                         writer.write(name, tensor)
-        if sglang_tp is None:
-            finish_hf_checkpoint(tmp, writers[0], config, template)
-        else:
-            for w in writers:
-                w.close()
-            finish_hf_checkpoint(tmp, None, config, template)
+        for w in writers:
+            w.close()
+        finish_hf_checkpoint(tmp, {**source.config, "torch_dtype": dtype}, template,
+                             writers[0] if sglang_tp is None else None)
     return Path(out)
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from bapo_megatron.trainer.model_spec import ModelSpec
-from bapo_megatron.weights.safetensors_stream import ByteProgress, StreamingWriter, TensorEntry, plan_files
+from bapo_megatron.weights.safetensors_stream import StreamingWriter, TensorEntry, plan_files
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -129,34 +129,22 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     os.replace(tmp, out)
 
 
-def hf_writer(directory: Path, entries: list[TensorEntry], max_shard_bytes: int = MAX_SHARD_BYTES,
-              progress: ByteProgress | None = None) -> StreamingWriter:
+def hf_writer(directory: Path, entries: list[TensorEntry], max_shard_bytes: int = MAX_SHARD_BYTES) -> StreamingWriter:
     """A StreamingWriter for the HF shard files of `entries` (model.safetensors or model-0000i-of-0000N)."""
     files = plan_files(entries, max_shard_bytes,
                        lambda i, n: SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
-    return StreamingWriter(directory, files, progress=progress)
+    return StreamingWriter(directory, files)
 
 
-def finish_hf_checkpoint(directory: Path, writer: StreamingWriter | None, config: dict,
-                         template: Path | None) -> None:
-    """Close the shards; write the index (several shards), config.json and the template's tokenizer files."""
-    if writer is not None:
-        writer.close()
-    if writer is not None and len(set(writer.weight_map.values())) > 1:
-        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": writer.total_bytes},
-                                                   "weight_map": writer.weight_map}, indent=2))
+def finish_hf_checkpoint(directory: Path, config: dict, template: Path | None,
+                         shards: StreamingWriter | None = None) -> None:
+    """config.json, the template's tokenizer files and, for HF shards written (and closed) by
+    `shards` into several files, the index."""
+    if shards is not None and len(set(shards.weight_map.values())) > 1:
+        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": shards.total_bytes},
+                                                   "weight_map": shards.weight_map}, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if template is not None:
         for name in TOKENIZER_FILES:
             if (template / name).is_file():
                 shutil.copy2(template / name, directory / name)
-
-
-def write_hf_checkpoint(tensors: Mapping[str, torch.Tensor], directory: Path, config: dict,
-                        template: Path | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-    """safetensors shards of at most max_shard_bytes, the index, config.json and tokenizer files."""
-    writer = hf_writer(directory, [TensorEntry(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
-                       max_shard_bytes)
-    for name, tensor in tensors.items():
-        writer.write(name, tensor)
-    finish_hf_checkpoint(directory, writer, config, template)

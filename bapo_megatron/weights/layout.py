@@ -99,16 +99,22 @@ def megatron_layer_to_hf(spec: ModelSpec, i: int, mg: Mapping[str, torch.Tensor]
     yield h + "mlp.down_proj.weight", mg[m + "mlp.linear_fc2.weight"]
 
 
+def iter_hf_to_megatron(spec: ModelSpec, hf: Mapping[str, torch.Tensor], padded_vocab: int, impl: str = "local",
+                        out: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron's TP=1 (name, tensor) pairs of a whole HF state dict, in loading order, made one at a
+    time (reading `hf` lazily); `out` as in hf_layer_to_megatron."""
+    yield "embedding.word_embeddings.weight", pad_vocab(hf["model.embed_tokens.weight"], padded_vocab)
+    for i in range(spec.num_layers):
+        yield from hf_layer_to_megatron(spec, i, hf, impl, out)
+    yield "decoder.final_layernorm.weight", hf["model.norm.weight"]
+    if not spec.tie_embeddings:
+        yield "output_layer.weight", pad_vocab(hf["lm_head.weight"], padded_vocab)
+
+
 def hf_to_megatron(spec: ModelSpec, hf: Mapping[str, torch.Tensor], padded_vocab: int,
                    impl: str = "local") -> dict[str, torch.Tensor]:
     """A whole HF state dict as Megatron's TP=1 state dict (names of `impl`'s layer spec)."""
-    out = {"embedding.word_embeddings.weight": pad_vocab(hf["model.embed_tokens.weight"], padded_vocab)}
-    for i in range(spec.num_layers):
-        out.update(hf_layer_to_megatron(spec, i, hf, impl))
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if not spec.tie_embeddings:
-        out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"], padded_vocab)
-    return out
+    return dict(iter_hf_to_megatron(spec, hf, padded_vocab, impl))
 
 
 def megatron_to_hf(spec: ModelSpec, mg: Mapping[str, torch.Tensor], impl: str = "local") -> dict[str, torch.Tensor]:

@@ -97,9 +97,6 @@ class McoreCheckpoint:
             elif got != shape:
                 raise ValueError(f"{self.dir}: {key} has shape {got}, the model's config implies {shape}")
 
-    def dtype(self, key: str = EMBEDDING) -> torch.dtype:
-        return self.meta[key][1]
-
     def _load(self, requests: dict[str, tuple[str, int | None]]) -> dict[str, torch.Tensor]:
         """{name: (stored key, layer or None)} -> {name: tensor}; a layer index reads one slice."""
         dest, offsets, names = {}, {}, {}
@@ -119,8 +116,8 @@ class McoreCheckpoint:
         and untied lm_head. Vocabulary padding trimmed. One group is in memory at a time."""
         vocab = self.spec.vocab_size
         yield {"model.embed_tokens.weight": self._load({"e": (EMBEDDING, None)})["e"][:vocab]}
+        suffixes = layer_shapes(self.spec)
         for i in range(self.spec.num_layers):
-            suffixes = layer_shapes(self.spec)
             stored = self._load({f"decoder.layers.{i}.{s}": (f"decoder.layers.{s}", i) for s in suffixes})
             yield dict(megatron_layer_to_hf(self.spec, i, stored, STORED_IMPL))
         final = {"model.norm.weight": (FINAL_NORM, None)}

@@ -14,7 +14,7 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,6 +140,3 @@ class ByteProgress:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def total_bytes(entries: Iterable[TensorEntry]) -> int:
-    return sum(e.nbytes for e in entries)
