@@ -118,7 +118,8 @@ class EmbeddedServer:
                     await asyncio.to_thread(self.core.step)
                 except Exception:  # a bug must not leave every client waiting forever
                     traceback.print_exc()
-                    self.core.fail_all(f"engine step failed: {traceback.format_exc(limit=1).strip()}")
+                    self.core.abort(None, f"engine step failed: {traceback.format_exc(limit=1).strip()}", 500,
+                                    "InternalError")
 
     def _poke(self) -> None:
         self._wake.set()

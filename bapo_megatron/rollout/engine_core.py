@@ -82,20 +82,15 @@ class EngineCore:
         while self.incoming:
             self.waiting.append(self.incoming.popleft())
 
-    def abort(self, rid: str | None = None) -> int:
-        """Finish (with finish reason abort and their partial output) one request, or all if rid is None.
-        Not concurrently with step()."""
+    def abort(self, rid: str | None = None, message: str = "aborted", status_code: int | None = None,
+              err_type: str | None = None) -> int:
+        """Finish (with finish reason abort and their partial output) one request, or all if rid is None;
+        an internal error passes its message, 500 and its type. Not concurrently with step()."""
         self._admit()
         hit = [r for r in self.waiting + self.running if rid is None or r.rid == rid]
         for r in hit:
-            self._finish(r, {"type": "abort", "message": "aborted", "status_code": None, "err_type": None})
+            self._finish(r, {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type})
         return len(hit)
-
-    def fail_all(self, message: str) -> None:
-        """Finish every request with an abort carrying `message` (the engine hit an internal error)."""
-        self._admit()
-        for r in self.waiting + self.running:
-            self._finish(r, {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalError"})
 
     def drop_caches(self) -> None:
         """Forget every running request's KV cache (retract, or weights changed): they re-prefill."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -145,7 +146,9 @@ class RolloutManager:
         if not running:
             return 0
         for _, rid in running.values():
-            client = self.pool.clients[self._engine_of.get(rid, 0)]
+            if rid not in self._engine_of:  # it has just returned
+                continue
+            client = self.pool.clients[self._engine_of[rid]]
             with contextlib.suppress(EngineUnavailable, EngineError):  # a dead engine: its request fails below
                 await client.abort(rid)
         tokens = 0
@@ -164,21 +167,24 @@ class RolloutManager:
         return tokens
 
     async def _generate(self, req: Request, rid: str):
-        sampling = SamplingParams(**{**self.sampling.__dict__, "max_new_tokens": req.max_new_tokens})
-        while True:
-            index = await self.pool.pick()
-            self._engine_of[rid] = index
-            self.pool.load[index] += 1
-            try:
-                return await self.pool.clients[index].generate(req.input_ids, sampling, rid)
-            except EngineUnavailable:
-                self.pool.mark_dead(index)  # resubmitted elsewhere (or here, once it answers again)
-            finally:
-                self.pool.load[index] -= 1
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=req.max_new_tokens)
+        try:
+            while True:
+                index = await self.pool.pick()
+                self._engine_of[rid] = index
+                self.pool.load[index] += 1
+                try:
+                    return await self.pool.clients[index].generate(req.input_ids, sampling, rid)
+                except EngineUnavailable:
+                    self.pool.mark_dead(index)  # resubmitted elsewhere (or here, once it answers again)
+                finally:
+                    self.pool.load[index] -= 1
+        finally:
+            del self._engine_of[rid]  # only requests still generating are looked up (to abort them)
 
     async def _score(self, req: Request) -> None:
         s = req.sample
-        group = self.buffer.groups[s.uid.rpartition("/")[0]]
+        group = self.buffer.group_of(s)
         response = list(s.response_ids)
         reward = await self.reward(self.decode(response), response, group.meta)
         if s.finished and s.response_ids == response:  # not reset while it was being scored

@@ -79,9 +79,8 @@ class PartialRolloutBuffer:
         self.counters["groups_added"] += 1
         return group
 
-    def sample(self, uid: str) -> SampleState:
-        group, _, index = uid.rpartition("/")
-        return self.groups[group].samples[int(index)]
+    def group_of(self, sample: SampleState) -> GroupState:
+        return self.groups[sample.uid.rpartition("/")[0]]
 
     def drop_stale(self, version: int, busy: frozenset[str] = frozenset()) -> int:
         """Reset every sample (not being generated: `busy` uids) whose oldest token is more than

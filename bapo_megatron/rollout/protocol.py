@@ -8,6 +8,7 @@ reads them from the released wheel and fails when ours drift.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,9 +196,7 @@ def flattened_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> list
         size = dtype.itemsize
         if offset % size:
             raise ValueError(f"flattened bucket: a {dtype} tensor would start at unaligned byte {offset}")
-        nbytes = size
-        for d in shape:
-            nbytes *= d
+        nbytes = size * math.prod(shape)
         out.append((offset, offset + nbytes))
         offset += nbytes
     return out

@@ -68,12 +68,9 @@ def server_args(cfg: RolloutConfig, model_path: str, index: int, key: str | None
 
 
 def _gpus_per_node() -> int:
-    try:
-        import torch
+    import torch
 
-        return torch.cuda.device_count() or 1
-    except Exception:
-        return 1
+    return torch.cuda.device_count() or 1
 
 
 def sglang_servers(cfg: RolloutConfig, model_path: str, run_dir: str | Path, weight_version: str = "0",

@@ -36,6 +36,7 @@ class DistributedWeightSender:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.flatten = flatten  # one broadcast per bucket (load_format flattened_bucket), not one per tensor
         self.group = None
+        self._store = None  # hosted here; must outlive the group's rendezvous
 
     @property
     def world_size(self) -> int:
@@ -56,7 +57,7 @@ class DistributedWeightSender:
         else:
             make = lambda: dist.ProcessGroupGloo(prefixed, 0, self.world_size, self.timeout)  # noqa: E731
         self.group, *_ = await asyncio.gather(asyncio.to_thread(make), *joins)
-        self._store = store  # the store must outlive the group's rendezvous
+        self._store = store
 
     async def send(self, buckets: Iterable[Bucket], version: str) -> int:
         """Every bucket to every engine; the engines' weight version becomes `version`. Returns bytes sent."""

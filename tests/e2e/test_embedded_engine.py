@@ -152,3 +152,28 @@ def test_keyed_engine_refuses_unauthenticated_control(keyed, model_dir, tmp_path
     before, after, info = asyncio.run(run())
     assert before.output_ids == after.output_ids and before.logprobs == after.logprobs
     assert info["weight_version"] == "0"
+
+
+def test_a_failing_step_fails_its_requests_instead_of_hanging(model_dir):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from bapo_megatron.rollout.embedded import EmbeddedServer
+    from bapo_megatron.rollout.engine_core import EngineCore
+
+    core = EngineCore(model_dir)
+
+    def broken_step():
+        raise RuntimeError("simulated kernel failure")
+
+    core.step = broken_step
+
+    async def run():
+        async with TestClient(TestServer(EmbeddedServer(core).app())) as client:
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "x"}
+            resp = await asyncio.wait_for(client.post("/generate", json=body), 30)
+            return await resp.json()
+
+    meta = asyncio.run(run())["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["status_code"] == 500
+    assert "simulated kernel failure" in meta["finish_reason"]["message"]
+    assert not core.busy

@@ -1,0 +1,57 @@
+"""The protocol's parser and checks: malformed engine answers and bad values are clear errors."""
+
+import pytest
+import torch
+
+from bapo_megatron.rollout import protocol
+from bapo_megatron.rollout.protocol import MalformedResponse, SamplingParams
+
+
+def _good() -> dict:
+    return protocol.generate_response("r", [5, 6], [-0.5, -1.5], {"type": "stop", "matched": 6}, 3, "2",
+                                      [("1", 0, 1), ("2", 1, 2)])
+
+
+def test_parser_reads_tokens_logprobs_and_versions():
+    parsed = protocol.parse_generate_response([_good()], "r")  # a one-element batch is accepted too
+    assert parsed.output_ids == [5, 6] and parsed.logprobs == [-0.5, -1.5] and parsed.finish == "stop"
+    assert parsed.token_versions() == ["1", "2"] and parsed.prompt_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: b.pop("output_ids"), "no 'output_ids'"),
+        (lambda b: b["meta_info"].update(finish_reason={"type": "oops"}), "finish_reason: expected a type in"),
+        (lambda b: b["meta_info"]["output_token_logprobs"].pop(), "2 output ids but 1 output_token_logprobs"),
+        (lambda b: b["meta_info"]["output_token_logprobs"][0].__setitem__(1, 9), "does not match token 5"),
+        (lambda b: b["meta_info"]["output_token_logprobs"][1].__setitem__(0, None), "has no logprob"),
+        (lambda b: b["meta_info"].update(weight_versions=[{"version": "1"}]), "weight_versions: bad span"),
+        (lambda b: b.update(meta_info=[]), "meta_info: expected"),
+    ],
+)
+def test_malformed_responses_name_the_field(mutate, message):
+    body = _good()
+    mutate(body)
+    with pytest.raises(MalformedResponse, match="/generate response for r") as err:
+        protocol.parse_generate_response(body, "r")
+    assert message in str(err.value)
+
+
+def test_sampling_params_and_dtypes():
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):
+        SamplingParams(max_new_tokens=-1)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        SamplingParams(max_new_tokens=1, top_p=1.5)
+    with pytest.raises(ValueError, match=r"unsupported field\(s\) \['logit_bias'\]"):
+        SamplingParams.from_json({"logit_bias": {}})
+    assert SamplingParams.from_json({}).max_new_tokens == 128  # SGLang's default when unset
+    assert protocol.torch_dtype(protocol.dtype_name(torch.bfloat16)) is torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'float13'"):
+        protocol.torch_dtype("float13")
+
+
+def test_flattened_layout_offsets_and_alignment():
+    assert protocol.flattened_layout([torch.float32, torch.bfloat16], [[2, 3], [5]]) == [(0, 24), (24, 34)]
+    with pytest.raises(ValueError, match="a torch.float32 tensor would start at unaligned byte 10"):
+        protocol.flattened_layout([torch.bfloat16, torch.float32], [[5], [1]])
