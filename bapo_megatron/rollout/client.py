@@ -152,6 +152,11 @@ class EngineClient:
         await self._checked("/update_weights_from_distributed", protocol.update_distributed_request(
             names, dtypes, shapes, version, group_name, flattened=flattened))
 
+    async def update_weights_from_tensor(self, serialized: list[str], version: str, flattened: bool = True) -> None:
+        """Colocated: tensor handles (weights/ipc.py), one payload per engine TP rank."""
+        await self._checked("/update_weights_from_tensor", protocol.update_tensor_request(serialized, version,
+                                                                                          flattened))
+
     async def update_weights_from_disk(self, model_path: str, version: str) -> None:
         await self._checked("/update_weights_from_disk", protocol.update_disk_request(model_path, version))
 

@@ -6,7 +6,8 @@ Same payloads as SGLang 0.5.23 (rollout/protocol.py): /generate with logprobs,
 /abort_request, /pause_generation (abort | retract | in_place), /continue_generation,
 /health, /health_generate, /ready, /model_info, /begin_weight_update, /end_weight_update,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed
-(gloo; the trainer is rank 0), /update_weights_from_disk (safetensors only),
+(gloo; the trainer is rank 0), /update_weights_from_tensor (shared-memory handles from a
+process on the same host, weights/ipc.py), /update_weights_from_disk (safetensors only),
 /update_weight_version.
 
 Security as SGLang's: it listens on loopback unless --host names an interface, and then
@@ -91,6 +92,7 @@ class EmbeddedServer:
                 "/end_weight_update": self.end_update, "/init_weights_update_group": self.init_group,
                 "/destroy_weights_update_group": self.destroy_group,
                 "/update_weights_from_distributed": self.update_from_distributed,
+                "/update_weights_from_tensor": self.update_from_tensor,
                 "/update_weights_from_disk": self.update_from_disk, "/update_weight_version": self.set_version}
         for path, handler in get.items():
             app.router.add_get(path, handler)
@@ -253,6 +255,38 @@ class EmbeddedServer:
             self.core.load_weights(tensors)
             self._after_update(body)
         return _ok(f"updated {len(tensors)} tensors")
+
+    async def update_from_tensor(self, request):
+        import pickle
+
+        from bapo_megatron.weights import ipc
+
+        body = await request.json()
+        self._need_session()
+        payloads = body["serialized_named_tensors"]
+        if not isinstance(payloads, list) or len(payloads) != 1:
+            raise ValueError(f"serialized_named_tensors: the embedded engine is one rank and takes one payload, "
+                             f"got {len(payloads) if isinstance(payloads, list) else type(payloads).__name__}")
+        load_format = body.get("load_format")
+        if load_format not in (None, protocol.FLATTENED):
+            raise ValueError(f"load_format {load_format!r}: expected none or {protocol.FLATTENED!r}")
+        try:
+            payload = ipc.loads(payloads[0])  # restricted: tensor rebuilds and plain data only
+        except pickle.UnpicklingError as err:
+            raise ValueError(f"serialized_named_tensors[0]: {err}") from None
+        if load_format == protocol.FLATTENED:
+            if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
+                raise ValueError("a flattened_bucket payload is a dict of flattened_tensor and metadata")
+            tensors = ipc.unflatten(payload)
+        elif isinstance(payload, list) and all(isinstance(p, tuple) and len(p) == 2 for p in payload):
+            tensors = payload
+        else:
+            raise ValueError("the payload must be a list of (name, tensor) pairs")
+        async with self._model_lock:
+            count = self.core.load_weights(tensors)
+            self._after_update(body)
+        del payload, tensors  # the shared memory is released once the last view of it goes
+        return _ok(f"updated {count} tensors")
 
     async def update_from_disk(self, request):
         from bapo_megatron.weights.hf_io import HFCheckpoint

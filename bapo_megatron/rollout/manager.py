@@ -65,43 +65,65 @@ class EnginePool:
 
 
 class RolloutManager:
+    """Rollout steps over an engine pool (see the module). mode:
+
+    - "abort" (default): what is still generating when a step has its groups is aborted; its
+      partial output waits in the buffer (partial rollout) or is dropped, and the next step
+      resubmits it, capped by the token budget, under the weights of that step.
+    - "retract": requests stay inside the engines across steps and weight updates (the
+      engines pause in retract mode around an update, `weight_update()`, and continue the
+      requests under the new weights); no token budget, per-token versions from the engines.
+      A request begun more than max_staleness versions ago is aborted at the next step and
+      its sample dropped if stale. `drain()` aborts what runs, keeping its output (before a
+      checkpoint or at shutdown).
+    """
+
     def __init__(self, pool: EnginePool, buffer: PartialRolloutBuffer, prompts: PromptFn, reward: RewardWorkers,
                  sampling: SamplingParams, prompts_per_step: int, oversample: float = 1.0, partial: bool = True,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, mode: str = "abort") -> None:
+        if mode not in ("abort", "retract"):
+            raise ValueError(f"mode must be 'abort' or 'retract', got {mode!r}")
+        if mode == "retract" and not partial:
+            raise ValueError("mode='retract' keeps requests across steps: it needs partial=True")
         self.pool, self.buffer, self.prompts, self.reward = pool, buffer, prompts, reward
-        self.sampling, self.partial = sampling, partial
+        self.sampling, self.partial, self.retract = sampling, partial, mode == "retract"
         self.prompts_per_step = prompts_per_step
         self.in_flight_groups = math.ceil(prompts_per_step * oversample)
         self.decode = decode or (lambda ids: "")
         self._attempt = 0
         self.rounds = 0
         self._engine_of: dict[str, int] = {}  # request id -> the engine it was last sent to
+        # generating now: task -> (request, request id, the version live when it was sent)
+        self._running: dict[asyncio.Task, tuple[Request, str, int]] = {}
         self.stats: dict[str, float] = {}
 
     async def step(self, version: int) -> list[GroupState]:
         """Generate until prompts_per_step groups are complete (and rewarded); return them, oldest first.
 
-        Each sample gets at most the token budget per round: a round ends when no request is
-        left; a step runs one round, and another only while too few groups are complete.
+        Abort mode: each sample gets at most the token budget per round: a round ends when no
+        request is left; a step runs one round, and another only while too few groups are complete.
         """
         start = time.monotonic()
         while self.buffer.in_flight < self.in_flight_groups:
             self.buffer.add_group(*self.prompts())
-        self.buffer.drop_stale(version)  # once per step: what this step generates is never stale in it
         tokens = 0
-        running: dict[asyncio.Task, tuple[Request, str]] = {}
+        if self.retract:  # requests begun too long ago: their output so far is recorded, then judged
+            stale = [t for t, (_, _, sent) in self._running.items() if version - sent > self.buffer.max_staleness]
+            tokens += await self._cut(stale, version, keep=True)
+        self.buffer.drop_stale(version, self._busy())  # once per step: this step's tokens are never stale in it
         pending_rewards: set[asyncio.Task] = set()
         used: dict[str, int] = {}  # tokens each sample generated in this round
 
         def launch() -> int:
-            busy = frozenset(req.sample.uid for req, _ in running.values())
             started = 0
-            for req in self.buffer.requests(busy):
-                req.max_new_tokens = min(req.max_new_tokens, self.buffer.token_budget - used.get(req.sample.uid, 0))
+            for req in self.buffer.requests(self._busy()):
+                if not self.retract:
+                    req.max_new_tokens = min(req.max_new_tokens,
+                                             self.buffer.token_budget - used.get(req.sample.uid, 0))
                 if req.max_new_tokens > 0:
                     self._attempt += 1
                     rid = f"{req.sample.uid}#{self._attempt}"
-                    running[asyncio.create_task(self._generate(req, rid))] = (req, rid)
+                    self._running[asyncio.create_task(self._generate(req, rid))] = (req, rid, version)
                     started += 1
             return started
 
@@ -110,18 +132,18 @@ class RolloutManager:
 
         self.rounds = 0
         while complete() < self.prompts_per_step:
-            if not running and not pending_rewards:
+            if not self._running and not pending_rewards:
                 used.clear()  # a new round
                 self.rounds += 1
                 if not launch():
                     raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
-            done, _ = await asyncio.wait(set(running) | pending_rewards, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(set(self._running) | pending_rewards, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task in pending_rewards:
                     pending_rewards.discard(task)
                     task.result()
                     continue
-                req, _ = running.pop(task)
+                req, _, _ = self._running.pop(task)
                 completion = task.result()
                 self.buffer.record(req, completion, version)
                 used[req.sample.uid] = used.get(req.sample.uid, 0) + len(completion.output_ids)
@@ -129,35 +151,64 @@ class RolloutManager:
                 if req.sample.finished:
                     pending_rewards.add(asyncio.create_task(self._score(req)))
             launch()  # samples of this round cut short (an abort) continue within their budget
-        tokens += await self._cut(running, version)
+        if not self.retract:
+            tokens += await self._cut(list(self._running), version, keep=self.partial)
         for task in pending_rewards:
             await task
         groups = self.buffer.pop_finished(self.prompts_per_step)
         elapsed = time.monotonic() - start
         self.stats = {"rollout/seconds": elapsed, "rollout/tokens": tokens, "rollout/rounds": self.rounds,
                       "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
-                      "rollout/in_buffer": self.buffer.in_flight,
+                      "rollout/in_buffer": self.buffer.in_flight, "rollout/in_engines": len(self._running),
                       "rollout/dropped_stale": self.buffer.counters["dropped_stale"],
                       "rollout/engine_failures": self.pool.failures, "rollout/reward_failures": self.reward.failures}
         return groups
 
-    async def _cut(self, running: dict[asyncio.Task, tuple[Request, str]], version: int) -> int:
-        """Abort what is still generating; keep its partial output (partial rollout) or drop it."""
-        if not running:
+    def _busy(self) -> frozenset[str]:
+        return frozenset(req.sample.uid for req, _, _ in self._running.values())
+
+    @contextlib.asynccontextmanager
+    async def weight_update(self):
+        """Around a weight sync. Retract mode: the live engines pause (keeping their requests,
+        dropping their KV caches) and continue afterwards under the new weights. Abort mode:
+        nothing generates between steps, so nothing to do."""
+        live = [c for i, c in enumerate(self.pool.clients) if i not in self.pool.dead] if self.retract else []
+        await asyncio.gather(*(self._quietly(c.pause("retract"), c) for c in live))
+        try:
+            yield
+        finally:
+            await asyncio.gather(*(self._quietly(c.resume(), c) for c in live))
+
+    async def _quietly(self, call, client: EngineClient) -> None:
+        try:
+            await call
+        except EngineUnavailable:  # its requests fail over to another engine
+            self.pool.mark_dead(self.pool.clients.index(client))
+
+    async def drain(self, version: int) -> int:
+        """Abort every request still generating and keep its output in the buffer (retract mode keeps
+        requests between steps; call this before saving the buffer). Returns the tokens recorded."""
+        return await self._cut(list(self._running), version, keep=True)
+
+    async def _cut(self, tasks: list[asyncio.Task], version: int, keep: bool) -> int:
+        """Abort these requests; keep their partial output (record it) or drop it (reset the sample)."""
+        if not tasks:
             return 0
-        for _, rid in running.values():
+        for task in tasks:
+            rid = self._running[task][1]
             if rid not in self._engine_of:  # it has just returned
                 continue
             client = self.pool.clients[self._engine_of[rid]]
             with contextlib.suppress(EngineUnavailable, EngineError):  # a dead engine: its request fails below
                 await client.abort(rid)
         tokens = 0
-        for task, (req, _) in running.items():
+        for task in tasks:
+            req, _, _ = self._running.pop(task)
             try:
                 completion = await task
             except EngineUnavailable:
                 continue
-            if self.partial:
+            if keep:
                 self.buffer.record(req, completion, version)
                 tokens += len(completion.output_ids)
                 if req.sample.finished:

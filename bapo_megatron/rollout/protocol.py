@@ -202,5 +202,14 @@ def flattened_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> list
     return out
 
 
+def update_tensor_request(serialized: list[str], version: str, flattened: bool = True,
+                          flush_cache: bool = True) -> dict[str, Any]:
+    """POST /update_weights_from_tensor body: one base64 payload per engine TP rank (weights/ipc.py)."""
+    body = {"serialized_named_tensors": list(serialized), "flush_cache": flush_cache, "weight_version": version}
+    if flattened:
+        body["load_format"] = FLATTENED
+    return body
+
+
 def update_disk_request(model_path: str, version: str, flush_cache: bool = True) -> dict[str, Any]:
     return {"model_path": model_path, "weight_version": version, "flush_cache": flush_cache}

@@ -1,14 +1,21 @@
-"""Trainer -> engine weight sync over update_weights_from_distributed (NCCL on GPU, gloo on CPU).
+"""Trainer -> engine weight sync: over a process group, or by handle when colocated.
 
-The trainer's sending rank is rank 0 of a group it hosts: a TCPStore at (host, port) under
+DistributedWeightSender (update_weights_from_distributed, NCCL on GPU, gloo on CPU): the
+trainer's sending rank is rank 0 of a group it hosts: a TCPStore at (host, port) under
 PrefixStore(group_name), which is how SGLang's init_custom_process_group joins (a plain
 init_process_group would rendezvous on other keys and hang). Engine i joins at rank_offset
 1 + the ranks before it. Each bucket: announce names/dtypes/shapes over HTTP to every engine,
 broadcast the bucket while the requests wait (by default as one uint8 tensor of the
 tensors' bytes in order, SGLang's load_format "flattened_bucket"; else one broadcast per
 tensor), then collect the answers.
-The whole sync runs inside one begin/end weight-update session (SGLang >= 0.5.21) and
-sets the new weight version on every engine.
+
+TensorWeightSender (update_weights_from_tensor, colocated engines): each bucket travels as
+handles to memory this process holds (CUDA IPC, or shared memory on CPU; weights/ipc.py),
+one payload per engine TP rank, by default one flattened tensor per bucket. The bucket stays
+alive until every engine has answered, by which time the engines have copied it.
+
+Both run the whole sync inside one begin/end weight-update session (SGLang >= 0.5.21) and
+set the new weight version on every engine; a failed update still ends the session.
 """
 
 from __future__ import annotations
@@ -87,3 +94,37 @@ class DistributedWeightSender:
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:
             self.group.broadcast(tensor.contiguous(), 0).wait()
+
+
+class TensorWeightSender:
+    """Colocated engines (each of `engine_tp` ranks) loading this process's tensors by handle.
+
+    The sending process must hold every bucket (with PP > 1, gather the stages to it first,
+    or use DistributedWeightSender)."""
+
+    def __init__(self, clients: list[EngineClient], engine_tp: int = 1, flatten: bool = True) -> None:
+        if not clients:
+            raise ValueError("no engines")
+        if engine_tp < 1:
+            raise ValueError(f"engine_tp must be >= 1, got {engine_tp}")
+        self.clients, self.engine_tp, self.flatten = clients, engine_tp, flatten
+
+    async def send(self, buckets: Iterable[Bucket], version: str) -> int:
+        """Every bucket to every engine; the engines' weight version becomes `version`. Returns bytes sent."""
+        from bapo_megatron.weights import ipc
+
+        await asyncio.gather(*(c.begin_weight_update() for c in self.clients))
+        sent = 0
+        try:
+            for bucket in buckets:
+                payload = ipc.flattened_bucket(bucket) if self.flatten else list(bucket)
+                # one pickle per receiving rank (a CUDA IPC reference each), kept valid until all answered
+                with ipc.serialized(payload, self.engine_tp * len(self.clients)) as serialized:
+                    await asyncio.gather(*(
+                        c.update_weights_from_tensor(serialized[i * self.engine_tp:(i + 1) * self.engine_tp],
+                                                     version, self.flatten)
+                        for i, c in enumerate(self.clients)))
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        finally:
+            await asyncio.gather(*(c.end_weight_update() for c in self.clients), return_exceptions=True)
+        return sent

@@ -1,7 +1,8 @@
-"""Weight sync: a TP=2 trainer streams its weights to the embedded engine over gloo
-(update_weights_from_distributed, inside a begin/end session), once tensor by tensor and
-once as flattened buckets; after each, the engine's log-probs for the sequence it samples
-equal the trainer's own (float32, <= 1e-5)."""
+"""Weight sync: a TP=2 trainer streams its weights to the embedded engine, inside a begin/end
+session, four ways: over gloo (update_weights_from_distributed) tensor by tensor and as
+flattened buckets, and colocated by shared-memory handle (update_weights_from_tensor) as
+flattened buckets and tensor by tensor. After each, the engine's log-probs for the sequence
+it samples equal the trainer's own (float32, <= 1e-5), and no shared memory is left behind."""
 
 import asyncio
 import json
@@ -15,6 +16,7 @@ from tests.dist.launch import run_workers
 from tests.dist.test_convert import make_hf_model
 
 ENGINE, TRAINED = "qwen2-gqa2", "qwen2-gqa2-trained"  # same shape, different random weights
+WAYS = [("distributed", False), ("distributed", True), ("tensor", True), ("tensor", False)]
 
 
 def _convert(rank: int, world: int, root: str) -> None:
@@ -36,7 +38,7 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
     from bapo_megatron.weights.export import stream_hf_buckets
-    from bapo_megatron.weights.sync import DistributedWeightSender
+    from bapo_megatron.weights.sync import DistributedWeightSender, TensorWeightSender
 
     activate_cpu_shim()
     root = Path(root)
@@ -45,8 +47,8 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
     load_model(trainer.model, root / "mcore")
     prompt = [11, 22, 33, 44]
-    tokens = torch.zeros(2, 24, dtype=torch.long)
-    engine_logprobs = torch.zeros(2, 20, dtype=torch.float64)
+    tokens = torch.zeros(len(WAYS), 24, dtype=torch.long)
+    engine_logprobs = torch.zeros(len(WAYS), 20, dtype=torch.float64)
 
     def stream():
         return stream_hf_buckets(trainer.model, spec, trainer.info, bucket_bytes=50_000)
@@ -55,10 +57,14 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
         async def drive():
             async with EngineClient(url) as client:
                 results = []
-                for flatten, version in ((False, "1"), (True, "2")):
-                    sender = DistributedWeightSender([client], [1], "127.0.0.1", free_port(),
-                                                     group_name=f"sync-{version}", flatten=flatten)
-                    await sender.connect()
+                for i, (transport, flatten) in enumerate(WAYS):
+                    version = str(i + 1)
+                    if transport == "distributed":
+                        sender = DistributedWeightSender([client], [1], "127.0.0.1", free_port(),
+                                                         group_name=f"sync-{version}", flatten=flatten)
+                        await sender.connect()
+                    else:
+                        sender = TensorWeightSender([client], flatten=flatten)
                     assert await sender.send(stream(), version) > 0
                     results.append(await client.generate(prompt, SamplingParams(
                         max_new_tokens=20, temperature=0.9, ignore_eos=True), f"after-{version}"))
@@ -69,12 +75,12 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
             tokens[i] = torch.tensor(prompt + result.output_ids)
             engine_logprobs[i] = torch.tensor(result.logprobs)
     else:
-        for _ in range(2):
+        for _ in WAYS:
             for _ in stream():  # the TP gathers are collectives: every rank walks the stream
                 pass
     dist.broadcast(tokens, 0)
     batch = RolloutBatch(samples=[Sample(prompt_ids=ids[:4], response_ids=ids[4:], behaviour_logprobs=[0.0] * 20,
-                                         versions=[0] * 20, reward=float(i), group=0)
+                                         versions=[0] * 20, reward=float(i % 2), group=0)
                                   for i, ids in enumerate(tokens.tolist())], temperature=0.9)
     mbs, _ = trainer.microbatches(batch)
     trainer._temperature = 0.9  # the rollout temperature the engine sampled with (set by train_step normally)
@@ -90,12 +96,13 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
         for index, logp, mask in outputs:
             for row, i in enumerate(index):
                 ours[int(i)] = logp[row][mask[row] != 0].double().tolist()
-        (root / "sync.json").write_text(json.dumps({"trainer": [ours[0], ours[1]],
+        (root / "sync.json").write_text(json.dumps({"trainer": [ours[i] for i in range(len(WAYS))],
                                                     "engine": engine_logprobs.tolist()}))
 
 
 @pytest.mark.dist
 def test_tp2_trainer_weights_reach_the_engine(tmp_path):
+    shm_before = _torch_shm()
     make_hf_model(tmp_path, ENGINE)
     make_hf_model(tmp_path, TRAINED, ("qwen2", 2, False))
     run_workers(_convert, 1, str(tmp_path))
@@ -106,3 +113,9 @@ def test_tp2_trainer_weights_reach_the_engine(tmp_path):
         engine.stop()
     result = json.loads((tmp_path / "sync.json").read_text())
     torch.testing.assert_close(torch.tensor(result["engine"]), torch.tensor(result["trainer"]), rtol=0, atol=1e-5)
+    assert _torch_shm() <= shm_before, "shared-memory segments of the tensor transport were left behind"
+
+
+def _torch_shm() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for pattern in ("torch_*", "bapo-*") for p in shm.glob(pattern)} if shm.is_dir() else set()

@@ -77,6 +77,7 @@ def test_requests_use_only_fields_sglang_defines(wheel):
         "UpdateWeightsFromDistributedReqInput": protocol.update_distributed_request(["w"], ["bfloat16"], [[2]], "3",
                                                                                     flattened=True),
         "UpdateWeightFromDiskReqInput": protocol.update_disk_request("/m", "3"),
+        "UpdateWeightsFromTensorReqInput": protocol.update_tensor_request(["cGF5bG9hZA=="], "3"),
         "PauseGenerationReqInput": {"mode": "abort"},
         "ContinueGenerationReqInput": {},
         "AbortReq": {"rid": "x", "abort_all": True},
@@ -151,3 +152,59 @@ def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
     assert config.stat().st_mode & 0o777 == 0o600 and key in config.read_text()
     assert key not in " ".join(servers[0].command)  # never on the command line
     assert [s.url for s in servers] == ["http://10.0.0.5:30000", "http://10.0.0.5:30001"]
+
+
+def _allowed_globals(wheel) -> set[tuple[str, str]]:
+    """SafeUnpickler.ALLOWED_GLOBALS, the only globals SGLang resolves in a tensor payload."""
+    for node in ast.walk(ast.parse(_source(wheel, "utils/common.py"))):
+        if isinstance(node, ast.ClassDef) and node.name == "SafeUnpickler":
+            for stmt in node.body:
+                if isinstance(stmt, ast.Assign) and stmt.targets[0].id == "ALLOWED_GLOBALS":
+                    return ast.literal_eval(stmt.value)
+    raise AssertionError(f"SGLang {VERSION} has no SafeUnpickler.ALLOWED_GLOBALS")
+
+
+def test_tensor_payloads_pass_sglangs_safe_unpickler(wheel):
+    import base64
+    import io
+    import pickle
+
+    import torch
+
+    from bapo_megatron.weights import ipc
+
+    allowed = _allowed_globals(wheel)
+    bucket = [("model.layers.0.mlp.down_proj.weight", torch.randn(3, 4)),
+              ("model.norm.weight", torch.randn(4).to(torch.bfloat16))]
+    used = set()
+
+    class Strict(pickle.Unpickler):  # SGLang's rule: every global on its list (then ours resolves it)
+        def find_class(self, module, name):
+            if (module, name) == (ipc.__name__, "rebuild_shared"):  # CPU tensors: the embedded engine only
+                return ipc.rebuild_shared
+            assert (module, name) in allowed, f"SGLang {VERSION} refuses {module}.{name} in a tensor payload"
+            used.add((module, name))
+            return ipc.FlattenedTensorMetadata if (module, name) == ipc.SGLANG_METADATA else \
+                super().find_class(module, name)
+
+    with ipc.serialized(ipc.flattened_bucket(bucket)) as (payload,):
+        flat = Strict(io.BytesIO(base64.b64decode(payload))).load()
+        received = ipc.unflatten(flat)
+    for (name, want), (got_name, got) in zip(bucket, received, strict=True):
+        assert name == got_name and torch.equal(want, got)
+    with ipc.serialized(bucket) as (payload,):
+        named = Strict(io.BytesIO(base64.b64decode(payload))).load()
+    assert [n for n, _ in named] == [n for n, _ in bucket]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, bucket, strict=True))
+    assert ("torch.multiprocessing.reductions", "rebuild_cuda_tensor") in allowed  # how GPU tensors travel
+    assert ipc.SGLANG_METADATA in used
+    # the metadata's fields, in order, are those of SGLang's dataclass; its reader uses these keys
+    fields = [s.target.id for node in ast.parse(_source(wheel, "weight_sync/tensor_bucket.py")).body
+              if isinstance(node, ast.ClassDef) and node.name == ipc.SGLANG_METADATA[1]
+              for s in node.body if isinstance(s, ast.AnnAssign)]
+    assert fields == list(ipc.FlattenedTensorMetadata.__dataclass_fields__)
+    updater = _source(wheel, "model_executor/model_runner_components/weight_updater.py")
+    assert 'flattened_tensor_bucket_dict["flattened_tensor"]' in updater
+    assert 'flattened_tensor_bucket_dict["metadata"]' in updater
+    patch = _source(wheel, "utils/patch_torch.py")  # GPUs named by UUID at this argument
+    assert f"_REDUCE_TENSOR_ARG_DEVICE_INDEX = {ipc._CUDA_DEVICE_ARG}" in patch

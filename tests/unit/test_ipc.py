@@ -1,0 +1,65 @@
+"""Colocated weight payloads (weights/ipc.py): round trips through another process, files
+removed when the block ends, and payloads that try anything but tensors refused."""
+
+import base64
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bapo_megatron.weights import ipc
+
+BUCKET = [("a", torch.arange(6.0).reshape(2, 3)), ("empty", torch.zeros(0, 4)),
+          ("b", torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16))]
+
+
+def _receive(payload: str) -> list:
+    code = ("import sys, torch; from bapo_megatron.weights import ipc\n"
+            "p = ipc.loads(sys.stdin.read())\n"
+            "named = ipc.unflatten(p) if isinstance(p, dict) else p\n"
+            "torch.save([(n, t.clone()) for n, t in named], sys.stdout.buffer)")
+    out = subprocess.run([sys.executable, "-c", code], input=payload.encode(), capture_output=True, check=True)
+    import io
+
+    return torch.load(io.BytesIO(out.stdout))
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_payload_round_trips_through_another_process_and_leaves_no_files(flatten):
+    payload = ipc.flattened_bucket(BUCKET) if flatten else BUCKET
+    with ipc.serialized(payload, copies=2) as (first, second):
+        files = list(ipc._shm_dir().glob(f"bapo-{os.getpid()}-*"))
+        assert len(files) == (1 if flatten else 2)  # written once for both copies; empty tensors need none
+        for data in (first, second):
+            got = _receive(data)
+            assert [n for n, _ in got] == [n for n, _ in BUCKET]
+            for (_, want), (_, t) in zip(BUCKET, got, strict=True):
+                assert t.dtype == want.dtype and torch.equal(t, want)
+    assert not any(f.exists() for f in files)
+
+
+def test_flattened_bucket_rejects_unaligned_and_bad_metadata():
+    with pytest.raises(ValueError, match="unaligned"):
+        ipc.flattened_bucket([("h", torch.zeros(3, dtype=torch.bfloat16)), ("f", torch.zeros(2))])
+    payload = ipc.flattened_bucket(BUCKET[:1])
+    payload["metadata"][0].end_idx += 4
+    with pytest.raises(ValueError, match="do not hold"):
+        ipc.unflatten(payload)
+
+
+class _Evil:
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def test_loads_refuses_code_and_foreign_files(tmp_path):
+    evil = base64.b64encode(pickle.dumps([("w", _Evil())])).decode()
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        ipc.loads(evil)
+    (tmp_path / "secret").write_bytes(b"\0" * 16)
+    for path in (str(tmp_path / "secret"), "/etc/passwd", str(ipc._shm_dir() / "bapo-1-../../etc/passwd")):
+        with pytest.raises(pickle.UnpicklingError, match="not a weight-payload file"):
+            ipc.rebuild_shared(path, "float32", [4])
