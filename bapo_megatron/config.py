@@ -147,6 +147,10 @@ class RolloutConfig:
     """Cut responses at a per-step token budget and continue them later under newer weights."""
     token_budget: int | None = None
     """Partial rollout: new tokens per response per step (None: max_new_tokens, no cutting)."""
+    partial_mode: Literal["abort", "retract"] = "abort"
+    """Partial rollout: "abort" cuts responses at the token budget and resubmits them next step;
+    "retract" keeps requests inside the engines across weight updates (paused in retract mode,
+    continued under the new weights), with no token budget."""
     max_staleness: int = 4
     """Drop and regenerate a sample whose oldest token is more than this many versions behind."""
     mask_stale_prefix: bool = False
@@ -184,6 +188,10 @@ class RolloutConfig:
             check(1 <= self.token_budget <= self.max_new_tokens, "token_budget", self.token_budget,
                   f"must lie in [1, max_new_tokens={self.max_new_tokens}]")
         check(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+        if self.partial_mode == "retract":
+            check(self.partial, "partial_mode", self.partial_mode, "needs partial=true")
+            check(self.token_budget is None, "token_budget", self.token_budget,
+                  "does not apply with partial_mode=retract (requests are never cut)")
         if self.partial and self.token_budget is not None:
             reach = self.token_budget * (self.max_staleness + 1)
             check(reach >= self.max_new_tokens, "token_budget", self.token_budget,

@@ -84,10 +84,12 @@ class ServerProcess:
 
 
 def embedded_server(model_dir: str | Path, log_path: str | Path, port: int | None = None, host: str = "127.0.0.1",
-                    seed: int = 0, admin_key: str | None = None) -> ServerProcess:
+                    seed: int = 0, admin_key: str | None = None, max_batch: int | None = None) -> ServerProcess:
     """A (not yet started) embedded engine serving model_dir; the admin key travels in its environment."""
     port = port or free_port(host)
     command = [sys.executable, "-m", "bapo_megatron.rollout.embedded", "--model", str(model_dir),
                "--port", str(port), "--host", host, "--seed", str(seed)]
+    if max_batch is not None:
+        command += ["--max-batch", str(max_batch)]
     env = {"BAPO_ADMIN_API_KEY": admin_key} if admin_key else {}
     return ServerProcess(command, f"http://{host}:{port}", log_path, env)

@@ -5,7 +5,8 @@ sample's request (capped by the partial-rollout token budget) to the least-loade
 engine, records each completion's tokens, log-probs and versions as it arrives, scores
 finished samples beside generation, and returns as soon as prompts_per_step groups are
 complete. What is still generating is then aborted: with partial rollout its partial
-output stays in the buffer and continues next step; without, it is discarded.
+output stays in the buffer and continues next step; without, it is discarded. In retract
+mode it keeps generating inside the engines instead, across weight updates (RolloutManager).
 
 Faults: a request that fails with EngineUnavailable (after the client's retries) marks its
 engine dead and is resubmitted to another; dead engines are probed and come back when

@@ -116,3 +116,66 @@ def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
             assert s.reward == 0.0
             want = _token_logprobs(model, s.prompt_ids, s.response_ids)
             torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_path):
+    """Retract mode: requests outlive the step that sent them and continue, inside the engine,
+    under each new version (every token's version and log-prob are the ones it was sampled
+    with); a request sent too many versions ago is aborted and its sample regenerated; drain
+    keeps what was generated. The engine runs two requests at a time, so one group generates
+    while the other waits: which requests are in flight at each point is deterministic."""
+    server = embedded_server(models[MODELS[0]][0], tmp_path / "engine.log", max_batch=2).start().wait_ready(120)
+    counter = iter(range(100))
+
+    def prompts():
+        i = next(counter)
+        return f"p{i}", [3 + i, 4 + i, 5 + i], {"answer_ids": [1]}
+
+    def model_dir(version):
+        return str(models[MODELS[(version - 1) % 3]][0])
+
+    async def run():
+        async with EngineClient(server.url) as client:
+            buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=160, max_staleness=2)
+            manager = RolloutManager(EnginePool([client]), buffer, prompts, RewardWorkers("exact_ids", inline=True),
+                                     SamplingParams(max_new_tokens=160, ignore_eos=True), prompts_per_step=1,
+                                     oversample=2, mode="retract")
+
+            async def update(version):
+                await asyncio.sleep(0.4)  # some tokens under the version before
+                async with manager.weight_update():
+                    await client.update_weights_from_disk(model_dir(version), str(version))
+
+            await client.update_weight_version("1")
+            first = await manager.step(1)              # p0 done; p1 sent under version 1, generating
+            in_engines = manager.stats["rollout/in_engines"]
+            await update(2)
+            await update(3)
+            second = await manager.step(3)             # p1, finished under versions 1-3; p2 sent at 3
+            await update(4)
+            await update(5)
+            await update(6)
+            third = await manager.step(6)              # p2 sent at 3: 6 - 3 > 2, aborted and regenerated
+            dropped = buffer.counters["dropped_stale"]
+            drained = await manager.drain(6)
+            return first, in_engines, second, third, dropped, drained, manager, buffer
+
+    try:
+        first, in_engines, second, third, dropped, drained, manager, buffer = asyncio.run(run())
+    finally:
+        server.stop()
+    assert [g.uid for g in first] == ["p0"] and in_engines == 2
+    assert [g.uid for g in second] == ["p1"] and [g.uid for g in third] == ["p2"]
+    assert dropped == 2 and all(s.regenerated == 1 and set(s.versions) == {6} for s in third[0].samples)
+    spanning = [s for s in second[0].samples if set(s.versions) == {1, 2, 3}]
+    assert spanning, f"p1 should have tokens of versions 1-3: {[sorted(set(s.versions)) for s in second[0].samples]}"
+    assert drained > 0 and not manager._running and set(buffer.groups) == {"p3"}
+    for group in first + second + third:
+        for s in group.samples:
+            assert s.finished and len(s.response_ids) == len(s.logprobs) == len(s.versions) == 160
+            assert s.versions == sorted(s.versions)
+            got, versions = torch.tensor(s.logprobs), torch.tensor(s.versions)
+            for version in set(s.versions):
+                name = MODELS[(version - 1) % 3]
+                want = _token_logprobs(models[name][1], s.prompt_ids, s.response_ids)
+                torch.testing.assert_close(got[versions == version], want[versions == version], rtol=0, atol=1e-5)

@@ -100,3 +100,13 @@ def test_partial_budget_must_reach_max_new_tokens_before_staleness():
     cfg = load_config(None, ["rollout.partial=true", "rollout.max_new_tokens=64", "rollout.token_budget=8",
                              "rollout.max_staleness=7"])
     assert cfg.rollout.token_budget * (cfg.rollout.max_staleness + 1) == 64
+
+
+def test_retract_mode_needs_partial_and_no_token_budget():
+    with pytest.raises(ConfigError, match=r"rollout.partial_mode='retract': needs partial=true"):
+        load_config(None, ["rollout.partial_mode=retract"])
+    with pytest.raises(ConfigError, match=r"rollout.token_budget=16: does not apply with partial_mode=retract"):
+        load_config(None, ["rollout.partial=true", "rollout.partial_mode=retract", "rollout.token_budget=16"])
+    with pytest.raises(ConfigError, match="partial_mode"):
+        load_config(None, ["rollout.partial=true", "rollout.partial_mode=pause"])
+    assert load_config(None, ["rollout.partial=true", "rollout.partial_mode=retract"]).rollout.partial_mode == "retract"
