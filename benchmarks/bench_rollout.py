@@ -63,7 +63,7 @@ async def run_mode(url: str, partial: bool, args) -> dict[str, float]:
                                  prompts_per_step=args.prompts, oversample=args.oversample if partial else 1.0,
                                  partial=partial)
         await client.update_weight_version("0")
-        seconds, trained, generated, lengths = 0.0, 0, 0, []
+        seconds, trained, generated, lengths, rounds = 0.0, 0, 0, [], 0
         for step in range(args.warmup + args.steps):
             start = time.perf_counter()
             groups = await manager.step(step)
@@ -73,6 +73,7 @@ async def run_mode(url: str, partial: bool, args) -> dict[str, float]:
                 continue
             seconds += elapsed
             generated += manager.stats["rollout/tokens"]
+            rounds += manager.rounds
             for g in groups:
                 for s in g.samples:
                     trained += len(s.response_ids)
@@ -81,7 +82,7 @@ async def run_mode(url: str, partial: bool, args) -> dict[str, float]:
         return {"seconds_per_step": seconds / args.steps, "trained_per_step": trained / args.steps,
                 "trained_per_s": trained / seconds, "generated_per_s": generated / seconds,
                 "p50": lengths[len(lengths) // 2], "p99": lengths[int(len(lengths) * 0.99)],
-                "dropped": buffer.counters["dropped_stale"]}
+                "dropped": buffer.counters["dropped_stale"], "rounds": rounds / args.steps}
 
 
 def main() -> None:
@@ -116,12 +117,12 @@ def main() -> None:
           f"max_staleness {args.max_staleness}; {args.steps} steps after {args.warmup} warm-up; "
           f"{torch.get_num_threads()} threads")
     header = (f"{'mode':<22} {'s/step':>8} {'trained tok/step':>17} {'trained tok/s':>14} {'gen tok/s':>10} "
-              f"{'len p50':>8} {'len p99':>8} {'stale drops':>12}")
+              f"{'len p50':>8} {'len p99':>8} {'stale drops':>12} {'rounds/step':>12}")
     print(header)
     print("-" * len(header))
     for label, r in (("full-length", full), (f"partial (budget {args.budget})", part)):
         print(f"{label:<22} {r['seconds_per_step']:>8.2f} {r['trained_per_step']:>17.0f} {r['trained_per_s']:>14.0f} "
-              f"{r['generated_per_s']:>10.0f} {r['p50']:>8} {r['p99']:>8} {r['dropped']:>12}")
+              f"{r['generated_per_s']:>10.0f} {r['p50']:>8} {r['p99']:>8} {r['dropped']:>12} {r['rounds']:>12.1f}")
     print(f"partial / full, trained tokens per second (equal tokens trained): "
           f"{part['trained_per_s'] / full['trained_per_s']:.2f}x (goal >= 1.5x)")
 

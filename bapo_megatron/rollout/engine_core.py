@@ -1,10 +1,13 @@
-"""The embedded engine's model loop: a transformers model, a KV cache per request, batched decoding.
+"""The embedded engine's model loop: a transformers model, a slotted KV cache, batched decoding.
 
-No HTTP here (rollout/embedded.py serves it). Each request keeps its own key/value cache;
-a decode step left-pads the running requests' caches to one length, runs the model once on
-their last tokens with an attention mask and explicit positions, and splits the grown cache
-back. Log-probs are log_softmax(logits / T) over the full vocabulary, as SGLang reports them
-(top-p/top-k shape the sampling distribution only); T = 0 is greedy, with log_softmax(logits).
+No HTTP here (rollout/embedded.py serves it). The running requests' keys and values live in
+one preallocated buffer per layer (SlotKV): running request i owns slot i, its cached
+positions [0, n_i). A decode step writes each request's new key/value at its own position
+in place and attends over the slots' first max(n_i) + 1 positions with a per-row mask, so
+nothing is copied per step (a finished request's slot is refilled by moving the last one
+into it). Log-probs are log_softmax(logits / T) over the full vocabulary, as SGLang reports
+them (top-p/top-k shape the sampling distribution only); T = 0 is greedy, with
+log_softmax(logits).
 """
 
 from __future__ import annotations
@@ -15,10 +18,89 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from bapo_megatron.rollout.protocol import SamplingParams
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv_heads, length, head_dim]
+
+class SlotKV:
+    """Keys and values of the running requests, per layer [slots, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def reserve(self, like: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Room for `length` positions per slot (grown by doubling, contents kept); `like`: per layer
+        (keys, values) shaped [batch, kv_heads, *, head_dim] to take heads, sizes and dtype from."""
+        if length <= self.capacity:
+            return
+        capacity = max(length, 2 * self.capacity, 64)
+        old = list(zip(self.keys, self.values, strict=True))
+        self.keys, self.values = [], []
+        for layer, (k, v) in enumerate(like):
+            new_k = k.new_zeros(self.slots, k.shape[1], capacity, k.shape[3])
+            new_v = v.new_zeros(self.slots, v.shape[1], capacity, v.shape[3])
+            if old:
+                new_k[:, :, : old[layer][0].shape[2]] = old[layer][0]
+                new_v[:, :, : old[layer][1].shape[2]] = old[layer][1]
+            self.keys.append(new_k)
+            self.values.append(new_v)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.keys, self.values, strict=True))
+
+    def put(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Slot's positions [0, length) from per-layer (keys, values) [kv_heads, >= length, head_dim]."""
+        for (k, v), (src_k, src_v) in zip(self.layers(), layers, strict=True):
+            k[slot, :, :length] = src_k[:, :length]
+            v[slot, :, :length] = src_v[:, :length]
+
+    def move(self, source: int, target: int) -> None:
+        """The whole slot (whatever it has cached) from source to target."""
+        for k, v in self.layers():
+            k[target] = k[source]
+            v[target] = v[source]
+
+    def step_cache(self, positions: torch.Tensor):
+        """A transformers Cache over slots [0, len(positions)) that writes row b's new key/value at
+        positions[b] and returns every row's first max(positions) + 1 positions (views, no copy)."""
+        span = int(positions.max()) + 1
+        return Cache(layers=[_SlotLayer(k, v, positions, span) for k, v in self.layers()])
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's view of SlotKV for one decode step (transformers' cache-layer interface)."""
+
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, span: int) -> None:
+        super().__init__()
+        self.keys, self.values, self.positions, self.span = keys, values, positions, span
+        self.rows = torch.arange(len(positions))
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys[self.rows, :, self.positions] = key_states[:, :, 0]
+        self.values[self.rows, :, self.positions] = value_states[:, :, 0]
+        return self.keys[: len(self.rows), :, : self.span], self.values[: len(self.rows), :, : self.span]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.span, 0
+
+    def get_seq_length(self) -> int:
+        return self.span - 1
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
 
 
 @dataclass
@@ -31,7 +113,6 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     spans: list[list] = field(default_factory=list)   # [version, start, end] over output tokens
     finish: dict | None = None
-    cache: KV | None = None
     generator: torch.Generator | None = None
 
     @property
@@ -62,7 +143,8 @@ class EngineCore:
         self.incoming: collections.deque[Request] = collections.deque()  # added by other threads
         self.generator = torch.Generator().manual_seed(seed)
         self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # running[i] owns slot i of self.kv
+        self.kv = SlotKV(max_batch)
         self._count = 0
 
     # -- requests -------------------------------------------------------------------------
@@ -94,8 +176,6 @@ class EngineCore:
 
     def drop_caches(self) -> None:
         """Forget every running request's KV cache (retract, or weights changed): they re-prefill."""
-        for r in self.running:
-            r.cache = None
         self.waiting = self.running + self.waiting
         self.running = []
 
@@ -137,16 +217,12 @@ class EngineCore:
             if self.running:  # decode the running ones first: arrivals never starve them
                 finished += self._decode()
             if admitted:
-                for request, done in zip(admitted, self._prefill(admitted), strict=True):
-                    if done:
-                        finished.append(request)
-                    else:
-                        self.running.append(request)
+                finished += self._prefill(admitted)
         return finished
 
-    def _prefill(self, batch: list[Request]) -> list[bool]:
+    def _prefill(self, batch: list[Request]) -> list[Request]:
         """One forward over the requests' whole sequences, right-padded (a real token never attends
-        to a pad under the causal mask); each keeps its own cache, pads cut off."""
+        to a pad under the causal mask); each unfinished one takes the next free slot."""
         sequences = [r.input_ids + r.output_ids for r in batch]
         longest = max(len(s) for s in sequences)
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
@@ -156,32 +232,31 @@ class EngineCore:
             mask[b, : len(seq)] = 1
         out = self.model(input_ids=ids, attention_mask=mask, use_cache=True)
         layers = _layers(out.past_key_values)
+        self.kv.reserve(layers, longest + 1)
         last = out.logits[torch.arange(len(batch)), torch.tensor([len(seq) - 1 for seq in sequences])]
-        done = []
+        finished = []
         for b, (request, seq, picked) in enumerate(zip(batch, sequences, self._sample(batch, last), strict=True)):
-            request.cache = [(k[b, :, : len(seq)], v[b, :, : len(seq)]) for k, v in layers]
-            done.append(self._emit(request, *picked))
-        return done
+            if self._emit(request, *picked):
+                finished.append(request)
+                continue
+            self.kv.put(len(self.running), [(k[b], v[b]) for k, v in layers], len(seq))
+            self.running.append(request)
+        return finished
 
     def _decode(self) -> list[Request]:
-        batch = self.running
-        lengths = [r.length - 1 for r in batch]  # cached positions; the last sampled token is the input
-        longest = max(lengths)
-        mask = torch.zeros(len(batch), longest + 1, dtype=torch.long)
-        for b, n in enumerate(lengths):
-            mask[b, longest - n:] = 1
-        cache = _cache_of([_pad_left(r.cache, longest) for r in batch])
+        """One token for every running request: each writes its new key/value at its own position,
+        attending to its slot's cached positions and nothing past them."""
+        batch = list(self.running)
+        positions = torch.tensor([r.length - 1 for r in batch])  # cached positions; the last token is the input
+        span = int(positions.max()) + 1
+        self.kv.reserve(self.kv.layers(), span)
+        blocked = (torch.arange(span)[None, :] > positions[:, None])[:, None, None, :]
+        mask = torch.zeros(len(batch), 1, 1, span).masked_fill(blocked, torch.finfo(torch.float32).min)
         out = self.model(input_ids=torch.tensor([[r.output_ids[-1]] for r in batch]), attention_mask=mask,
-                         position_ids=torch.tensor([[n] for n in lengths]), past_key_values=cache, use_cache=True)
-        layers = _layers(out.past_key_values)
+                         position_ids=positions[:, None], past_key_values=self.kv.step_cache(positions),
+                         use_cache=True)
         picked = self._sample(batch, out.logits[:, -1])
-        finished = []
-        for b, (r, n) in enumerate(zip(batch, lengths, strict=True)):
-            r.cache = [(k[b, :, longest - n:], v[b, :, longest - n:]) for k, v in layers]
-            if self._emit(r, *picked[b]):
-                finished.append(r)
-        self.running = [r for r in self.running if r.finish is None]
-        return finished
+        return [r for r, choice in zip(batch, picked, strict=True) if self._emit(r, *choice)]
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[tuple[int, float]]:
         """(token, logprob) per row. Rows with plain sampling (T > 0, no top-p/top-k, no seed of
@@ -221,9 +296,13 @@ class EngineCore:
 
     def _finish(self, request: Request, reason: dict) -> None:
         request.finish = reason
-        request.cache = None
         self.waiting = [r for r in self.waiting if r is not request]
-        self.running = [r for r in self.running if r is not request]
+        slot = next((i for i, r in enumerate(self.running) if r is request), None)
+        if slot is not None:  # the last slot's request moves into the freed one
+            last = self.running.pop()
+            if last is not request:
+                self.kv.move(len(self.running), slot)
+                self.running[slot] = last
         if request.on_finish is not None:
             request.on_finish(request)
 
@@ -253,25 +332,3 @@ def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if hasattr(cache, "layers"):
         return [(layer.keys, layer.values) for layer in cache.layers]
     return [(k, v) for k, v in cache]
-
-
-def _pad_left(cache: KV, length: int) -> KV:
-    out = []
-    for k, v in cache:
-        pad = length - k.shape[1]
-        if pad:
-            k = torch.cat([k.new_zeros(k.shape[0], pad, k.shape[2]), k], 1)
-            v = torch.cat([v.new_zeros(v.shape[0], pad, v.shape[2]), v], 1)
-        out.append((k, v))
-    return out
-
-
-def _cache_of(per_request: list[KV]):
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for layer in range(len(per_request[0])):
-        keys = torch.stack([c[layer][0] for c in per_request])
-        values = torch.stack([c[layer][1] for c in per_request])
-        cache.update(keys, values, layer)
-    return cache

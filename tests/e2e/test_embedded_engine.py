@@ -177,3 +177,33 @@ def test_a_failing_step_fails_its_requests_instead_of_hanging(model_dir):
     assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["status_code"] == 500
     assert "simulated kernel failure" in meta["finish_reason"]["message"]
     assert not core.busy
+
+
+def test_slotted_cache_under_arrivals_finishes_retracts_and_growth(model_dir):
+    """The engine loop itself: requests arriving while others decode, a waiting queue (3 slots),
+    finishes that move slots, a retract (caches dropped mid-generation) and caches growing past
+    their first capacity; every token's log-prob is still transformers' own."""
+    from bapo_megatron.rollout.engine_core import EngineCore, Request
+
+    core = EngineCore(model_dir, max_batch=3)
+    lengths = [150, 7, 90, 3, 40, 12]
+    requests = [Request(f"r{i}", [(11 * i + j) % 90 + 1 for j in range(2 + 3 * i)],
+                        SamplingParams(max_new_tokens=n, temperature=0.8, ignore_eos=True))
+                for i, n in enumerate(lengths)]
+    core.add(requests[0])
+    core.add(requests[1])
+    steps = 0
+    while core.busy or steps < 4:
+        if steps in (2, 5, 9, 30):
+            core.add(requests[2 + [2, 5, 9, 30].index(steps)])
+        if steps == 60:
+            assert core.running, "a retract should meet running requests"
+            core.drop_caches()
+        core.step()
+        assert len(core.running) <= 3
+        steps += 1
+    assert core.kv.capacity >= 64 * 2  # grown (from 64) for the longest request
+    for request, n in zip(requests, lengths, strict=True):
+        assert request.finish["type"] == "length" and len(request.output_ids) == n
+        want = _reference_logprobs(model_dir, request.input_ids, request.output_ids, 0.8)
+        torch.testing.assert_close(torch.tensor(request.logprobs), want, rtol=0, atol=1e-5)
