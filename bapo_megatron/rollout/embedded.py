@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import ipaddress
 import os
 import secrets
@@ -62,10 +63,15 @@ def authorized(path: str, header: str | None, api_key: str | None, admin_key: st
 
 
 class EmbeddedServer:
-    """The HTTP front of an EngineCore; the model runs in a worker thread, one step at a time."""
+    """The HTTP front of an EngineCore. Everything that computes with the model's tensors (steps,
+    weight loads) runs on one dedicated thread, `engine_thread`, one call at a time: torch's
+    OpenMP pool is per OS thread, and a second thread computing (even now and then) leaves two
+    pools fighting for the cores, which doubled the time of a decode step on two cores."""
 
-    def __init__(self, core: EngineCore, api_key: str | None = None, admin_key: str | None = None) -> None:
+    def __init__(self, core: EngineCore, api_key: str | None = None, admin_key: str | None = None,
+                 engine_thread: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
         self.core = core
+        self.engine_thread = engine_thread or concurrent.futures.ThreadPoolExecutor(1, "engine")
         self.api_key, self.admin_key = api_key, admin_key
         self.paused = False
         self.session_open = False
@@ -117,11 +123,14 @@ class EmbeddedServer:
                 continue
             async with self._model_lock:
                 try:
-                    await asyncio.to_thread(self.core.step)
+                    await self._on_engine(self.core.step)
                 except Exception:  # a bug must not leave every client waiting forever
                     traceback.print_exc()
                     self.core.abort(None, f"engine step failed: {traceback.format_exc(limit=1).strip()}", 500,
                                     "InternalError")
+
+    async def _on_engine(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.engine_thread, fn, *args)
 
     def _poke(self) -> None:
         self._wake.set()
@@ -252,7 +261,7 @@ class EmbeddedServer:
 
         async with self._model_lock:
             tensors = await asyncio.to_thread(receive)  # every broadcast is joined before anything is checked
-            self.core.load_weights(tensors)
+            await self._on_engine(self.core.load_weights, tensors)
             self._after_update(body)
         return _ok(f"updated {len(tensors)} tensors")
 
@@ -283,7 +292,7 @@ class EmbeddedServer:
         else:
             raise ValueError("the payload must be a list of (name, tensor) pairs")
         async with self._model_lock:
-            count = self.core.load_weights(tensors)
+            count = await self._on_engine(self.core.load_weights, tensors)
             self._after_update(body)
         del payload, tensors  # the shared memory is released once the last view of it goes
         return _ok(f"updated {count} tensors")
@@ -294,7 +303,7 @@ class EmbeddedServer:
         body = await request.json()
         checkpoint = await asyncio.to_thread(HFCheckpoint, body["model_path"])  # validated; safetensors only
         async with self._model_lock:
-            count = self.core.load_weights((k, checkpoint[k]) for k in list(checkpoint.files))
+            count = await self._on_engine(self.core.load_weights, ((k, checkpoint[k]) for k in list(checkpoint.files)))
             self._after_update(body)
         return _ok(f"loaded {count} tensors from {body['model_path']}")
 
@@ -370,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from aiohttp import web
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    server = EmbeddedServer(EngineCore(args.model, seed=args.seed, max_batch=args.max_batch), api_key, admin_key)
+    engine_thread = concurrent.futures.ThreadPoolExecutor(1, "engine")  # the model is built where it will run
+    core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch).result()
+    server = EmbeddedServer(core, api_key, admin_key, engine_thread)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0
 

@@ -17,6 +17,8 @@ from tests.dist.test_convert import make_hf_model
 
 pytestmark = pytest.mark.e2e
 MODELS = ("model-a", "model-bb", "model-ccc")  # same shape, different weights (the seed is the name's length)
+LONG = 600  # tokens per sample in the kill test: the step must outlast the first half second
+RETRACT_LONG = 800  # the retract test: a group must outlast two weight updates 0.3 s apart
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +89,11 @@ def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
     async def run():
         async with EngineClient(server.url, retries=1, backoff_s=0.2) as client:
             pool = EnginePool([client], timeout_s=120, probe_s=0.2)
-            buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=150)
+            buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=LONG)
             manager = RolloutManager(pool, buffer, prompts, RewardWorkers("exact_ids", inline=True),
-                                     SamplingParams(max_new_tokens=150, ignore_eos=True), prompts_per_step=2)
+                                     SamplingParams(max_new_tokens=LONG, ignore_eos=True), prompts_per_step=2)
             step = asyncio.create_task(manager.step(0))
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
             assert not step.done(), "the step finished before the engine could be killed: make it longer"
             server.kill()
             await asyncio.sleep(0.5)
@@ -112,7 +114,7 @@ def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
     assert len(uids) == len(set(uids)) == 4
     for g in groups:
         for s in g.samples:
-            assert s.finished and len(s.response_ids) == len(s.logprobs) == len(s.versions) == 150
+            assert s.finished and len(s.response_ids) == len(s.logprobs) == len(s.versions) == LONG
             assert s.reward == 0.0
             want = _token_logprobs(model, s.prompt_ids, s.response_ids)
             torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)
@@ -136,13 +138,13 @@ def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_pa
 
     async def run():
         async with EngineClient(server.url) as client:
-            buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=160, max_staleness=2)
+            buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=RETRACT_LONG, max_staleness=2)
             manager = RolloutManager(EnginePool([client]), buffer, prompts, RewardWorkers("exact_ids", inline=True),
-                                     SamplingParams(max_new_tokens=160, ignore_eos=True), prompts_per_step=1,
+                                     SamplingParams(max_new_tokens=RETRACT_LONG, ignore_eos=True), prompts_per_step=1,
                                      oversample=2, mode="retract")
 
             async def update(version):
-                await asyncio.sleep(0.4)  # some tokens under the version before
+                await asyncio.sleep(0.3)  # some tokens under the version before
                 async with manager.weight_update():
                     await client.update_weights_from_disk(model_dir(version), str(version))
 
@@ -172,7 +174,7 @@ def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_pa
     assert drained > 0 and not manager._running and set(buffer.groups) == {"p3"}
     for group in first + second + third:
         for s in group.samples:
-            assert s.finished and len(s.response_ids) == len(s.logprobs) == len(s.versions) == 160
+            assert s.finished and len(s.response_ids) == len(s.logprobs) == len(s.versions) == RETRACT_LONG
             assert s.versions == sorted(s.versions)
             got, versions = torch.tensor(s.logprobs), torch.tensor(s.versions)
             for version in set(s.versions):
