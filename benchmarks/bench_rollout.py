@@ -1,15 +1,16 @@
 """Partial rollout against full-length rollout on the embedded engine, long-tailed response lengths.
 
-    python benchmarks/bench_rollout.py [--steps 6] [--prompts 8] [--samples 4] [--max-new 512] [--budget 128]
+    python benchmarks/bench_rollout.py [--steps 10] [--prompts 8] [--samples 4] [--max-new 512] [--budget 128]
 
 A tiny random Qwen2-shaped model whose output layer is scaled by --head-scale and sampled
 at --temperature: its trajectories are nearly deterministic, so some reach one of the
 --stop-tokens stop ids within a few tokens and others cycle without one until --max-new
 (defaults: median ~120 tokens, ~15% cut at 512): the long tail of RL on reasoning tasks.
-Both modes run the same number of steps, bumping the weight version between steps as
-a training step would. Full: every group of the step is generated to the end. Partial:
-requests are cut at --budget tokens per step, --oversample x the groups are kept in
-flight, and the step returns when --prompts groups are complete. Training itself is not run: its cost per
+Both modes run the same number of steps, with a weight update (from disk, the same
+weights; it flushes the engine's caches) and a new version between steps, as training
+does. Full: every group of the step is generated to the end. Partial: requests are cut at
+--budget tokens per step, --oversample x the groups are kept in flight, and the step
+returns when --prompts groups are complete. Training itself is not run: its cost per
 token is the same in both modes, so the table compares rollout seconds per trained token
 (the tokens of the groups a step hands to training).
 """
@@ -40,7 +41,7 @@ def tiny_model(directory: Path, seed: int = 0, head_scale: float = 1.0) -> None:
     model.save_pretrained(directory)
 
 
-async def run_mode(url: str, partial: bool, args) -> dict[str, float]:
+async def run_mode(url: str, model: Path, partial: bool, args) -> dict[str, float]:
     from bapo_megatron.rollout.client import EngineClient
     from bapo_megatron.rollout.manager import EnginePool, RolloutManager
     from bapo_megatron.rollout.partial import PartialRolloutBuffer
@@ -68,7 +69,8 @@ async def run_mode(url: str, partial: bool, args) -> dict[str, float]:
             start = time.perf_counter()
             groups = await manager.step(step)
             elapsed = time.perf_counter() - start
-            await client.update_weight_version(str(step + 1))
+            # a training step's weight update (same weights here): the engine's caches are flushed
+            await client.update_weights_from_disk(str(model), str(step + 1))
             if step < args.warmup:
                 continue
             seconds += elapsed
@@ -87,8 +89,8 @@ async def run_mode(url: str, partial: bool, args) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new", type=int, default=512)
@@ -106,8 +108,8 @@ def main() -> None:
         tiny_model(root / "model", head_scale=args.head_scale)
         server = embedded_server(root / "model", root / "engine.log").start().wait_ready(120)
         try:
-            full = asyncio.run(run_mode(server.url, False, args))
-            part = asyncio.run(run_mode(server.url, True, args))
+            full = asyncio.run(run_mode(server.url, root / "model", False, args))
+            part = asyncio.run(run_mode(server.url, root / "model", True, args))
         finally:
             server.stop()
     finally:

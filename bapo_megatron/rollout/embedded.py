@@ -313,7 +313,7 @@ class EmbeddedServer:
         if body.get("abort_all_requests"):
             self.core.abort(None)
         if body.get("flush_cache", True):
-            self.core.drop_caches()  # cached keys/values were computed with the old weights
+            self.core.flush()  # cached keys/values were computed with the old weights
         self._poke()
 
     async def set_version(self, request):

@@ -5,8 +5,11 @@ one preallocated buffer per layer (SlotKV): running request i owns slot i, its c
 positions [0, n_i). A decode step writes each request's new key/value at its own position
 in place and attends over the slots' first max(n_i) + 1 positions with a per-row mask, so
 nothing is copied per step (a finished request's slot is refilled by moving the last one
-into it). Log-probs are log_softmax(logits / T) over the full vocabulary, as SGLang reports
-them (top-p/top-k shape the sampling distribution only); T = 0 is greedy, with
+into it). A request cut short (max_new_tokens or abort) leaves its keys and values in a
+small prefix store; resubmitted as prompt + partial response (partial rollout's next round)
+it takes them back and skips its prefill, as SGLang's radix cache would. The store is
+emptied whenever weights change. Log-probs are log_softmax(logits / T) over the full
+vocabulary, as SGLang reports them (top-p/top-k shape the sampling distribution only); T = 0 is greedy, with
 log_softmax(logits).
 """
 
@@ -145,6 +148,10 @@ class EngineCore:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # running[i] owns slot i of self.kv
         self.kv = SlotKV(max_batch)
+        # token ids -> per-layer (keys, values) [kv_heads, len, head_dim] of a request cut short
+        self.prefixes: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
+        self.prefix_limit = 2 * max_batch
+        self.prefix_hits = 0
         self._count = 0
 
     # -- requests -------------------------------------------------------------------------
@@ -175,9 +182,14 @@ class EngineCore:
         return len(hit)
 
     def drop_caches(self) -> None:
-        """Forget every running request's KV cache (retract, or weights changed): they re-prefill."""
+        """Forget every running request's KV cache (retract): they re-prefill. The prefix store stays."""
         self.waiting = self.running + self.waiting
         self.running = []
+
+    def flush(self) -> None:
+        """Forget every cached key and value (the weights changed): running requests re-prefill."""
+        self.drop_caches()
+        self.prefixes.clear()
 
     @property
     def busy(self) -> bool:
@@ -197,6 +209,7 @@ class EngineCore:
         with torch.no_grad():
             for name, tensor in pending:
                 state[name].copy_(tensor)
+        self.prefixes.clear()  # computed with the old weights
         return len(pending)
 
     # -- the loop -------------------------------------------------------------------------
@@ -212,13 +225,32 @@ class EngineCore:
                 if request.sampling.max_new_tokens <= len(request.output_ids):
                     self._finish(request, {"type": "length", "length": len(request.output_ids)})
                     finished.append(request)
-                else:
+                elif not self._resume(request):  # cached: it decodes with the others, no prefill
                     admitted.append(request)
             if self.running:  # decode the running ones first: arrivals never starve them
                 finished += self._decode()
             if admitted:
                 finished += self._prefill(admitted)
         return finished
+
+    def _resume(self, request: Request) -> bool:
+        """Take the request a slot with its cached prefix (all but its last token), if stored."""
+        cached = self.prefixes.pop(tuple((request.input_ids + request.output_ids)[:-1]), None)
+        if cached is None:
+            return False
+        self.kv.put(len(self.running), cached, request.length - 1)
+        self.running.append(request)
+        self.prefix_hits += 1
+        return True
+
+    def _keep_prefix(self, request: Request, slot: int) -> None:
+        length = request.length - 1  # cached positions: every token but the last sampled one
+        if length < 1 or not self.kv.keys:
+            return
+        key = tuple((request.input_ids + request.output_ids)[:-1])
+        self.prefixes[key] = [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in self.kv.layers()]
+        while len(self.prefixes) > self.prefix_limit:
+            self.prefixes.popitem(last=False)
 
     def _prefill(self, batch: list[Request]) -> list[Request]:
         """One forward over the requests' whole sequences, right-padded (a real token never attends
@@ -252,7 +284,8 @@ class EngineCore:
         self.kv.reserve(self.kv.layers(), span)
         blocked = (torch.arange(span)[None, :] > positions[:, None])[:, None, None, :]
         mask = torch.zeros(len(batch), 1, 1, span).masked_fill(blocked, torch.finfo(torch.float32).min)
-        out = self.model(input_ids=torch.tensor([[r.output_ids[-1]] for r in batch]), attention_mask=mask,
+        last = [(r.output_ids or r.input_ids)[-1] for r in batch]  # a resumed request's input is its last token
+        out = self.model(input_ids=torch.tensor([last]).T, attention_mask=mask,
                          position_ids=positions[:, None], past_key_values=self.kv.step_cache(positions),
                          use_cache=True)
         picked = self._sample(batch, out.logits[:, -1])
@@ -298,6 +331,8 @@ class EngineCore:
         request.finish = reason
         self.waiting = [r for r in self.waiting if r is not request]
         slot = next((i for i, r in enumerate(self.running) if r is request), None)
+        if slot is not None and reason["type"] in ("length", "abort") and reason.get("status_code") is None:
+            self._keep_prefix(request, slot)  # cut short: it may come back for more
         if slot is not None:  # the last slot's request moves into the freed one
             last = self.running.pop()
             if last is not request:

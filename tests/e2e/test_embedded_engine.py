@@ -207,3 +207,31 @@ def test_slotted_cache_under_arrivals_finishes_retracts_and_growth(model_dir):
         assert request.finish["type"] == "length" and len(request.output_ids) == n
         want = _reference_logprobs(model_dir, request.input_ids, request.output_ids, 0.8)
         torch.testing.assert_close(torch.tensor(request.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_resubmitted_partial_response_reuses_its_cache_until_weights_change(model_dir):
+    """Partial rollout's next round resubmits prompt + partial response: its cached keys and
+    values are taken back (no prefill) and the log-probs are still transformers' own; after a
+    weight load the store is empty and it is prefilled again."""
+    from bapo_megatron.rollout.engine_core import EngineCore, Request
+
+    core = EngineCore(model_dir, max_batch=4)
+
+    def run(rid, ids, n):
+        request = Request(rid, ids, SamplingParams(max_new_tokens=n, temperature=0.8, ignore_eos=True))
+        core.add(request)
+        while core.busy:
+            core.step()
+        return request
+
+    prompt = [4, 8, 15, 16, 23, 42]
+    first = run("a", prompt, 10)
+    second = run("a#2", prompt + first.output_ids, 12)
+    assert core.prefix_hits == 1
+    core.load_weights([])  # a (here empty) weight update empties the store
+    third = run("a#3", prompt + first.output_ids + second.output_ids, 5)
+    assert core.prefix_hits == 1
+    response = first.output_ids + second.output_ids + third.output_ids
+    want = _reference_logprobs(model_dir, prompt, response, 0.8)
+    got = torch.tensor(first.logprobs + second.logprobs + third.logprobs)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
