@@ -150,7 +150,6 @@ class EngineCore:
         self.kv = SlotKV(max_batch)
         # token ids -> per-layer (keys, values) [kv_heads, len, head_dim] of a request cut short
         self.prefixes: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
-        self.prefix_limit = 2 * max_batch
         self.prefix_hits = 0
         self._count = 0
 
@@ -249,8 +248,10 @@ class EngineCore:
             return
         key = tuple((request.input_ids + request.output_ids)[:-1])
         self.prefixes[key] = [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in self.kv.layers()]
-        while len(self.prefixes) > self.prefix_limit:
-            self.prefixes.popitem(last=False)
+        # at most as many positions as the slots hold: the store never more than doubles the cache
+        limit = self.kv.slots * self.kv.capacity
+        while sum(len(key) for key in self.prefixes) > limit:
+            self.prefixes.popitem(last=False)  # the oldest first
 
     def _prefill(self, batch: list[Request]) -> list[Request]:
         """One forward over the requests' whole sequences, right-padded (a real token never attends

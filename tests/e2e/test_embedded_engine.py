@@ -235,3 +235,15 @@ def test_resubmitted_partial_response_reuses_its_cache_until_weights_change(mode
     want = _reference_logprobs(model_dir, prompt, response, 0.8)
     got = torch.tensor(first.logprobs + second.logprobs + third.logprobs)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_prefix_store_holds_no_more_positions_than_the_slots(model_dir):
+    from bapo_megatron.rollout.engine_core import EngineCore, Request
+
+    core = EngineCore(model_dir, max_batch=1)
+    for i in range(4):  # each leaves 39 cached positions; one slot of capacity 64 bounds the store at 64
+        core.add(Request(f"r{i}", [i + 1] * 30, SamplingParams(max_new_tokens=10, ignore_eos=True)))
+        while core.busy:
+            core.step()
+    assert core.kv.capacity == 64
+    assert [key[:30] for key in core.prefixes] == [(4,) * 30]  # only the newest fits
