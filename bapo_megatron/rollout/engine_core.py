@@ -9,8 +9,8 @@ into it). A request cut short (max_new_tokens or abort) leaves its keys and valu
 small prefix store; resubmitted as prompt + partial response (partial rollout's next round)
 it takes them back and skips its prefill, as SGLang's radix cache would. The store is
 emptied whenever weights change. Log-probs are log_softmax(logits / T) over the full
-vocabulary, as SGLang reports them (top-p/top-k shape the sampling distribution only); T = 0 is greedy, with
-log_softmax(logits).
+vocabulary, as SGLang reports them (top-p/top-k shape the sampling distribution only);
+T = 0 is greedy, with log_softmax(logits).
 """
 
 from __future__ import annotations
@@ -244,8 +244,6 @@ class EngineCore:
 
     def _keep_prefix(self, request: Request, slot: int) -> None:
         length = request.length - 1  # cached positions: every token but the last sampled one
-        if length < 1 or not self.kv.keys:
-            return
         key = tuple((request.input_ids + request.output_ids)[:-1])
         self.prefixes[key] = [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in self.kv.layers()]
         # at most as many positions as the slots hold: the store never more than doubles the cache
@@ -264,7 +262,7 @@ class EngineCore:
             ids[b, : len(seq)] = torch.tensor(seq)
             mask[b, : len(seq)] = 1
         out = self.model(input_ids=ids, attention_mask=mask, use_cache=True)
-        layers = _layers(out.past_key_values)
+        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         self.kv.reserve(layers, longest + 1)
         last = out.logits[torch.arange(len(batch)), torch.tensor([len(seq) - 1 for seq in sequences])]
         finished = []
@@ -363,8 +361,3 @@ def sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) 
     token = int(torch.multinomial(weights, 1, generator=generator))
     return token, float(logprobs[token])
 
-
-def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return [(k, v) for k, v in cache]

@@ -173,18 +173,18 @@ class RolloutManager:
         """Around a weight sync. Retract mode: the live engines pause (keeping their requests,
         dropping their KV caches) and continue afterwards under the new weights. Abort mode:
         nothing generates between steps, so nothing to do."""
-        live = [c for i, c in enumerate(self.pool.clients) if i not in self.pool.dead] if self.retract else []
-        await asyncio.gather(*(self._quietly(c.pause("retract"), c) for c in live))
+        live = [i for i in range(len(self.pool.clients)) if i not in self.pool.dead] if self.retract else []
+        await asyncio.gather(*(self._quietly(i, self.pool.clients[i].pause("retract")) for i in live))
         try:
             yield
         finally:
-            await asyncio.gather(*(self._quietly(c.resume(), c) for c in live))
+            await asyncio.gather(*(self._quietly(i, self.pool.clients[i].resume()) for i in live))
 
-    async def _quietly(self, call, client: EngineClient) -> None:
+    async def _quietly(self, index: int, call) -> None:
         try:
             await call
         except EngineUnavailable:  # its requests fail over to another engine
-            self.pool.mark_dead(self.pool.clients.index(client))
+            self.pool.mark_dead(index)
 
     async def drain(self, version: int) -> int:
         """Abort every request still generating and keep its output in the buffer (retract mode keeps

@@ -21,6 +21,7 @@ set the new weight version on every engine; a failed update still ends the sessi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 from collections.abc import Iterable
 
@@ -28,6 +29,7 @@ import torch
 
 from bapo_megatron.rollout import protocol
 from bapo_megatron.rollout.client import EngineClient
+from bapo_megatron.weights import ipc
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -70,25 +72,21 @@ class DistributedWeightSender:
         """Every bucket to every engine; the engines' weight version becomes `version`. Returns bytes sent."""
         if self.group is None:
             raise RuntimeError("connect() first")
-        await asyncio.gather(*(c.begin_weight_update() for c in self.clients))
         sent = 0
-        try:
+        async with _session(self.clients):
             for bucket in buckets:
+                tensors = [t for _, t in bucket]
+                if self.flatten:  # before the engines are told: an unaligned bucket fails here, not in them
+                    tensors = [ipc.flattened_bucket(bucket)["flattened_tensor"]]
                 names = [n for n, _ in bucket]
                 dtypes = [protocol.dtype_name(t.dtype) for _, t in bucket]
                 shapes = [list(t.shape) for _, t in bucket]
                 answers = asyncio.gather(*(c.update_weights_from_distributed(names, dtypes, shapes, version,
                                                                              self.group_name, self.flatten)
                                            for c in self.clients))
-                tensors = [t for _, t in bucket]
-                if self.flatten:
-                    protocol.flattened_layout([t.dtype for t in tensors], shapes)  # aligned, or a clear error
-                    tensors = [torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])]
                 await asyncio.to_thread(self._broadcast, tensors)
                 await answers
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        finally:
-            await asyncio.gather(*(c.end_weight_update() for c in self.clients), return_exceptions=True)
+                sent += _nbytes(bucket)
         return sent
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
@@ -111,11 +109,8 @@ class TensorWeightSender:
 
     async def send(self, buckets: Iterable[Bucket], version: str) -> int:
         """Every bucket to every engine; the engines' weight version becomes `version`. Returns bytes sent."""
-        from bapo_megatron.weights import ipc
-
-        await asyncio.gather(*(c.begin_weight_update() for c in self.clients))
         sent = 0
-        try:
+        async with _session(self.clients):
             for bucket in buckets:
                 payload = ipc.flattened_bucket(bucket) if self.flatten else list(bucket)
                 # one pickle per receiving rank (a CUDA IPC reference each), kept valid until all answered
@@ -124,7 +119,19 @@ class TensorWeightSender:
                         c.update_weights_from_tensor(serialized[i * self.engine_tp:(i + 1) * self.engine_tp],
                                                      version, self.flatten)
                         for i, c in enumerate(self.clients)))
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        finally:
-            await asyncio.gather(*(c.end_weight_update() for c in self.clients), return_exceptions=True)
+                sent += _nbytes(bucket)
         return sent
+
+
+@contextlib.asynccontextmanager
+async def _session(clients: list[EngineClient]):
+    """One begin/end weight-update session on every engine, ended even when the update fails."""
+    await asyncio.gather(*(c.begin_weight_update() for c in clients))
+    try:
+        yield
+    finally:
+        await asyncio.gather(*(c.end_weight_update() for c in clients), return_exceptions=True)
+
+
+def _nbytes(bucket: Bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
