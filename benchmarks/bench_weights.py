@@ -4,16 +4,20 @@
 
 Conversion is timed against a plain safetensors read + write of the same bytes on the same
 disk, fsync'd as both conversions are (a checkpoint renamed into place must be on disk);
-the unsynced copy is printed too. The live export (gather, rename, bucket) is timed against
-a memcpy of the same bytes. "peak extra GB" is the growth of resident memory during the
-operation (memory-mapped input pages count).
+the unsynced copy is printed too. Each is run --repeat times (median), each run starting
+after os.sync() so that no run is throttled by the writeback of an earlier one's pages.
+The live export (gather, rename, bucket) is timed against a memcpy of the same bytes.
+"peak extra GB" is the growth of resident memory during the operation (memory-mapped
+input pages count).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -53,28 +57,33 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def timed_with_memory(fn) -> tuple[float, float]:
-    """Seconds, and the peak growth of this process's resident memory (GB) while fn ran (sampled)."""
+def timed_with_memory(fn) -> tuple[float, tuple[float, float]]:
+    """Seconds, and the peak growth (GB) of this process's resident memory while fn ran (sampled):
+    all of it, and its anonymous part (resident minus file-backed pages such as mmapped inputs)."""
     import threading
 
     import psutil
 
     process = psutil.Process()
-    base = process.memory_info().rss
+    def now() -> tuple[int, int]:
+        info = process.memory_info()
+        return info.rss, info.rss - info.shared
+
+    base = now()
     peak = base
     done = threading.Event()
 
     def sample():
         nonlocal peak
         while not done.wait(0.02):
-            peak = max(peak, process.memory_info().rss)
+            peak = tuple(map(max, peak, now()))
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     seconds = timed(fn)
     done.set()
     thread.join()
-    return seconds, (peak - base) / 1e9
+    return seconds, ((peak[0] - base[0]) / 1e9, (peak[1] - base[1]) / 1e9)
 
 
 def _tp_export_worker(rank: int, world: int, spec_dict: dict, out: str) -> None:
@@ -111,6 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each copy and conversion (median reported)")
     args = parser.parse_args()
     from safetensors.torch import load_file, save_file
 
@@ -127,18 +137,26 @@ def main() -> None:
         save_file(load_file(str(root / "hf" / "model.safetensors")), str(root / "plain.safetensors"))
 
     def plain_copy_durable():
-        import os
-
-        save_file(load_file(str(root / "hf" / "model.safetensors")), str(root / "plain2.safetensors"))
-        with open(root / "plain2.safetensors", "rb+") as f:
+        plain_copy()
+        with open(root / "plain.safetensors", "rb+") as f:
             os.fsync(f.fileno())
 
-    plain, plain_mem = timed_with_memory(plain_copy)
-    durable = timed(plain_copy_durable)
+    def repeated(fn, output: Path) -> tuple[float, float]:
+        """Median seconds and largest memory growth over --repeat runs, each starting with no output
+        and no dirty pages left by the runs before (os.sync), so none pays for another's writeback."""
+        runs = []
+        for _ in range(args.repeat):
+            shutil.rmtree(output, ignore_errors=True) if output.is_dir() else output.unlink(missing_ok=True)
+            os.sync()
+            runs.append(timed_with_memory(fn))
+        return statistics.median(s for s, _ in runs), tuple(max(c) for c in zip(*(m for _, m in runs), strict=True))
+
+    plain, plain_mem = repeated(plain_copy, root / "plain.safetensors")
+    durable, _ = repeated(plain_copy_durable, root / "plain.safetensors")
     _megatron_world_of_one()
-    to_mcore, to_mcore_mem = timed_with_memory(lambda: hf_to_mcore(root / "hf", root / "mcore", progress=False))
-    to_hf, to_hf_mem = timed_with_memory(
-        lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32", progress=False))
+    to_mcore, to_mcore_mem = repeated(lambda: hf_to_mcore(root / "hf", root / "mcore", progress=False), root / "mcore")
+    to_hf, to_hf_mem = repeated(lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32", progress=False),
+                                root / "hf-back")
     layer_gb = sum(e.nbytes for e in hf_entries(spec, torch.float32) if e.name.startswith("model.layers.0.")) / 1e9
 
     from bapo_megatron.config import ModelConfig, ParallelConfig
@@ -176,7 +194,8 @@ def main() -> None:
     tp2 = json.loads((root / "tp2.json").read_text())
     print(f"synthetic model: {spec.num_layers} layers, {gb:.2f} GB float32 (one layer {layer_gb:.3f} GB); "
           f"scratch {root}; {torch.get_num_threads()} threads")
-    header = f"{'operation':<34} {'seconds':>8} {'GB/s':>7} {'vs baseline':>12} {'peak extra GB':>14}"
+    header = (f"{'operation':<34} {'seconds':>8} {'GB/s':>7} {'vs baseline':>12} {'peak extra GB':>14} "
+              f"{'of it anon':>11}")
     print(header)
     print("-" * len(header))
     rows = [("safetensors read+write", plain, None, plain_mem),
@@ -187,7 +206,7 @@ def main() -> None:
             ("live export, TP=1, to bf16", live_bf16, memcpy, None)]
     for label, seconds, base, mem in rows:
         ratio = f"{base / seconds:>11.2f}x" if base else f"{'(baseline)':>12}"
-        extra = f"{mem:>14.2f}" if mem is not None else f"{'':>14}"
+        extra = f"{mem[0]:>14.2f} {mem[1]:>11.2f}" if mem is not None else ""
         print(f"{label:<34} {seconds:>8.2f} {gb / seconds:>7.2f} {ratio} {extra}")
     tp_gb = tp2["bytes"] / 1e9
     print(f"{'memcpy, per TP rank (whole model)':<34} {tp2['memcpy']:>8.2f} {tp_gb / tp2['memcpy']:>7.2f} "

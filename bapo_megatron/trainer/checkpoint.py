@@ -63,8 +63,11 @@ def in_process_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_sharded(sharded: dict, directory: str | Path) -> None:
-    """dist_checkpointing.save into `directory` through a temporary sibling, renamed when complete."""
+def save_sharded(sharded: dict, directory: str | Path, strategy=None,
+                 extra_files: dict[str, str] | None = None) -> None:
+    """dist_checkpointing.save into `directory` through a temporary sibling, renamed when complete,
+    with `extra_files` (name -> text) written beside it first; `strategy`: a sharded save strategy
+    other than Megatron's default torch_dist one."""
     from megatron.core import dist_checkpointing
 
     in_process_results_queue()
@@ -76,9 +79,16 @@ def save_sharded(sharded: dict, directory: str | Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(sharded, str(tmp))
+    try:
+        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy)
+    except BaseException:
+        if _rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()
     if _rank0():
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         os.replace(tmp, directory)
     _barrier()
 

@@ -51,7 +51,8 @@ def sequence_multiple(model: ModelConfig, parallel: ParallelConfig) -> int:
     return multiple
 
 
-def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, initialize: bool = True):
+def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, initialize: bool = True,
+                       cpu_init: bool = False):
     """Megatron's TransformerConfig for `spec` under our model and parallel settings.
 
     initialize=False skips the random initialisation of weights that are about to be loaded.
@@ -59,6 +60,7 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
     parameters tensor-parallel, which breaks TP gathers and grad-norm de-duplication at
     TP > 1; there the initialisation runs, with init methods that leave the memory as it is.
     At TP = 1 (the converters) nothing is marked or gathered, and the switch saves a copy.
+    cpu_init: parameters made on the CPU (or the default device, e.g. meta) even where CUDA is.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -97,7 +99,7 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         variable_seq_lengths=True,
         # Unused by dense models, but 0.16.1 rejects its default ("allgather") with variable lengths.
         moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=cpu_init or not torch.cuda.is_available(),
         perform_initialization=initialize or parallel.tensor > 1,
         **({} if initialize else {"init_method": _leave_as_is, "output_layer_init_method": _leave_as_is}),
         # Fusions need CUDA kernels; on CPU (local spec) they must all be off.
@@ -134,12 +136,12 @@ def padded_vocab(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) 
 
 def build_gpt_model(
     spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
-    vp_stage: int | None = None, initialize: bool = True,
+    vp_stage: int | None = None, initialize: bool = True, cpu_init: bool = False,
 ):
     """One pipeline stage (or virtual chunk) of the policy as a Megatron GPTModel."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    config = transformer_config(spec, model, parallel, initialize)
+    config = transformer_config(spec, model, parallel, initialize, cpu_init)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(model),

@@ -24,8 +24,8 @@ from bapo_megatron.weights.hf_io import (
     hf_entries,
     hf_writer,
 )
-from bapo_megatron.weights.layout import EXTRA_STATE, iter_hf_to_megatron
-from bapo_megatron.weights.mcore_io import HF_CONFIG, McoreCheckpoint
+from bapo_megatron.weights.layout import EXTRA_STATE, Rows, megatron_recipes
+from bapo_megatron.weights.mcore_io import HF_CONFIG, McoreCheckpoint, streaming_save_strategy
 from bapo_megatron.weights.safetensors_stream import ByteProgress, StreamingWriter, plan_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,11 +48,12 @@ def _megatron_world_of_one() -> None:
 
 
 def _model(spec: ModelSpec):
-    """A TP=1 model of `spec`; its padded vocabulary is the one every TP dividing vocab_pad_tp uses."""
+    """A TP=1 model of `spec` on the CPU (or under a default-device context: meta), GPU or not; its
+    padded vocabulary is the one every TP dividing vocab_pad_tp uses."""
     from bapo_megatron.trainer import megatron_config as mc
 
     return mc.build_gpt_model(spec, ModelConfig(), ParallelConfig(), pre_process=True, post_process=True,
-                              initialize=False).eval()  # every weight is loaded right after
+                              initialize=False, cpu_init=True).eval()  # every weight is loaded right after
 
 
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str = "float32",
@@ -60,37 +61,44 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
     """A Megatron dist checkpoint of a HF checkpoint, loadable by the trainer at any PP and at every
     TP dividing model.vocab_pad_tp (8); `tp` and `pp` are checked against the model's shape.
 
-    The HF shards are memory-mapped and copied into the model one layer at a time; the model
-    itself is the output, which dist_checkpointing writes in one save.
+    The checkpoint's keys and shards are those of a model built on the meta device (no memory);
+    each tensor is made from the memory-mapped HF shards when the writer reaches it, so one
+    tensor at a time is held (fc1's gate and up halves are the HF tensors themselves).
     """
     from bapo_megatron.trainer import megatron_config as mc
-    from bapo_megatron.trainer.checkpoint import save_model
+    from bapo_megatron.trainer.checkpoint import model_sharded_state_dict, save_sharded
 
     hf = HFCheckpoint(hf_dir)
     check_layout(hf.spec, tp, pp)
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
     _megatron_world_of_one()
-    spec = hf.spec
-    model = _model(spec).to(DTYPES[dtype])
-    params = {k: v for k, v in model.state_dict().items() if not k.endswith(EXTRA_STATE)}
-    padded = mc.padded_vocab(spec, ModelConfig(), ParallelConfig())
-    written: set[str] = set()
-    size = sum(t.numel() * t.element_size() for t in params.values())
+    spec, torch_dtype = hf.spec, DTYPES[dtype]
+    with torch.device("meta"):
+        model = _model(spec)
+    params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith(EXTRA_STATE)}
+    recipes = megatron_recipes(spec, mc.padded_vocab(spec, ModelConfig(), ParallelConfig()))
+    if set(recipes) != set(params):
+        raise RuntimeError(f"layout map and model disagree: {sorted(set(recipes) ^ set(params))[:3]}")
+    name_of = {id(tensor): name for name, tensor in params.items()}
+
+    def make(sharded) -> torch.Tensor:
+        data = sharded.data if sharded.data._base is None else sharded.data._base  # a factory's slice
+        recipe = recipes[name_of[id(data)]]
+        start, shape = tuple(sharded.global_offset[sharded.prepend_axis_num:]), tuple(sharded.local_shape)
+        if shape == tuple(data.shape):
+            return recipe(hf)
+        if isinstance(recipe, Rows) and not any(start[1:]) and shape[1:] == tuple(data.shape[1:]):
+            block = recipe.block(hf, start[0], shape[0])
+            if block is not None:
+                return block
+        return recipe(hf)[tuple(slice(o, o + n) for o, n in zip(start, shape, strict=True))]
+
+    size = sum(p.numel() for p in params.values()) * torch_dtype.itemsize
     with ByteProgress(size, "hf-to-mcore", progress) as bar:
-        for name, tensor in iter_hf_to_megatron(spec, hf, padded, out=params):
-            if name not in params or name in written:
-                raise RuntimeError(f"layout map and model disagree at {name}")
-            if tensor.data_ptr() != params[name].data_ptr():  # not fused in place already
-                params[name].copy_(tensor)
-            written.add(name)
-            bar.update(tensor.numel() * params[name].element_size())
-    if written != set(params):
-        raise RuntimeError(f"layout map left {sorted(set(params) - written)[:3]} unset")
-    out = Path(out)
-    save_model([model], out)
-    (out / HF_CONFIG).write_text(json.dumps(hf.config, indent=2))
-    return out
+        save_sharded(model_sharded_state_dict([model]), out, streaming_save_strategy(make, torch_dtype, bar.update),
+                     extra_files={HF_CONFIG: json.dumps(hf.config, indent=2)})
+    return Path(out)
 
 
 def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path | None = None,
@@ -105,7 +113,7 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path 
     template = Path(hf_template) if hf_template else None
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
-    source = McoreCheckpoint(mcore_dir, template)  # reads through torch DCP: no process group needed
+    source = McoreCheckpoint(mcore_dir, template)  # memory-mapped; no process group needed
     spec, torch_dtype = source.spec, DTYPES[dtype]
     if sglang_tp is None:
         def layout(tmp: Path) -> list[StreamingWriter]:

@@ -11,7 +11,9 @@ over tensor and pipeline parallel ranks is dist_checkpointing's job.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -26,17 +28,12 @@ def _norm_names(impl: str) -> tuple[str, str]:
     return "input_layernorm.weight", "pre_mlp_layernorm.weight"
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """[q; k; v] in Megatron's per-query-group interleaving (weights [rows, hidden] or biases [rows]),
-    written into `out` (contiguous, of the fused shape) when given."""
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """[q; k; v] in Megatron's per-query-group interleaving (weights [rows, hidden] or biases [rows])."""
     groups, d = spec.num_kv_heads, spec.head_dim
     per_group = spec.num_heads // groups
     tail = q.shape[1:]
     parts = [q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)]
-    if out is not None:
-        torch.cat(parts, dim=1, out=out.view(groups, (per_group + 2) * d, *tail))
-        return out
     return torch.cat(parts, dim=1).reshape(groups * (per_group + 2) * d, *tail)
 
 
@@ -53,31 +50,6 @@ def pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
     if weight.shape[0] > padded:
         raise ValueError(f"vocabulary of {weight.shape[0]} rows does not fit the padded size {padded}")
     return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
-
-
-def hf_layer_to_megatron(spec: ModelSpec, i: int, hf: Mapping[str, torch.Tensor], impl: str = "local",
-                         out: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Megatron (name, tensor) pairs of decoder layer i, read from HF names in `hf`.
-
-    out: Megatron tensors to fuse q/k/v and gate/up straight into (saves a copy); the pairs
-    then hold those tensors, already written.
-    """
-    h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-    attn_norm, mlp_norm = _norm_names(impl)
-    into = (lambda name: out[name]) if out is not None else (lambda name: None)
-    yield m + attn_norm, hf[h + "input_layernorm.weight"]
-    name = m + "self_attention.linear_qkv.weight"
-    yield name, fuse_qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
-                         hf[h + "self_attn.v_proj.weight"], spec, into(name))
-    if spec.qkv_bias:
-        name = m + "self_attention.linear_qkv.bias"
-        yield name, fuse_qkv(hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"],
-                             hf[h + "self_attn.v_proj.bias"], spec, into(name))
-    yield m + "self_attention.linear_proj.weight", hf[h + "self_attn.o_proj.weight"]
-    yield m + mlp_norm, hf[h + "post_attention_layernorm.weight"]
-    name = m + "mlp.linear_fc1.weight"
-    yield name, torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], out=into(name))
-    yield m + "mlp.linear_fc2.weight", hf[h + "mlp.down_proj.weight"]
 
 
 def megatron_layer_to_hf(spec: ModelSpec, i: int, mg: Mapping[str, torch.Tensor],
@@ -99,22 +71,71 @@ def megatron_layer_to_hf(spec: ModelSpec, i: int, mg: Mapping[str, torch.Tensor]
     yield h + "mlp.down_proj.weight", mg[m + "mlp.linear_fc2.weight"]
 
 
-def iter_hf_to_megatron(spec: ModelSpec, hf: Mapping[str, torch.Tensor], padded_vocab: int, impl: str = "local",
-                        out: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Megatron's TP=1 (name, tensor) pairs of a whole HF state dict, in loading order, made one at a
-    time (reading `hf` lazily); `out` as in hf_layer_to_megatron."""
-    yield "embedding.word_embeddings.weight", pad_vocab(hf["model.embed_tokens.weight"], padded_vocab)
+@dataclass(frozen=True)
+class Rows:
+    """A Megatron tensor made of HF tensors stacked by rows (one HF tensor: itself)."""
+
+    names: tuple[str, ...]
+
+    def __call__(self, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if len(self.names) == 1:
+            return hf[self.names[0]]
+        return torch.cat([hf[name] for name in self.names])
+
+    def block(self, hf: Mapping[str, torch.Tensor], start: int, rows: int) -> torch.Tensor | None:
+        """The HF tensor that is exactly rows [start, start + rows), when one is (no copy)."""
+        at = 0
+        for name in self.names:
+            tensor = hf[name]
+            if at == start and tensor.shape[0] == rows:
+                return tensor
+            at += tensor.shape[0]
+        return None
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A Megatron tensor computed from several HF tensors (q/k/v interleaving, vocabulary padding)."""
+
+    fn: Callable[..., torch.Tensor]
+    names: tuple[str, ...]
+
+    def __call__(self, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.fn(*(hf[name] for name in self.names))
+
+
+Recipe = Rows | Fused
+
+
+def megatron_recipes(spec: ModelSpec, padded_vocab: int, impl: str = "local") -> dict[str, Recipe]:
+    """Every Megatron TP=1 parameter name (names of `impl`'s layer spec), in loading order, with the
+    recipe that makes it from a HF state dict, reading only the HF tensors it needs."""
+    pad = partial(pad_vocab, padded=padded_vocab)
+    qkv = partial(fuse_qkv, spec=spec)
+    recipes: dict[str, Recipe] = {"embedding.word_embeddings.weight": Fused(pad, ("model.embed_tokens.weight",))}
+    attn_norm, mlp_norm = _norm_names(impl)
     for i in range(spec.num_layers):
-        yield from hf_layer_to_megatron(spec, i, hf, impl, out)
-    yield "decoder.final_layernorm.weight", hf["model.norm.weight"]
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        recipes[m + attn_norm] = Rows((h + "input_layernorm.weight",))
+        recipes[m + "self_attention.linear_qkv.weight"] = Fused(qkv, tuple(h + f"self_attn.{n}_proj.weight"
+                                                                          for n in "qkv"))
+        if spec.qkv_bias:
+            recipes[m + "self_attention.linear_qkv.bias"] = Fused(qkv, tuple(h + f"self_attn.{n}_proj.bias"
+                                                                            for n in "qkv"))
+        recipes[m + "self_attention.linear_proj.weight"] = Rows((h + "self_attn.o_proj.weight",))
+        recipes[m + mlp_norm] = Rows((h + "post_attention_layernorm.weight",))
+        recipes[m + "mlp.linear_fc1.weight"] = Rows((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"))
+        recipes[m + "mlp.linear_fc2.weight"] = Rows((h + "mlp.down_proj.weight",))
+    recipes["decoder.final_layernorm.weight"] = Rows(("model.norm.weight",))
     if not spec.tie_embeddings:
-        yield "output_layer.weight", pad_vocab(hf["lm_head.weight"], padded_vocab)
+        recipes["output_layer.weight"] = Fused(pad, ("lm_head.weight",))
+    return recipes
 
 
 def hf_to_megatron(spec: ModelSpec, hf: Mapping[str, torch.Tensor], padded_vocab: int,
                    impl: str = "local") -> dict[str, torch.Tensor]:
     """A whole HF state dict as Megatron's TP=1 state dict (names of `impl`'s layer spec)."""
-    return dict(iter_hf_to_megatron(spec, hf, padded_vocab, impl))
+    return {name: recipe(hf) for name, recipe in megatron_recipes(spec, padded_vocab, impl).items()}
 
 
 def megatron_to_hf(spec: ModelSpec, mg: Mapping[str, torch.Tensor], impl: str = "local") -> dict[str, torch.Tensor]:

@@ -54,6 +54,31 @@ def _convert_all(rank: int, world: int, root: str) -> None:
                          "--hf-template", str(root / name), "--dtype", "float32"]) == 0
 
 
+def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
+    """HF checkpoint `name` converted by hf-to-mcore, and saved by Megatron's own writer from a
+    model built with its weights."""
+    import convert_checkpoint as cli
+
+    from bapo_megatron.config import ModelConfig, ParallelConfig
+    from bapo_megatron.trainer import megatron_config as mc
+    from bapo_megatron.trainer.checkpoint import save_model
+    from bapo_megatron.weights.convert import _megatron_world_of_one, _model
+    from bapo_megatron.weights.hf_io import HFCheckpoint
+    from bapo_megatron.weights.layout import hf_to_megatron
+
+    root = Path(root)
+    for dtype, suffix in (("float32", ""), ("bfloat16", "-bf16")):
+        assert cli.main(["hf-to-mcore", "--hf", str(root / name), "--out", str(root / f"{name}-mcore{suffix}"),
+                         "--dtype", dtype, "--no-progress"]) == 0
+    hf = HFCheckpoint(root / name)
+    _megatron_world_of_one()
+    model = _model(hf.spec)
+    padded = mc.padded_vocab(hf.spec, ModelConfig(), ParallelConfig())
+    missing, unexpected = model.load_state_dict(hf_to_megatron(hf.spec, hf, padded), strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    save_model([model], root / f"{name}-megatron-writer")
+
+
 def _layout_logprobs(rank: int, world: int, root: str, name: str, tp: int, pp: int) -> None:
     from bapo_megatron.config import load_config
     from bapo_megatron.rollout.batch import RolloutBatch, Sample
@@ -116,3 +141,41 @@ def test_convert_round_trip_and_every_layout(tmp_path):
         got = json.loads((tmp_path / f"logp-{name}-tp{tp}pp{pp}.json").read_text())
         for i, expected in want.items():
             torch.testing.assert_close(torch.tensor(got[str(i)]), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_streamed_checkpoint_is_what_megatrons_writer_writes(tmp_path):
+    """hf-to-mcore writes without a model, one tensor at a time; its checkpoint must be the one
+    Megatron's torch_dist writer makes from a model holding the same weights: same keys, shapes,
+    dtypes and chunks in the DCP metadata, same common state and config, same tensors. With
+    --dtype bfloat16: the same tensors, rounded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for name in ("qwen2-gqa2", "llama-gqa4-tied"):
+        make_hf_model(tmp_path, name)
+        run_workers(_save_both_ways, 1, str(tmp_path), name)
+        ours, theirs = tmp_path / f"{name}-mcore", tmp_path / f"{name}-megatron-writer"
+        assert (ours / "metadata.json").read_text() == (theirs / "metadata.json").read_text()
+        assert torch.load(ours / "common.pt") == torch.load(theirs / "common.pt")
+        meta = {d: FileSystemReader(str(d)).read_metadata().state_dict_metadata for d in (ours, theirs)}
+        assert set(meta[ours]) == set(meta[theirs])
+        for key, m in meta[theirs].items():
+            o = meta[ours][key]
+            assert type(o) is type(m), key
+            if hasattr(m, "size"):
+                assert (o.size, o.properties) == (m.size, m.properties), key
+                assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in o.chunks) == \
+                    sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks), key
+        tensors = {d: {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta[d].items() if hasattr(m, "size")}
+                   for d in (ours, theirs)}
+        for d, state in tensors.items():
+            dcp.load(state, storage_reader=FileSystemReader(str(d)), no_dist=True)
+        for key, tensor in tensors[theirs].items():
+            assert torch.equal(tensors[ours][key], tensor), (name, key)
+        bf16 = tmp_path / f"{name}-mcore-bf16"
+        meta = FileSystemReader(str(bf16)).read_metadata().state_dict_metadata
+        rounded = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if hasattr(m, "size")}
+        assert set(rounded) == set(tensors[ours])
+        dcp.load(rounded, storage_reader=FileSystemReader(str(bf16)), no_dist=True)
+        for key, tensor in tensors[ours].items():
+            assert torch.equal(rounded[key], tensor.to(torch.bfloat16)), (name, key)
