@@ -143,6 +143,13 @@ def test_reshard_bad_input(saved, tmp_path, capsys):
     (broken / "metadata.json").unlink()
     assert reshard.main(["--mcore", str(broken), "--out", str(tmp_path / "b"), *args]) == 2
     assert "not a complete Megatron dist checkpoint (no metadata.json)" in capsys.readouterr().err
+    truncated = tmp_path / "truncated"
+    shutil.copytree(root / "trained", truncated)
+    data = sorted(truncated.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    assert reshard.main(["--mcore", str(truncated), "--out", str(tmp_path / "t"), *args]) == 2
+    assert f"data file {data.name} is truncated" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists() and not (tmp_path / "t.tmp").exists()
     other = tmp_path / "other"
     shutil.copytree(root / NAME, other)
     config = json.loads((other / "config.json").read_text())
