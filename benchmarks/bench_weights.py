@@ -4,8 +4,10 @@
 
 Conversion is timed against a plain safetensors read + write of the same bytes on the same
 disk, fsync'd as both conversions are (a checkpoint renamed into place must be on disk);
-the unsynced copy is printed too. Each is run --repeat times (median), each run starting
-after os.sync() so that no run is throttled by the writeback of an earlier one's pages.
+the unsynced copy is printed too, against both conversions run with os.fsync patched out
+of this process (a like-for-like row; the converters themselves always sync). Each is run
+--repeat times (median), each run starting after os.sync() so that no run is throttled by
+the writeback of an earlier one's pages.
 The live export (gather, rename, bucket) is timed against a memcpy of the same bytes.
 "peak extra GB" is the growth of resident memory during the operation (memory-mapped
 input pages count).
@@ -157,6 +159,16 @@ def main() -> None:
     to_mcore, to_mcore_mem = repeated(lambda: hf_to_mcore(root / "hf", root / "mcore", progress=False), root / "mcore")
     to_hf, to_hf_mem = repeated(lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32", progress=False),
                                 root / "hf-back")
+    # The same conversions with os.fsync made a no-op in this process (both writers sync through it),
+    # for a like-for-like comparison with the unsynced copy; the product itself always syncs.
+    fsync, os.fsync = os.fsync, lambda fd: None
+    try:
+        to_mcore_ns, _ = repeated(lambda: hf_to_mcore(root / "hf", root / "mcore-ns", progress=False),
+                                  root / "mcore-ns")
+        to_hf_ns, _ = repeated(lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32",
+                                                   progress=False), root / "hf-back")
+    finally:
+        os.fsync = fsync
     layer_gb = sum(e.nbytes for e in hf_entries(spec, torch.float32) if e.name.startswith("model.layers.0.")) / 1e9
 
     from bapo_megatron.config import ModelConfig, ParallelConfig
@@ -202,6 +214,8 @@ def main() -> None:
             ("safetensors read+write, fsync'd", durable, None, None),
             ("hf-to-mcore (fsync'd)", to_mcore, durable, to_mcore_mem),
             ("mcore-to-hf (streamed, fsync'd)", to_hf, durable, to_hf_mem),
+            ("hf-to-mcore, fsync skipped", to_mcore_ns, plain, None),
+            ("mcore-to-hf, fsync skipped", to_hf_ns, plain, None),
             ("memcpy of the weights", memcpy, None, None), ("live export, TP=1 (views)", live, memcpy, None),
             ("live export, TP=1, to bf16", live_bf16, memcpy, None)]
     for label, seconds, base, mem in rows:
