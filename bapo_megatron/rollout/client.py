@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 from bapo_megatron.rollout import protocol
@@ -114,6 +115,16 @@ class EngineClient:
 
     async def resume(self) -> None:
         await self.request("/continue_generation", {})
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free the engine's memory for `tags` (weights, kv_cache, cuda_graph; None: all), e.g. while a
+        colocated trainer runs. The engine must be idle or paused. Released weights lose their
+        values: resume them and load weights before generating again."""
+        await self.request("/release_memory_occupation", protocol.memory_request(tags))
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take back the memory of released `tags` (None: all)."""
+        await self.request("/resume_memory_occupation", protocol.memory_request(tags))
 
     async def health(self) -> bool:
         try:

@@ -8,7 +8,10 @@ Same payloads as SGLang 0.5.23 (rollout/protocol.py): /generate with logprobs,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed
 (gloo; the trainer is rank 0), /update_weights_from_tensor (shared-memory handles from a
 process on the same host, weights/ipc.py), /update_weights_from_disk (safetensors only),
-/update_weight_version.
+/update_weight_version, /release_memory_occupation and /resume_memory_occupation (the KV
+cache and the weights' memory freed while a colocated trainer runs; released weights lose
+their values, as under SGLang's memory saver, and generation is refused until they are
+loaded again).
 
 Security as SGLang's: it listens on loopback unless --host names an interface, and then
 refuses to start without an admin key. With an admin key (BAPO_ADMIN_API_KEY, or
@@ -99,7 +102,8 @@ class EmbeddedServer:
                 "/destroy_weights_update_group": self.destroy_group,
                 "/update_weights_from_distributed": self.update_from_distributed,
                 "/update_weights_from_tensor": self.update_from_tensor,
-                "/update_weights_from_disk": self.update_from_disk, "/update_weight_version": self.set_version}
+                "/update_weights_from_disk": self.update_from_disk, "/update_weight_version": self.set_version,
+                "/release_memory_occupation": self.release_memory, "/resume_memory_occupation": self.resume_memory}
         for path, handler in get.items():
             app.router.add_get(path, handler)
         for path, handler in post.items():
@@ -117,7 +121,7 @@ class EmbeddedServer:
 
     async def _run(self) -> None:
         while True:
-            if self.paused or not self.core.busy:
+            if self.paused or not self.core.busy or self.core.can_generate():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -148,6 +152,9 @@ class EmbeddedServer:
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise ValueError("input_ids must be one list of token ids (batches: one request each)")
         sampling = protocol.SamplingParams.from_json(body.get("sampling_params") or {})
+        refused = self.core.can_generate()
+        if refused:
+            raise ValueError(f"cannot generate: {refused}")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -190,6 +197,33 @@ class EmbeddedServer:
         self.paused = False
         self._poke()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def release_memory(self, request):
+        from aiohttp import web
+
+        tags = await self._memory_tags(request)
+        async with self._model_lock:  # not in the middle of a step
+            self.core._admit()
+            if self.core.waiting and not self.paused:
+                raise ValueError("release_memory_occupation should be called only when the engine is idle "
+                                 "(or paused)")
+            await self._on_engine(self.core.release_memory, tags)
+        return web.json_response(None)  # SGLang answers null
+
+    async def resume_memory(self, request):
+        from aiohttp import web
+
+        tags = await self._memory_tags(request)
+        async with self._model_lock:
+            await self._on_engine(self.core.resume_memory, tags)
+        self._poke()
+        return web.json_response(None)
+
+    @staticmethod
+    async def _memory_tags(request) -> list[str]:
+        body = await request.json() if request.can_read_body else {}
+        tags = (body or {}).get("tags")
+        return list(protocol.MEMORY_TAGS) if not tags else list(protocol.memory_request(tags)["tags"])
 
     async def health(self, request):
         from aiohttp import web

@@ -16,7 +16,7 @@ T = 0 is greedy, with log_softmax(logits).
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +152,9 @@ class EngineCore:
         self.prefixes: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
         self.prefix_hits = 0
         self._count = 0
+        self.released: set[str] = set()  # memory tags released (SGLang's release_memory_occupation)
+        self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # id(parameter) -> its shape, while released
+        self._unloaded: set[int] = set()  # parameters resumed without values, not loaded since
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -194,10 +197,49 @@ class EngineCore:
     def busy(self) -> bool:
         return bool(self.incoming or self.waiting or self.running)
 
+    # -- memory ---------------------------------------------------------------------------
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """Free memory as SGLang's release_memory_occupation does under its memory saver: kv_cache
+        drops the slotted cache and the prefix store; weights frees every parameter's storage
+        (their values are lost, as SGLang's are: resume, then load weights); cuda_graph holds
+        nothing here. Only with no request running (the caller checks waiting ones)."""
+        if self.running:
+            raise ValueError("release_memory_occupation should be called only when the engine is idle")
+        if "kv_cache" in tags:
+            self.flush()
+            self.kv = SlotKV(self.max_batch)
+        if "weights" in tags and "weights" not in self.released:
+            for param in self.model.parameters():  # tied weights are one parameter
+                self._shapes[id(param)] = (param.shape, param.dtype)
+                param.data = torch.empty(0, dtype=param.dtype)
+        self.released.update(tags)
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Take released memory back; resumed weights hold no values until loaded."""
+        if not set(tags) <= self.released:
+            raise ValueError(f"cannot resume {sorted(set(tags) - self.released)}: not released")
+        if "weights" in tags:
+            for param in self.model.parameters():
+                shape, dtype = self._shapes.pop(id(param))
+                param.data = torch.empty(shape, dtype=dtype)
+                self._unloaded.add(id(param))
+        self.released.difference_update(tags)
+
+    def can_generate(self) -> str | None:
+        """Why generation cannot run now (memory released, weights not reloaded since), or None."""
+        if self.released & {"weights", "kv_cache"}:
+            return f"memory released ({', '.join(sorted(self.released))}): resume it first"
+        if self._unloaded:
+            return (f"{len(self._unloaded)} parameters were released and have not been loaded since: "
+                    "update the weights first")
+        return None
+
     # -- weights --------------------------------------------------------------------------
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy HF-named tensors into the model; all are checked before any is copied."""
-        state = self.model.state_dict()
+        if "weights" in self.released:
+            raise ValueError("the weights are released: resume_memory_occupation(weights) before loading them")
+        state = self.model.state_dict(keep_vars=True)
         pending = []
         for name, tensor in tensors:
             if name not in state:
@@ -208,6 +250,7 @@ class EngineCore:
         with torch.no_grad():
             for name, tensor in pending:
                 state[name].copy_(tensor)
+                self._unloaded.discard(id(state[name]))
         self.prefixes.clear()  # computed with the old weights
         return len(pending)
 

@@ -9,6 +9,7 @@ reads them from the released wheel and fails when ours drift.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ ADMIN_ENDPOINTS = frozenset({
 })
 FINISH_TYPES = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what /release_memory_occupation can free
 DEFAULT_GROUP = "weight_update_group"
 
 
@@ -209,6 +211,16 @@ def update_tensor_request(serialized: list[str], version: str, flattened: bool =
     if flattened:
         body["load_format"] = FLATTENED
     return body
+
+
+def memory_request(tags: Sequence[str] | None = None) -> dict[str, Any]:
+    """/release_memory_occupation and /resume_memory_occupation: `tags` among MEMORY_TAGS (None: all)."""
+    if tags is None:
+        return {}
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown or not tags:
+        raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {list(tags)}")
+    return {"tags": list(tags)}
 
 
 def update_disk_request(model_path: str, version: str, flush_cache: bool = True) -> dict[str, Any]:

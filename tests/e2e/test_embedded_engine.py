@@ -139,7 +139,7 @@ def test_keyed_engine_refuses_unauthenticated_control(keyed, model_dir, tmp_path
             before = await anonymous.generate([3, 4, 5], sampling, "a")  # generation is not a control endpoint
             for client in (anonymous, wrong):
                 for call in (client.pause("abort"), client.update_weights_from_disk(str(broken), "x"),
-                             client.abort()):
+                             client.abort(), client.release_memory()):
                     with pytest.raises(EngineError) as err:
                         await call
                     assert err.value.status == 401
@@ -152,6 +152,65 @@ def test_keyed_engine_refuses_unauthenticated_control(keyed, model_dir, tmp_path
     before, after, info = asyncio.run(run())
     assert before.output_ids == after.output_ids and before.logprobs == after.logprobs
     assert info["weight_version"] == "0"
+
+
+def test_memory_released_and_resumed_as_a_colocated_trainer_does(server, model_dir):
+    """Release needs an idle engine; while the KV cache or the weights are released, and after
+    the weights come back until they are loaded, generation is refused; resuming what is not
+    released is an error; once loaded, log-probs are transformers' again."""
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)
+
+    async def run():
+        async with EngineClient(server.url) as client:
+            busy = asyncio.create_task(client.generate([1, 2, 3], SamplingParams(max_new_tokens=5000, ignore_eos=True),
+                                                       "busy"))
+            await asyncio.sleep(0.5)
+            with pytest.raises(EngineError, match="only when the engine is idle"):
+                await client.release_memory()
+            await client.abort("busy")
+            await busy
+            await client.release_memory()  # every tag
+            with pytest.raises(EngineError, match="memory released"):
+                await client.generate([4, 5], sampling, "released")
+            await client.resume_memory(["weights"])
+            with pytest.raises(EngineError, match=r"memory released \(cuda_graph, kv_cache\)"):
+                await client.generate([4, 5], sampling, "kv-released")
+            await client.resume_memory(["kv_cache", "cuda_graph"])
+            with pytest.raises(EngineError, match="update the weights first"):
+                await client.generate([4, 5], sampling, "not-loaded")
+            with pytest.raises(EngineError, match=r"cannot resume \['kv_cache'\]: not released"):
+                await client.resume_memory(["kv_cache"])
+            with pytest.raises(ValueError, match="memory tags"):
+                await client.release_memory(["optimizer"])
+            await client.update_weights_from_disk(str(model_dir), "11")
+            return await client.generate([8, 9, 10], sampling, "loaded")
+
+    result = asyncio.run(run())
+    assert result.weight_version == "11"
+    want = _reference_logprobs(model_dir, [8, 9, 10], result.output_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(result.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_released_memory_is_freed(model_dir):
+    """The engine core gives the memory back: no parameter storage, no cache, no prefix store."""
+    from bapo_megatron.rollout.engine_core import EngineCore, Request
+
+    core = EngineCore(model_dir, max_batch=2)
+    request = Request("r", [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    core.add(request)
+    core.step()  # prefill: the cache exists
+    with pytest.raises(ValueError, match="idle"):
+        core.release_memory(["kv_cache"])
+    core.abort("r")
+    assert core.kv.keys and core.prefixes  # the aborted request left its prefix
+    parameters = list(core.model.parameters())
+    core.release_memory(["kv_cache", "weights"])
+    assert not core.kv.keys and not core.prefixes
+    assert all(p.untyped_storage().nbytes() == 0 for p in parameters)
+    core.resume_memory(["weights", "kv_cache"])
+    assert [p.numel() for p in parameters] == [p.numel() for p in core.model.parameters()] and all(
+        p.numel() > 0 for p in parameters)
+    assert "update the weights" in core.can_generate()
 
 
 def test_a_failing_step_fails_its_requests_instead_of_hanging(model_dir):

@@ -84,6 +84,8 @@ def test_requests_use_only_fields_sglang_defines(wheel):
         "UpdateWeightVersionReqInput": {"new_version": "3", "abort_all_requests": False},
         "BeginWeightUpdateReqInput": {},
         "EndWeightUpdateReqInput": {},
+        "ReleaseMemoryOccupationReqInput": protocol.memory_request(["weights", "kv_cache"]),
+        "ResumeMemoryOccupationReqInput": protocol.memory_request(None),
     }
     for cls, body in cases.items():
         assert cls in io, f"SGLang {VERSION} has no request class {cls}"
@@ -93,6 +95,9 @@ def test_requests_use_only_fields_sglang_defines(wheel):
     assert not extra, f"sampling_params: we send {sorted(extra)}, which SGLang {VERSION} does not define"
     for mode in protocol.PAUSE_MODES:
         assert f'"{mode}"' in _source(wheel, "managers/io_struct.py")
+    constants = _source(wheel, "constants.py")
+    for tag in protocol.MEMORY_TAGS:  # the tags its memory release and resume know
+        assert f'GPU_MEMORY_TYPE_{tag.upper()} = "{tag}"' in constants, tag
     updater = _source(wheel, "model_executor/model_runner_components/weight_updater.py")
     assert f'load_format == "{protocol.FLATTENED}"' in updater
     assert "_receive_bucketed_weights_from_distributed" in updater
@@ -203,6 +208,9 @@ def test_tensor_payloads_pass_sglangs_safe_unpickler(wheel):
               if isinstance(node, ast.ClassDef) and node.name == ipc.SGLANG_METADATA[1]
               for s in node.body if isinstance(s, ast.AnnAssign)]
     assert fields == list(ipc.FlattenedTensorMetadata.__dataclass_fields__)
+    constants = _source(wheel, "constants.py")
+    for tag in protocol.MEMORY_TAGS:  # the tags its memory release and resume know
+        assert f'GPU_MEMORY_TYPE_{tag.upper()} = "{tag}"' in constants, tag
     updater = _source(wheel, "model_executor/model_runner_components/weight_updater.py")
     assert 'flattened_tensor_bucket_dict["flattened_tensor"]' in updater
     assert 'flattened_tensor_bucket_dict["metadata"]' in updater
