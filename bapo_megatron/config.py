@@ -146,7 +146,8 @@ class RolloutConfig:
     partial: bool = False
     """Cut responses at a per-step token budget and continue them later under newer weights."""
     token_budget: int | None = None
-    """Partial rollout: new tokens per response per step (None: max_new_tokens, no cutting)."""
+    """Partial rollout: new tokens per response per round (None: max_new_tokens, no cutting). A step
+    runs one round, and another only while fewer than prompts_per_step groups are complete."""
     partial_mode: Literal["abort", "retract"] = "abort"
     """Partial rollout: "abort" cuts responses at the token budget and resubmits them next step;
     "retract" keeps requests inside the engines across weight updates (paused in retract mode,
