@@ -137,7 +137,6 @@ class McoreCheckpoint:
         yield tensors
 
 
-
 class StoredChunks:
     """The tensor chunks of a torch DCP checkpoint, read from memory-mapped files.
 
@@ -302,7 +301,8 @@ def streaming_save_strategy(make: Callable, dtype: torch.dtype, on_tensor: Calla
     """A dist_checkpointing sharded save strategy writing Megatron's torch_dist format through torch
     DCP, one tensor at a time: `make(sharded_tensor)` returns each ShardedTensor's data (its
     `data` may be a placeholder, e.g. on the meta device) when the writer reaches it, cast to
-    `dtype`; `on_tensor(nbytes)` after each. Peak memory: one tensor, not the model.
+    `dtype`; `on_tensor(nbytes)` after each. Peak memory: one tensor, not the model. One
+    process writes the whole checkpoint (the converters run as a world of one).
 
     The files are those of Megatron's own torch_dist strategy: the same DCP keys, chunks and
     metadata, objects saved as Megatron does (torch.save of a one-element list).
@@ -320,6 +320,8 @@ def streaming_save_strategy(make: Callable, dtype: torch.dtype, on_tensor: Calla
             return True
 
         def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                raise RuntimeError("the streaming save strategy writes from one process (a world of one)")
             tensors, objects = [], []
             for item in nested_values(sharded_state_dict):
                 if is_main_replica(item.replica_id):
