@@ -173,12 +173,27 @@ class RolloutManager:
         """Around a weight sync. Retract mode: the live engines pause (keeping their requests,
         dropping their KV caches) and continue afterwards under the new weights. Abort mode:
         nothing generates between steps, so nothing to do."""
-        live = [i for i in range(len(self.pool.clients)) if i not in self.pool.dead] if self.retract else []
+        live = self._live() if self.retract else []
         await asyncio.gather(*(self._quietly(i, self.pool.clients[i].pause("retract")) for i in live))
         try:
             yield
         finally:
             await asyncio.gather(*(self._quietly(i, self.pool.clients[i].resume()) for i in live))
+
+    async def release_memory(self) -> None:
+        """Colocated with the trainer: the live engines free their memory (weights, KV cache, CUDA
+        graphs) while it trains. No request may be running in them: in abort mode call this
+        between steps; in retract mode inside weight_update() (paused, requests kept). Their
+        weights then hold nothing until resume_memory(["weights"]) and a weight sync."""
+        await asyncio.gather(*(self._quietly(i, self.pool.clients[i].release_memory()) for i in self._live()))
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        """Take released memory back: ["weights"] before the weight sync loads them, then
+        ["kv_cache", "cuda_graph"] after it."""
+        await asyncio.gather(*(self._quietly(i, self.pool.clients[i].resume_memory(tags)) for i in self._live()))
+
+    def _live(self) -> list[int]:
+        return [i for i in range(len(self.pool.clients)) if i not in self.pool.dead]
 
     async def _quietly(self, index: int, call) -> None:
         try:

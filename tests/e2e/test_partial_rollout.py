@@ -123,7 +123,8 @@ def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
 def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_path):
     """Retract mode: requests outlive the step that sent them and continue, inside the engine,
     under each new version (every token's version and log-prob are the ones it was sampled
-    with); a request sent too many versions ago is aborted and its sample regenerated; drain
+    with), also when the engine's memory is released and resumed around an update as a
+    colocated trainer does; a request sent too many versions ago is aborted and its sample regenerated; drain
     keeps what was generated. The engine runs two requests at a time, so one group generates
     while the other waits: which requests are in flight at each point is deterministic."""
     server = embedded_server(models[MODELS[0]][0], tmp_path / "engine.log", max_batch=2).start().wait_ready(120)
@@ -146,7 +147,13 @@ def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_pa
             async def update(version):
                 await asyncio.sleep(0.3)  # some tokens under the version before
                 async with manager.weight_update():
+                    colocated = version % 2  # as a colocated trainer: the engine's memory is free meanwhile
+                    if colocated:
+                        await manager.release_memory()
+                        await manager.resume_memory(["weights"])
                     await client.update_weights_from_disk(model_dir(version), str(version))
+                    if colocated:
+                        await manager.resume_memory(["kv_cache", "cuda_graph"])
 
             await client.update_weight_version("1")
             first = await manager.step(1)              # p0 done; p1 sent under version 1, generating
