@@ -151,7 +151,8 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path 
 
 def verify(hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int = 2,
            seq: int = 32) -> dict[str, float]:
-    """Logits of the HF model (transformers) and the Megatron checkpoint on random token ids."""
+    """Logits of the HF model (transformers, on the CPU) and the Megatron checkpoint (on the GPU
+    where there is one, in float32 without TF32) on random token ids."""
     import transformers
 
     hf = HFCheckpoint(hf_dir)
@@ -160,12 +161,19 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int 
     from bapo_megatron.trainer.checkpoint import load_model
 
     load_model([model], mcore_dir)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(hf.spec.vocab_size, (batch, seq), generator=g)
     positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
-    with torch.no_grad():
-        ours = model.float()(ids, positions, attention_mask=None)[..., : hf.spec.vocab_size].float()
-        theirs = reference(ids).logits.float()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            ours = model.float().to(device)(ids.to(device), positions.to(device), attention_mask=None)
+            ours = ours[..., : hf.spec.vocab_size].float().cpu()
+            theirs = reference(ids).logits.float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     diff = (ours - theirs).abs().max().item()
     return {"max_abs": diff, "max_rel": diff / max(theirs.abs().max().item(), 1e-12)}
