@@ -203,11 +203,7 @@ class EmbeddedServer:
 
         tags = await self._memory_tags(request)
         async with self._model_lock:  # not in the middle of a step
-            self.core._admit()
-            if self.core.waiting and not self.paused:
-                raise ValueError("release_memory_occupation should be called only when the engine is idle "
-                                 "(or paused)")
-            await self._on_engine(self.core.release_memory, tags)
+            await self._on_engine(self.core.release_memory, tags, self.paused)
         return web.json_response(None)  # SGLang answers null
 
     async def resume_memory(self, request):

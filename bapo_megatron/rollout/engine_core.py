@@ -198,13 +198,14 @@ class EngineCore:
         return bool(self.incoming or self.waiting or self.running)
 
     # -- memory ---------------------------------------------------------------------------
-    def release_memory(self, tags: Sequence[str]) -> None:
+    def release_memory(self, tags: Sequence[str], paused: bool = False) -> None:
         """Free memory as SGLang's release_memory_occupation does under its memory saver: kv_cache
         drops the slotted cache and the prefix store; weights frees every parameter's storage
         (their values are lost, as SGLang's are: resume, then load weights); cuda_graph holds
-        nothing here. Only with no request running (the caller checks waiting ones)."""
-        if self.running:
-            raise ValueError("release_memory_occupation should be called only when the engine is idle")
+        nothing here. Only when idle: no request running, and none waiting unless `paused`."""
+        self._admit()
+        if self.running or (self.waiting and not paused):
+            raise ValueError("release_memory_occupation should be called only when the engine is idle (or paused)")
         if "kv_cache" in tags:
             self.flush()
             self.kv = SlotKV(self.max_batch)
