@@ -219,7 +219,7 @@ class EmbeddedServer:
     async def _memory_tags(request) -> list[str]:
         body = await request.json() if request.can_read_body else {}
         tags = (body or {}).get("tags")
-        return list(protocol.MEMORY_TAGS) if not tags else list(protocol.memory_request(tags)["tags"])
+        return list(protocol.MEMORY_TAGS) if not tags else protocol.memory_tags(tags)  # none or empty: all
 
     async def health(self, request):
         from aiohttp import web

@@ -278,7 +278,7 @@ class EngineCore:
 
     def _resume(self, request: Request) -> bool:
         """Take the request a slot with its cached prefix (all but its last token), if stored."""
-        cached = self.prefixes.pop(tuple((request.input_ids + request.output_ids)[:-1]), None)
+        cached = self.prefixes.pop(_prefix_key(request), None)
         if cached is None:
             return False
         self.kv.put(len(self.running), cached, request.length - 1)
@@ -288,12 +288,14 @@ class EngineCore:
 
     def _keep_prefix(self, request: Request, slot: int) -> None:
         length = request.length - 1  # cached positions: every token but the last sampled one
-        key = tuple((request.input_ids + request.output_ids)[:-1])
-        self.prefixes[key] = [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in self.kv.layers()]
+        self.prefixes[_prefix_key(request)] = [(k[slot, :, :length].clone(), v[slot, :, :length].clone())
+                                               for k, v in self.kv.layers()]
         # at most as many positions as the slots hold: the store never more than doubles the cache
         limit = self.kv.slots * self.kv.capacity
-        while sum(len(key) for key in self.prefixes) > limit:
-            self.prefixes.popitem(last=False)  # the oldest first
+        stored = sum(len(key) for key in self.prefixes)
+        while stored > limit:
+            key, _ = self.prefixes.popitem(last=False)  # the oldest first
+            stored -= len(key)
 
     def _prefill(self, batch: list[Request]) -> list[Request]:
         """One forward over the requests' whole sequences, right-padded (a real token never attends
@@ -383,6 +385,11 @@ class EngineCore:
                 self.running[slot] = last
         if request.on_finish is not None:
             request.on_finish(request)
+
+
+def _prefix_key(request: Request) -> tuple[int, ...]:
+    """The prefix store's key of a request: its tokens but the last, whose keys/values are cached."""
+    return tuple((request.input_ids + request.output_ids)[:-1])
 
 
 def sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) -> tuple[int, float]:

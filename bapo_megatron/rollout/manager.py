@@ -174,32 +174,37 @@ class RolloutManager:
         dropping their KV caches) and continue afterwards under the new weights. Abort mode:
         nothing generates between steps, so nothing to do."""
         live = self._live() if self.retract else []
-        await asyncio.gather(*(self._quietly(i, self.pool.clients[i].pause("retract")) for i in live))
+        await self._each(live, lambda client: client.pause("retract"))
         try:
             yield
         finally:
-            await asyncio.gather(*(self._quietly(i, self.pool.clients[i].resume()) for i in live))
+            await self._each(live, lambda client: client.resume())
 
     async def release_memory(self) -> None:
         """Colocated with the trainer: the live engines free their memory (weights, KV cache, CUDA
         graphs) while it trains. No request may be running in them: in abort mode call this
         between steps; in retract mode inside weight_update() (paused, requests kept). Their
         weights then hold nothing until resume_memory(["weights"]) and a weight sync."""
-        await asyncio.gather(*(self._quietly(i, self.pool.clients[i].release_memory()) for i in self._live()))
+        await self._each(self._live(), lambda client: client.release_memory())
 
     async def resume_memory(self, tags: list[str]) -> None:
         """Take released memory back: ["weights"] before the weight sync loads them, then
         ["kv_cache", "cuda_graph"] after it."""
-        await asyncio.gather(*(self._quietly(i, self.pool.clients[i].resume_memory(tags)) for i in self._live()))
+        await self._each(self._live(), lambda client: client.resume_memory(tags))
 
     def _live(self) -> list[int]:
         return [i for i in range(len(self.pool.clients)) if i not in self.pool.dead]
 
-    async def _quietly(self, index: int, call) -> None:
-        try:
-            await call
-        except EngineUnavailable:  # its requests fail over to another engine
-            self.pool.mark_dead(index)
+    async def _each(self, engines: list[int], call: Callable[[EngineClient], Any]) -> None:
+        """call(client) on these engines at once; one found unavailable is marked dead (its requests
+        fail over to another engine)."""
+        async def one(index: int) -> None:
+            try:
+                await call(self.pool.clients[index])
+            except EngineUnavailable:
+                self.pool.mark_dead(index)
+
+        await asyncio.gather(*(one(i) for i in engines))
 
     async def drain(self, version: int) -> int:
         """Abort every request still generating and keep its output in the buffer (retract mode keeps

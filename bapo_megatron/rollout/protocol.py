@@ -213,14 +213,16 @@ def update_tensor_request(serialized: list[str], version: str, flattened: bool =
     return body
 
 
+def memory_tags(tags: Sequence[str]) -> list[str]:
+    """`tags` as a list, checked to be a non-empty subset of MEMORY_TAGS."""
+    if not tags or not set(tags) <= set(MEMORY_TAGS):
+        raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {list(tags)}")
+    return list(tags)
+
+
 def memory_request(tags: Sequence[str] | None = None) -> dict[str, Any]:
     """/release_memory_occupation and /resume_memory_occupation: `tags` among MEMORY_TAGS (None: all)."""
-    if tags is None:
-        return {}
-    unknown = sorted(set(tags) - set(MEMORY_TAGS))
-    if unknown or not tags:
-        raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {list(tags)}")
-    return {"tags": list(tags)}
+    return {} if tags is None else {"tags": memory_tags(tags)}
 
 
 def update_disk_request(model_path: str, version: str, flush_cache: bool = True) -> dict[str, Any]:
