@@ -146,8 +146,9 @@ class RolloutConfig:
     partial: bool = False
     """Cut responses at a per-step token budget and continue them later under newer weights."""
     token_budget: int | None = None
-    """Partial rollout: new tokens per response per round (None: max_new_tokens, no cutting). A step
-    runs one round, and another only while fewer than prompts_per_step groups are complete."""
+    """Partial rollout: new tokens per request (None: max_new_tokens, no cutting). A response cut
+    there continues at once while fewer than prompts_per_step groups are complete, else next step
+    under newer weights."""
     partial_mode: Literal["abort", "retract"] = "abort"
     """Partial rollout: "abort" cuts responses at the token budget and resubmits them next step;
     "retract" keeps requests inside the engines across weight updates (paused in retract mode,

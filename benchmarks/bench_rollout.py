@@ -1,18 +1,20 @@
 """Partial rollout against full-length rollout on the embedded engine, long-tailed response lengths.
 
-    python benchmarks/bench_rollout.py [--steps 10] [--prompts 8] [--samples 4] [--max-new 512] [--budget 128]
+    python benchmarks/bench_rollout.py [--steps 16] [--prompts 8] [--samples 4] [--max-new 512] [--budget 128]
+                                       [--oversample 2 3]
 
 A tiny random Qwen2-shaped model whose output layer is scaled by --head-scale and sampled
 at --temperature: its trajectories are nearly deterministic, so some reach one of the
 --stop-tokens stop ids within a few tokens and others cycle without one until --max-new
-(defaults: median ~120 tokens, ~15% cut at 512): the long tail of RL on reasoning tasks.
-Both modes run the same number of steps, with a weight update (from disk, the same
+(defaults: median ~150 tokens, ~15% cut at 512): the long tail of RL on reasoning tasks.
+Every mode runs the same number of steps, with a weight update (from disk, the same
 weights; it flushes the engine's caches) and a new version between steps, as training
-does. Full: every group of the step is generated to the end. Partial: requests are cut at
---budget tokens per step, --oversample x the groups are kept in flight, and the step
-returns when --prompts groups are complete. Training itself is not run: its cost per
-token is the same in both modes, so the table compares rollout seconds per trained token
-(the tokens of the groups a step hands to training).
+does. Full: every group of the step is generated to the end. Partial: a request carries at
+most --budget tokens (a sample cut there continues at once while the step still needs
+groups, and next step otherwise), --oversample x the groups are kept in flight (a row per
+value), and the step returns when --prompts groups are complete. Training itself is not
+run: its cost per token is the same in every mode, so the table compares rollout seconds
+per trained token (the tokens of the groups a step hands to training).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def tiny_model(directory: Path, seed: int = 0, head_scale: float = 1.0) -> None:
     model.save_pretrained(directory)
 
 
-async def run_mode(url: str, model: Path, partial: bool, args) -> dict[str, float]:
+async def run_mode(url: str, model: Path, partial: bool, oversample: float, args) -> dict[str, float]:
     from bapo_megatron.rollout.client import EngineClient
     from bapo_megatron.rollout.manager import EnginePool, RolloutManager
     from bapo_megatron.rollout.partial import PartialRolloutBuffer
@@ -61,7 +63,7 @@ async def run_mode(url: str, model: Path, partial: bool, args) -> dict[str, floa
         manager = RolloutManager(EnginePool([client]), buffer, prompts, RewardWorkers("exact_ids", inline=True),
                                  SamplingParams(max_new_tokens=args.max_new, temperature=args.temperature,
                                                 stop_token_ids=stop),
-                                 prompts_per_step=args.prompts, oversample=args.oversample if partial else 1.0,
+                                 prompts_per_step=args.prompts, oversample=oversample,
                                  partial=partial)
         await client.update_weight_version("0")
         seconds, trained, generated, lengths, rounds = 0.0, 0, 0, [], 0
@@ -89,7 +91,7 @@ async def run_mode(url: str, model: Path, partial: bool, args) -> dict[str, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
@@ -98,7 +100,8 @@ def main() -> None:
     parser.add_argument("--head-scale", type=float, default=8.0)
     parser.add_argument("--temperature", type=float, default=0.4)
     parser.add_argument("--stop-tokens", type=int, default=4, help="stop ids among the 250-token vocabulary")
-    parser.add_argument("--oversample", type=float, default=2.0, help="groups in flight / groups per step (partial)")
+    parser.add_argument("--oversample", type=float, nargs="+", default=[2.0, 3.0],
+                        help="groups in flight / groups per step (partial; a row each)")
     parser.add_argument("--max-staleness", type=int, default=4)
     args = parser.parse_args()
     from bapo_megatron.rollout.launcher import embedded_server
@@ -108,25 +111,28 @@ def main() -> None:
         tiny_model(root / "model", head_scale=args.head_scale)
         server = embedded_server(root / "model", root / "engine.log").start().wait_ready(120)
         try:
-            full = asyncio.run(run_mode(server.url, root / "model", False, args))
-            part = asyncio.run(run_mode(server.url, root / "model", True, args))
+            full = asyncio.run(run_mode(server.url, root / "model", False, 1.0, args))
+            parts = [asyncio.run(run_mode(server.url, root / "model", True, o, args)) for o in args.oversample]
         finally:
             server.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"embedded engine, tiny Qwen2 (vocab 250); {args.prompts} prompts x {args.samples} samples per step; "
-          f"max_new_tokens {args.max_new}; {args.stop_tokens} stop ids; partial: oversample {args.oversample}, "
+          f"max_new_tokens {args.max_new}; {args.stop_tokens} stop ids; partial: budget {args.budget}, "
           f"max_staleness {args.max_staleness}; {args.steps} steps after {args.warmup} warm-up; "
           f"{torch.get_num_threads()} threads")
-    header = (f"{'mode':<22} {'s/step':>8} {'trained tok/step':>17} {'trained tok/s':>14} {'gen tok/s':>10} "
-              f"{'len p50':>8} {'len p99':>8} {'stale drops':>12} {'rounds/step':>12}")
+    header = (f"{'mode':<24} {'s/step':>7} {'trained tok/step':>17} {'trained tok/s':>14} {'vs full':>8} "
+              f"{'gen tok/s':>10} {'len p50':>8} {'len p99':>8} {'stale drops':>12} {'rounds/step':>12}")
     print(header)
     print("-" * len(header))
-    for label, r in (("full-length", full), (f"partial (budget {args.budget})", part)):
-        print(f"{label:<22} {r['seconds_per_step']:>8.2f} {r['trained_per_step']:>17.0f} {r['trained_per_s']:>14.0f} "
-              f"{r['generated_per_s']:>10.0f} {r['p50']:>8} {r['p99']:>8} {r['dropped']:>12} {r['rounds']:>12.1f}")
-    print(f"partial / full, trained tokens per second (equal tokens trained): "
-          f"{part['trained_per_s'] / full['trained_per_s']:.2f}x (goal >= 1.5x)")
+    rows = [("full-length", full)] + [(f"partial, oversample {o:g}", r)
+                                      for o, r in zip(args.oversample, parts, strict=True)]
+    for label, r in rows:
+        print(f"{label:<24} {r['seconds_per_step']:>7.2f} {r['trained_per_step']:>17.0f} {r['trained_per_s']:>14.0f} "
+              f"{r['trained_per_s'] / full['trained_per_s']:>7.2f}x {r['generated_per_s']:>10.0f} {r['p50']:>8} "
+              f"{r['p99']:>8} {r['dropped']:>12} {r['rounds']:>12.1f}")
+    print("vs full: trained tokens per second against full-length rollout, the same tokens trained per "
+          "step (goal >= 1.5x)")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ nothing is copied per step (a finished request's slot is refilled by moving the 
 into it). A request cut short (max_new_tokens or abort) leaves its keys and values in a
 small prefix store; resubmitted as prompt + partial response (partial rollout's next round)
 it takes them back and skips its prefill, as SGLang's radix cache would. The store is
-emptied whenever weights change. Log-probs are log_softmax(logits / T) over the full
+emptied whenever weights change. Requests arriving together are prefilled in forwards of
+similar lengths (prefill_chunks), unmasked and right-padded, with logits at each row's last
+token only. Log-probs are log_softmax(logits / T) over the full
 vocabulary, as SGLang reports them (top-p/top-k shape the sampling distribution only);
 T = 0 is greedy, with log_softmax(logits).
 """
@@ -298,21 +300,30 @@ class EngineCore:
             stored -= len(key)
 
     def _prefill(self, batch: list[Request]) -> list[Request]:
-        """One forward over the requests' whole sequences, right-padded (a real token never attends
-        to a pad under the causal mask); each unfinished one takes the next free slot."""
+        """Prefill the requests in forwards of similar lengths (see prefill_chunks); each unfinished
+        one takes the next free slot."""
+        finished = []
+        for chunk in prefill_chunks([r.length for r in batch], PREFILL_OVERHEAD_POSITIONS):
+            finished += self._prefill_chunk([batch[i] for i in chunk])
+        return finished
+
+    def _prefill_chunk(self, batch: list[Request]) -> list[Request]:
+        """One forward over the requests' whole sequences, right-padded and with no attention mask:
+        under the causal mask a real token never attends to a pad after it, so the padding changes
+        nothing a request keeps (its first len(seq) keys/values, the logits at its last token), and
+        attention runs on the fused causal kernel. Logits only at each row's last token."""
         sequences = [r.input_ids + r.output_ids for r in batch]
         longest = max(len(s) for s in sequences)
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        mask = torch.zeros(len(batch), longest, dtype=torch.long)
         for b, seq in enumerate(sequences):
             ids[b, : len(seq)] = torch.tensor(seq)
-            mask[b, : len(seq)] = 1
-        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True)
+        ends = torch.tensor([[len(seq) - 1] for seq in sequences])
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=ends)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         self.kv.reserve(layers, longest + 1)
-        last = out.logits[torch.arange(len(batch)), torch.tensor([len(seq) - 1 for seq in sequences])]
         finished = []
-        for b, (request, seq, picked) in enumerate(zip(batch, sequences, self._sample(batch, last), strict=True)):
+        for b, (request, seq, picked) in enumerate(zip(batch, sequences, self._sample(batch, out.logits[:, -1]),
+                                                       strict=True)):
             if self._emit(request, *picked):
                 finished.append(request)
                 continue
@@ -385,6 +396,32 @@ class EngineCore:
                 self.running[slot] = last
         if request.on_finish is not None:
             request.on_finish(request)
+
+
+# A prefill forward's fixed cost, in padded token positions. Measured on the tiny model (2 cores):
+# 43 resumed requests of 10-450 tokens took 467 ms in one forward, 296 ms in 42, 175-236 ms in
+# the 10 that 64 gives (attention's cost grows with the square of the length, favouring splits).
+PREFILL_OVERHEAD_POSITIONS = 64
+
+
+def prefill_chunks(lengths: Sequence[int], overhead: int) -> list[list[int]]:
+    """Split a prefill batch into forwards of similar lengths: indices into `lengths`, longest first.
+    A forward over rows padded to its longest costs `overhead` + rows x longest positions; the
+    split of the length-sorted rows into contiguous runs that minimises the total is exact (a
+    dynamic programme over at most max_batch rows)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    best = [0] + [None] * len(order)  # best[j]: cost of the first j rows (longest first)
+    cut = [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j):  # rows i..j-1 in one forward, padded to lengths[order[i]]
+            cost = best[i] + overhead + (j - i) * lengths[order[i]]
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    chunks, j = [], len(order)
+    while j:
+        chunks.append(order[cut[j]:j])
+        j = cut[j]
+    return chunks[::-1]
 
 
 def _prefix_key(request: Request) -> tuple[int, ...]:

@@ -101,8 +101,8 @@ class RolloutManager:
     async def step(self, version: int) -> list[GroupState]:
         """Generate until prompts_per_step groups are complete (and rewarded); return them, oldest first.
 
-        Abort mode: each sample gets at most the token budget per round: a round ends when no
-        request is left; a step runs one round, and another only while too few groups are complete.
+        Abort mode: each request carries at most the token budget (a round of its sample); a sample
+        cut at its budget begins another round at once, but only while too few groups are complete.
         """
         start = time.monotonic()
         while self.buffer.in_flight < self.in_flight_groups:
@@ -113,31 +113,34 @@ class RolloutManager:
             tokens += await self._cut(stale, version, keep=True)
         self.buffer.drop_stale(version, self._busy())  # once per step: this step's tokens are never stale in it
         pending_rewards: set[asyncio.Task] = set()
-        used: dict[str, int] = {}  # tokens each sample generated in this round
+        budget = self.buffer.token_budget
+        used: dict[str, int] = {}    # tokens each sample has generated in its current round
+        rounds: dict[str, int] = {}  # rounds each sample has begun in this step
 
         def launch() -> int:
+            """Send every idle unfinished sample. One cut at its round's budget begins its next round
+            at once: rounds are per sample, so the engines never wait for a round's slowest request."""
             started = 0
             for req in self.buffer.requests(self._busy()):
+                uid = req.sample.uid
+                if uid not in rounds or used.get(uid, 0) >= budget:
+                    rounds[uid], used[uid] = rounds.get(uid, 0) + 1, 0
                 if not self.retract:
-                    req.max_new_tokens = min(req.max_new_tokens,
-                                             self.buffer.token_budget - used.get(req.sample.uid, 0))
-                if req.max_new_tokens > 0:
-                    self._attempt += 1
-                    rid = f"{req.sample.uid}#{self._attempt}"
-                    self._running[asyncio.create_task(self._generate(req, rid))] = (req, rid, version)
-                    started += 1
+                    req.max_new_tokens = min(req.max_new_tokens, budget - used[uid])
+                self._attempt += 1
+                rid = f"{uid}#{self._attempt}"
+                self._running[asyncio.create_task(self._generate(req, rid))] = (req, rid, version)
+                started += 1
             return started
 
         def complete() -> int:
             return sum(g.finished for g in self.buffer.groups.values())
 
-        self.rounds = 0
+        if complete() < self.prompts_per_step:
+            launch()
         while complete() < self.prompts_per_step:
             if not self._running and not pending_rewards:
-                used.clear()  # a new round
-                self.rounds += 1
-                if not launch():
-                    raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
+                raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
             done, _ = await asyncio.wait(set(self._running) | pending_rewards, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task in pending_rewards:
@@ -147,11 +150,14 @@ class RolloutManager:
                 req, _, _ = self._running.pop(task)
                 completion = task.result()
                 self.buffer.record(req, completion, version)
+                # (retract mode: the request may have been sent in an earlier step)
                 used[req.sample.uid] = used.get(req.sample.uid, 0) + len(completion.output_ids)
                 tokens += len(completion.output_ids)
                 if req.sample.finished:
                     pending_rewards.add(asyncio.create_task(self._score(req)))
-            launch()  # samples of this round cut short (an abort) continue within their budget
+            if complete() < self.prompts_per_step:
+                launch()  # continues what came back unfinished: within its round's budget, or a new round
+        self.rounds = max(rounds.values(), default=0)
         if not self.retract:
             tokens += await self._cut(list(self._running), version, keep=self.partial)
         for task in pending_rewards:

@@ -306,3 +306,29 @@ def test_prefix_store_holds_no_more_positions_than_the_slots(model_dir):
             core.step()
     assert core.kv.capacity == 64
     assert [key[:30] for key in core.prefixes] == [(4,) * 30]  # only the newest fits
+
+
+def test_prefill_of_mixed_lengths_runs_in_length_sorted_forwards_and_stays_exact(model_dir, monkeypatch):
+    """Requests of very different lengths arriving together are prefilled in several forwards
+    (unmasked, right-padded, logits at each row's last token only); every token's log-prob is
+    still transformers' own, through the decode steps that follow in the shared slots."""
+    from bapo_megatron.rollout import engine_core
+    from bapo_megatron.rollout.engine_core import EngineCore, Request
+
+    monkeypatch.setattr(engine_core, "PREFILL_OVERHEAD_POSITIONS", 16)
+    core = EngineCore(model_dir, max_batch=8)
+    forwards = []
+    forward = core.model.forward
+    core.model.forward = lambda *a, **k: forwards.append(tuple(k["input_ids"].shape)) or forward(*a, **k)
+    prompts = [[(13 * i + j) % 97 + 1 for j in range(n)] for i, n in enumerate([3, 120, 5, 64, 118, 2, 61])]
+    requests = [Request(f"r{i}", p, SamplingParams(max_new_tokens=9, temperature=0.9, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    for request in requests:
+        core.add(request)
+    core.step()
+    assert forwards == [(2, 120), (2, 64), (3, 5)], forwards  # 120+118 | 64+61 | 5+3+2, longest first
+    while core.busy:
+        core.step()
+    for request in requests:
+        want = _reference_logprobs(model_dir, request.input_ids, request.output_ids, 0.9)
+        torch.testing.assert_close(torch.tensor(request.logprobs), want, rtol=0, atol=1e-5)
