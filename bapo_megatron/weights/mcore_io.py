@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
@@ -329,7 +330,10 @@ def streaming_save_strategy(make: Callable, dtype: torch.dtype, on_tensor: Calla
             planner = _StreamingSavePlanner(tensors, objects, make, dtype, on_tensor)
             writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True,
                                       thread_count=1)
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+            try:
+                dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+            except CheckpointException as wrapped:  # one process: raise what it raised (OSError for a full disk)
+                raise next(iter(wrapped.failures.values()))[0] from None
 
     return StreamingSaveStrategy(default.backend, default.version)
 

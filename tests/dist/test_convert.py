@@ -179,3 +179,57 @@ def test_streamed_checkpoint_is_what_megatrons_writer_writes(tmp_path):
         dcp.load(rounded, storage_reader=FileSystemReader(str(bf16)), no_dist=True)
         for key, tensor in tensors[ours].items():
             assert torch.equal(rounded[key], tensor.to(torch.bfloat16)), (name, key)
+
+
+def _fail_midway(rank: int, world: int, root: str) -> None:
+    """hf-to-mcore whose disk fills after two tensors: nothing is left behind, the earlier
+    checkpoint beside it is untouched."""
+    import pytest
+
+    import bapo_megatron.weights.convert as convert
+
+    root = Path(root)
+    original = convert.streaming_save_strategy
+
+    def failing(make, dtype, on_tensor=None):
+        written = []
+
+        def count(nbytes):
+            written.append(nbytes)
+            if len(written) == 2:
+                raise OSError(28, "No space left on device")
+
+        return original(make, dtype, count)
+
+    convert.streaming_save_strategy = failing
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            convert.hf_to_mcore(root / "qwen2-gqa2", root / "ckpt-2", progress=False)
+    finally:
+        convert.streaming_save_strategy = original
+    assert not (root / "ckpt-2").exists() and not (root / "ckpt-2.tmp").exists()
+
+
+def _streaming_save_on_two_ranks(rank: int, world: int, root: str) -> None:
+    import pytest
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from bapo_megatron.trainer.checkpoint import save_sharded
+    from bapo_megatron.weights.mcore_io import streaming_save_strategy
+
+    sharded = {"w": ShardedTensor.from_rank_offsets("w", torch.full((2, 3), float(rank)), (0, rank, world))}
+    with pytest.raises(RuntimeError, match="one process"):
+        save_sharded(sharded, Path(root) / "two-ranks", streaming_save_strategy(lambda t: t.data, torch.float32))
+    torch.distributed.barrier()
+    assert not (Path(root) / "two-ranks").exists() and not (Path(root) / "two-ranks.tmp").exists()
+
+
+def test_a_failed_conversion_leaves_nothing_and_the_streaming_writer_refuses_two_ranks(tmp_path):
+    make_hf_model(tmp_path, "qwen2-gqa2")
+    before = tmp_path / "ckpt-1"
+    before.mkdir()
+    (before / "metadata.json").write_text("{}")
+    run_workers(_fail_midway, 1, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1", "qwen2-gqa2"]
+    assert (before / "metadata.json").read_text() == "{}"
+    run_workers(_streaming_save_on_two_ranks, 2, str(tmp_path))
