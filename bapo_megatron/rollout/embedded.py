@@ -28,6 +28,7 @@ import ipaddress
 import os
 import secrets
 import sys
+import time
 import traceback
 import uuid
 from pathlib import Path
@@ -72,8 +73,12 @@ class EmbeddedServer:
     pools fighting for the cores, which doubled the time of a decode step on two cores."""
 
     def __init__(self, core: EngineCore, api_key: str | None = None, admin_key: str | None = None,
-                 engine_thread: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+                 engine_thread: concurrent.futures.ThreadPoolExecutor | None = None,
+                 log_interval_s: float = 30.0) -> None:
         self.core = core
+        self.log_interval_s = log_interval_s  # a throughput line on stderr per so many seconds of steps (0: none)
+        self._busy_s = 0.0  # seconds spent in steps
+        self._logged = (0.0, dict(core.counters))  # busy seconds and counters at the last line
         self.engine_thread = engine_thread or concurrent.futures.ThreadPoolExecutor(1, "engine")
         self.api_key, self.admin_key = api_key, admin_key
         self.paused = False
@@ -126,12 +131,30 @@ class EmbeddedServer:
                 await self._wake.wait()
                 continue
             async with self._model_lock:
+                start = time.monotonic()
                 try:
                     await self._on_engine(self.core.step)
                 except Exception:  # a bug must not leave every client waiting forever
                     traceback.print_exc()
                     self.core.abort(None, f"engine step failed: {traceback.format_exc(limit=1).strip()}", 500,
                                     "InternalError")
+                self._busy_s += time.monotonic() - start
+            if self.log_interval_s and self._busy_s - self._logged[0] >= self.log_interval_s:
+                self._log_throughput()
+
+    def _log_throughput(self) -> None:
+        """One line of what the engine did since the last (rates per second of steps, idle time not
+        counted), as SGLang's periodic decode-batch log."""
+        now, counters = self._busy_s, dict(self.core.counters)
+        (then, before), self._logged = self._logged, (now, counters)
+        delta = {k: v - before[k] for k, v in counters.items()}
+        seconds, steps = max(now - then, 1e-9), max(delta["decode_steps"], 1)
+        waiting = len(self.core.waiting) + len(self.core.incoming)
+        print(f"[engine] {seconds:.1f} s of steps: decode {delta['decode_steps']} steps, "
+              f"{delta['decode_tokens'] / steps:.1f} running/step, {delta['decode_tokens'] / seconds:.0f} tok/s; "
+              f"prefill {delta['prefill_requests']} requests in {delta['prefill_forwards']} forwards "
+              f"({delta['prefill_positions']} positions); now {len(self.core.running)} running, {waiting} waiting; "
+              f"weight version {self.core.version}", file=sys.stderr, flush=True)
 
     async def _on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.engine_thread, fn, *args)
@@ -398,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--log-interval", type=float, default=30.0,
+                        help="seconds between throughput lines on stderr while busy (0: none)")
     parser.add_argument("--admin-api-key-file", help="file holding the admin key (else $BAPO_ADMIN_API_KEY)")
     parser.add_argument("--api-key-file", help="file holding the API key (else $BAPO_API_KEY)")
     args = parser.parse_args(argv)
@@ -411,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine_thread = concurrent.futures.ThreadPoolExecutor(1, "engine")  # the model is built where it will run
     core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch).result()
-    server = EmbeddedServer(core, api_key, admin_key, engine_thread)
+    server = EmbeddedServer(core, api_key, admin_key, engine_thread, args.log_interval)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0
 

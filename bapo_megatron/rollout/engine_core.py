@@ -153,6 +153,10 @@ class EngineCore:
         # token ids -> per-layer (keys, values) [kv_heads, len, head_dim] of a request cut short
         self.prefixes: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
         self.prefix_hits = 0
+        # running totals, for the server's throughput log: decode steps and the tokens they made,
+        # prefill forwards, the requests and the (padded) positions they ran
+        self.counters = dict.fromkeys(("decode_steps", "decode_tokens", "prefill_forwards", "prefill_requests",
+                                       "prefill_positions"), 0)
         self._count = 0
         self.released: set[str] = set()  # memory tags released (SGLang's release_memory_occupation)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # id(parameter) -> its shape, while released
@@ -317,6 +321,9 @@ class EngineCore:
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
         for b, seq in enumerate(sequences):
             ids[b, : len(seq)] = torch.tensor(seq)
+        self.counters["prefill_forwards"] += 1
+        self.counters["prefill_requests"] += len(batch)
+        self.counters["prefill_positions"] += ids.numel()
         ends = torch.tensor([[len(seq) - 1] for seq in sequences])
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=ends)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
@@ -345,6 +352,8 @@ class EngineCore:
                          position_ids=positions[:, None], past_key_values=self.kv.step_cache(positions),
                          use_cache=True)
         picked = self._sample(batch, out.logits[:, -1])
+        self.counters["decode_steps"] += 1
+        self.counters["decode_tokens"] += len(batch)
         return [r for r, choice in zip(batch, picked, strict=True) if self._emit(r, *choice)]
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[tuple[int, float]]:

@@ -329,6 +329,29 @@ def test_prefill_of_mixed_lengths_runs_in_length_sorted_forwards_and_stays_exact
     assert forwards == [(2, 120), (2, 64), (3, 5)], forwards  # 120+118 | 64+61 | 5+3+2, longest first
     while core.busy:
         core.step()
+    # each request's first token comes from its prefill, the other eight from decode steps
+    assert core.counters == {"prefill_forwards": 3, "prefill_requests": 7,
+                             "prefill_positions": 2 * 120 + 2 * 64 + 3 * 5, "decode_steps": 8, "decode_tokens": 7 * 8}
     for request in requests:
         want = _reference_logprobs(model_dir, request.input_ids, request.output_ids, 0.9)
         torch.testing.assert_close(torch.tensor(request.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_server_logs_its_throughput(model_dir, capsys):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from bapo_megatron.rollout.embedded import EmbeddedServer
+    from bapo_megatron.rollout.engine_core import EngineCore
+
+    server = EmbeddedServer(EngineCore(model_dir), log_interval_s=1e-6)
+
+    async def run():
+        async with TestClient(TestServer(server.app())) as client:
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+            resp = await client.post("/generate", json=body)
+            return await resp.json()
+
+    assert len(asyncio.run(run())["output_ids"]) == 5
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[engine]")]
+    assert lines and "prefill 1 requests in 1 forwards (3 positions)" in lines[0]
+    assert sum(int(line.split("decode ")[1].split(" steps")[0]) for line in lines) == 4
