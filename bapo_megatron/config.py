@@ -159,8 +159,8 @@ class RolloutConfig:
     """Partial rollout: leave tokens sampled by older policy versions out of the loss."""
     oversample: float = 1.0
     """Keep this many times prompts_per_step groups in flight, so slow groups do not stall a step.
-    With partial rollout, 2 to 3 keeps the engines busy (benchmarks/bench_rollout.py: 1.5-1.7x
-    the trained tokens per second of full-length rollout on 2 CPU cores)."""
+    With partial rollout, 2 to 3 keeps the engines busy (benchmarks/bench_rollout.py, 2 CPU cores:
+    1.4-1.7x the trained tokens per second of full-length rollout at 2, 1.6-1.7x at 3)."""
     host: str = "127.0.0.1"
     """Interface the engines listen on; anything beyond loopback requires an admin key."""
     servers: int = 1
