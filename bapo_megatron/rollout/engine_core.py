@@ -152,11 +152,10 @@ class EngineCore:
         self.kv = SlotKV(max_batch)
         # token ids -> per-layer (keys, values) [kv_heads, len, head_dim] of a request cut short
         self.prefixes: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
-        self.prefix_hits = 0
         # running totals, for the server's throughput log: decode steps and the tokens they made,
-        # prefill forwards, the requests and the (padded) positions they ran
+        # prefill forwards, the requests and the (padded) positions they ran, prefix-store hits
         self.counters = dict.fromkeys(("decode_steps", "decode_tokens", "prefill_forwards", "prefill_requests",
-                                       "prefill_positions"), 0)
+                                       "prefill_positions", "prefix_hits"), 0)
         self._count = 0
         self.released: set[str] = set()  # memory tags released (SGLang's release_memory_occupation)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # id(parameter) -> its shape, while released
@@ -289,7 +288,7 @@ class EngineCore:
             return False
         self.kv.put(len(self.running), cached, request.length - 1)
         self.running.append(request)
-        self.prefix_hits += 1
+        self.counters["prefix_hits"] += 1
         return True
 
     def _keep_prefix(self, request: Request, slot: int) -> None:

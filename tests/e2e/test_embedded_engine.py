@@ -286,10 +286,10 @@ def test_resubmitted_partial_response_reuses_its_cache_until_weights_change(mode
     prompt = [4, 8, 15, 16, 23, 42]
     first = run("a", prompt, 10)
     second = run("a#2", prompt + first.output_ids, 12)
-    assert core.prefix_hits == 1
+    assert core.counters["prefix_hits"] == 1
     core.load_weights([])  # a (here empty) weight update empties the store
     third = run("a#3", prompt + first.output_ids + second.output_ids, 5)
-    assert core.prefix_hits == 1
+    assert core.counters["prefix_hits"] == 1
     response = first.output_ids + second.output_ids + third.output_ids
     want = _reference_logprobs(model_dir, prompt, response, 0.8)
     got = torch.tensor(first.logprobs + second.logprobs + third.logprobs)
@@ -331,7 +331,8 @@ def test_prefill_of_mixed_lengths_runs_in_length_sorted_forwards_and_stays_exact
         core.step()
     # each request's first token comes from its prefill, the other eight from decode steps
     assert core.counters == {"prefill_forwards": 3, "prefill_requests": 7,
-                             "prefill_positions": 2 * 120 + 2 * 64 + 3 * 5, "decode_steps": 8, "decode_tokens": 7 * 8}
+                             "prefill_positions": 2 * 120 + 2 * 64 + 3 * 5, "decode_steps": 8, "decode_tokens": 7 * 8,
+                             "prefix_hits": 0}
     for request in requests:
         want = _reference_logprobs(model_dir, request.input_ids, request.output_ids, 0.9)
         torch.testing.assert_close(torch.tensor(request.logprobs), want, rtol=0, atol=1e-5)
