@@ -117,10 +117,9 @@ class RolloutManager:
         used: dict[str, int] = {}    # tokens each sample has generated in its current round
         rounds: dict[str, int] = {}  # rounds each sample has begun in this step
 
-        def launch() -> int:
+        def launch() -> None:
             """Send every idle unfinished sample. One cut at its round's budget begins its next round
             at once: rounds are per sample, so the engines never wait for a round's slowest request."""
-            started = 0
             for req in self.buffer.requests(self._busy()):
                 uid = req.sample.uid
                 if uid not in rounds or used.get(uid, 0) >= budget:
@@ -130,15 +129,12 @@ class RolloutManager:
                 self._attempt += 1
                 rid = f"{uid}#{self._attempt}"
                 self._running[asyncio.create_task(self._generate(req, rid))] = (req, rid, version)
-                started += 1
-            return started
 
         def complete() -> int:
             return sum(g.finished for g in self.buffer.groups.values())
 
-        if complete() < self.prompts_per_step:
-            launch()
         while complete() < self.prompts_per_step:
+            launch()  # what is idle and unfinished: new, back within its round's budget, or a new round
             if not self._running and not pending_rewards:
                 raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
             done, _ = await asyncio.wait(set(self._running) | pending_rewards, return_when=asyncio.FIRST_COMPLETED)
@@ -155,8 +151,6 @@ class RolloutManager:
                 tokens += len(completion.output_ids)
                 if req.sample.finished:
                     pending_rewards.add(asyncio.create_task(self._score(req)))
-            if complete() < self.prompts_per_step:
-                launch()  # continues what came back unfinished: within its round's budget, or a new round
         self.rounds = max(rounds.values(), default=0)
         if not self.retract:
             tokens += await self._cut(list(self._running), version, keep=self.partial)
