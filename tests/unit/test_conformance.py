@@ -208,9 +208,6 @@ def test_tensor_payloads_pass_sglangs_safe_unpickler(wheel):
               if isinstance(node, ast.ClassDef) and node.name == ipc.SGLANG_METADATA[1]
               for s in node.body if isinstance(s, ast.AnnAssign)]
     assert fields == list(ipc.FlattenedTensorMetadata.__dataclass_fields__)
-    constants = _source(wheel, "constants.py")
-    for tag in protocol.MEMORY_TAGS:  # the tags its memory release and resume know
-        assert f'GPU_MEMORY_TYPE_{tag.upper()} = "{tag}"' in constants, tag
     updater = _source(wheel, "model_executor/model_runner_components/weight_updater.py")
     assert 'flattened_tensor_bucket_dict["flattened_tensor"]' in updater
     assert 'flattened_tensor_bucket_dict["metadata"]' in updater
