@@ -184,6 +184,10 @@ def test_streamed_checkpoint_is_what_megatrons_writer_writes(tmp_path):
 def _fail_midway(rank: int, world: int, root: str) -> None:
     """hf-to-mcore whose disk fills after two tensors: nothing is left behind, the earlier
     checkpoint beside it is untouched."""
+    import contextlib
+    import io
+
+    import convert_checkpoint as cli
     import pytest
 
     import bapo_megatron.weights.convert as convert
@@ -205,6 +209,11 @@ def _fail_midway(rank: int, world: int, root: str) -> None:
     try:
         with pytest.raises(OSError, match="No space left"):
             convert.hf_to_mcore(root / "qwen2-gqa2", root / "ckpt-2", progress=False)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):  # the CLI: an error line and exit 2, not a traceback
+            assert cli.main(["hf-to-mcore", "--hf", str(root / "qwen2-gqa2"), "--out", str(root / "ckpt-2"),
+                             "--no-progress"]) == 2
+        assert err.getvalue() == "error: [Errno 28] No space left on device\n"
     finally:
         convert.streaming_save_strategy = original
     assert not (root / "ckpt-2").exists() and not (root / "ckpt-2.tmp").exists()
