@@ -414,6 +414,17 @@ def _key(env: str, file: str | None) -> str | None:
     return os.environ.get(env) or None
 
 
+def _model_dir_problem(model: Path) -> str | None:
+    """What keeps `model` from being served (checked before the model is built), or None."""
+    if not model.is_dir():
+        return "no such directory"
+    if not (model / "config.json").is_file():
+        return "no config.json (a Hugging Face model directory is needed)"
+    if not any(model.glob("*.safetensors")):
+        return "no *.safetensors weights (only safetensors are read, never pickles)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF model directory (safetensors)")
@@ -431,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     if not is_loopback(args.host) and admin_key is None:
         print(f"error: --host {args.host} is not loopback: set an admin key (BAPO_ADMIN_API_KEY or "
               "--admin-api-key-file) so that weight updates and pauses are protected", file=sys.stderr)
+        return 2
+    problem = _model_dir_problem(Path(args.model))
+    if problem:
+        print(f"error: --model {args.model}: {problem}", file=sys.stderr)
         return 2
     from aiohttp import web
 

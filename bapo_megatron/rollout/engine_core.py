@@ -140,7 +140,8 @@ class EngineCore:
         import transformers
 
         self.model_dir = str(model_dir)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32,
+                                                                        use_safetensors=True).eval()
         self.eos = _eos_ids(self.model)
         self.seed = seed
         self.max_batch = max_batch

@@ -1,0 +1,97 @@
+"""Engine server start-up: readiness, and the clear error (with the server's log tail) when a
+server dies before it is ready, never becomes ready, or SGLang is missing."""
+
+import sys
+import types
+
+import pytest
+
+from bapo_megatron.config import load_config
+from bapo_megatron.rollout import sglang_launcher
+from bapo_megatron.rollout.launcher import EngineStartError, ServerProcess, embedded_server, free_port
+
+pytestmark = pytest.mark.unit
+
+# A server that answers 503 to its first `fails` polls of /health_generate, then 200.
+FLAKY_SERVER = """
+import http.server, sys
+fails = int(sys.argv[2])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global fails
+        code = 200 if fails <= 0 and self.path == "/health_generate" else 503
+        fails -= 1
+        self.send_response(code); self.end_headers()
+    def log_message(self, *a):
+        print("poll", self.path, flush=True)
+print("listening", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _flaky(tmp_path, fails: int, name: str = "flaky") -> ServerProcess:
+    port = free_port()
+    return ServerProcess([sys.executable, "-c", FLAKY_SERVER, str(port), str(fails)], f"http://127.0.0.1:{port}",
+                         tmp_path / f"{name}.log")
+
+
+def test_ready_after_some_unready_answers(tmp_path):
+    server = _flaky(tmp_path, fails=3).start()
+    try:
+        assert server.wait_ready(30, path="/health_generate") is server
+        assert server.log_tail().count("poll /health_generate") >= 4  # it waited through the 503s
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
+
+
+def test_server_that_exits_reports_why(tmp_path):
+    server = embedded_server(tmp_path / "no-such-model", tmp_path / "engine.log").start()
+    with pytest.raises(EngineStartError, match="exited with code 2 before it was ready") as err:
+        server.wait_ready(60)
+    assert "no-such-model: no such directory" in str(err.value)  # the log's tail is in the message
+
+
+@pytest.mark.parametrize(("files", "problem"), [
+    ({}, "no config.json"),
+    ({"config.json": "{}", "pytorch_model.bin": "x"}, "no *.safetensors weights"),
+])
+def test_embedded_engine_refuses_a_model_dir_it_cannot_serve(tmp_path, capsys, files, problem):
+    from bapo_megatron.rollout.embedded import main
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert main(["--model", str(tmp_path), "--port", "1"]) == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_server_never_ready_times_out_and_is_stopped(tmp_path):
+    server = _flaky(tmp_path, fails=10**9).start()
+    with pytest.raises(EngineStartError, match=r"not ready after 2 s; log tail:\nlistening") as err:
+        server.wait_ready(2, path="/health_generate")
+    assert "poll /health_generate" in str(err.value)
+    assert server.process.poll() is not None  # not left running
+
+
+def _sglang_cfg(**overrides):
+    return load_config(None, ["rollout.engine=sglang", "rollout.servers=2",
+                              *(f"rollout.{k}={v}" for k, v in overrides.items())]).rollout
+
+
+def test_start_sglang_without_sglang_starts_nothing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
+    with pytest.raises(RuntimeError, match=r"needs SGLang 0.5.23: pip install -e '.\[sglang\]'"):
+        sglang_launcher.start_sglang(_sglang_cfg(), "/models/qwen", tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no config files, no processes
+
+
+def test_start_sglang_stops_every_server_when_one_fails(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", types.ModuleType("sglang"))
+    good = _flaky(tmp_path, fails=0, name="good")
+    dead = ServerProcess([sys.executable, "-c", "import sys; print('CUDA error: out of memory'); sys.exit(1)"],
+                         f"http://127.0.0.1:{free_port()}", tmp_path / "dead.log")
+    monkeypatch.setattr(sglang_launcher, "sglang_servers", lambda *a, **k: ([good, dead], None))
+    with pytest.raises(EngineStartError, match="exited with code 1") as err:
+        sglang_launcher.start_sglang(_sglang_cfg(), "/models/qwen", tmp_path, timeout_s=30)
+    assert "CUDA error: out of memory" in str(err.value)
+    assert good.process.poll() is not None  # the healthy server was stopped too
