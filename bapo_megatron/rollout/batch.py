@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from bapo_megatron.rollout.partial import GroupState
 
 FORMAT_VERSION = "1"
 
@@ -60,6 +65,28 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[GroupState], temperature: float, mask_stale_prefix: bool = False,
+                    metadata: dict[str, str] | None = None) -> RolloutBatch:
+        """The batch a rollout step hands to training: every sample of each finished, rewarded group
+        (group i of `groups` is group i of the batch), tokens with their behaviour log-probs and
+        versions; with mask_stale_prefix, tokens older than their response's newest version are left
+        out of the loss (rollout/partial.py: stale_mask). The groups' prompt uids go in the metadata."""
+        from bapo_megatron.rollout.partial import stale_mask
+
+        samples = []
+        for index, group in enumerate(groups):
+            if not group.finished:
+                raise ValueError(f"group {group.uid!r} is not complete (every sample finished and rewarded): "
+                                 "only whole groups reach training")
+            for s in group.samples:
+                samples.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
+                                      behaviour_logprobs=list(s.logprobs), versions=list(s.versions),
+                                      reward=float(s.reward), group=index,
+                                      loss_mask=stale_mask(s.versions, mask_stale_prefix)))
+        meta = {"group_uids": json.dumps([g.uid for g in groups]), **(metadata or {})}
+        return cls(samples=samples, temperature=temperature, metadata=meta)
 
     def rewards_by_group(self) -> tuple[list[int], torch.Tensor]:
         """(group ids in order of first appearance, rewards [groups, group_size]); equal-size groups only."""

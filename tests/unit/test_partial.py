@@ -104,6 +104,39 @@ def test_stale_prefix_mask():
     assert stale_mask([1, 1, 2], False) is None
 
 
+def test_finished_groups_become_the_training_batch(tmp_path):
+    from bapo_megatron.rollout.batch import RolloutBatch
+
+    buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=6, token_budget=3, max_staleness=5)
+    buffer.add_group("a", [7, 8])
+    buffer.add_group("b", [9])
+    for version in (1, 2):
+        _step(buffer, version)
+    for g in buffer.groups.values():
+        for i, s in enumerate(g.samples):
+            s.reward = float(i)
+    with pytest.raises(ValueError, match="group 'a' is not complete"):
+        buffer.groups["a"].samples[0].reward = None
+        RolloutBatch.from_groups(list(buffer.groups.values()), temperature=0.7)
+    buffer.groups["a"].samples[0].reward = 0.0
+    groups = buffer.pop_finished()
+    batch = RolloutBatch.from_groups(groups, temperature=0.7, mask_stale_prefix=True, metadata={"step": "3"})
+    assert [s.group for s in batch.samples] == [0, 0, 1, 1] and [s.reward for s in batch.samples] == [0, 1, 0, 1]
+    first = batch.samples[0]
+    assert first.prompt_ids == [7, 8] and first.response_ids == list(range(6))
+    assert first.versions == [1, 1, 1, 2, 2, 2] and first.loss_mask == [0, 0, 0, 1, 1, 1]
+    assert first.behaviour_logprobs == groups[0].samples[0].logprobs
+    assert json.loads(batch.metadata["group_uids"]) == ["a", "b"] and batch.metadata["step"] == "3"
+    assert RolloutBatch.from_groups(groups, temperature=0.7).samples[0].loss_mask is None  # every token counts
+    batch.save(tmp_path / "step3.safetensors")
+    loaded = RolloutBatch.load(tmp_path / "step3.safetensors")
+    assert loaded.temperature == 0.7 and loaded.metadata == batch.metadata
+    for got, want in zip(loaded.samples, batch.samples, strict=True):  # log-probs stored as float32
+        assert got.behaviour_logprobs == pytest.approx(want.behaviour_logprobs, rel=1e-7)
+        assert (got.prompt_ids, got.response_ids, got.versions, got.loss_mask, got.reward, got.group) == (
+            want.prompt_ids, want.response_ids, want.versions, want.loss_mask, want.reward, want.group)
+
+
 def test_rewards_boxed_math_and_failures():
     assert last_boxed(r"so \boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
     assert score("math", r"The answer is \boxed{\frac{1}{2}}.", [], {"answer": "0.5"}) == (1.0, None)
