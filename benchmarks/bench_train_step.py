@@ -94,7 +94,7 @@ def bench(shape: str, precision: str, seq: int, prompts: int, n: int, steps: int
 
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tflops": tflops,
-            "mfu": tflops / peak if peak else float("nan"), "memory_gib": memory, "device": device}
+            "mfu": tflops / peak if peak else None, "memory_gib": memory, "device": device}
 
 
 def main() -> None:
@@ -127,8 +127,9 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for precision, r in rows:
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"  # no peak figure for this device
         print(f"{precision:>9} {r['tokens']:>8} {r['seconds']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} "
-              f"{r['mfu']:>6.1%} {r['memory_gib']:>8.2f}")
+              f"{mfu:>6} {r['memory_gib']:>8.2f}")
     if len(rows) == 2 and {p for p, _ in rows} == {"bf16", "fp8"}:
         speed = {p: r["tokens_per_s"] for p, r in rows}
         print(f"fp8 / bf16 step throughput: {speed['fp8'] / speed['bf16']:.2f}x")
