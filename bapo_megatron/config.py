@@ -131,6 +131,17 @@ class OptimizerConfig:
         check(self.clip_grad >= 0, "clip_grad", self.clip_grad, "must be >= 0")
 
 
+SGLANG_LAUNCHER_ARGS = {
+    "model-path": "the model being trained", "host": "rollout.host", "port": "rollout.port + server index",
+    "tp-size": "rollout.tensor_parallel", "dp-size": "1: one server per replica, as weight updates need",
+    "base-gpu-id": "from the server index", "mem-fraction-static": "rollout.mem_fraction_static",
+    "weight-version": "the policy version", "random-seed": "job seed + server index",
+    "skip-tokenizer-init": "true: token ids in and out", "enable-memory-saver": "rollout.colocate",
+    "admin-api-key": "rollout.admin_key_file or $BAPO_ADMIN_API_KEY", "api-key": "the admin key's rule",
+}
+"""SGLang options that rollout/sglang_launcher.py derives from the config: never in sglang_args."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """Generation: the engine, sampling, and partial rollout."""
@@ -177,6 +188,10 @@ class RolloutConfig:
     admin_key_file: str | None = None
     """File holding the engines' admin key (else $BAPO_ADMIN_API_KEY; generated when the servers
     listen beyond loopback and none is given)."""
+    sglang_args: dict[str, Any] = field(default_factory=dict)
+    """SGLang: further server options by their command-line names, passed as given (for example
+    {attention-backend: fa3, chunked-prefill-size: 8192, disable-cuda-graph: true}). Underscores
+    read as dashes. The options the launcher sets from the fields above are refused here."""
     replay: str | None = None
     """Train from saved rollout batches instead of generating: a .safetensors file (used every
     step) or a directory of them (one per step, in name order, cycling)."""
@@ -205,6 +220,12 @@ class RolloutConfig:
         check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
         check(1 <= self.port <= 65535 - self.servers, "port", self.port, "must leave room for one port per server")
         check(0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static, "must lie in (0, 1)")
+        for key, value in self.sglang_args.items():
+            name = key.replace("_", "-")
+            check(name not in SGLANG_LAUNCHER_ARGS, f"sglang_args.{key}", value,
+                  f"is set by the launcher ({SGLANG_LAUNCHER_ARGS.get(name)})")
+            check(value is None or isinstance(value, (str, int, float, bool, list)), f"sglang_args.{key}", value,
+                  "must be a scalar or a list")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,6 +341,10 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             hint_text = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(path, value, f"must be one of {list(args)}{hint_text}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, value, "must be a mapping")
+        return {str(k): _coerce(v, args[1] if args else Any, f"{path}.{k}") for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             value = [value]
@@ -410,6 +435,14 @@ def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
             node[key] = value
             return
         hint = _hints(node_cls).get(key)
+        if typing.get_origin(hint) is dict and i == len(keys) - 2:  # one key into a free-form mapping
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(path, child, "must be a mapping")
+            child[keys[-1]] = value
+            return
         if not (hint and dataclasses.is_dataclass(hint)):
             raise ConfigError(dotted, value, f"{path!r} is a value, not a section")
         child = node.get(key)

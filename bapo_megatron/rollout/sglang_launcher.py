@@ -60,6 +60,7 @@ def server_args(cfg: RolloutConfig, model_path: str, index: int, key: str | None
         "mem-fraction-static": cfg.mem_fraction_static, "weight-version": weight_version,
         "random-seed": seed + index, "skip-tokenizer-init": True,  # we send and read token ids
     }
+    args.update({k.replace("_", "-"): v for k, v in cfg.sglang_args.items()})  # validated by the config
     if cfg.colocate:
         args["enable-memory-saver"] = True
     if key is not None:

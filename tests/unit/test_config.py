@@ -110,3 +110,18 @@ def test_retract_mode_needs_partial_and_no_token_budget():
     with pytest.raises(ConfigError, match="partial_mode"):
         load_config(None, ["rollout.partial=true", "rollout.partial_mode=pause"])
     assert load_config(None, ["rollout.partial=true", "rollout.partial_mode=retract"]).rollout.partial_mode == "retract"
+
+
+def test_sglang_args_pass_through_and_never_override_the_launcher(tmp_path):
+    cfg = load_config(None, ["rollout.sglang_args.attention_backend=triton",
+                             "rollout.sglang_args.cuda-graph-max-bs=64"])
+    assert cfg.rollout.sglang_args == {"attention_backend": "triton", "cuda-graph-max-bs": 64}
+    (tmp_path / "job.yaml").write_text(dump_config(cfg))
+    assert load_config(tmp_path / "job.yaml") == cfg
+    with pytest.raises(ConfigError, match=r"rollout.sglang_args.tp_size=4: is set by the launcher "
+                                          r"\(rollout.tensor_parallel\)"):
+        load_config(None, ["rollout.sglang_args={tp_size: 4}"])
+    with pytest.raises(ConfigError, match=r"rollout.sglang_args=3: must be a mapping"):
+        load_config(None, ["rollout.sglang_args=3"])
+    with pytest.raises(ConfigError, match=r"rollout.sglang_args.json-model-override-args=.*: must be a scalar"):
+        load_config(None, ["rollout.sglang_args.json-model-override-args={rope_theta: 1}"])

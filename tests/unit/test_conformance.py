@@ -136,7 +136,7 @@ def test_endpoints_exist_and_control_ones_are_admin_protected(wheel):
 
 
 def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
-    from bapo_megatron.config import load_config
+    from bapo_megatron.config import SGLANG_LAUNCHER_ARGS, load_config
     from bapo_megatron.rollout.sglang_launcher import server_args, sglang_servers
 
     fields = set()
@@ -145,10 +145,14 @@ def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
             for cls_fields in _fields(wheel.read(name).decode()).values():
                 fields |= cls_fields
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true", "rollout.host=10.0.0.5",
-                             "rollout.servers=2", "rollout.tensor_parallel=2"]).rollout
+                             "rollout.servers=2", "rollout.tensor_parallel=2",
+                             # the config's documented examples of further options
+                             "rollout.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, "
+                             "disable-cuda-graph: true}"]).rollout
     args = server_args(cfg, "/models/qwen", 1, "k" * 32)
-    unknown = {k for k in args if k.replace("-", "_") not in fields}
+    unknown = {k for k in [*args, *SGLANG_LAUNCHER_ARGS] if k.replace("-", "_") not in fields}
     assert not unknown, f"SGLang {VERSION} has no server options {sorted(unknown)}"
+    assert args["attention-backend"] == "fa3" and args["disable-cuda-graph"] is True
     assert args["port"] == 30001 and args["enable-memory-saver"] and args["dp-size"] == 1
     servers, key = sglang_servers(cfg, "/models/qwen", tmp_path)  # beyond loopback: a key is generated
     assert key and (tmp_path / "admin_api_key").read_text().strip() == key
