@@ -37,9 +37,9 @@ def _make_model(root: Path, name: str, seed: int):
 
     from bapo_megatron.trainer.model_spec import tiny_spec
 
-    # head_dim 64: a size every SGLang attention backend serves
+    # head_dim 64: a size every SGLang attention backend serves; the context holds the abort test's request
     spec = dataclasses.replace(tiny_spec("qwen2"), hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                               ffn_hidden_size=512, vocab_size=512, num_layers=2)
+                               ffn_hidden_size=512, vocab_size=512, num_layers=2, max_position_embeddings=8192)
     config = transformers.AutoConfig.for_model(**spec.to_hf_config())
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
