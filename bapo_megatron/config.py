@@ -132,12 +132,14 @@ class OptimizerConfig:
 
 
 SGLANG_LAUNCHER_ARGS = {
-    "model-path": "the model being trained", "host": "rollout.host", "port": "rollout.port + server index",
-    "tp-size": "rollout.tensor_parallel", "dp-size": "1: one server per replica, as weight updates need",
-    "base-gpu-id": "from the server index", "mem-fraction-static": "rollout.mem_fraction_static",
-    "weight-version": "the policy version", "random-seed": "job seed + server index",
-    "skip-tokenizer-init": "true: token ids in and out", "enable-memory-saver": "rollout.colocate",
-    "admin-api-key": "rollout.admin_key_file or $BAPO_ADMIN_API_KEY", "api-key": "the admin key's rule",
+    "model-path": "set to the model being trained", "host": "set from rollout.host",
+    "port": "set from rollout.port + the server's index", "tp-size": "set from rollout.tensor_parallel",
+    "dp-size": "always 1: one server per replica, as weight updates need",
+    "base-gpu-id": "set from the server's index", "mem-fraction-static": "set from rollout.mem_fraction_static",
+    "weight-version": "set to the policy version", "random-seed": "set from the job seed + the server's index",
+    "skip-tokenizer-init": "always true: token ids in and out", "enable-memory-saver": "set from rollout.colocate",
+    "admin-api-key": "set from rollout.admin_key_file or $BAPO_ADMIN_API_KEY",
+    "api-key": "never set: the rollout client sends only the admin key, so /generate would answer 401",
 }
 """SGLang options that rollout/sglang_launcher.py derives from the config: never in sglang_args."""
 
@@ -223,7 +225,7 @@ class RolloutConfig:
         for key, value in self.sglang_args.items():
             name = key.replace("_", "-")
             check(name not in SGLANG_LAUNCHER_ARGS, f"sglang_args.{key}", value,
-                  f"is set by the launcher ({SGLANG_LAUNCHER_ARGS.get(name)})")
+                  f"is the launcher's option ({SGLANG_LAUNCHER_ARGS.get(name)})")
             check(value is None or isinstance(value, (str, int, float, bool, list)), f"sglang_args.{key}", value,
                   "must be a scalar or a list")
 

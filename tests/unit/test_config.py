@@ -118,8 +118,8 @@ def test_sglang_args_pass_through_and_never_override_the_launcher(tmp_path):
     assert cfg.rollout.sglang_args == {"attention_backend": "triton", "cuda-graph-max-bs": 64}
     (tmp_path / "job.yaml").write_text(dump_config(cfg))
     assert load_config(tmp_path / "job.yaml") == cfg
-    with pytest.raises(ConfigError, match=r"rollout.sglang_args.tp_size=4: is set by the launcher "
-                                          r"\(rollout.tensor_parallel\)"):
+    with pytest.raises(ConfigError, match=r"rollout.sglang_args.tp_size=4: is the launcher's option "
+                                          r"\(set from rollout.tensor_parallel\)"):
         load_config(None, ["rollout.sglang_args={tp_size: 4}"])
     with pytest.raises(ConfigError, match=r"rollout.sglang_args=3: must be a mapping"):
         load_config(None, ["rollout.sglang_args=3"])
