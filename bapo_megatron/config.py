@@ -437,21 +437,17 @@ def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
             node[key] = value
             return
         hint = _hints(node_cls).get(key)
-        if typing.get_origin(hint) is dict and i == len(keys) - 2:  # one key into a free-form mapping
-            child = node.get(key)
-            if child is None:
-                child = node[key] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(path, child, "must be a mapping")
-            child[keys[-1]] = value
-            return
-        if not (hint and dataclasses.is_dataclass(hint)):
+        into_mapping = typing.get_origin(hint) is dict and i == len(keys) - 2  # one key into a free-form mapping
+        if not (into_mapping or (hint and dataclasses.is_dataclass(hint))):
             raise ConfigError(dotted, value, f"{path!r} is a value, not a section")
         child = node.get(key)
         if child is None:
             child = node[key] = {}
         elif not isinstance(child, dict):
             raise ConfigError(path, child, "must be a mapping")
+        if into_mapping:
+            child[keys[-1]] = value
+            return
         node, node_cls = child, hint
 
 
