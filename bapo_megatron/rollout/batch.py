@@ -13,12 +13,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from bapo_megatron.rollout.partial import GroupState
+from bapo_megatron.rollout.partial import GroupState, stale_mask
 
 FORMAT_VERSION = "1"
 
@@ -73,8 +71,6 @@ class RolloutBatch:
         (group i of `groups` is group i of the batch), tokens with their behaviour log-probs and
         versions; with mask_stale_prefix, tokens older than their response's newest version are left
         out of the loss (rollout/partial.py: stale_mask). The groups' prompt uids go in the metadata."""
-        from bapo_megatron.rollout.partial import stale_mask
-
         samples = []
         for index, group in enumerate(groups):
             if not group.finished:
