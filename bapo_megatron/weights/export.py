@@ -9,7 +9,7 @@ of every stage). Memory beyond the model: one layer's gathered tensors plus one 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -64,21 +64,25 @@ def _stage_tensors(chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo,
 def stream_hf_buckets(model_chunks: list[torch.nn.Module], spec: ModelSpec, info: ParallelInfo,
                       bucket_bytes: int = 512 << 20, impl: str = "local",
                       dtype: torch.dtype | None = None) -> Iterator[Bucket]:
-    """This stage's HF (name, tensor) pairs, grouped into buckets of at most bucket_bytes.
+    """This stage's HF (name, tensor) pairs, grouped into buckets of at most bucket_bytes (see `buckets`)."""
+    named = (pair for chunk in model_chunks for pair in _stage_tensors(chunk, spec, info, impl))
+    return buckets(named, bucket_bytes, dtype)
 
-    A tensor larger than bucket_bytes travels alone in its own bucket.
-    """
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
+            dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+    """(name, tensor) pairs, cast to `dtype` when given and made contiguous, grouped in order into
+    buckets of at most bucket_bytes. A tensor larger than bucket_bytes travels alone in its own bucket."""
     bucket: Bucket = []
     size = 0
-    for chunk in model_chunks:
-        for name, tensor in _stage_tensors(chunk, spec, info, impl):
-            if dtype is not None:
-                tensor = tensor.to(dtype)
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor.contiguous()))
-            size += nbytes
+    for name, tensor in named:
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.contiguous()))
+        size += nbytes
     if bucket:
         yield bucket

@@ -91,18 +91,11 @@ async def _sample(client, rid, temperature=0.8, n=32):
                                  rid)
 
 
-def _buckets(model, bucket_bytes=1 << 20):
-    """The model's HF-named bf16 tensors on the GPU, in buckets (as the trainer's export sends them)."""
-    bucket, size = [], 0
-    for name, tensor in model.state_dict().items():
-        t = tensor.to(torch.bfloat16).contiguous()
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+def _buckets(model):
+    """The model's HF-named tensors as bf16 buckets on the GPU, as the trainer's export sends them."""
+    from bapo_megatron.weights.export import buckets
+
+    return buckets(model.state_dict().items(), bucket_bytes=1 << 20, dtype=torch.bfloat16)
 
 
 def test_generate_abort_pause(server, models):
