@@ -155,18 +155,24 @@ class EngineClient:
         await self._checked("/init_weights_update_group", protocol.init_group_request(
             master_address, master_port, rank_offset, world_size, group_name, backend))
 
+    async def destroy_weights_update_group(self, group_name: str = protocol.DEFAULT_GROUP) -> None:
+        """Leave the weight-update group `group_name` (before a new one of that name is built)."""
+        await self._checked("/destroy_weights_update_group", {"group_name": group_name})
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: str, group_name: str = protocol.DEFAULT_GROUP,
-                                              flattened: bool = False) -> None:
+                                              flattened: bool = False, flush_cache: bool = True) -> None:
         """Announce one bucket; the caller broadcasts it (one flattened uint8 tensor, or each tensor
-        in this order) while this call waits."""
+        in this order) while this call waits. flush_cache: drop the engine's prefix cache after
+        loading (once per sync: with its last bucket)."""
         await self._checked("/update_weights_from_distributed", protocol.update_distributed_request(
-            names, dtypes, shapes, version, group_name, flattened=flattened))
+            names, dtypes, shapes, version, group_name, flush_cache, flattened=flattened))
 
-    async def update_weights_from_tensor(self, serialized: list[str], version: str, flattened: bool = True) -> None:
+    async def update_weights_from_tensor(self, serialized: list[str], version: str, flattened: bool = True,
+                                         flush_cache: bool = True) -> None:
         """Colocated: tensor handles (weights/ipc.py), one payload per engine TP rank."""
-        await self._checked("/update_weights_from_tensor", protocol.update_tensor_request(serialized, version,
-                                                                                          flattened))
+        await self._checked("/update_weights_from_tensor", protocol.update_tensor_request(
+            serialized, version, flattened, flush_cache))
 
     async def update_weights_from_disk(self, model_path: str, version: str) -> None:
         await self._checked("/update_weights_from_disk", protocol.update_disk_request(model_path, version))

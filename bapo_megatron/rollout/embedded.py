@@ -34,9 +34,11 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from bapo_megatron.rollout import protocol
 from bapo_megatron.rollout.engine_core import EngineCore, Request
+from bapo_megatron.weights.group import join_group, leave_group
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 
@@ -273,14 +275,18 @@ class EmbeddedServer:
         if body.get("backend", "gloo") != "gloo":
             raise ValueError(f"the embedded engine joins gloo groups only, not {body.get('backend')!r}")
         name = body.get("group_name", protocol.DEFAULT_GROUP)
+        if name in self.groups:
+            raise ValueError(f"already in weight-update group {name!r}: /destroy_weights_update_group first")
         self.groups[name] = await asyncio.to_thread(
             join_group, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-            int(body["world_size"]), name)
+            int(body["world_size"]), name, "gloo", 300.0)
         return _ok(f"joined {name}")
 
     async def destroy_group(self, request):
         name = (await request.json()).get("group_name", protocol.DEFAULT_GROUP)
-        self.groups.pop(name, None)
+        if name not in self.groups:
+            raise ValueError(f"no weight-update group {name!r} to destroy")  # SGLang answers 400 too
+        await asyncio.to_thread(leave_group, self.groups.pop(name))
         return _ok(f"left {name}")
 
     async def update_from_distributed(self, request):
@@ -302,13 +308,13 @@ class EmbeddedServer:
         def receive() -> list[tuple[str, torch.Tensor]]:
             if flattened:
                 flat = torch.empty(layout[-1][1] if layout else 0, dtype=torch.uint8)
-                group.broadcast(flat, root=0).wait()
+                dist.broadcast(flat, src=0, group=group)
                 return [(n, flat[a:b].view(d).reshape(s))
                         for n, d, s, (a, b) in zip(names, torch_dtypes, shapes, layout, strict=True)]
             out = []
             for n, d, s in zip(names, torch_dtypes, shapes, strict=True):
                 tensor = torch.empty(s, dtype=d)
-                group.broadcast(tensor, root=0).wait()
+                dist.broadcast(tensor, src=0, group=group)
                 out.append((n, tensor))
             return out
 
@@ -395,17 +401,6 @@ def _guarded(handler):
             return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
 
     return wrapped
-
-
-def join_group(address: str, port: int, rank: int, world_size: int, group_name: str):
-    """This engine's end of a weight-update group: gloo over a TCPStore under PrefixStore(group_name),
-    the rendezvous SGLang's init_custom_process_group uses (the trainer is rank 0 and hosts the store)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore(address, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=300))
-    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size)
 
 
 def _key(env: str, file: str | None) -> str | None:

@@ -1,7 +1,6 @@
 """Our SGLang payloads against SGLang 0.5.23's own request schemas, read from its released wheel.
 
-The wheel is downloaded once (`pip download --no-deps sglang==0.5.23`, 39 MB) into a cache
-(BAPO_CACHE_DIR, default ~/.cache/bapo-megatron) and read without importing sglang: the
+The wheel (tests/sglang_wheel.py: downloaded once, 39 MB, cached) is read without importing sglang: the
 request classes' fields are collected with `ast`. The test fails if the client sends a
 field a request class does not define, parses a response field SGLang does not produce, or
 calls an endpoint the server does not route (control endpoints: with ADMIN_OPTIONAL auth).
@@ -9,41 +8,23 @@ Skipped, with the reason, when the registry cannot be reached.
 """
 
 import ast
-import os
 import re
-import subprocess
-import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
 from bapo_megatron.rollout import protocol
 from bapo_megatron.rollout.protocol import SamplingParams
-
-VERSION = "0.5.23"
-ROOT = "sglang/srt/"
+from tests.sglang_wheel import ROOT, VERSION, WheelUnavailable, wheel_path
+from tests.sglang_wheel import source as _source
 
 
 @pytest.fixture(scope="module")
 def wheel() -> zipfile.ZipFile:
-    cache = Path(os.environ.get("BAPO_CACHE_DIR", Path.home() / ".cache" / "bapo-megatron")) / f"sglang-{VERSION}"
-    found = sorted(cache.glob(f"sglang-{VERSION}-*.whl"))
-    if not found:
-        cache.mkdir(parents=True, exist_ok=True)
-        try:
-            result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={VERSION}",
-                                     "-d", str(cache), "-q"], capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"pip download sglang=={VERSION} timed out (registry unreachable?)")
-        found = sorted(cache.glob(f"sglang-{VERSION}-*.whl"))
-        if result.returncode != 0 or not found:
-            pytest.skip(f"cannot download sglang=={VERSION}: {result.stderr.strip()[-300:]}")
-    return zipfile.ZipFile(found[0])
-
-
-def _source(wheel: zipfile.ZipFile, path: str) -> str:
-    return wheel.read(ROOT + path).decode()
+    try:
+        return zipfile.ZipFile(wheel_path())
+    except WheelUnavailable as err:
+        pytest.skip(str(err))
 
 
 def _fields(source: str) -> dict[str, set[str]]:

@@ -1,5 +1,7 @@
 """Weight senders' session discipline, without engines: an unaligned flattened bucket fails in
-the trainer before any engine is told about it, and the session is ended all the same."""
+the trainer before any engine is told about it, and the session is ended all the same; an engine
+that refuses to begin leaves no other engine with a session open; the cache is flushed once per
+sync, by the last bucket."""
 
 import asyncio
 
@@ -9,21 +11,33 @@ import torch
 from bapo_megatron.weights.sync import DistributedWeightSender, TensorWeightSender
 
 
+def _sender(kind: str, clients):
+    if kind == "tensor":
+        return TensorWeightSender(clients)
+    sender = DistributedWeightSender(clients, [1] * len(clients), "127.0.0.1", 1)
+    sender.group = object()  # connected (the broadcasts are stubbed where a test needs them)
+    sender._broadcast = lambda tensors: None
+    return sender
+
+
 class RecordingClient:
-    def __init__(self) -> None:
+    def __init__(self, refuse_begin: bool = False) -> None:
         self.calls: list[str] = []
+        self.refuse_begin = refuse_begin
 
     async def begin_weight_update(self) -> None:
+        if self.refuse_begin:
+            raise RuntimeError("engine refused: a session is open already")
         self.calls.append("begin")
 
     async def end_weight_update(self) -> None:
         self.calls.append("end")
 
-    async def update_weights_from_distributed(self, *args, **kwargs) -> None:
-        self.calls.append("distributed")
+    async def update_weights_from_distributed(self, *args, flush_cache: bool, **kwargs) -> None:
+        self.calls.append(f"distributed flush={flush_cache}")
 
-    async def update_weights_from_tensor(self, *args, **kwargs) -> None:
-        self.calls.append("tensor")
+    async def update_weights_from_tensor(self, *args, flush_cache: bool, **kwargs) -> None:
+        self.calls.append(f"tensor flush={flush_cache}")
 
 
 UNALIGNED = [("norm", torch.zeros(3, dtype=torch.bfloat16)), ("w", torch.zeros(2, 2))]
@@ -32,11 +46,32 @@ UNALIGNED = [("norm", torch.zeros(3, dtype=torch.bfloat16)), ("w", torch.zeros(2
 @pytest.mark.parametrize("kind", ["distributed", "tensor"])
 def test_unaligned_bucket_fails_before_the_engine_hears_of_it(kind):
     client = RecordingClient()
-    if kind == "distributed":
-        sender = DistributedWeightSender([client], [1], "127.0.0.1", 1)
-        sender.group = object()  # connected (never used: nothing may be broadcast)
-    else:
-        sender = TensorWeightSender([client])
+    sender = _sender(kind, [client])
     with pytest.raises(ValueError, match="unaligned"):
         asyncio.run(sender.send([UNALIGNED], "1"))
     assert client.calls == ["begin", "end"]
+
+
+BUCKET = [("w", torch.zeros(2, 2)), ("b", torch.zeros(2))]
+
+
+@pytest.mark.parametrize("kind", ["distributed", "tensor"])
+def test_a_refused_begin_closes_the_sessions_that_opened(kind):
+    ok, refusing = RecordingClient(), RecordingClient(refuse_begin=True)
+    with pytest.raises(RuntimeError, match="refused"):
+        asyncio.run(_sender(kind, [ok, refusing]).send([BUCKET], "1"))
+    assert ok.calls == ["begin", "end"] and refusing.calls == []
+
+
+@pytest.mark.parametrize("kind", ["distributed", "tensor"])
+def test_the_cache_is_flushed_once_by_the_last_bucket(kind):
+    client = RecordingClient()
+    asyncio.run(_sender(kind, [client]).send(iter([BUCKET, BUCKET, BUCKET]), "1"))  # a stream: no len()
+    assert client.calls == ["begin", f"{kind} flush=False", f"{kind} flush=False", f"{kind} flush=True", "end"]
+
+
+def test_the_group_backend_follows_the_device():
+    sender = DistributedWeightSender([RecordingClient()], [1], "127.0.0.1", 1)
+    assert sender.backend == ("nccl" if torch.cuda.is_available() else "gloo")
+    with pytest.raises(ValueError, match="backend"):
+        DistributedWeightSender([RecordingClient()], [1], "127.0.0.1", 1, backend="mpi")

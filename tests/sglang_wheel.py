@@ -1,0 +1,95 @@
+"""SGLang 0.5.23's own source, from its released wheel, for tests that check our code against it.
+
+The wheel is downloaded once (`pip download --no-deps sglang==0.5.23`, 39 MB) into a cache
+(BAPO_CACHE_DIR, default ~/.cache/bapo-megatron). SGLang cannot be installed on a CPU machine,
+so tests either read its source (ast) or run chosen functions, classes and methods of it:
+`load_defs` compiles exactly those definitions from the wheel's files into one namespace, with
+the names they need from elsewhere supplied by the caller (torch, a logger). What runs is
+SGLang's code, unchanged.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+VERSION = "0.5.23"
+ROOT = "sglang/srt/"
+
+
+class WheelUnavailable(RuntimeError):
+    """The registry could not be reached: the calling test skips with this reason."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BAPO_CACHE_DIR", Path.home() / ".cache" / "bapo-megatron")) / f"sglang-{VERSION}"
+
+
+def wheel_path() -> Path:
+    """The cached wheel, downloaded on first use."""
+    cache = cache_dir()
+    found = sorted(cache.glob(f"sglang-{VERSION}-*.whl"))
+    if found:
+        return found[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={VERSION}",
+                                 "-d", str(cache), "-q"], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise WheelUnavailable(f"pip download sglang=={VERSION} timed out (registry unreachable?)") from None
+    found = sorted(cache.glob(f"sglang-{VERSION}-*.whl"))
+    if result.returncode != 0 or not found:
+        raise WheelUnavailable(f"cannot download sglang=={VERSION}: {result.stderr.strip()[-300:]}")
+    return found[0]
+
+
+def source(wheel: zipfile.ZipFile, path: str) -> str:
+    """The text of sglang/srt/<path>."""
+    return wheel.read(ROOT + path).decode()
+
+
+def load_defs(wheel: zipfile.ZipFile, wanted: dict[str, list[str]], namespace: dict) -> dict:
+    """Compile SGLang's definitions into `namespace` and return it.
+
+    wanted: {path under sglang/srt/: names}; a name is a top-level function or class, or
+    "Class.method" for one method of a class (compiled as a plain function taking self).
+    Module-level imports are not run: `namespace` supplies what the definitions use beyond
+    the standard library's dataclass, ipaddress, socket and typing names (given here).
+    """
+    import dataclasses
+    import ipaddress
+    import socket
+    import typing
+
+    namespace = {"dataclass": dataclasses.dataclass, "field": dataclasses.field, "ipaddress": ipaddress,
+                 "socket": socket, **{n: getattr(typing, n) for n in ("Any", "List", "Optional", "Tuple", "Union")},
+                 **namespace}
+    chunks = ["from __future__ import annotations"]
+    for path, names in wanted.items():
+        text = source(wheel, path)
+        tree = ast.parse(text)
+        top = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        for name in names:
+            owner, _, method = name.partition(".")
+            if owner not in top:
+                raise AssertionError(f"SGLang {VERSION} has no {owner} in {path}")
+            node = top[owner]
+            if method:
+                found = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method]
+                if not found:
+                    raise AssertionError(f"SGLang {VERSION} has no {name} in {path}")
+                node = found[0]
+            node.decorator_list = [d for d in node.decorator_list if _keeps(d)]
+            chunks.append(ast.unparse(node))
+    exec(compile("\n\n".join(chunks), f"<sglang {VERSION}>", "exec"), namespace)
+    return namespace
+
+
+def _keeps(decorator: ast.expr) -> bool:
+    """Decorators that only add behaviour around the call (caching) are dropped; dataclass stays."""
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return isinstance(target, ast.Name) and target.id in ("dataclass", "staticmethod", "classmethod")
