@@ -143,6 +143,17 @@ SGLANG_LAUNCHER_ARGS = {
 }
 """SGLang options that rollout/sglang_launcher.py derives from the config: never in sglang_args."""
 
+SGLANG_DEPRECATED_ARGS = {
+    "disable-cuda-graph": "disable-decode-cuda-graph: true and disable-prefill-cuda-graph: true",
+    "enable-dp-attention": "attn-dp-size (each server here has dp-size 1)",
+    "monokernel-backend": "enable-amd-monokernel: true",
+    "enable-flashinfer-allreduce-fusion": "flashinfer-allreduce-fusion-backend: auto",
+    "grpc-mode": "smg-grpc-mode", "disable-fast-image-processor": "image-processor-backend: pil",
+}
+"""SGLang 0.5.23's deprecated server options and what replaces each: its --config merger refuses
+some outright ("Unsupported config option"); tests/unit/test_sglang_launch_config.py
+checks this list against the options its own parser registers as deprecated."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
@@ -192,8 +203,9 @@ class RolloutConfig:
     listen beyond loopback and none is given)."""
     sglang_args: dict[str, Any] = field(default_factory=dict)
     """SGLang: further server options by their command-line names, passed as given (for example
-    {attention-backend: fa3, chunked-prefill-size: 8192, disable-cuda-graph: true}). Underscores
-    read as dashes. The options the launcher sets from the fields above are refused here."""
+    {attention-backend: fa3, chunked-prefill-size: 8192, disable-decode-cuda-graph: true}).
+    Underscores read as dashes; a None leaves the option at SGLang's default. The options the
+    launcher sets from the fields above, and SGLang's deprecated ones, are refused here."""
     replay: str | None = None
     """Train from saved rollout batches instead of generating: a .safetensors file (used every
     step) or a directory of them (one per step, in name order, cycling)."""
@@ -226,6 +238,8 @@ class RolloutConfig:
             name = key.replace("_", "-")
             check(name not in SGLANG_LAUNCHER_ARGS, f"sglang_args.{key}", value,
                   f"is the launcher's option ({SGLANG_LAUNCHER_ARGS.get(name)})")
+            check(name not in SGLANG_DEPRECATED_ARGS, f"sglang_args.{key}", value,
+                  f"is deprecated in SGLang 0.5.23, whose --config refuses it; use {SGLANG_DEPRECATED_ARGS.get(name)}")
             check(value is None or isinstance(value, (str, int, float, bool, list)), f"sglang_args.{key}", value,
                   "must be a scalar or a list")
 

@@ -93,3 +93,40 @@ def _keeps(decorator: ast.expr) -> bool:
     """Decorators that only add behaviour around the call (caching) are dropped; dataclass stays."""
     target = decorator.func if isinstance(decorator, ast.Call) else decorator
     return isinstance(target, ast.Name) and target.id in ("dataclass", "staticmethod", "classmethod")
+
+
+PARSER_DEPS = ("orjson", "pybase64", "msgspec", "pyzmq", "ipython")
+"""What importing sglang.srt.server_args needs beyond this project's environment (a few MB;
+triton, 1 GB, is replaced by SGLang's own stub for machines without it: tests/sglang_parser.py)."""
+
+
+def extracted_wheel() -> Path:
+    """The wheel unpacked once into the cache (its sglang package importable from here)."""
+    target = cache_dir() / "src"
+    if not (target / "sglang").is_dir():
+        tmp = target.with_name(f"src.tmp{os.getpid()}")
+        with zipfile.ZipFile(wheel_path()) as wheel:
+            wheel.extractall(tmp)
+        tmp.rename(target)
+    return target
+
+
+def parser_deps() -> Path:
+    """PARSER_DEPS installed once into the cache (pip --target), to be put after site-packages."""
+    target = cache_dir() / "deps"
+    if not (target / ".complete").exists():
+        tmp = target.with_name(f"deps.tmp{os.getpid()}")
+        try:
+            result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(tmp),
+                                     *PARSER_DEPS], capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            raise WheelUnavailable(f"pip install {' '.join(PARSER_DEPS)} timed out (registry unreachable?)") from None
+        if result.returncode != 0:
+            raise WheelUnavailable(f"cannot install {' '.join(PARSER_DEPS)}: {result.stderr.strip()[-300:]}")
+        (tmp / ".complete").touch()
+        if target.exists():
+            import shutil
+
+            shutil.rmtree(target)
+        tmp.rename(target)
+    return target

@@ -60,7 +60,8 @@ def server_args(cfg: RolloutConfig, model_path: str, index: int, key: str | None
         "mem-fraction-static": cfg.mem_fraction_static, "weight-version": weight_version,
         "random-seed": seed + index, "skip-tokenizer-init": True,  # we send and read token ids
     }
-    args.update({k.replace("_", "-"): v for k, v in cfg.sglang_args.items()})  # validated by the config
+    # validated by the config; None: SGLang's default (its --config merger would pass the string "None")
+    args.update({k.replace("_", "-"): v for k, v in cfg.sglang_args.items() if v is not None})
     if cfg.colocate:
         args["enable-memory-saver"] = True
     if key is not None:

@@ -65,7 +65,9 @@ def server(models, tmp_path_factory):
 
     root, _ = models
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true", "rollout.mem_fraction_static=0.3",
-                             f"rollout.port={free_port()}", "rollout.sglang_args={disable-cuda-graph: true}"]).rollout
+                             f"rollout.port={free_port()}",
+                             "rollout.sglang_args={disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true}"
+                             ]).rollout
     servers, key = start_sglang(cfg, str(root / BASE), tmp_path_factory.mktemp("sglang-run"), timeout_s=600,
                                 weight_version="0")
     yield servers[0], key

@@ -1,0 +1,75 @@
+"""The launcher's SGLang --config files, read by SGLang 0.5.23's own ConfigArgumentMerger and
+server-argument parser (tests/sglang_parser.py, run from the wheel on CPU).
+
+Every option the launcher writes must parse to the value we meant (the documented sglang_args
+examples included); a None in sglang_args must not reach SGLang (its merger would pass the
+string "None"); every option SGLang registers as deprecated is refused at config time, naming
+its replacement, before any server starts (its merger refuses some outright, as shown here).
+Skipped only when the wheel or the few packages its import needs cannot be downloaded.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.rollout.sglang_launcher import server_args, sglang_servers
+from tests.sglang_wheel import WheelUnavailable, extracted_wheel, parser_deps
+
+REPO = Path(__file__).resolve().parents[2]
+DOCUMENTED = ("rollout.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, "
+              "disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true, max-running-requests: null}")
+
+
+@pytest.fixture(scope="module")
+def sglang_parse():
+    try:
+        src, deps = extracted_wheel(), parser_deps()
+    except WheelUnavailable as err:
+        pytest.skip(str(err))
+
+    def parse(*configs: Path) -> dict:
+        result = subprocess.run([sys.executable, "-m", "tests.sglang_parser", str(src), str(deps), *map(str, configs)],
+                                capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    return parse
+
+
+def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse, tmp_path):
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true", "rollout.host=10.0.0.5",
+                             "rollout.servers=2", "rollout.tensor_parallel=2", DOCUMENTED]).rollout
+    servers, key = sglang_servers(cfg, "/models/qwen", tmp_path, weight_version="7", seed=3)
+    bad = tmp_path / "none.yaml"  # what the launcher used to write for a None
+    bad.write_text(yaml.safe_dump({"model-path": "/m", "max-running-requests": "None"}))
+    refused = tmp_path / "deprecated.yaml"
+    refused.write_text(yaml.safe_dump({"model-path": "/m", "disable-cuda-graph": True}))
+    out = sglang_parse(tmp_path / "sglang_0.yaml", tmp_path / "sglang_1.yaml", bad, refused)
+    for index, result in enumerate(out["configs"][:2]):
+        assert "error" not in result, result["error"]
+        assert "None" not in result["argv"]
+        parsed = result["args"]
+        for name, value in server_args(cfg, "/models/qwen", index, key, "7", 3).items():
+            assert parsed[name.replace("-", "_")] == value, (name, parsed[name.replace("-", "_")], value)
+        assert parsed["max_running_requests"] is None  # left at SGLang's default
+        assert parsed["port"] == 30000 + index and parsed["tp_size"] == 2 and parsed["dp_size"] == 1
+    assert "invalid" in out["configs"][2]["error"] and "None" in out["configs"][2]["error"]
+    assert "Unsupported config option 'disable_cuda_graph'" in out["configs"][3]["error"]
+    assert [s.url for s in servers] == ["http://10.0.0.5:30000", "http://10.0.0.5:30001"]
+
+
+def test_sglangs_deprecated_options_are_refused_at_config_time(sglang_parse):
+    deprecated = sglang_parse()["deprecated"]
+    assert "disable-cuda-graph" in deprecated
+    assert set(deprecated) == set(SGLANG_DEPRECATED_ARGS), "SGLang's deprecated options changed"
+    for option, replacement in SGLANG_DEPRECATED_ARGS.items():
+        for spelling in (option, option.replace("-", "_")):
+            with pytest.raises(ConfigError, match="deprecated") as err:
+                load_config(None, [f"rollout.sglang_args={{{spelling}: true}}"])
+            assert replacement in str(err.value)
