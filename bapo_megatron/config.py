@@ -81,6 +81,9 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     context: int = 1
+    """Context parallel: not supported yet (1). Megatron does not split sequences itself: each CP
+    rank must be fed its 2 x CP load-balanced chunks, with TE attention; until that exists, a
+    value above 1 is refused rather than silently training on wrong positions and attention."""
     virtual_pipeline: int | None = None
     """Interleaved pipeline: model chunks per pipeline rank (None: not interleaved)."""
     sequence_parallel: bool = False
@@ -90,6 +93,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "context", "max_tokens_per_microbatch"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        check(self.context == 1, "context", self.context,
+              "context parallel is not supported yet (each CP rank would see the whole sequence); "
+              "use tensor parallel with sequence_parallel=true for long sequences")
         if self.virtual_pipeline is not None:
             check(self.virtual_pipeline >= 2 and self.pipeline >= 2, "virtual_pipeline", self.virtual_pipeline,
                   "needs pipeline >= 2 and at least 2 chunks per rank")

@@ -6,8 +6,6 @@ only when transformer_impl is "transformer_engine".
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -15,8 +13,15 @@ from bapo_megatron.config import ModelConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, padded_vocab_size
 
-FP8_SEQUENCE_MULTIPLE = {"delayed": 16, "tensorwise": 16, "blockwise": 128}
-"""Token counts an fp8 GEMM needs per recipe (TE's alignment for its fp8 kernels)."""
+FP8_ROWS_MULTIPLE = 16
+"""Tokens (rows) each rank's fp8 GEMM input is padded to a multiple of. Transformer Engine asserts
+the product of the leading dimensions is divisible by 8 (assert_dim_for_fp8_exec, every recipe);
+16 is the alignment TE and Megatron pad to themselves (get_fp8_align_size)."""
+FP8_BLOCK_ROWS = 128
+"""Float8BlockScaling quantises an all-gathered input (sequence parallel) in blocks of 128 rows:
+TE asserts rows % 128 there (Float8BlockQuantizer.is_quantizable)."""
+FP8_BLOCKWISE_MIN_CAPABILITY, FP8_BLOCKWISE_MIN_CUDA = (9, 0), (12, 9)
+"""What TE's check_fp8_block_scaling_support asks of the blockwise recipe."""
 
 PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
@@ -33,22 +38,38 @@ def check_precision_support(model: ModelConfig) -> None:
     if model.precision in ("bf16", "fp8") and not torch.cuda.is_available():
         raise ConfigError("model.precision", model.precision, "needs a CUDA GPU; use 'fp32' on CPU")
     if model.precision == "fp8":
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (8, 9):
-            raise ConfigError("model.precision", "fp8",
-                              f"needs a Hopper-class GPU (compute capability >= 8.9); found {major}.{minor}")
+        problem = fp8_hardware_problem(model.fp8_recipe, torch.cuda.get_device_capability(), torch.version.cuda)
+        if problem:
+            raise ConfigError("model.fp8_recipe" if model.fp8_recipe == "blockwise" else "model.precision",
+                              model.fp8_recipe if model.fp8_recipe == "blockwise" else "fp8", problem)
+
+
+def fp8_hardware_problem(recipe: str, capability: tuple[int, int], cuda: str | None) -> str | None:
+    """Why a GPU of `capability` with torch built for CUDA `cuda` cannot run fp8 `recipe` (None: it can)."""
+    if tuple(capability) < (8, 9):
+        return f"needs a GPU of compute capability >= 8.9 (Ada, Hopper); found {capability[0]}.{capability[1]}"
+    if recipe == "blockwise":
+        version = tuple(int(x) for x in (cuda or "0.0").split(".")[:2])
+        if tuple(capability) < FP8_BLOCKWISE_MIN_CAPABILITY or version < FP8_BLOCKWISE_MIN_CUDA:
+            return (f"blockwise fp8 needs compute capability >= 9.0 (Hopper) and CUDA >= 12.9; found "
+                    f"{capability[0]}.{capability[1]} with CUDA {cuda}: use fp8_recipe='tensorwise'")
+    return None
+
+
+def fp8_rows_multiple(recipe: str, sequence_parallel: bool) -> int:
+    """Rows each rank's fp8 GEMM input must be a multiple of, under `recipe`."""
+    return FP8_BLOCK_ROWS if recipe == "blockwise" and sequence_parallel else FP8_ROWS_MULTIPLE
 
 
 def sequence_multiple(model: ModelConfig, parallel: ParallelConfig) -> int:
-    """Every packed sequence length must be a multiple of this (fp8 recipe, sequence/context parallel)."""
-    multiple = 1
-    if model.precision == "fp8":
-        multiple = math.lcm(multiple, FP8_SEQUENCE_MULTIPLE[model.fp8_recipe])
-    if parallel.sequence_parallel:
-        multiple = math.lcm(multiple, parallel.tensor)
-    if parallel.context > 1:
-        multiple = math.lcm(multiple, 2 * parallel.context)
-    return multiple
+    """Every packed sequence length must be a multiple of this, so that each rank's slice is whole.
+
+    Sequence parallel gives each TP rank s / TP rows of every sequence: the fp8 rule applies to a
+    rank's slice, so the per-rank multiple is multiplied by TP, not merely combined with it by lcm
+    (lcm(16, 4) = 16 leaves a TP=4 rank 4 rows of a 16-token sequence)."""
+    split = parallel.tensor if parallel.sequence_parallel else 1
+    per_rank = fp8_rows_multiple(model.fp8_recipe, parallel.sequence_parallel) if model.precision == "fp8" else 1
+    return per_rank * split
 
 
 def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, initialize: bool = True,
@@ -113,8 +134,23 @@ def _leave_as_is(weight: torch.Tensor) -> None:
 
 
 def _fusions(enabled: bool) -> dict:
-    return {name: enabled for name in ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
-                                       "persist_layer_norm", "gradient_accumulation_fusion", "apply_rope_fusion")}
+    """Kernel fusions: all on with Transformer Engine, all off on the local (CPU) spec. Gradient
+    accumulation fusion only where apex's wgrad kernel imports: Megatron's own output layer
+    (a ColumnParallelLinear even under the TE spec) refuses to build without it."""
+    flags = {name: enabled for name in ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+                                        "persist_layer_norm", "apply_rope_fusion")}
+    flags["gradient_accumulation_fusion"] = enabled and wgrad_fusion_available()
+    return flags
+
+
+def wgrad_fusion_available() -> bool:
+    """Whether apex's fused_weight_gradient_mlp_cuda extension imports (Megatron's own test: an
+    extension that is present but fails to load counts as missing)."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def layer_spec(model: ModelConfig):

@@ -6,7 +6,13 @@ import transformers
 
 from bapo_megatron.config import ModelConfig, ParallelConfig, load_config
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.trainer.megatron_config import check_precision_support, sequence_multiple, transformer_config
+from bapo_megatron.trainer.megatron_config import (
+    check_precision_support,
+    fp8_hardware_problem,
+    sequence_multiple,
+    transformer_config,
+    wgrad_fusion_available,
+)
 from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, padded_vocab_size, tiny_spec
 
 
@@ -83,8 +89,66 @@ def test_fp8_errors_at_config_time():
     check_precision_support(ModelConfig())  # fp32 on the local spec works anywhere
 
 
-def test_sequence_multiples():
-    fp8 = ModelConfig(precision="fp8", transformer_impl="transformer_engine", fp8_recipe="blockwise")
+RECIPES = ("delayed", "tensorwise", "blockwise")
+
+
+def _te_accepts(rows: int, recipe: str, all_gathered: bool) -> bool:
+    """Transformer Engine's checks on one rank's fp8 GEMM input of `rows` tokens (2.9 to 2.12):
+    assert_dim_for_fp8_exec (rows % 8, every recipe) and, for an input all-gathered under
+    sequence parallel, Float8BlockQuantizer.is_quantizable (rows % 128, blockwise)."""
+    return rows % 8 == 0 and not (recipe == "blockwise" and all_gathered and rows % 128)
+
+
+@pytest.mark.parametrize("tensor", [1, 2, 4, 8])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_padding_gives_every_rank_a_slice_te_accepts(tensor, recipe):
+    model = ModelConfig(precision="fp8", transformer_impl="transformer_engine", fp8_recipe=recipe,
+                        fp8_bf16_first_last_layers=recipe != "delayed")
+    for sp in ([False, True] if tensor > 1 else [False]):
+        multiple = sequence_multiple(model, ParallelConfig(tensor=tensor, sequence_parallel=sp))
+        for length in range(1, 700, 7):
+            padded = -(-length // multiple) * multiple
+            for batch in (1, 3):
+                rows = batch * padded // (tensor if sp else 1)  # one rank's [s/TP, b] slice
+                assert padded % (tensor if sp else 1) == 0
+                assert _te_accepts(rows, recipe, all_gathered=sp), (tensor, sp, recipe, length, batch, rows)
+    # the old rule, lcm(16, TP), left a TP=4 rank 4 rows of a 16-token sequence
+    assert not _te_accepts(16 // 4, recipe, all_gathered=True)
+
+
+def test_sequence_multiples_without_fp8():
     assert sequence_multiple(ModelConfig(), ParallelConfig()) == 1
-    assert sequence_multiple(fp8, ParallelConfig()) == 128
-    assert sequence_multiple(ModelConfig(), ParallelConfig(tensor=2, sequence_parallel=True, context=3)) == 6
+    assert sequence_multiple(ModelConfig(), ParallelConfig(tensor=4, sequence_parallel=True)) == 4
+    assert sequence_multiple(ModelConfig(), ParallelConfig(tensor=4)) == 1
+
+
+def test_blockwise_fp8_needs_hopper_and_cuda_12_9():
+    assert fp8_hardware_problem("blockwise", (9, 0), "12.9") is None
+    assert fp8_hardware_problem("blockwise", (10, 0), "13.0") is None
+    assert "CUDA >= 12.9" in fp8_hardware_problem("blockwise", (9, 0), "12.8")
+    assert "compute capability >= 9.0" in fp8_hardware_problem("blockwise", (8, 9), "12.9")
+    assert fp8_hardware_problem("tensorwise", (8, 9), "12.1") is None
+    assert "compute capability >= 8.9" in fp8_hardware_problem("tensorwise", (8, 0), "12.9")
+
+
+def test_context_parallel_is_refused_until_it_splits_sequences():
+    with pytest.raises(ConfigError, match=r"parallel.context=2: context parallel is not supported yet"):
+        load_config(None, ["parallel.context=2"])
+
+
+def test_gradient_accumulation_fusion_only_where_megatron_finds_apexs_kernel(monkeypatch):
+    import sys
+    import types
+
+    from megatron.core.tensor_parallel import layers
+
+    from bapo_megatron.trainer.megatron_config import _fusions
+
+    assert wgrad_fusion_available() == layers._grad_accum_fusion_available  # Megatron's own test agrees
+    assert _fusions(True)["gradient_accumulation_fusion"] is wgrad_fusion_available()
+    assert _fusions(True)["bias_activation_fusion"] and not any(_fusions(False).values())
+    name = "fused_weight_gradient_mlp_cuda"
+    monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    assert _fusions(True)["gradient_accumulation_fusion"]
+    monkeypatch.setitem(sys.modules, name, None)  # present but fails to import
+    assert not _fusions(True)["gradient_accumulation_fusion"]
