@@ -1,4 +1,8 @@
-"""Run a function on N local gloo processes; a failure on any rank fails the caller."""
+"""Run a function on N local processes; a failure on any rank fails the caller.
+
+By default the workers see no GPU and join over gloo, also on a GPU machine: the dist tier
+tests the parallel paths on CPU, and N ranks of NCCL on one GPU would not even start. tests/gpu
+asks for device="cuda": one GPU per rank (round robin) and NCCL, as in a real job."""
 
 from __future__ import annotations
 
@@ -18,13 +22,15 @@ COLLECTIVES = (
 )
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, device: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # as torchrun sets them
     backend = "gloo"
-    if torch.cuda.is_available():  # tests/gpu: one device per rank, NCCL as in a real job
+    if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         backend = "nccl"
+    elif torch.cuda.is_available():
+        raise RuntimeError("a CPU worker sees a GPU: CUDA_VISIBLE_DEVICES was not honoured")
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -32,10 +38,28 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
         dist.destroy_process_group()
 
 
-def run_workers(fn: Callable, world_size: int, *args) -> None:
-    """fn(rank, world_size, *args) on `world_size` processes (fn must be importable)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "init"), fn, args), nprocs=world_size, join=True)
+def run_workers(fn: Callable, world_size: int, *args, device: str = "cpu") -> None:
+    """fn(rank, world_size, *args) on `world_size` processes (fn must be importable); device "cpu"
+    hides every GPU from them (gloo), "cuda" gives each rank a GPU (NCCL)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}")
+    with tempfile.TemporaryDirectory() as tmp, _children_env(CUDA_VISIBLE_DEVICES="" if device == "cpu" else None):
+        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "init"), fn, args, device), nprocs=world_size, join=True)
+
+
+@contextlib.contextmanager
+def _children_env(**values: str | None) -> Iterator[None]:
+    """os.environ with `values` set (None: left as it is) while processes are spawned from it."""
+    saved = {k: os.environ.get(k) for k, v in values.items() if v is not None}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ def test_converters_on_a_gpu_node(tmp_path):
 
     original = make_hf_model(tmp_path, NAME)
     model_bytes = sum(t.numel() * t.element_size() for t in original.state_dict().values())
-    run_workers(_convert, 1, str(tmp_path), model_bytes)
+    run_workers(_convert, 1, str(tmp_path), model_bytes, device="cuda")
     back = {}
     for file in (tmp_path / "back").glob("*.safetensors"):
         back.update(load_file(str(file)))

@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, root: str) -> None:
 def test_bf16_and_fp8_steps_agree(tmp_path):
     import json
 
-    run_workers(_worker, 1, str(tmp_path))
+    run_workers(_worker, 1, str(tmp_path), device="cuda")
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["fp8"]["loss/pg"] == pytest.approx(m["bf16"]["loss/pg"], rel=5e-2, abs=5e-3)
     assert m["fp8"]["policy/entropy"] == pytest.approx(m["bf16"]["policy/entropy"], rel=2e-2)
