@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.config import CheckpointConfig
+from bapo_megatron.weights.layout import EXTRA_STATE
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -93,14 +94,35 @@ def save_sharded(sharded: dict, directory: str | Path, strategy=None,
     _barrier()
 
 
+# EXTRA_STATE: Transformer Engine modules' own state (fp8 scaling history). A checkpoint written
+# without TE (the converters, a local-spec run) has none: where the loading model asks for it, it
+# is left as the model made it, as at the start of a run.
+
+
 def load_sharded(sharded: dict, directory: str | Path) -> dict:
-    """The tensors of `directory` for the shards this rank's `sharded` dict asks for."""
+    """The tensors of `directory` for the shards this rank's `sharded` dict asks for; a requested
+    `_extra_state` the checkpoint lacks is left out of the result, anything else missing raises."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     directory = Path(directory)
     if not (directory / "metadata.json").is_file():
         raise ValueError(f"checkpoint {directory}: not a complete dist checkpoint (no metadata.json)")
-    return dist_checkpointing.load(sharded, str(directory))
+    loaded, _, absent = dist_checkpointing.load(sharded, str(directory), strict=StrictHandling.RETURN_UNEXPECTED)
+    required = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
+    if required:
+        raise ValueError(f"checkpoint {directory} lacks {len(required)} tensors this model needs, e.g. "
+                         f"{required[:3]} (a checkpoint of another model or layout?)")
+    return loaded
+
+
+def load_module_state(module: torch.nn.Module, state: dict, source: str | Path) -> None:
+    """load_state_dict where only TE's `_extra_state` may be absent from `state`."""
+    result = module.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint {source} does not fit the model: missing {missing[:3]}, "
+                         f"unexpected {result.unexpected_keys[:3]}")
 
 
 def save_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> None:
@@ -110,7 +132,7 @@ def save_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> No
 def load_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> None:
     loaded = load_sharded(model_sharded_state_dict(model_chunks), directory)
     for i, chunk in enumerate(model_chunks):
-        unwrap(chunk).load_state_dict(loaded[f"chunk{i}"])
+        load_module_state(unwrap(chunk), loaded[f"chunk{i}"], directory)
 
 
 def _rng_states() -> dict:
@@ -208,7 +230,7 @@ class CheckpointManager:
         same_world = common["world_size"] == dist.get_world_size()
         loaded = load_sharded(self._sharded(trainer, is_loading=True, with_rng=same_world), directory)
         for i, chunk in enumerate(trainer.model):
-            unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
+            load_module_state(unwrap(chunk), loaded["model"][f"chunk{i}"], directory)
         trainer.optimizer.load_state_dict(loaded["optimizer"])
         trainer.scheduler.load_state_dict(common["scheduler"])
         if same_world:
