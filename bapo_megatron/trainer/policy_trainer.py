@@ -89,6 +89,16 @@ class PolicyTrainer:
             chunks.append(chunk.to(self.device))
         return chunks
 
+    def load_weights(self, directory) -> None:
+        """Model weights from a dist checkpoint (converted, or saved by any layout), without the
+        optimizer's state. The optimizer's fp32 main parameters are refreshed from them
+        (Megatron's reload_model_params): with bf16/fp8 parameters, the next step would
+        otherwise go on from the old values and write them back over the loaded weights."""
+        from bapo_megatron.trainer.checkpoint import load_model
+
+        load_model(self.model, directory)
+        self.optimizer.reload_model_params()
+
     # ------------------------------------------------------------------------------------------
     # Data.
 
