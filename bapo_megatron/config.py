@@ -61,8 +61,13 @@ class ModelConfig:
     vocab_pad_tp: int = 8
     """Pad the vocabulary as for this tensor-parallel size too (a multiple of divisible_by x lcm(tp, this)),
     so that a checkpoint loads at every TP dividing it; the padding is masked and never exported."""
+    logprob_memory_mb: int = 1024
+    """Memory for the log-prob and entropy temporaries of the loss (float32 [tokens, vocab / TP]
+    tensors, a few at once): tokens are processed in chunks sized to fit it (a 152k vocabulary
+    at TP=1 takes about 3 MB a token)."""
 
     def __post_init__(self) -> None:
+        check(self.logprob_memory_mb >= 1, "logprob_memory_mb", self.logprob_memory_mb, "must be >= 1")
         check(self.make_vocab_size_divisible_by >= 1, "make_vocab_size_divisible_by",
               self.make_vocab_size_divisible_by, "must be >= 1")
         check(self.vocab_pad_tp >= 1, "vocab_pad_tp", self.vocab_pad_tp, "must be >= 1")

@@ -73,6 +73,12 @@ def bench(shape: str, precision: str, seq: int, prompts: int, n: int, steps: int
                              f"rollout.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}",
                              "optimizer.lr=1e-6"])
     init_distributed()
+    if torch.cuda.is_available():  # this precision's peak only, not an earlier row's
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
     batch = synthetic_batch(spec, prompts, n, seq)
     tokens = sum(s.length for s in batch.samples)
@@ -89,7 +95,7 @@ def bench(shape: str, precision: str, seq: int, prompts: int, n: int, steps: int
     peak = next((v for (name, p), v in PEAK_TFLOPS.items() if name in device and p == precision), None)
     if torch.cuda.is_available():
         memory = torch.cuda.max_memory_allocated() / 2**30
-    else:
+    else:  # the process's peak resident set (CPU runs have one precision, fp32)
         import resource
 
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

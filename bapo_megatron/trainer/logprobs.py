@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK_TOKENS = 4096
+LIVE_TEMPORARIES = 5
+"""[chunk, V_local] tensors alive at once at the peak of a chunk (backward: z, log p, p, the
+gradient and a masked copy; forward: fewer)."""
+
+
+def chunk_tokens_for(v_local: int, itemsize: int, budget_bytes: int) -> int:
+    """Tokens per chunk whose temporaries fit in budget_bytes (at least one token)."""
+    return max(1, budget_bytes // (LIVE_TEMPORARIES * itemsize * v_local))
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:
@@ -92,7 +99,8 @@ def vocab_parallel_logprobs(
     vocab_start: int = 0,
     vocab_size: int | None = None,
     temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
+    memory_budget_bytes: int = 1 << 30,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(target) and the entropy of pi for every token, from this rank's vocabulary slice.
 
@@ -102,7 +110,9 @@ def vocab_parallel_logprobs(
         group: the tensor-parallel group (None: the logits hold the whole vocabulary).
         vocab_size: the model's real vocabulary; padding columns at or past it are excluded.
         temperature: the rollout's sampling temperature (logits are divided by it).
-        chunk_tokens: tokens per chunk; bounds the float32 temporaries to chunk x V_local.
+        chunk_tokens: tokens per chunk (None: as many as memory_budget_bytes holds); the float32
+            (or wider) temporaries are chunk x V_local each.
+        memory_budget_bytes: what the temporaries of one chunk may take, when chunk_tokens is None.
     Returns:
         (logprobs, entropy), each of targets' shape, float32 or wider, differentiable in logits.
     """
@@ -114,6 +124,9 @@ def vocab_parallel_logprobs(
     if vocab_size is None:
         vocab_size = vocab_start + v_local if group is None else v_local * dist.get_world_size(group)
     lead = targets.shape
+    if chunk_tokens is None:
+        itemsize = torch.promote_types(logits.dtype, torch.float32).itemsize
+        chunk_tokens = chunk_tokens_for(v_local, itemsize, memory_budget_bytes)
     logp, entropy = _VocabParallelLogprobEntropy.apply(
         logits.reshape(-1, v_local), targets.reshape(-1), group, float(temperature), int(vocab_start),
         int(vocab_size), max(1, int(chunk_tokens)),

@@ -141,6 +141,7 @@ class PolicyTrainer:
         return vocab_parallel_logprobs(
             logits, mb.targets, group=self.info.tp_group, vocab_start=self.info.tp_rank * self.vocab_local,
             vocab_size=self.spec.vocab_size, temperature=self._temperature,
+            memory_budget_bytes=self.cfg.model.logprob_memory_mb << 20,
         )
 
     def _is_weight(self, mb: MicroBatch, prox: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from bapo_megatron.trainer.checkpoint import unwrap
 from bapo_megatron.trainer.model_spec import ModelSpec
 from bapo_megatron.trainer.parallel import ParallelInfo
-from bapo_megatron.weights.layout import megatron_layer_to_hf
+from bapo_megatron.weights.layout import layer_impl, megatron_layer_to_hf
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -45,7 +45,7 @@ def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torc
 
 
 def _stage_tensors(chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo,
-                   impl: str) -> Iterator[tuple[str, torch.Tensor]]:
+                   impl: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     model = unwrap(chunk)
     if model.pre_process:
         embedding = gather_tensor_parallel(model.embedding.word_embeddings.weight, info)
@@ -53,7 +53,7 @@ def _stage_tensors(chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo,
     for layer in model.decoder.layers:
         index = layer.layer_number - 1  # global, 1-based in Megatron
         local = {f"decoder.layers.{index}.{name}": t for name, t in _layer_tensors(layer, info).items()}
-        yield from megatron_layer_to_hf(spec, index, local, impl)
+        yield from megatron_layer_to_hf(spec, index, local, impl or layer_impl(local))
     if model.post_process:
         yield "model.norm.weight", model.decoder.final_layernorm.weight.detach()
         if not spec.tie_embeddings:
@@ -62,9 +62,10 @@ def _stage_tensors(chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo,
 
 
 def stream_hf_buckets(model_chunks: list[torch.nn.Module], spec: ModelSpec, info: ParallelInfo,
-                      bucket_bytes: int = 512 << 20, impl: str = "local",
+                      bucket_bytes: int = 512 << 20, impl: str | None = None,
                       dtype: torch.dtype | None = None) -> Iterator[Bucket]:
-    """This stage's HF (name, tensor) pairs, grouped into buckets of at most bucket_bytes (see `buckets`)."""
+    """This stage's HF (name, tensor) pairs, grouped into buckets of at most bucket_bytes (see `buckets`);
+    impl: the layer spec ("transformer_engine" or "local"; None: read from each layer's parameters)."""
     named = (pair for chunk in model_chunks for pair in _stage_tensors(chunk, spec, info, impl))
     return buckets(named, bucket_bytes, dtype)
 

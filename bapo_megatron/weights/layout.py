@@ -11,7 +11,7 @@ over tensor and pipeline parallel ranks is dist_checkpointing's job.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -26,6 +26,16 @@ def _norm_names(impl: str) -> tuple[str, str]:
     if impl == "transformer_engine":
         return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
     return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+
+
+def layer_impl(names: Iterable[str]) -> str:
+    """Which layer spec made a decoder layer, from its parameter names: Transformer Engine fuses
+    the norms into linear_qkv and linear_fc1, the local spec keeps them as modules of their own."""
+    names = list(names)
+    for impl in ("transformer_engine", "local"):
+        if any(n.endswith(_norm_names(impl)[0]) for n in names):
+            return impl
+    raise ValueError(f"a decoder layer with neither spec's input norm: {names[:4]}")
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:

@@ -41,3 +41,20 @@ def test_bad_inputs():
         vocab_parallel_logprobs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), group=None, temperature=0)
     with pytest.raises(ValueError, match=r"logits \(2, 4\) and targets \(3,\)"):
         vocab_parallel_logprobs(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long), group=None)
+
+
+def test_chunks_are_sized_from_the_memory_budget():
+    from bapo_megatron.trainer.logprobs import LIVE_TEMPORARIES, chunk_tokens_for
+
+    # Qwen2.5's 152,064-token vocabulary in float32: ~3 MB a token at TP=1, ~0.4 MB at TP=8
+    assert chunk_tokens_for(152064, 4, 1 << 30) == (1 << 30) // (LIVE_TEMPORARIES * 4 * 152064) == 353
+    assert chunk_tokens_for(152064 // 8, 4, 1 << 30) == 2824
+    assert chunk_tokens_for(152064, 4, 1) == 1  # never zero
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 256, generator=g, dtype=torch.float64)
+    targets = torch.randint(250, (40,), generator=g)
+    whole = vocab_parallel_logprobs(logits, targets, group=None, vocab_size=250, chunk_tokens=40)
+    budget = 7 * LIVE_TEMPORARIES * 8 * 256  # seven float64 tokens a chunk: six chunks, the last short
+    chunked = vocab_parallel_logprobs(logits, targets, group=None, vocab_size=250, memory_budget_bytes=budget)
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
