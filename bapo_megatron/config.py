@@ -205,8 +205,10 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     port: int = 30000
     """First server port; server i listens on port + i."""
-    mem_fraction_static: float = 0.8
-    """SGLang: fraction of GPU memory for weights and KV cache."""
+    mem_fraction_static: float | None = None
+    """SGLang: fraction of GPU memory for weights and KV cache. None: 0.8 on GPUs of their own;
+    colocated, what the trainer's resident memory (parameters, gradients, optimizer states:
+    trainer/memory.py) leaves, less 10% of the GPU for SGLang's activations and CUDA graphs."""
     colocate: bool = False
     """SGLang shares the trainer's GPUs: memory saver on, weights pushed with update_weights_from_tensor."""
     admin_key_file: str | None = None
@@ -244,7 +246,9 @@ class RolloutConfig:
         check(self.oversample >= 1.0, "oversample", self.oversample, "must be >= 1")
         check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
         check(1 <= self.port <= 65535 - self.servers, "port", self.port, "must leave room for one port per server")
-        check(0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static, "must lie in (0, 1)")
+        if self.mem_fraction_static is not None:
+            check(0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static,
+                  "must lie in (0, 1)")
         for key, value in self.sglang_args.items():
             name = key.replace("_", "-")
             check(name not in SGLANG_LAUNCHER_ARGS, f"sglang_args.{key}", value,

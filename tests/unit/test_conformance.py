@@ -130,12 +130,12 @@ def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
                              # the config's documented examples of further options
                              "rollout.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, "
                              "disable-decode-cuda-graph: true}"]).rollout
-    args = server_args(cfg, "/models/qwen", 1, "k" * 32)
+    args = server_args(cfg, "/models/qwen", 1, "k" * 32, colocated_fraction=0.5)
     unknown = {k for k in [*args, *SGLANG_LAUNCHER_ARGS] if k.replace("-", "_") not in fields}
     assert not unknown, f"SGLang {VERSION} has no server options {sorted(unknown)}"
     assert args["attention-backend"] == "fa3" and args["disable-decode-cuda-graph"] is True
     assert args["port"] == 30001 and args["enable-memory-saver"] and args["dp-size"] == 1
-    servers, key = sglang_servers(cfg, "/models/qwen", tmp_path)  # beyond loopback: a key is generated
+    servers, key = sglang_servers(cfg, "/models/qwen", tmp_path, colocated_fraction=0.5)  # a key is generated
     assert key and (tmp_path / "admin_api_key").read_text().strip() == key
     assert (tmp_path / "admin_api_key").stat().st_mode & 0o777 == 0o600
     config = tmp_path / "sglang_0.yaml"

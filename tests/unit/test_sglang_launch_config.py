@@ -18,7 +18,8 @@ import yaml
 
 from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.rollout.sglang_launcher import server_args, sglang_servers
+from bapo_megatron.rollout.sglang_launcher import rollout_mem_fraction, server_args, sglang_servers
+from bapo_megatron.trainer.model_spec import tiny_spec
 from tests.sglang_wheel import WheelUnavailable, extracted_wheel, parser_deps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,9 +44,12 @@ def sglang_parse():
 
 
 def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse, tmp_path):
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true", "rollout.host=10.0.0.5",
-                             "rollout.servers=2", "rollout.tensor_parallel=2", DOCUMENTED]).rollout
-    servers, key = sglang_servers(cfg, "/models/qwen", tmp_path, weight_version="7", seed=3)
+    job = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true", "rollout.host=10.0.0.5",
+                             "rollout.servers=2", "rollout.tensor_parallel=2", DOCUMENTED])
+    cfg = job.rollout
+    fraction = rollout_mem_fraction(job, tiny_spec(), 80 << 30, data_parallel=2)
+    servers, key = sglang_servers(cfg, "/models/qwen", tmp_path, weight_version="7", seed=3,
+                                  colocated_fraction=fraction)
     bad = tmp_path / "none.yaml"  # what the launcher used to write for a None
     bad.write_text(yaml.safe_dump({"model-path": "/m", "max-running-requests": "None"}))
     refused = tmp_path / "deprecated.yaml"
@@ -55,10 +59,11 @@ def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse,
         assert "error" not in result, result["error"]
         assert "None" not in result["argv"]
         parsed = result["args"]
-        for name, value in server_args(cfg, "/models/qwen", index, key, "7", 3).items():
+        for name, value in server_args(cfg, "/models/qwen", index, key, "7", 3, fraction).items():
             assert parsed[name.replace("-", "_")] == value, (name, parsed[name.replace("-", "_")], value)
         assert parsed["max_running_requests"] is None  # left at SGLang's default
         assert parsed["port"] == 30000 + index and parsed["tp_size"] == 2 and parsed["dp_size"] == 1
+        assert parsed["mem_fraction_static"] == fraction and 0.85 < fraction <= 0.9  # a tiny trainer beside it
     assert "invalid" in out["configs"][2]["error"] and "None" in out["configs"][2]["error"]
     assert "Unsupported config option 'disable_cuda_graph'" in out["configs"][3]["error"]
     assert [s.url for s in servers] == ["http://10.0.0.5:30000", "http://10.0.0.5:30001"]
@@ -73,3 +78,16 @@ def test_sglangs_deprecated_options_are_refused_at_config_time(sglang_parse):
             with pytest.raises(ConfigError, match="deprecated") as err:
                 load_config(None, [f"rollout.sglang_args={{{spelling}: true}}"])
             assert replacement in str(err.value)
+
+
+def test_the_memory_fraction_is_the_configs_or_derived_when_colocated():
+    from bapo_megatron.rollout.sglang_launcher import SEPARATE_MEM_FRACTION, mem_fraction
+
+    separate = load_config(None, ["rollout.engine=sglang"]).rollout
+    assert mem_fraction(separate) == SEPARATE_MEM_FRACTION
+    colocated = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true"]).rollout
+    with pytest.raises(ValueError, match="rollout.mem_fraction_static"):
+        mem_fraction(colocated)  # never the separate default beside a trainer
+    assert mem_fraction(colocated, 0.42) == 0.42
+    chosen = load_config(None, ["rollout.colocate=true", "rollout.mem_fraction_static=0.3"]).rollout
+    assert mem_fraction(chosen, 0.42) == 0.3
