@@ -82,7 +82,6 @@ def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
 def _layout_logprobs(rank: int, world: int, root: str, name: str, tp: int, pp: int) -> None:
     from bapo_megatron.config import load_config
     from bapo_megatron.rollout.batch import RolloutBatch, Sample
-    from bapo_megatron.trainer.checkpoint import load_model
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.model_spec import ModelSpec
     from bapo_megatron.trainer.parallel import init_model_parallel
@@ -94,7 +93,7 @@ def _layout_logprobs(rank: int, world: int, root: str, name: str, tp: int, pp: i
     cfg = load_config(None, [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.max_tokens_per_microbatch=24",
                              "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"])
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
-    load_model(trainer.model, root / f"{name}-mcore")
+    trainer.load_weights(root / f"{name}-mcore")
     tokens = json.loads((root / "tokens.json").read_text())
     batch = RolloutBatch(samples=[Sample(prompt_ids=t[:3], response_ids=t[3:], behaviour_logprobs=[0.0] * (len(t) - 3),
                                          versions=[0] * (len(t) - 3), reward=float(i), group=i // 2)

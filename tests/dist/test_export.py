@@ -21,7 +21,6 @@ def _export(rank: int, world: int, root: str, name: str) -> None:
     from safetensors.torch import save_file
 
     from bapo_megatron.config import load_config
-    from bapo_megatron.trainer.checkpoint import load_model
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.model_spec import ModelSpec
     from bapo_megatron.trainer.parallel import init_model_parallel
@@ -33,7 +32,7 @@ def _export(rank: int, world: int, root: str, name: str) -> None:
     spec = ModelSpec.from_hf_dir(root / name)
     cfg = load_config(None, ["parallel.tensor=2", "parallel.pipeline=2"])
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
-    load_model(trainer.model, root / f"{name}-mcore")
+    trainer.load_weights(root / f"{name}-mcore")
     # A model built to be loaded (no random init) carries the same tensor-parallel marks the gathers read.
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.checkpoint import unwrap

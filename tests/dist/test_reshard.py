@@ -23,7 +23,7 @@ NAME = "qwen2-gqa2"  # 4 heads, 2 key/value heads, QKV bias, untied, vocab 250 (
 
 def _resave_at(rank: int, world: int, root: str, tp: int, pp: int) -> None:
     from bapo_megatron.config import load_config
-    from bapo_megatron.trainer.checkpoint import load_model, save_model
+    from bapo_megatron.trainer.checkpoint import save_model
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.model_spec import ModelSpec
     from bapo_megatron.trainer.parallel import init_model_parallel
@@ -34,7 +34,7 @@ def _resave_at(rank: int, world: int, root: str, tp: int, pp: int) -> None:
     spec = ModelSpec.from_hf_dir(root / NAME)
     cfg = load_config(None, [f"parallel.tensor={tp}", f"parallel.pipeline={pp}"])
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
-    load_model(trainer.model, root / "mcore")
+    trainer.load_weights(root / "mcore")
     save_model(trainer.model, root / "trained")
 
 
@@ -100,7 +100,6 @@ def _expected_rank(original: dict, rank: int, tp: int, kv_heads: int, head_dim: 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sglang_presplit(saved, tmp_path, tp):
     import reshard
-
     from safetensors.torch import load_file
 
     from bapo_megatron.trainer.model_spec import ModelSpec

@@ -143,7 +143,7 @@ def test_buckets_reach_sglangs_own_receiver_bitwise_and_the_group_reconnects(tmp
             _assert_bitwise(flat[0][0], _bucket(1))
             _assert_bitwise(flat[1][0], _bucket(2))
             assert [m["flush_cache"] for _, m in flat] == ["False", "True"]  # once per sync, with the last bucket
-            (per_tensor, meta), = _received(o, "per-tensor")
+            (per_tensor, _), = _received(o, "per-tensor")
             _assert_bitwise(per_tensor, _bucket(3))
         engines[1].kill()
         restarted = tmp_path / "engine1-restarted"

@@ -7,13 +7,12 @@ loads every result and compares it with the single-process run.
 """
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from bapo_megatron.rollout.batch import RolloutBatch, Sample
+from bapo_megatron.rollout.batch import RolloutBatch
 from tests.dist.launch import run_workers
 from tests.e2e.test_train_resume import make_batch
 
@@ -58,7 +57,7 @@ def _make_weights(rank: int, world: int, root: str) -> None:
 
 def _train_layout(rank: int, world: int, root: str, name: str) -> None:
     from bapo_megatron.config import CheckpointConfig
-    from bapo_megatron.trainer.checkpoint import CheckpointManager, load_model, save_model
+    from bapo_megatron.trainer.checkpoint import CheckpointManager, save_model
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     tp, pp, _ = LAYOUTS[name]
@@ -67,7 +66,7 @@ def _train_layout(rank: int, world: int, root: str, name: str) -> None:
     for loss in LOSSES:
         spec, cfg, info = _setup(tp, pp, loss)
         trainer = PolicyTrainer(spec, cfg, info)
-        load_model(trainer.model, Path(root) / "init")
+        trainer.load_weights(Path(root) / "init")
         result = trainer.train_step(batch)
         assert not result.skipped
         results[loss] = result.metrics
@@ -80,7 +79,7 @@ def _train_layout(rank: int, world: int, root: str, name: str) -> None:
 
 def _compare(rank: int, world: int, root: str) -> None:
     from bapo_megatron.config import CheckpointConfig
-    from bapo_megatron.trainer.checkpoint import CheckpointManager, load_model
+    from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     spec, cfg, info = _setup(1, 1)
@@ -88,7 +87,7 @@ def _compare(rank: int, world: int, root: str) -> None:
     weights = {}
     for name in LAYOUTS:
         for loss in LOSSES:
-            load_model(trainer.model, Path(root) / f"{name}-{loss}")
+            trainer.load_weights(Path(root) / f"{name}-{loss}")
             weights[name, loss] = {k: v.clone() for k, v in trainer.model[0].module.state_dict().items()
                                    if isinstance(v, torch.Tensor) and v.is_floating_point()}
     # The full TP=2 checkpoint (model, optimizer, schedule) resumes at TP=1, weights intact.
@@ -97,7 +96,7 @@ def _compare(rank: int, world: int, root: str) -> None:
     for key, tensor in resumed.model[0].module.state_dict().items():
         if key in weights["tp2", "bapo"]:
             assert torch.equal(tensor, weights["tp2", "bapo"][key]), key
-    load_model(trainer.model, Path(root) / "init")
+    trainer.load_weights(Path(root) / "init")
     initial = {k: v.clone() for k, v in trainer.model[0].module.state_dict().items() if k in weights["tp1", "bapo"]}
     for loss in LOSSES:
         want = weights["tp1", loss]

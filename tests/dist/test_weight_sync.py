@@ -32,7 +32,6 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
     from bapo_megatron.rollout.batch import RolloutBatch, Sample
     from bapo_megatron.rollout.client import EngineClient
     from bapo_megatron.rollout.protocol import SamplingParams
-    from bapo_megatron.trainer.checkpoint import load_model
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.model_spec import ModelSpec
     from bapo_megatron.trainer.parallel import init_model_parallel
@@ -45,7 +44,7 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
     spec = ModelSpec.from_hf_dir(root / TRAINED)
     cfg = load_config(None, ["parallel.tensor=2", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2"])
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
-    load_model(trainer.model, root / "mcore")
+    trainer.load_weights(root / "mcore")
     prompt = [11, 22, 33, 44]
     tokens = torch.zeros(len(WAYS), 24, dtype=torch.long)
     engine_logprobs = torch.zeros(len(WAYS), 20, dtype=torch.float64)
