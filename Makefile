@@ -16,13 +16,12 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 demo: $(STAMP)  ## The main job on the embedded CPU default (for now: BAPO vs fixed clipping, synthetic)
 	$(PY) examples/clip_comparison.py
 
-test: $(STAMP)  ## Every test tier; GPU tests skip without CUDA (pytest exit 5, no tests, is not a failure)
-	$(VENV)/bin/ruff check .
+test: $(STAMP) lint  ## Lint, then every test tier; GPU tests skip without CUDA (pytest exit 5, no tests, is not a failure)
 	$(PY) -m pytest $(TESTS) || [ $$? -eq 5 ]
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff check and ruff format --check over the whole tree
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check bapo_megatron tests benchmarks
+	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)  ## BAPO search and loss benchmark (prints a table)
 	$(PY) benchmarks/bench_bapo_search.py

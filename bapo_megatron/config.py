@@ -68,15 +68,27 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check(self.logprob_memory_mb >= 1, "logprob_memory_mb", self.logprob_memory_mb, "must be >= 1")
-        check(self.make_vocab_size_divisible_by >= 1, "make_vocab_size_divisible_by",
-              self.make_vocab_size_divisible_by, "must be >= 1")
+        check(
+            self.make_vocab_size_divisible_by >= 1,
+            "make_vocab_size_divisible_by",
+            self.make_vocab_size_divisible_by,
+            "must be >= 1",
+        )
         check(self.vocab_pad_tp >= 1, "vocab_pad_tp", self.vocab_pad_tp, "must be >= 1")
         if self.precision == "fp8":
-            check(self.transformer_impl == "transformer_engine", "precision", self.precision,
-                  "fp8 needs transformer_impl='transformer_engine'")
-            check(not (self.fp8_recipe == "delayed" and self.fp8_bf16_first_last_layers), "fp8_recipe",
-                  self.fp8_recipe, "delayed scaling cannot keep the first/last layers in bf16; "
-                  "set fp8_bf16_first_last_layers=false or use 'tensorwise'")
+            check(
+                self.transformer_impl == "transformer_engine",
+                "precision",
+                self.precision,
+                "fp8 needs transformer_impl='transformer_engine'",
+            )
+            check(
+                not (self.fp8_recipe == "delayed" and self.fp8_bf16_first_last_layers),
+                "fp8_recipe",
+                self.fp8_recipe,
+                "delayed scaling cannot keep the first/last layers in bf16; "
+                "set fp8_bf16_first_last_layers=false or use 'tensorwise'",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,20 +110,32 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "context", "max_tokens_per_microbatch"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        check(self.context == 1, "context", self.context,
-              "context parallel is not supported yet (each CP rank would see the whole sequence); "
-              "use tensor parallel with sequence_parallel=true for long sequences")
+        check(
+            self.context == 1,
+            "context",
+            self.context,
+            "context parallel is not supported yet (each CP rank would see the whole sequence); "
+            "use tensor parallel with sequence_parallel=true for long sequences",
+        )
         if self.virtual_pipeline is not None:
-            check(self.virtual_pipeline >= 2 and self.pipeline >= 2, "virtual_pipeline", self.virtual_pipeline,
-                  "needs pipeline >= 2 and at least 2 chunks per rank")
+            check(
+                self.virtual_pipeline >= 2 and self.pipeline >= 2,
+                "virtual_pipeline",
+                self.virtual_pipeline,
+                "needs pipeline >= 2 and at least 2 chunks per rank",
+            )
         if self.sequence_parallel:
             check(self.tensor >= 2, "sequence_parallel", self.sequence_parallel, "needs tensor >= 2")
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size for `world_size` processes; ConfigError if they do not divide."""
         model = self.tensor * self.pipeline * self.context
-        check(world_size % model == 0, "parallel", f"tensor*pipeline*context={model}",
-              f"does not divide the world size {world_size}")
+        check(
+            world_size % model == 0,
+            "parallel",
+            f"tensor*pipeline*context={model}",
+            f"does not divide the world size {world_size}",
+        )
         return world_size // model
 
 
@@ -143,12 +167,17 @@ class OptimizerConfig:
 
 
 SGLANG_LAUNCHER_ARGS = {
-    "model-path": "set to the model being trained", "host": "set from rollout.host",
-    "port": "set from rollout.port + the server's index", "tp-size": "set from rollout.tensor_parallel",
+    "model-path": "set to the model being trained",
+    "host": "set from rollout.host",
+    "port": "set from rollout.port + the server's index",
+    "tp-size": "set from rollout.tensor_parallel",
     "dp-size": "always 1: one server per replica, as weight updates need",
-    "base-gpu-id": "set from the server's index", "mem-fraction-static": "set from rollout.mem_fraction_static",
-    "weight-version": "set to the policy version", "random-seed": "set from the job seed + the server's index",
-    "skip-tokenizer-init": "always true: token ids in and out", "enable-memory-saver": "set from rollout.colocate",
+    "base-gpu-id": "set from the server's index",
+    "mem-fraction-static": "set from rollout.mem_fraction_static",
+    "weight-version": "set to the policy version",
+    "random-seed": "set from the job seed + the server's index",
+    "skip-tokenizer-init": "always true: token ids in and out",
+    "enable-memory-saver": "set from rollout.colocate",
     "admin-api-key": "set from rollout.admin_key_file or $BAPO_ADMIN_API_KEY",
     "api-key": "never set: the rollout client sends only the admin key, so /generate would answer 401",
 }
@@ -159,7 +188,8 @@ SGLANG_DEPRECATED_ARGS = {
     "enable-dp-attention": "attn-dp-size (each server here has dp-size 1)",
     "monokernel-backend": "enable-amd-monokernel: true",
     "enable-flashinfer-allreduce-fusion": "flashinfer-allreduce-fusion-backend: auto",
-    "grpc-mode": "smg-grpc-mode", "disable-fast-image-processor": "image-processor-backend: pil",
+    "grpc-mode": "smg-grpc-mode",
+    "disable-fast-image-processor": "image-processor-backend: pil",
 }
 """SGLang 0.5.23's deprecated server options and what replaces each: its --config merger refuses
 some outright ("Unsupported config option"); tests/unit/test_sglang_launch_config.py
@@ -231,32 +261,57 @@ class RolloutConfig:
         check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
         if self.token_budget is not None:
             check(self.partial, "token_budget", self.token_budget, "only applies with partial=true")
-            check(1 <= self.token_budget <= self.max_new_tokens, "token_budget", self.token_budget,
-                  f"must lie in [1, max_new_tokens={self.max_new_tokens}]")
+            check(
+                1 <= self.token_budget <= self.max_new_tokens,
+                "token_budget",
+                self.token_budget,
+                f"must lie in [1, max_new_tokens={self.max_new_tokens}]",
+            )
         check(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
         if self.partial_mode == "retract":
             check(self.partial, "partial_mode", self.partial_mode, "needs partial=true")
-            check(self.token_budget is None, "token_budget", self.token_budget,
-                  "does not apply with partial_mode=retract (requests are never cut)")
+            check(
+                self.token_budget is None,
+                "token_budget",
+                self.token_budget,
+                "does not apply with partial_mode=retract (requests are never cut)",
+            )
         if self.partial and self.token_budget is not None:
             reach = self.token_budget * (self.max_staleness + 1)
-            check(reach >= self.max_new_tokens, "token_budget", self.token_budget,
-                  f"x (max_staleness + 1) = {reach} tokens is all a response can get before it is stale; "
-                  f"it must reach max_new_tokens={self.max_new_tokens}, or long responses never finish")
+            check(
+                reach >= self.max_new_tokens,
+                "token_budget",
+                self.token_budget,
+                f"x (max_staleness + 1) = {reach} tokens is all a response can get before it is stale; "
+                f"it must reach max_new_tokens={self.max_new_tokens}, or long responses never finish",
+            )
         check(self.oversample >= 1.0, "oversample", self.oversample, "must be >= 1")
         check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
         check(1 <= self.port <= 65535 - self.servers, "port", self.port, "must leave room for one port per server")
         if self.mem_fraction_static is not None:
-            check(0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static,
-                  "must lie in (0, 1)")
+            check(
+                0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static, "must lie in (0, 1)"
+            )
         for key, value in self.sglang_args.items():
             name = key.replace("_", "-")
-            check(name not in SGLANG_LAUNCHER_ARGS, f"sglang_args.{key}", value,
-                  f"is the launcher's option ({SGLANG_LAUNCHER_ARGS.get(name)})")
-            check(name not in SGLANG_DEPRECATED_ARGS, f"sglang_args.{key}", value,
-                  f"is deprecated in SGLang 0.5.23, whose --config refuses it; use {SGLANG_DEPRECATED_ARGS.get(name)}")
-            check(value is None or isinstance(value, (str, int, float, bool, list)), f"sglang_args.{key}", value,
-                  "must be a scalar or a list")
+            check(
+                name not in SGLANG_LAUNCHER_ARGS,
+                f"sglang_args.{key}",
+                value,
+                f"is the launcher's option ({SGLANG_LAUNCHER_ARGS.get(name)})",
+            )
+            check(
+                name not in SGLANG_DEPRECATED_ARGS,
+                f"sglang_args.{key}",
+                value,
+                f"is deprecated in SGLang 0.5.23, whose --config refuses it; use {SGLANG_DEPRECATED_ARGS.get(name)}",
+            )
+            check(
+                value is None or isinstance(value, (str, int, float, bool, list)),
+                f"sglang_args.{key}",
+                value,
+                "must be a scalar or a list",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,8 +341,9 @@ class LoggingConfig:
         if "jsonl" in self.backends:
             check(self.jsonl_path is not None, "jsonl_path", self.jsonl_path, "the jsonl backend needs a path")
         if "wandb" in self.backends:
-            check(self.wandb_project is not None, "wandb_project", self.wandb_project,
-                  "the wandb backend needs a project")
+            check(
+                self.wandb_project is not None, "wandb_project", self.wandb_project, "the wandb backend needs a project"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,11 +381,18 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", self.steps, "must be >= 1")
-        check(self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt", self.rollout.samples_per_prompt,
-              "group-relative advantages need at least 2 samples per prompt")
-        check(self.rollout.prompts_per_step % self.algo.updates_per_batch == 0, "algo.updates_per_batch",
-              self.algo.updates_per_batch,
-              f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (mini-batches hold whole groups)")
+        check(
+            self.rollout.samples_per_prompt >= 2,
+            "rollout.samples_per_prompt",
+            self.rollout.samples_per_prompt,
+            "group-relative advantages need at least 2 samples per prompt",
+        )
+        check(
+            self.rollout.prompts_per_step % self.algo.updates_per_batch == 0,
+            "algo.updates_per_batch",
+            self.algo.updates_per_batch,
+            f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (mini-batches hold whole groups)",
+        )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,8 +10,16 @@ from pathlib import Path
 
 from bapo_megatron.config import LoggingConfig
 
-CONSOLE_KEYS = ("rollout/reward_mean", "loss/pg", "bapo/clip_low", "bapo/clip_high", "bapo/rho", "policy/entropy",
-                "train/grad_norm", "train/skipped")
+CONSOLE_KEYS = (
+    "rollout/reward_mean",
+    "loss/pg",
+    "bapo/clip_low",
+    "bapo/clip_high",
+    "bapo/rho",
+    "policy/entropy",
+    "train/grad_norm",
+    "train/skipped",
+)
 
 
 class MetricLogger:

@@ -56,12 +56,18 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
     dp = cfg.parallel.data_parallel_size(world_size)
     per_update = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.algo.updates_per_batch
     if per_update % dp:
-        raise ConfigError("rollout.prompts_per_step", cfg.rollout.prompts_per_step,
-                          f"{per_update} samples per optimizer step do not split over {dp} data-parallel ranks")
+        raise ConfigError(
+            "rollout.prompts_per_step",
+            cfg.rollout.prompts_per_step,
+            f"{per_update} samples per optimizer step do not split over {dp} data-parallel ranks",
+        )
     check_precision_support(cfg.model)
     if cfg.rollout.replay is None:
-        raise ConfigError("rollout.replay", None, "generation is not built yet (issue 5): train from saved "
-                          "rollout batches with rollout.replay=PATH")
+        raise ConfigError(
+            "rollout.replay",
+            None,
+            "generation is not built yet (issue 5): train from saved rollout batches with rollout.replay=PATH",
+        )
 
 
 def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
@@ -73,8 +79,14 @@ def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
         raise ValueError(f"rollout batch has {len(groups)} groups, not divisible into {parts} updates")
     keys = list(groups)
     size = len(keys) // parts
-    return [RolloutBatch(samples=[s for g in keys[i * size:(i + 1) * size] for s in groups[g]],
-                         temperature=batch.temperature, metadata=batch.metadata) for i in range(parts)]
+    return [
+        RolloutBatch(
+            samples=[s for g in keys[i * size : (i + 1) * size] for s in groups[g]],
+            temperature=batch.temperature,
+            metadata=batch.metadata,
+        )
+        for i in range(parts)
+    ]
 
 
 def run(cfg: JobConfig) -> list[dict[str, float]]:

@@ -57,8 +57,7 @@ def bench(n: int, cfg: BAPOConfig, device: torch.device, repeats: int) -> dict[s
 
     def loss_step():
         lp = logprobs.detach().requires_grad_()
-        out = policy_loss(PolicyBatch(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask), loss_cfg,
-                          bounds=fast)
+        out = policy_loss(PolicyBatch(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask), loss_cfg, bounds=fast)
         (out.loss_sum / out.token_count).backward()
 
     search_ms = _time(lambda: search_clip_bounds(ratio, adv, mask, cfg), device, repeats)
@@ -82,16 +81,20 @@ def main() -> None:
     device = torch.device(args.device)
     # An unreachable target: the search visits every point of the path.
     cfg = BAPOConfig(**{**PRESETS[args.preset].__dict__, "target_rho": 0.999})
-    print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"torch {torch.__version__}, threads={torch.get_num_threads()}, preset={args.preset}, "
-          f"path of {len(search_path(cfg))} points")
+    print(
+        f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}, preset={args.preset}, "
+        f"path of {len(search_path(cfg))} points"
+    )
     header = f"{'tokens':>10} {'points':>7} {'search ms':>10} {'loop ms':>10} {'speedup':>8} {'loss f+b ms':>12}"
     print(header)
     print("-" * len(header))
     for n in args.tokens:
         row = bench(int(n), cfg, device, args.repeats)
-        print(f"{int(n):>10.0e} {row['points']:>7} {row['search_ms']:>10.2f} {row['loop_ms']:>10.1f} "
-              f"{row['speedup']:>7.1f}x {row['loss_ms']:>12.2f}")
+        print(
+            f"{int(n):>10.0e} {row['points']:>7} {row['search_ms']:>10.2f} {row['loop_ms']:>10.1f} "
+            f"{row['speedup']:>7.1f}x {row['loss_ms']:>12.2f}"
+        )
 
 
 if __name__ == "__main__":

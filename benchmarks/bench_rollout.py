@@ -58,13 +58,19 @@ async def run_mode(url: str, model: Path, partial: bool, oversample: float, args
 
     stop = tuple(range(args.stop_tokens))
     async with EngineClient(url) as client:
-        buffer = PartialRolloutBuffer(args.samples, args.max_new, args.budget if partial else None,
-                                      max_staleness=args.max_staleness)
-        manager = RolloutManager(EnginePool([client]), buffer, prompts, RewardWorkers("exact_ids", inline=True),
-                                 SamplingParams(max_new_tokens=args.max_new, temperature=args.temperature,
-                                                stop_token_ids=stop),
-                                 prompts_per_step=args.prompts, oversample=oversample,
-                                 partial=partial)
+        buffer = PartialRolloutBuffer(
+            args.samples, args.max_new, args.budget if partial else None, max_staleness=args.max_staleness
+        )
+        manager = RolloutManager(
+            EnginePool([client]),
+            buffer,
+            prompts,
+            RewardWorkers("exact_ids", inline=True),
+            SamplingParams(max_new_tokens=args.max_new, temperature=args.temperature, stop_token_ids=stop),
+            prompts_per_step=args.prompts,
+            oversample=oversample,
+            partial=partial,
+        )
         await client.update_weight_version("0")
         seconds, trained, generated, lengths, rounds = 0.0, 0, 0, [], 0
         for step in range(args.warmup + args.steps):
@@ -83,10 +89,16 @@ async def run_mode(url: str, model: Path, partial: bool, oversample: float, args
                     trained += len(s.response_ids)
                     lengths.append(len(s.response_ids))
         lengths.sort()
-        return {"seconds_per_step": seconds / args.steps, "trained_per_step": trained / args.steps,
-                "trained_per_s": trained / seconds, "generated_per_s": generated / seconds,
-                "p50": lengths[len(lengths) // 2], "p99": lengths[int(len(lengths) * 0.99)],
-                "dropped": buffer.counters["dropped_stale"], "rounds": rounds / args.steps}
+        return {
+            "seconds_per_step": seconds / args.steps,
+            "trained_per_step": trained / args.steps,
+            "trained_per_s": trained / seconds,
+            "generated_per_s": generated / seconds,
+            "p50": lengths[len(lengths) // 2],
+            "p99": lengths[int(len(lengths) * 0.99)],
+            "dropped": buffer.counters["dropped_stale"],
+            "rounds": rounds / args.steps,
+        }
 
 
 def main() -> None:
@@ -100,8 +112,13 @@ def main() -> None:
     parser.add_argument("--head-scale", type=float, default=8.0)
     parser.add_argument("--temperature", type=float, default=0.4)
     parser.add_argument("--stop-tokens", type=int, default=4, help="stop ids among the 250-token vocabulary")
-    parser.add_argument("--oversample", type=float, nargs="+", default=[2.0, 3.0],
-                        help="groups in flight / groups per step (partial; a row each)")
+    parser.add_argument(
+        "--oversample",
+        type=float,
+        nargs="+",
+        default=[2.0, 3.0],
+        help="groups in flight / groups per step (partial; a row each)",
+    )
     parser.add_argument("--max-staleness", type=int, default=4)
     args = parser.parse_args()
     from bapo_megatron.rollout.launcher import embedded_server
@@ -117,22 +134,31 @@ def main() -> None:
             server.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"embedded engine, tiny Qwen2 (vocab 250); {args.prompts} prompts x {args.samples} samples per step; "
-          f"max_new_tokens {args.max_new}; {args.stop_tokens} stop ids; partial: budget {args.budget}, "
-          f"max_staleness {args.max_staleness}; {args.steps} steps after {args.warmup} warm-up; "
-          f"{torch.get_num_threads()} threads")
-    header = (f"{'mode':<24} {'s/step':>7} {'trained tok/step':>17} {'trained tok/s':>14} {'vs full':>8} "
-              f"{'gen tok/s':>10} {'len p50':>8} {'len p99':>8} {'stale drops':>12} {'rounds/step':>12}")
+    print(
+        f"embedded engine, tiny Qwen2 (vocab 250); {args.prompts} prompts x {args.samples} samples per step; "
+        f"max_new_tokens {args.max_new}; {args.stop_tokens} stop ids; partial: budget {args.budget}, "
+        f"max_staleness {args.max_staleness}; {args.steps} steps after {args.warmup} warm-up; "
+        f"{torch.get_num_threads()} threads"
+    )
+    header = (
+        f"{'mode':<24} {'s/step':>7} {'trained tok/step':>17} {'trained tok/s':>14} {'vs full':>8} "
+        f"{'gen tok/s':>10} {'len p50':>8} {'len p99':>8} {'stale drops':>12} {'rounds/step':>12}"
+    )
     print(header)
     print("-" * len(header))
-    rows = [("full-length", full)] + [(f"partial, oversample {o:g}", r)
-                                      for o, r in zip(args.oversample, parts, strict=True)]
+    rows = [("full-length", full)] + [
+        (f"partial, oversample {o:g}", r) for o, r in zip(args.oversample, parts, strict=True)
+    ]
     for label, r in rows:
-        print(f"{label:<24} {r['seconds_per_step']:>7.2f} {r['trained_per_step']:>17.0f} {r['trained_per_s']:>14.0f} "
-              f"{r['trained_per_s'] / full['trained_per_s']:>7.2f}x {r['generated_per_s']:>10.0f} {r['p50']:>8} "
-              f"{r['p99']:>8} {r['dropped']:>12} {r['rounds']:>12.1f}")
-    print("vs full: trained tokens per second against full-length rollout, the same tokens trained per "
-          "step (goal >= 1.5x)")
+        print(
+            f"{label:<24} {r['seconds_per_step']:>7.2f} {r['trained_per_step']:>17.0f} {r['trained_per_s']:>14.0f} "
+            f"{r['trained_per_s'] / full['trained_per_s']:>7.2f}x {r['generated_per_s']:>10.0f} {r['p50']:>8} "
+            f"{r['p99']:>8} {r['dropped']:>12} {r['rounds']:>12.1f}"
+        )
+    print(
+        "vs full: trained tokens per second against full-length rollout, the same tokens trained per "
+        "step (goal >= 1.5x)"
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,19 @@ from bapo_megatron.trainer.model_spec import ModelSpec, tiny_spec
 SHAPES = {
     "tiny": tiny_spec(),
     "qwen2.5-1.5b": ModelSpec(
-        architecture="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
-        ffn_hidden_size=8960, head_dim=128, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-        qkv_bias=True, tie_embeddings=True,
+        architecture="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        ffn_hidden_size=8960,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=True,
     ),
 }
 PEAK_TFLOPS = {("H100", "bf16"): 989.0, ("H100", "fp8"): 1979.0, ("H200", "bf16"): 989.0, ("H200", "fp8"): 1979.0}
@@ -56,9 +66,16 @@ def synthetic_batch(spec: ModelSpec, prompts: int, n: int, seq: int, seed: int =
         prompt = [rng.randrange(spec.vocab_size) for _ in range(prompt_len)]
         for _ in range(n):
             r = seq - prompt_len
-            samples.append(Sample(prompt_ids=prompt, response_ids=[rng.randrange(spec.vocab_size) for _ in range(r)],
-                                  behaviour_logprobs=[-2.0 + rng.gauss(0, 0.3) for _ in range(r)], versions=[0] * r,
-                                  reward=rng.random(), group=g))
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(spec.vocab_size) for _ in range(r)],
+                    behaviour_logprobs=[-2.0 + rng.gauss(0, 0.3) for _ in range(r)],
+                    versions=[0] * r,
+                    reward=rng.random(),
+                    group=g,
+                )
+            )
     return RolloutBatch(samples=samples)
 
 
@@ -68,10 +85,17 @@ def bench(shape: str, precision: str, seq: int, prompts: int, n: int, steps: int
 
     spec = SHAPES[shape]
     impl = "transformer_engine" if precision in ("bf16", "fp8") else "local"
-    cfg = load_config(None, [f"model.precision={precision}", f"model.transformer_impl={impl}",
-                             f"parallel.max_tokens_per_microbatch={mb_tokens}",
-                             f"rollout.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}",
-                             "optimizer.lr=1e-6"])
+    cfg = load_config(
+        None,
+        [
+            f"model.precision={precision}",
+            f"model.transformer_impl={impl}",
+            f"parallel.max_tokens_per_microbatch={mb_tokens}",
+            f"rollout.prompts_per_step={prompts}",
+            f"rollout.samples_per_prompt={n}",
+            "optimizer.lr=1e-6",
+        ],
+    )
     init_distributed()
     if torch.cuda.is_available():  # this precision's peak only, not an earlier row's
         import gc
@@ -99,8 +123,15 @@ def bench(shape: str, precision: str, seq: int, prompts: int, n: int, steps: int
         import resource
 
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tflops": tflops,
-            "mfu": tflops / peak if peak else None, "memory_gib": memory, "device": device}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "memory_gib": memory,
+        "device": device,
+    }
 
 
 def main() -> None:
@@ -125,17 +156,22 @@ def main() -> None:
     seq = args.seq or (4096 if gpu else 128)
     prompts = args.prompts or (8 if gpu else 2)
     mb_tokens = args.microbatch_tokens or 2 * seq
-    rows = [(p, bench(args.shape, p, seq, prompts, args.samples_per_prompt, args.steps, mb_tokens))
-            for p in args.precision]
-    print(f"shape={args.shape} ({matmul_params(SHAPES[args.shape]) / 1e6:,.1f}M matmul params), seq={seq}, "
-          f"{prompts}x{args.samples_per_prompt} samples per step, device={rows[0][1]['device']}")
+    rows = [
+        (p, bench(args.shape, p, seq, prompts, args.samples_per_prompt, args.steps, mb_tokens)) for p in args.precision
+    ]
+    print(
+        f"shape={args.shape} ({matmul_params(SHAPES[args.shape]) / 1e6:,.1f}M matmul params), seq={seq}, "
+        f"{prompts}x{args.samples_per_prompt} samples per step, device={rows[0][1]['device']}"
+    )
     header = f"{'precision':>9} {'tokens':>8} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
     print(header)
     print("-" * len(header))
     for precision, r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"  # no peak figure for this device
-        print(f"{precision:>9} {r['tokens']:>8} {r['seconds']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} "
-              f"{mfu:>6} {r['memory_gib']:>8.2f}")
+        print(
+            f"{precision:>9} {r['tokens']:>8} {r['seconds']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} "
+            f"{mfu:>6} {r['memory_gib']:>8.2f}"
+        )
     if len(rows) == 2 and {p for p, _ in rows} == {"bf16", "fp8"}:
         speed = {p: r["tokens_per_s"] for p, r in rows}
         print(f"fp8 / bf16 step throughput: {speed['fp8'] / speed['bf16']:.2f}x")

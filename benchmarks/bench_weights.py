@@ -35,9 +35,21 @@ def synthetic_spec(size_gb: float) -> ModelSpec:
     d, ffn, vocab = 2048, 5632, 32000
     per_layer = 4 * (2 * d * d + 2 * d * 512 + 3 * d * ffn)  # bytes: q, o, k, v, gate, up, down
     layers = max(1, round((size_gb * 1e9 - 2 * vocab * d * 4) / per_layer))
-    return ModelSpec(architecture="llama", vocab_size=vocab, hidden_size=d, num_layers=layers, num_heads=16,
-                     num_kv_heads=4, ffn_hidden_size=ffn, head_dim=128, max_position_embeddings=4096,
-                     rope_theta=500000.0, rms_norm_eps=1e-5, qkv_bias=False, tie_embeddings=False)
+    return ModelSpec(
+        architecture="llama",
+        vocab_size=vocab,
+        hidden_size=d,
+        num_layers=layers,
+        num_heads=16,
+        num_kv_heads=4,
+        ffn_hidden_size=ffn,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        qkv_bias=False,
+        tie_embeddings=False,
+    )
 
 
 def write_synthetic_hf(spec: ModelSpec, directory: Path) -> int:
@@ -67,6 +79,7 @@ def timed_with_memory(fn) -> tuple[float, tuple[float, float]]:
     import psutil
 
     process = psutil.Process()
+
     def now() -> tuple[int, int]:
         info = process.memory_info()
         return info.rss, info.rss - info.shared
@@ -157,16 +170,19 @@ def main() -> None:
     durable, _ = repeated(plain_copy_durable, root / "plain.safetensors")
     _megatron_world_of_one()
     to_mcore, to_mcore_mem = repeated(lambda: hf_to_mcore(root / "hf", root / "mcore", progress=False), root / "mcore")
-    to_hf, to_hf_mem = repeated(lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32", progress=False),
-                                root / "hf-back")
+    to_hf, to_hf_mem = repeated(
+        lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32", progress=False), root / "hf-back"
+    )
     # The same conversions with os.fsync made a no-op in this process (both writers sync through it),
     # for a like-for-like comparison with the unsynced copy; the product itself always syncs.
     fsync, os.fsync = os.fsync, lambda fd: None
     try:
-        to_mcore_ns, _ = repeated(lambda: hf_to_mcore(root / "hf", root / "mcore-ns", progress=False),
-                                  root / "mcore-ns")
-        to_hf_ns, _ = repeated(lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32",
-                                                   progress=False), root / "hf-back")
+        to_mcore_ns, _ = repeated(
+            lambda: hf_to_mcore(root / "hf", root / "mcore-ns", progress=False), root / "mcore-ns"
+        )
+        to_hf_ns, _ = repeated(
+            lambda: mcore_to_hf(root / "mcore", root / "hf-back", dtype="float32", progress=False), root / "hf-back"
+        )
     finally:
         os.fsync = fsync
     layer_gb = sum(e.nbytes for e in hf_entries(spec, torch.float32) if e.name.startswith("model.layers.0.")) / 1e9
@@ -178,8 +194,9 @@ def main() -> None:
     from bapo_megatron.weights.export import stream_hf_buckets
 
     info = init_mp(ParallelConfig(), seed=0)
-    model = mc.build_gpt_model(spec, ModelConfig(), ParallelConfig(), pre_process=True, post_process=True,
-                               initialize=False)
+    model = mc.build_gpt_model(
+        spec, ModelConfig(), ParallelConfig(), pre_process=True, post_process=True, initialize=False
+    )
     load_model([model], root / "mcore")
     params = [p.detach() for p in model.parameters()]
     memcpy = timed(lambda: [p.clone() for p in params])
@@ -204,29 +221,39 @@ def main() -> None:
 
     run_workers(_tp_export_worker, 2, dataclasses.asdict(spec), str(root / "tp2.json"))
     tp2 = json.loads((root / "tp2.json").read_text())
-    print(f"synthetic model: {spec.num_layers} layers, {gb:.2f} GB float32 (one layer {layer_gb:.3f} GB); "
-          f"scratch {root}; {torch.get_num_threads()} threads")
-    header = (f"{'operation':<34} {'seconds':>8} {'GB/s':>7} {'vs baseline':>12} {'peak extra GB':>14} "
-              f"{'of it anon':>11}")
+    print(
+        f"synthetic model: {spec.num_layers} layers, {gb:.2f} GB float32 (one layer {layer_gb:.3f} GB); "
+        f"scratch {root}; {torch.get_num_threads()} threads"
+    )
+    header = (
+        f"{'operation':<34} {'seconds':>8} {'GB/s':>7} {'vs baseline':>12} {'peak extra GB':>14} {'of it anon':>11}"
+    )
     print(header)
     print("-" * len(header))
-    rows = [("safetensors read+write", plain, None, plain_mem),
-            ("safetensors read+write, fsync'd", durable, None, None),
-            ("hf-to-mcore (fsync'd)", to_mcore, durable, to_mcore_mem),
-            ("mcore-to-hf (streamed, fsync'd)", to_hf, durable, to_hf_mem),
-            ("hf-to-mcore, fsync skipped", to_mcore_ns, plain, None),
-            ("mcore-to-hf, fsync skipped", to_hf_ns, plain, None),
-            ("memcpy of the weights", memcpy, None, None), ("live export, TP=1 (views)", live, memcpy, None),
-            ("live export, TP=1, to bf16", live_bf16, memcpy, None)]
+    rows = [
+        ("safetensors read+write", plain, None, plain_mem),
+        ("safetensors read+write, fsync'd", durable, None, None),
+        ("hf-to-mcore (fsync'd)", to_mcore, durable, to_mcore_mem),
+        ("mcore-to-hf (streamed, fsync'd)", to_hf, durable, to_hf_mem),
+        ("hf-to-mcore, fsync skipped", to_mcore_ns, plain, None),
+        ("mcore-to-hf, fsync skipped", to_hf_ns, plain, None),
+        ("memcpy of the weights", memcpy, None, None),
+        ("live export, TP=1 (views)", live, memcpy, None),
+        ("live export, TP=1, to bf16", live_bf16, memcpy, None),
+    ]
     for label, seconds, base, mem in rows:
         ratio = f"{base / seconds:>11.2f}x" if base else f"{'(baseline)':>12}"
         extra = f"{mem[0]:>14.2f} {mem[1]:>11.2f}" if mem is not None else ""
         print(f"{label:<34} {seconds:>8.2f} {gb / seconds:>7.2f} {ratio} {extra}")
     tp_gb = tp2["bytes"] / 1e9
-    print(f"{'memcpy, per TP rank (whole model)':<34} {tp2['memcpy']:>8.2f} {tp_gb / tp2['memcpy']:>7.2f} "
-          f"{'(baseline)':>12}")
-    print(f"{'live export, TP=2 (gloo gather)':<34} {tp2['live']:>8.2f} {tp_gb / tp2['live']:>7.2f} "
-          f"{tp2['memcpy'] / tp2['live']:>11.2f}x")
+    print(
+        f"{'memcpy, per TP rank (whole model)':<34} {tp2['memcpy']:>8.2f} {tp_gb / tp2['memcpy']:>7.2f} "
+        f"{'(baseline)':>12}"
+    )
+    print(
+        f"{'live export, TP=2 (gloo gather)':<34} {tp2['live']:>8.2f} {tp_gb / tp2['live']:>7.2f} "
+        f"{tp2['memcpy'] / tp2['live']:>11.2f}x"
+    )
     assert exported == nbytes, (exported, nbytes)
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)

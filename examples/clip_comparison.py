@@ -96,8 +96,14 @@ def run(loss_cfg: PolicyLossConfig, cfg: TaskConfig, log=None) -> list[dict[str,
             log_probs = torch.log_softmax(logits[per_prompt], dim=-1)
             logp = log_probs.gather(2, tokens[part].unsqueeze(2)).squeeze(2)
             entropy = -(log_probs.exp() * log_probs).sum(-1)
-            batch = PolicyBatch(logprobs=logp, old_logprobs=old_logp[part], advantages=adv[part],
-                                mask=torch.ones_like(logp), entropy=entropy, first_update=update == 0)
+            batch = PolicyBatch(
+                logprobs=logp,
+                old_logprobs=old_logp[part],
+                advantages=adv[part],
+                mask=torch.ones_like(logp),
+                entropy=entropy,
+                first_update=update == 0,
+            )
             out = policy_loss(batch, loss_cfg)
             optimizer.zero_grad()
             (out.loss_sum / out.token_count).backward()
@@ -112,9 +118,16 @@ def run(loss_cfg: PolicyLossConfig, cfg: TaskConfig, log=None) -> list[dict[str,
     return rows
 
 
-COLUMNS = [("reward", "rollout/reward_mean"), ("entropy", "policy/entropy"), ("c_low", "bapo/clip_low"),
-           ("c_high", "bapo/clip_high"), ("rho", "bapo/rho"), ("rho_start", "bapo/rho_start"),
-           ("clip_hi%", "bapo/clipfrac_high"), ("r_max", "policy/ratio_max")]
+COLUMNS = [
+    ("reward", "rollout/reward_mean"),
+    ("entropy", "policy/entropy"),
+    ("c_low", "bapo/clip_low"),
+    ("c_high", "bapo/clip_high"),
+    ("rho", "bapo/rho"),
+    ("rho_start", "bapo/rho_start"),
+    ("clip_hi%", "bapo/clipfrac_high"),
+    ("r_max", "policy/ratio_max"),
+]
 
 
 def _print_row(name: str, row: dict[str, float]) -> None:
@@ -135,8 +148,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, float]]]:
     parser.add_argument("--json", help="write every row of every run to this file")
     args = parser.parse_args(argv)
     cfg = TaskConfig(steps=args.steps, staleness=args.staleness)
-    print(f"synthetic off-policy task: {cfg.prompts} prompts, {cfg.length} tokens, vocab {cfg.vocab}, "
-          f"rollouts {cfg.staleness} steps stale, {cfg.updates_per_batch} updates per batch")
+    print(
+        f"synthetic off-policy task: {cfg.prompts} prompts, {cfg.length} tokens, vocab {cfg.vocab}, "
+        f"rollouts {cfg.staleness} steps stale, {cfg.updates_per_batch} updates per batch"
+    )
     print(f"{'loss':<12} {'step':>4} " + " ".join(f"{label:>{max(len(label), 6)}}" for label, _ in COLUMNS))
 
     def log(name, row):
@@ -151,10 +166,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, float]]]:
     print(f"\nmean over the last {tail} steps:")
     for name, rows in results.items():
         last = rows[-tail:]
-        mean = {k: sum(r[k] for r in last) / len(last) for k in ("rollout/reward_mean", "policy/entropy",
-                                                                   "bapo/clip_high", "bapo/rho")}
-        print(f"  {name:<12} reward {mean['rollout/reward_mean']:.3f}  entropy {mean['policy/entropy']:.3f}  "
-              f"c_high {mean['bapo/clip_high']:.2f}  rho {mean['bapo/rho']:.3f}")
+        mean = {
+            k: sum(r[k] for r in last) / len(last)
+            for k in ("rollout/reward_mean", "policy/entropy", "bapo/clip_high", "bapo/rho")
+        }
+        print(
+            f"  {name:<12} reward {mean['rollout/reward_mean']:.3f}  entropy {mean['policy/entropy']:.3f}  "
+            f"c_high {mean['bapo/clip_high']:.2f}  rho {mean['bapo/rho']:.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f)

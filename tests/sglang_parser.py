@@ -47,7 +47,8 @@ def main() -> None:
     out: dict = {"deprecated": {}, "configs": []}
     for action in parser._actions:
         deprecated = type(action).__name__.startswith("Deprecated") or (action.help or "").lstrip("(").startswith(
-            "Deprecated")
+            "Deprecated"
+        )
         for option in action.option_strings:
             if deprecated and option.startswith("--"):
                 out["deprecated"][option[2:]] = getattr(action, "new_flag", None) or action.help
@@ -55,8 +56,11 @@ def main() -> None:
         result: dict = {}
         try:
             result["argv"] = ConfigArgumentMerger(parser).merge_config_with_args(["--config", config])
-            result["args"] = {k: v for k, v in vars(parser.parse_args(result["argv"])).items()
-                              if isinstance(v, (str, int, float, bool, list, type(None)))}
+            result["args"] = {
+                k: v
+                for k, v in vars(parser.parse_args(result["argv"])).items()
+                if isinstance(v, (str, int, float, bool, list, type(None)))
+            }
         except (ValueError, argparse.ArgumentError) as err:
             result["error"] = f"{type(err).__name__}: {err}"
         out["configs"].append(result)

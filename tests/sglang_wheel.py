@@ -37,8 +37,12 @@ def wheel_path() -> Path:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
     try:
-        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={VERSION}",
-                                 "-d", str(cache), "-q"], capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={VERSION}", "-d", str(cache), "-q"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     except subprocess.TimeoutExpired:
         raise WheelUnavailable(f"pip download sglang=={VERSION} timed out (registry unreachable?)") from None
     found = sorted(cache.glob(f"sglang-{VERSION}-*.whl"))
@@ -65,9 +69,14 @@ def load_defs(wheel: zipfile.ZipFile, wanted: dict[str, list[str]], namespace: d
     import socket
     import typing
 
-    namespace = {"dataclass": dataclasses.dataclass, "field": dataclasses.field, "ipaddress": ipaddress,
-                 "socket": socket, **{n: getattr(typing, n) for n in ("Any", "List", "Optional", "Tuple", "Union")},
-                 **namespace}
+    namespace = {
+        "dataclass": dataclasses.dataclass,
+        "field": dataclasses.field,
+        "ipaddress": ipaddress,
+        "socket": socket,
+        **{n: getattr(typing, n) for n in ("Any", "List", "Optional", "Tuple", "Union")},
+        **namespace,
+    }
     chunks = ["from __future__ import annotations"]
     for path, names in wanted.items():
         text = source(wheel, path)
@@ -117,8 +126,12 @@ def parser_deps() -> Path:
     if not (target / ".complete").exists():
         tmp = target.with_name(f"deps.tmp{os.getpid()}")
         try:
-            result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(tmp),
-                                     *PARSER_DEPS], capture_output=True, text=True, timeout=600)
+            result = subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--target", str(tmp), *PARSER_DEPS],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
         except subprocess.TimeoutExpired:
             raise WheelUnavailable(f"pip install {' '.join(PARSER_DEPS)} timed out (registry unreachable?)") from None
         if result.returncode != 0:

@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = verify(args.hf, args.mcore)
             ok = result["max_rel"] <= args.tolerance
-            print(f"max abs diff {result['max_abs']:.3e}  max rel diff {result['max_rel']:.3e}  "
-                  f"({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")
+            print(
+                f"max abs diff {result['max_abs']:.3e}  max rel diff {result['max_rel']:.3e}  "
+                f"({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})"
+            )
             return 0 if ok else 1
     except (ConfigError, ValueError, OSError) as err:  # OSError: a missing file, a full disk (nothing left behind)
         print(f"error: {err}", file=sys.stderr)

@@ -35,8 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_shard_gb <= 0:
         parser.error(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     try:
-        out = mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, sglang_tp=args.sglang_tp,
-                          max_shard_bytes=int(args.max_shard_gb * 1e9), progress=not args.no_progress)
+        out = mcore_to_hf(
+            args.mcore,
+            args.out,
+            args.hf_template,
+            args.dtype,
+            sglang_tp=args.sglang_tp,
+            max_shard_bytes=int(args.max_shard_gb * 1e9),
+            progress=not args.no_progress,
+        )
     except (ValueError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -25,8 +25,12 @@ class AdvantageConfig:
     """grpo: added to the group's standard deviation."""
 
     def __post_init__(self) -> None:
-        check(self.estimator in ("grpo", "dr_grpo", "rloo"), "estimator", self.estimator,
-              "must be 'grpo', 'dr_grpo' or 'rloo'")
+        check(
+            self.estimator in ("grpo", "dr_grpo", "rloo"),
+            "estimator",
+            self.estimator,
+            "must be 'grpo', 'dr_grpo' or 'rloo'",
+        )
         check(math.isfinite(self.std_eps) and self.std_eps > 0, "std_eps", self.std_eps, "must be > 0")
 
 

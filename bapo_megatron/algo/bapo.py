@@ -63,21 +63,42 @@ class BAPOConfig:
         for name in ("low_start", "low_max", "low_step", "high_start", "high_max", "high_step"):
             value = getattr(self, name)
             check(math.isfinite(value) and value > 0.0, name, value, "must be a positive finite number")
-        check(self.low_start <= self.low_max, "low_start", self.low_start,
-              f"must not exceed low_max={self.low_max} (inverted range)")
-        check(self.high_start <= self.high_max, "high_start", self.high_start,
-              f"must not exceed high_max={self.high_max} (inverted range)")
+        check(
+            self.low_start <= self.low_max,
+            "low_start",
+            self.low_start,
+            f"must not exceed low_max={self.low_max} (inverted range)",
+        )
+        check(
+            self.high_start <= self.high_max,
+            "high_start",
+            self.high_start,
+            f"must not exceed high_max={self.high_max} (inverted range)",
+        )
         check(self.low_max <= 1.0, "low_max", self.low_max, "a lower ratio bound must be <= 1")
         check(self.high_start >= 1.0, "high_start", self.high_start, "an upper ratio bound must be >= 1")
-        check(self.contribution in ("loss", "gradient"), "contribution", self.contribution,
-              "must be 'loss' or 'gradient'")
-        check(self.search_order in ("paper", "lower_first"), "search_order", self.search_order,
-              "must be 'paper' or 'lower_first'")
-        check(self.bound_scope in ("step", "microbatch"), "bound_scope", self.bound_scope,
-              "must be 'step' or 'microbatch'")
+        check(
+            self.contribution in ("loss", "gradient"), "contribution", self.contribution, "must be 'loss' or 'gradient'"
+        )
+        check(
+            self.search_order in ("paper", "lower_first"),
+            "search_order",
+            self.search_order,
+            "must be 'paper' or 'lower_first'",
+        )
+        check(
+            self.bound_scope in ("step", "microbatch"),
+            "bound_scope",
+            self.bound_scope,
+            "must be 'step' or 'microbatch'",
+        )
         if self.dual_clip is not None:
-            check(math.isfinite(self.dual_clip) and self.dual_clip > 1.0, "dual_clip", self.dual_clip,
-                  "must be None or a finite number > 1")
+            check(
+                math.isfinite(self.dual_clip) and self.dual_clip > 1.0,
+                "dual_clip",
+                self.dual_clip,
+                "must be None or a finite number > 1",
+            )
 
 
 def target_from_pn_ratio(pn: float) -> float:
@@ -90,9 +111,14 @@ PRESETS: dict[str, BAPOConfig] = {
     "paper": BAPOConfig(target_rho=0.4),
     "verl_example": BAPOConfig(
         target_rho=target_from_pn_ratio(0.5),
-        low_start=0.8, low_max=0.95, low_step=0.05,
-        high_start=1.2, high_max=2.0, high_step=0.1,
-        search_order="lower_first", bound_scope="microbatch",
+        low_start=0.8,
+        low_max=0.95,
+        low_step=0.05,
+        high_start=1.2,
+        high_max=2.0,
+        high_step=0.1,
+        search_order="lower_first",
+        bound_scope="microbatch",
     ),
 }
 """Named parameter sets: the seed README (default), the paper's section 5.1 runs, the authors' verl example."""
@@ -242,7 +268,7 @@ def contribution_sums(
     counts = torch.zeros(4, dtype=torch.float64, device=device)
     flat = [t.reshape(-1) for t in (ratio, advantages, mask)]
     for start in range(0, flat[0].numel(), CHUNK_TOKENS):
-        r, a, w, bad_r, bad_a = _sanitise(*(t[start:start + CHUNK_TOKENS] for t in flat))
+        r, a, w, bad_r, bad_a = _sanitise(*(t[start : start + CHUNK_TOKENS] for t in flat))
         counts += torch.stack([bad_r.to(counts), bad_a.to(counts), w.sum(), (w != 0).sum().to(counts)])
         w_pos = w * a.clamp(min=0)
         w_neg = w * (-a).clamp(min=0)
@@ -259,11 +285,11 @@ def contribution_sums(
         sr, sw = _bucket_sums(r, w_neg, low_grid, right=False)
         neg_r += sr
         neg_w += sw
-    below_high = pos_r.cumsum(0)[:-1]          # sum of w r over tokens with r < c_high
-    above_low = _tail(neg_r)[1:]               # sum of w r over tokens with r > c_low
+    below_high = pos_r.cumsum(0)[:-1]  # sum of w r over tokens with r < c_high
+    above_low = _tail(neg_r)[1:]  # sum of w r over tokens with r > c_low
     if contribution == "gradient":
         return below_high, above_low, counts
-    p = below_high + high_grid * _tail(pos_w)[1:]         # A * min(r, c_high)
+    p = below_high + high_grid * _tail(pos_w)[1:]  # A * min(r, c_high)
     n = above_low + low_grid * neg_w.cumsum(0)[:-1] + capped  # |A| * min(max(r, c_low), dual)
     return p, n, counts
 
@@ -318,8 +344,12 @@ class BoundSearch:
             p = self.path
             self._grids[device] = tuple(
                 torch.tensor(x, dtype=dtype, device=device)
-                for x, dtype in ((p.low_grid, torch.float64), (p.high_grid, torch.float64),
-                                 (p.low_index, torch.long), (p.high_index, torch.long))
+                for x, dtype in (
+                    (p.low_grid, torch.float64),
+                    (p.high_grid, torch.float64),
+                    (p.low_index, torch.long),
+                    (p.high_index, torch.long),
+                )
             )
         return self._grids[device]
 
@@ -360,9 +390,11 @@ class BoundSearch:
 def _first_invalid(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> str:
     """Where this rank's first invalid counted token is, for the error message (error path only)."""
     counted = mask.reshape(-1) != 0
-    checks = (("ratio", ratio.reshape(-1), lambda x: torch.isfinite(x) & (x >= 0)),
-              ("advantage", advantages.reshape(-1), torch.isfinite),
-              ("mask weight", mask.reshape(-1).double(), lambda x: torch.isfinite(x) & (x >= 0)))
+    checks = (
+        ("ratio", ratio.reshape(-1), lambda x: torch.isfinite(x) & (x >= 0)),
+        ("advantage", advantages.reshape(-1), torch.isfinite),
+        ("mask weight", mask.reshape(-1).double(), lambda x: torch.isfinite(x) & (x >= 0)),
+    )
     for name, values, valid in checks:
         bad = (counted & ~valid(values)).nonzero()
         if len(bad):
@@ -405,8 +437,13 @@ def search_clip_bounds(
 
 
 def contributions_at(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    c_low: float, c_high: float, contribution: Contribution, dual_clip: float | None,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    c_low: float,
+    c_high: float,
+    contribution: Contribution,
+    dual_clip: float | None,
 ) -> tuple[float, float]:
     """P and N at one pair of bounds, written as the spec states them (float64, one pass)."""
     r, a, m = (t.reshape(-1).to(torch.float64) for t in (ratio, advantages, mask))
@@ -428,7 +465,10 @@ def contributions_at(
 
 
 def search_clip_bounds_reference(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: BAPOConfig,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: BAPOConfig,
 ) -> ClipBounds:
     """The spec's iterative search, literally: evaluate rho, step, repeat. For tests and benchmarks."""
     _check_shapes(ratio, advantages, mask)
@@ -447,6 +487,9 @@ def search_clip_bounds_reference(
     visited = _walk(config, lambda c_low, c_high: rho(c_low, c_high) >= config.target_rho - TOL)
     c_low, c_high = visited[-1]
     return ClipBounds(
-        c_low=c_low, c_high=c_high, rho=rho(c_low, c_high),
-        rho_start=rho(*visited[0]), steps=len(visited) - 1,
+        c_low=c_low,
+        c_high=c_high,
+        rho=rho(c_low, c_high),
+        rho_start=rho(*visited[0]),
+        steps=len(visited) - 1,
     )

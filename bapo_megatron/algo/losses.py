@@ -54,14 +54,22 @@ class PolicyLossConfig:
         check(0.0 < self.ppo_eps < 1.0, "ppo_eps", self.ppo_eps, "must lie in (0, 1)")
         check(0.0 < self.clip_higher_low <= 1.0, "clip_higher_low", self.clip_higher_low, "must lie in (0, 1]")
         check(self.clip_higher_high >= 1.0, "clip_higher_high", self.clip_higher_high, "must be >= 1")
-        check(math.isfinite(self.dual_clip_c) and self.dual_clip_c > 1.0, "dual_clip_c", self.dual_clip_c,
-              "must be a finite number > 1")
+        check(
+            math.isfinite(self.dual_clip_c) and self.dual_clip_c > 1.0,
+            "dual_clip_c",
+            self.dual_clip_c,
+            "must be a finite number > 1",
+        )
         check(0.0 < self.gspo_eps_low < 1.0, "gspo_eps_low", self.gspo_eps_low, "must lie in (0, 1)")
         check(self.gspo_eps_high > 0.0, "gspo_eps_high", self.gspo_eps_high, "must be > 0")
         check(self.cispo_eps_high > 0.0, "cispo_eps_high", self.cispo_eps_high, "must be > 0")
         if self.tis_cap is not None:
-            check(math.isfinite(self.tis_cap) and self.tis_cap >= 1.0, "tis_cap", self.tis_cap,
-                  "must be None or a finite number >= 1")
+            check(
+                math.isfinite(self.tis_cap) and self.tis_cap >= 1.0,
+                "tis_cap",
+                self.tis_cap,
+                "must be None or a finite number >= 1",
+            )
 
 
 @dataclass
@@ -111,12 +119,12 @@ class _Tokens:
     """Sanitised per-token tensors: masked-out positions hold neutral values, never NaN."""
 
     counted: torch.Tensor
-    weight: torch.Tensor      # m_t (float)
-    logprobs: torch.Tensor    # log pi with gradient, 0 where not counted
-    log_ratio: torch.Tensor   # clamp(log pi - log mu, -20, 20), with gradient
-    ratio: torch.Tensor       # exp(log_ratio), with gradient
+    weight: torch.Tensor  # m_t (float)
+    logprobs: torch.Tensor  # log pi with gradient, 0 where not counted
+    log_ratio: torch.Tensor  # clamp(log pi - log mu, -20, 20), with gradient
+    ratio: torch.Tensor  # exp(log_ratio), with gradient
     advantages: torch.Tensor
-    is_weight: torch.Tensor   # truncated importance weight (detached), 1 when off
+    is_weight: torch.Tensor  # truncated importance weight (detached), 1 when off
 
 
 def _prepare(batch: PolicyBatch, cfg: PolicyLossConfig) -> _Tokens:
@@ -136,7 +144,11 @@ def _prepare(batch: PolicyBatch, cfg: PolicyLossConfig) -> _Tokens:
 
 
 def clipped_surrogate_loss(
-    ratio: torch.Tensor, advantages: torch.Tensor, c_low: float, c_high: float, dual_clip: float | None = None,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    c_low: float,
+    c_high: float,
+    dual_clip: float | None = None,
 ) -> torch.Tensor:
     """Per-token -v_t: -A min(r, c_high) for A > 0, -A max(r, c_low) for A < 0, 0 for A = 0.
 
@@ -151,8 +163,14 @@ def clipped_surrogate_loss(
 
 
 def _output(
-    tokens: _Tokens, per_token_loss: torch.Tensor, batch: PolicyBatch, cfg: PolicyLossConfig,
-    c_low: float, c_high: float, dual_clip: float | None, bounds: ClipBounds | None = None,
+    tokens: _Tokens,
+    per_token_loss: torch.Tensor,
+    batch: PolicyBatch,
+    cfg: PolicyLossConfig,
+    c_low: float,
+    c_high: float,
+    dual_clip: float | None,
+    bounds: ClipBounds | None = None,
 ) -> LossOutput:
     """Sum the loss and gather every metric of the spec for one set of (c_low, c_high)."""
     w = tokens.weight
@@ -174,8 +192,10 @@ def _output(
         out.add_mean("policy/tis_weight_mean", (w * tokens.is_weight).sum(), count)
     if bounds is None:
         # Fixed bounds: report the positive share there, reduced as sum(P) / sum(P + N).
-        grid = (torch.tensor([c_low], dtype=torch.float64, device=r.device),
-                torch.tensor([c_high], dtype=torch.float64, device=r.device))
+        grid = (
+            torch.tensor([c_low], dtype=torch.float64, device=r.device),
+            torch.tensor([c_high], dtype=torch.float64, device=r.device),
+        )
         p, n, _ = contribution_sums(r, a, w * tokens.is_weight, *grid, cfg.bapo.contribution, dual_clip)
         for name in ("bapo/rho", "bapo/rho_start"):  # no search: the start is the end
             out.add_mean(name, p.sum(), (p + n).sum())
@@ -192,7 +212,9 @@ def _output(
 
 
 def bapo_loss(
-    batch: PolicyBatch, cfg: PolicyLossConfig, bounds: ClipBounds | None = None,
+    batch: PolicyBatch,
+    cfg: PolicyLossConfig,
+    bounds: ClipBounds | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> LossOutput:
     """BAPO: the clipped surrogate at adaptively chosen bounds.
@@ -279,7 +301,9 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 
 
 def policy_loss(
-    batch: PolicyBatch, cfg: PolicyLossConfig, bounds: ClipBounds | None = None,
+    batch: PolicyBatch,
+    cfg: PolicyLossConfig,
+    bounds: ClipBounds | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> LossOutput:
     """The configured loss; `bounds` and `group` matter to bapo only."""

@@ -65,8 +65,13 @@ class RolloutBatch:
         return len(self.samples)
 
     @classmethod
-    def from_groups(cls, groups: Sequence[GroupState], temperature: float, mask_stale_prefix: bool = False,
-                    metadata: dict[str, str] | None = None) -> RolloutBatch:
+    def from_groups(
+        cls,
+        groups: Sequence[GroupState],
+        temperature: float,
+        mask_stale_prefix: bool = False,
+        metadata: dict[str, str] | None = None,
+    ) -> RolloutBatch:
         """The batch a rollout step hands to training: every sample of each finished, rewarded group
         (group i of `groups` is group i of the batch), tokens with their behaviour log-probs and
         versions; with mask_stale_prefix, tokens older than their response's newest version are left
@@ -74,13 +79,22 @@ class RolloutBatch:
         samples = []
         for index, group in enumerate(groups):
             if not group.finished:
-                raise ValueError(f"group {group.uid!r} is not complete (every sample finished and rewarded): "
-                                 "only whole groups reach training")
+                raise ValueError(
+                    f"group {group.uid!r} is not complete (every sample finished and rewarded): "
+                    "only whole groups reach training"
+                )
             for s in group.samples:
-                samples.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                                      behaviour_logprobs=list(s.logprobs), versions=list(s.versions),
-                                      reward=float(s.reward), group=index,
-                                      loss_mask=stale_mask(s.versions, mask_stale_prefix)))
+                samples.append(
+                    Sample(
+                        prompt_ids=list(s.prompt_ids),
+                        response_ids=list(s.response_ids),
+                        behaviour_logprobs=list(s.logprobs),
+                        versions=list(s.versions),
+                        reward=float(s.reward),
+                        group=index,
+                        loss_mask=stale_mask(s.versions, mask_stale_prefix),
+                    )
+                )
         meta = {"group_uids": json.dumps([g.uid for g in groups]), **(metadata or {})}
         return cls(samples=samples, temperature=temperature, metadata=meta)
 
@@ -92,8 +106,7 @@ class RolloutBatch:
         sizes = {len(v) for v in order.values()}
         if len(sizes) > 1:
             raise ValueError(f"groups have unequal sizes {sorted(sizes)}: a group trains only when complete")
-        rewards = torch.tensor([[self.samples[i].reward for i in idx] for idx in order.values()],
-                               dtype=torch.float32)
+        rewards = torch.tensor([[self.samples[i].reward for i in idx] for idx in order.values()], dtype=torch.float32)
         return [i for idx in order.values() for i in idx], rewards
 
     def save(self, path: str | Path) -> None:
@@ -107,13 +120,14 @@ class RolloutBatch:
             "response_lengths": torch.tensor([len(s.response_ids) for s in self.samples], dtype=torch.int64),
             "behaviour_logprobs": _flat([s.behaviour_logprobs for s in self.samples], torch.float32),
             "versions": _flat([s.versions for s in self.samples], torch.int64),
-            "loss_mask": _flat([s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
-                                for s in self.samples], torch.uint8),
+            "loss_mask": _flat(
+                [s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids) for s in self.samples],
+                torch.uint8,
+            ),
             "rewards": torch.tensor([s.reward for s in self.samples], dtype=torch.float32),
             "groups": torch.tensor([s.group for s in self.samples], dtype=torch.int64),
         }
-        meta = {"format": FORMAT_VERSION, "temperature": repr(self.temperature),
-                "metadata": json.dumps(self.metadata)}
+        meta = {"format": FORMAT_VERSION, "temperature": repr(self.temperature), "metadata": json.dumps(self.metadata)}
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata=meta)
@@ -143,15 +157,31 @@ class RolloutBatch:
             versions = _split(t["versions"], lengths)
             masks = _split(t["loss_mask"], lengths)
             samples = [
-                Sample(prompt_ids=p, response_ids=r, behaviour_logprobs=lp, versions=v, reward=float(rw),
-                       group=int(g), loss_mask=m)
-                for p, r, lp, v, m, rw, g in zip(prompts, responses, logprobs, versions, masks,
-                                                 t["rewards"].tolist(), t["groups"].tolist(), strict=True)
+                Sample(
+                    prompt_ids=p,
+                    response_ids=r,
+                    behaviour_logprobs=lp,
+                    versions=v,
+                    reward=float(rw),
+                    group=int(g),
+                    loss_mask=m,
+                )
+                for p, r, lp, v, m, rw, g in zip(
+                    prompts,
+                    responses,
+                    logprobs,
+                    versions,
+                    masks,
+                    t["rewards"].tolist(),
+                    t["groups"].tolist(),
+                    strict=True,
+                )
             ]
         except (KeyError, ValueError, RuntimeError) as err:
             raise ValueError(f"rollout batch {path}: inconsistent contents ({err})") from None
-        return cls(samples=samples, temperature=float(meta["temperature"]),
-                   metadata=json.loads(meta.get("metadata", "{}")))
+        return cls(
+            samples=samples, temperature=float(meta["temperature"]), metadata=json.loads(meta.get("metadata", "{}"))
+        )
 
 
 def _flat(rows: list[list], dtype: torch.dtype) -> torch.Tensor:

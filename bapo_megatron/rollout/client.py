@@ -31,8 +31,15 @@ class EngineUnavailable(ConnectionError):
 
 
 class EngineClient:
-    def __init__(self, base_url: str, admin_key: str | None = None, api_key: str | None = None,
-                 timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        admin_key: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.admin_key, self.api_key = admin_key, api_key
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
@@ -60,8 +67,7 @@ class EngineClient:
         key = (self.admin_key or self.api_key) if path in protocol.ADMIN_ENDPOINTS else self.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    async def request(self, path: str, body: dict | None = None, method: str = "POST",
-                      retry: bool = True) -> Any:
+    async def request(self, path: str, body: dict | None = None, method: str = "POST", retry: bool = True) -> Any:
         """One call; JSON (or None for an empty body) back. Retries as the module says."""
         import aiohttp
 
@@ -99,7 +105,7 @@ class EngineClient:
             except EngineUnavailable:
                 if attempt == self.retries:
                     raise
-                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                await asyncio.sleep(self.backoff_s * 2**attempt)
                 with contextlib.suppress(EngineUnavailable, EngineError):  # never let it generate twice
                     await self.abort(rid)
         raise AssertionError("unreachable")
@@ -149,34 +155,56 @@ class EngineClient:
     async def end_weight_update(self) -> None:
         await self._checked("/end_weight_update", {})
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = protocol.DEFAULT_GROUP,
-                                        backend: str = "nccl") -> None:
-        await self._checked("/init_weights_update_group", protocol.init_group_request(
-            master_address, master_port, rank_offset, world_size, group_name, backend))
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = protocol.DEFAULT_GROUP,
+        backend: str = "nccl",
+    ) -> None:
+        await self._checked(
+            "/init_weights_update_group",
+            protocol.init_group_request(master_address, master_port, rank_offset, world_size, group_name, backend),
+        )
 
     async def destroy_weights_update_group(self, group_name: str = protocol.DEFAULT_GROUP) -> None:
         """Leave the weight-update group `group_name` (before a new one of that name is built)."""
         await self._checked("/destroy_weights_update_group", {"group_name": group_name})
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              version: str, group_name: str = protocol.DEFAULT_GROUP,
-                                              flattened: bool = False, flush_cache: bool = True) -> None:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: str,
+        group_name: str = protocol.DEFAULT_GROUP,
+        flattened: bool = False,
+        flush_cache: bool = True,
+    ) -> None:
         """Announce one bucket; the caller broadcasts it (one flattened uint8 tensor, or each tensor
         in this order) while this call waits. flush_cache: drop the engine's prefix cache after
         loading (once per sync: with its last bucket)."""
-        await self._checked("/update_weights_from_distributed", protocol.update_distributed_request(
-            names, dtypes, shapes, version, group_name, flush_cache, flattened=flattened))
+        await self._checked(
+            "/update_weights_from_distributed",
+            protocol.update_distributed_request(
+                names, dtypes, shapes, version, group_name, flush_cache, flattened=flattened
+            ),
+        )
 
-    async def update_weights_from_tensor(self, serialized: list[str], version: str, flattened: bool = True,
-                                         flush_cache: bool = True) -> None:
+    async def update_weights_from_tensor(
+        self, serialized: list[str], version: str, flattened: bool = True, flush_cache: bool = True
+    ) -> None:
         """Colocated: tensor handles (weights/ipc.py), one payload per engine TP rank."""
-        await self._checked("/update_weights_from_tensor", protocol.update_tensor_request(
-            serialized, version, flattened, flush_cache))
+        await self._checked(
+            "/update_weights_from_tensor", protocol.update_tensor_request(serialized, version, flattened, flush_cache)
+        )
 
     async def update_weights_from_disk(self, model_path: str, version: str) -> None:
         await self._checked("/update_weights_from_disk", protocol.update_disk_request(model_path, version))
 
     async def update_weight_version(self, version: str, abort_all_requests: bool = False) -> None:
-        await self._checked("/update_weight_version", {"new_version": version,
-                                                       "abort_all_requests": abort_all_requests})
+        await self._checked(
+            "/update_weight_version", {"new_version": version, "abort_all_requests": abort_all_requests}
+        )

@@ -97,7 +97,9 @@ class PromptSource:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["records"] != len(self.items):
-            raise ValueError(f"data cursor saved over {state['records']} records, {self.config.path} has "
-                             f"{len(self.items)}: not the same data")
+            raise ValueError(
+                f"data cursor saved over {state['records']} records, {self.config.path} has "
+                f"{len(self.items)}: not the same data"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation(self.epoch)

@@ -74,9 +74,14 @@ class EmbeddedServer:
     OpenMP pool is per OS thread, and a second thread computing (even now and then) leaves two
     pools fighting for the cores, which doubled the time of a decode step on two cores."""
 
-    def __init__(self, core: EngineCore, api_key: str | None = None, admin_key: str | None = None,
-                 engine_thread: concurrent.futures.ThreadPoolExecutor | None = None,
-                 log_interval_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        engine_thread: concurrent.futures.ThreadPoolExecutor | None = None,
+        log_interval_s: float = 30.0,
+    ) -> None:
         self.core = core
         self.log_interval_s = log_interval_s  # a throughput line on stderr per so many seconds of steps (0: none)
         self._busy_s = 0.0  # seconds spent in steps
@@ -101,16 +106,29 @@ class EmbeddedServer:
             return await handler(request)
 
         app = web.Application(middlewares=[auth], client_max_size=1 << 30)
-        get = {"/health": self.health, "/health_generate": self.health, "/ready": self.health,
-               "/model_info": self.model_info, "/get_model_info": self.model_info}
-        post = {"/generate": self.generate, "/abort_request": self.abort, "/pause_generation": self.pause,
-                "/continue_generation": self.resume, "/begin_weight_update": self.begin_update,
-                "/end_weight_update": self.end_update, "/init_weights_update_group": self.init_group,
-                "/destroy_weights_update_group": self.destroy_group,
-                "/update_weights_from_distributed": self.update_from_distributed,
-                "/update_weights_from_tensor": self.update_from_tensor,
-                "/update_weights_from_disk": self.update_from_disk, "/update_weight_version": self.set_version,
-                "/release_memory_occupation": self.release_memory, "/resume_memory_occupation": self.resume_memory}
+        get = {
+            "/health": self.health,
+            "/health_generate": self.health,
+            "/ready": self.health,
+            "/model_info": self.model_info,
+            "/get_model_info": self.model_info,
+        }
+        post = {
+            "/generate": self.generate,
+            "/abort_request": self.abort,
+            "/pause_generation": self.pause,
+            "/continue_generation": self.resume,
+            "/begin_weight_update": self.begin_update,
+            "/end_weight_update": self.end_update,
+            "/init_weights_update_group": self.init_group,
+            "/destroy_weights_update_group": self.destroy_group,
+            "/update_weights_from_distributed": self.update_from_distributed,
+            "/update_weights_from_tensor": self.update_from_tensor,
+            "/update_weights_from_disk": self.update_from_disk,
+            "/update_weight_version": self.set_version,
+            "/release_memory_occupation": self.release_memory,
+            "/resume_memory_occupation": self.resume_memory,
+        }
         for path, handler in get.items():
             app.router.add_get(path, handler)
         for path, handler in post.items():
@@ -138,8 +156,9 @@ class EmbeddedServer:
                     await self._on_engine(self.core.step)
                 except Exception:  # a bug must not leave every client waiting forever
                     traceback.print_exc()
-                    self.core.abort(None, f"engine step failed: {traceback.format_exc(limit=1).strip()}", 500,
-                                    "InternalError")
+                    self.core.abort(
+                        None, f"engine step failed: {traceback.format_exc(limit=1).strip()}", 500, "InternalError"
+                    )
                 self._busy_s += time.monotonic() - start
             if self.log_interval_s and self._busy_s - self._logged[0] >= self.log_interval_s:
                 self._log_throughput()
@@ -152,11 +171,15 @@ class EmbeddedServer:
         delta = {k: v - before[k] for k, v in counters.items()}
         seconds, steps = max(now - then, 1e-9), max(delta["decode_steps"], 1)
         waiting = len(self.core.waiting) + len(self.core.incoming)
-        print(f"[engine] {seconds:.1f} s of steps: decode {delta['decode_steps']} steps, "
-              f"{delta['decode_tokens'] / steps:.1f} running/step, {delta['decode_tokens'] / seconds:.0f} tok/s; "
-              f"prefill {delta['prefill_requests']} requests in {delta['prefill_forwards']} forwards "
-              f"({delta['prefill_positions']} positions); now {len(self.core.running)} running, {waiting} waiting; "
-              f"weight version {self.core.version}", file=sys.stderr, flush=True)
+        print(
+            f"[engine] {seconds:.1f} s of steps: decode {delta['decode_steps']} steps, "
+            f"{delta['decode_tokens'] / steps:.1f} running/step, {delta['decode_tokens'] / seconds:.0f} tok/s; "
+            f"prefill {delta['prefill_requests']} requests in {delta['prefill_forwards']} forwards "
+            f"({delta['prefill_positions']} positions); now {len(self.core.running)} running, {waiting} waiting; "
+            f"weight version {self.core.version}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     async def _on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.engine_thread, fn, *args)
@@ -190,9 +213,17 @@ class EmbeddedServer:
         self.core.add(Request(rid, ids, sampling, on_finish=finished))  # joins at the next step
         self._poke()
         r = await done
-        return web.json_response(protocol.generate_response(
-            r.rid, r.output_ids, r.logprobs, r.finish, len(r.input_ids), self.core.version,
-            [tuple(s) for s in r.spans]))
+        return web.json_response(
+            protocol.generate_response(
+                r.rid,
+                r.output_ids,
+                r.logprobs,
+                r.finish,
+                len(r.input_ids),
+                self.core.version,
+                [tuple(s) for s in r.spans],
+            )
+        )
 
     async def abort(self, request):
         from aiohttp import web
@@ -254,8 +285,9 @@ class EmbeddedServer:
     async def model_info(self, request):
         from aiohttp import web
 
-        return web.json_response({"model_path": self.core.model_dir, "weight_version": self.core.version,
-                                  "is_generation": True})
+        return web.json_response(
+            {"model_path": self.core.model_dir, "weight_version": self.core.version, "is_generation": True}
+        )
 
     # -- weights --------------------------------------------------------------------------
     async def begin_update(self, request):
@@ -278,8 +310,15 @@ class EmbeddedServer:
         if name in self.groups:
             raise ValueError(f"already in weight-update group {name!r}: /destroy_weights_update_group first")
         self.groups[name] = await asyncio.to_thread(
-            join_group, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-            int(body["world_size"]), name, "gloo", 300.0)
+            join_group,
+            body["master_address"],
+            int(body["master_port"]),
+            int(body["rank_offset"]),
+            int(body["world_size"]),
+            name,
+            "gloo",
+            300.0,
+        )
         return _ok(f"joined {name}")
 
     async def destroy_group(self, request):
@@ -309,8 +348,10 @@ class EmbeddedServer:
             if flattened:
                 flat = torch.empty(layout[-1][1] if layout else 0, dtype=torch.uint8)
                 dist.broadcast(flat, src=0, group=group)
-                return [(n, flat[a:b].view(d).reshape(s))
-                        for n, d, s, (a, b) in zip(names, torch_dtypes, shapes, layout, strict=True)]
+                return [
+                    (n, flat[a:b].view(d).reshape(s))
+                    for n, d, s, (a, b) in zip(names, torch_dtypes, shapes, layout, strict=True)
+                ]
             out = []
             for n, d, s in zip(names, torch_dtypes, shapes, strict=True):
                 tensor = torch.empty(s, dtype=d)
@@ -333,8 +374,10 @@ class EmbeddedServer:
         self._need_session()
         payloads = body["serialized_named_tensors"]
         if not isinstance(payloads, list) or len(payloads) != 1:
-            raise ValueError(f"serialized_named_tensors: the embedded engine is one rank and takes one payload, "
-                             f"got {len(payloads) if isinstance(payloads, list) else type(payloads).__name__}")
+            raise ValueError(
+                f"serialized_named_tensors: the embedded engine is one rank and takes one payload, "
+                f"got {len(payloads) if isinstance(payloads, list) else type(payloads).__name__}"
+            )
         load_format = body.get("load_format")
         if load_format not in (None, protocol.FLATTENED):
             raise ValueError(f"load_format {load_format!r}: expected none or {protocol.FLATTENED!r}")
@@ -427,16 +470,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch", type=int, default=64)
-    parser.add_argument("--log-interval", type=float, default=30.0,
-                        help="seconds between throughput lines on stderr while busy (0: none)")
+    parser.add_argument(
+        "--log-interval",
+        type=float,
+        default=30.0,
+        help="seconds between throughput lines on stderr while busy (0: none)",
+    )
     parser.add_argument("--admin-api-key-file", help="file holding the admin key (else $BAPO_ADMIN_API_KEY)")
     parser.add_argument("--api-key-file", help="file holding the API key (else $BAPO_API_KEY)")
     args = parser.parse_args(argv)
     admin_key = _key("BAPO_ADMIN_API_KEY", args.admin_api_key_file)
     api_key = _key("BAPO_API_KEY", args.api_key_file)
     if not is_loopback(args.host) and admin_key is None:
-        print(f"error: --host {args.host} is not loopback: set an admin key (BAPO_ADMIN_API_KEY or "
-              "--admin-api-key-file) so that weight updates and pauses are protected", file=sys.stderr)
+        print(
+            f"error: --host {args.host} is not loopback: set an admin key (BAPO_ADMIN_API_KEY or "
+            "--admin-api-key-file) so that weight updates and pauses are protected",
+            file=sys.stderr,
+        )
         return 2
     problem = _model_dir_problem(Path(args.model))
     if problem:

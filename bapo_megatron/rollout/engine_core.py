@@ -116,7 +116,7 @@ class Request:
     on_finish: Callable[[Request], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    spans: list[list] = field(default_factory=list)   # [version, start, end] over output tokens
+    spans: list[list] = field(default_factory=list)  # [version, start, end] over output tokens
     finish: dict | None = None
     generator: torch.Generator | None = None
 
@@ -140,8 +140,9 @@ class EngineCore:
         import transformers
 
         self.model_dir = str(model_dir)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32,
-                                                                        use_safetensors=True).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=torch.float32, use_safetensors=True
+        ).eval()
         self.eos = _eos_ids(self.model)
         self.seed = seed
         self.max_batch = max_batch
@@ -155,8 +156,17 @@ class EngineCore:
         self.prefixes: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
         # running totals, for the server's throughput log: decode steps and the tokens they made,
         # prefill forwards, the requests and the (padded) positions they ran, prefix-store hits
-        self.counters = dict.fromkeys(("decode_steps", "decode_tokens", "prefill_forwards", "prefill_requests",
-                                       "prefill_positions", "prefix_hits"), 0)
+        self.counters = dict.fromkeys(
+            (
+                "decode_steps",
+                "decode_tokens",
+                "prefill_forwards",
+                "prefill_requests",
+                "prefill_positions",
+                "prefix_hits",
+            ),
+            0,
+        )
         self._count = 0
         self.released: set[str] = set()  # memory tags released (SGLang's release_memory_occupation)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # id(parameter) -> its shape, while released
@@ -179,8 +189,13 @@ class EngineCore:
         while self.incoming:
             self.waiting.append(self.incoming.popleft())
 
-    def abort(self, rid: str | None = None, message: str = "aborted", status_code: int | None = None,
-              err_type: str | None = None) -> int:
+    def abort(
+        self,
+        rid: str | None = None,
+        message: str = "aborted",
+        status_code: int | None = None,
+        err_type: str | None = None,
+    ) -> int:
         """Finish (with finish reason abort and their partial output) one request, or all if rid is None;
         an internal error passes its message, 500 and its type. Not concurrently with step()."""
         self._admit()
@@ -237,8 +252,10 @@ class EngineCore:
         if self.released & {"weights", "kv_cache"}:
             return f"memory released ({', '.join(sorted(self.released))}): resume it first"
         if self._unloaded:
-            return (f"{len(self._unloaded)} parameters were released and have not been loaded since: "
-                    "update the weights first")
+            return (
+                f"{len(self._unloaded)} parameters were released and have not been loaded since: "
+                "update the weights first"
+            )
         return None
 
     # -- weights --------------------------------------------------------------------------
@@ -294,8 +311,9 @@ class EngineCore:
 
     def _keep_prefix(self, request: Request, slot: int) -> None:
         length = request.length - 1  # cached positions: every token but the last sampled one
-        self.prefixes[_prefix_key(request)] = [(k[slot, :, :length].clone(), v[slot, :, :length].clone())
-                                               for k, v in self.kv.layers()]
+        self.prefixes[_prefix_key(request)] = [
+            (k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in self.kv.layers()
+        ]
         # at most as many positions as the slots hold: the store never more than doubles the cache
         limit = self.kv.slots * self.kv.capacity
         stored = sum(len(key) for key in self.prefixes)
@@ -329,8 +347,9 @@ class EngineCore:
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         self.kv.reserve(layers, longest + 1)
         finished = []
-        for b, (request, seq, picked) in enumerate(zip(batch, sequences, self._sample(batch, out.logits[:, -1]),
-                                                       strict=True)):
+        for b, (request, seq, picked) in enumerate(
+            zip(batch, sequences, self._sample(batch, out.logits[:, -1]), strict=True)
+        ):
             if self._emit(request, *picked):
                 finished.append(request)
                 continue
@@ -348,9 +367,13 @@ class EngineCore:
         blocked = (torch.arange(span)[None, :] > positions[:, None])[:, None, None, :]
         mask = torch.zeros(len(batch), 1, 1, span).masked_fill(blocked, torch.finfo(torch.float32).min)
         last = [(r.output_ids or r.input_ids)[-1] for r in batch]  # a resumed request's input is its last token
-        out = self.model(input_ids=torch.tensor([last]).T, attention_mask=mask,
-                         position_ids=positions[:, None], past_key_values=self.kv.step_cache(positions),
-                         use_cache=True)
+        out = self.model(
+            input_ids=torch.tensor([last]).T,
+            attention_mask=mask,
+            position_ids=positions[:, None],
+            past_key_values=self.kv.step_cache(positions),
+            use_cache=True,
+        )
         picked = self._sample(batch, out.logits[:, -1])
         self.counters["decode_steps"] += 1
         self.counters["decode_tokens"] += len(batch)
@@ -360,8 +383,14 @@ class EngineCore:
         """(token, logprob) per row. Rows with plain sampling (T > 0, no top-p/top-k, no seed of
         their own) are drawn together from the engine's generator; the others one by one."""
         logits = logits.float()
-        plain = [b for b, r in enumerate(batch) if r.sampling.temperature > 0 and r.sampling.top_p == 1
-                 and r.sampling.top_k == -1 and r.sampling.sampling_seed is None]
+        plain = [
+            b
+            for b, r in enumerate(batch)
+            if r.sampling.temperature > 0
+            and r.sampling.top_p == 1
+            and r.sampling.top_k == -1
+            and r.sampling.sampling_seed is None
+        ]
         out: list[tuple[int, float] | None] = [None] * len(batch)
         if plain:
             rows = torch.tensor(plain)
@@ -428,7 +457,7 @@ def prefill_chunks(lengths: Sequence[int], overhead: int) -> list[list[int]]:
                 best[j], cut[j] = cost, i
     chunks, j = [], len(order)
     while j:
-        chunks.append(order[cut[j]:j])
+        chunks.append(order[cut[j] : j])
         j = cut[j]
     return chunks[::-1]
 
@@ -457,4 +486,3 @@ def sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) 
         weights = torch.where(keep, weights, 0.0)
     token = int(torch.multinomial(weights, 1, generator=generator))
     return token, float(logprobs[token])
-

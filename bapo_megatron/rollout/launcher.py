@@ -52,8 +52,10 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process is not None and self.process.poll() is not None:
-                raise EngineStartError(f"engine server exited with code {self.process.returncode} before it was "
-                                       f"ready ({' '.join(self.command[:4])} ...); log tail:\n{self.log_tail()}")
+                raise EngineStartError(
+                    f"engine server exited with code {self.process.returncode} before it was "
+                    f"ready ({' '.join(self.command[:4])} ...); log tail:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + path, timeout=2) as resp:
                     if resp.status == 200:
@@ -62,8 +64,9 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise EngineStartError(f"engine server at {self.url} not ready after {timeout_s:.0f} s; "
-                                       f"log tail:\n{self.log_tail()}")
+                raise EngineStartError(
+                    f"engine server at {self.url} not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -83,12 +86,30 @@ class ServerProcess:
             self.process.wait()
 
 
-def embedded_server(model_dir: str | Path, log_path: str | Path, port: int | None = None, host: str = "127.0.0.1",
-                    seed: int = 0, admin_key: str | None = None, max_batch: int | None = None) -> ServerProcess:
+def embedded_server(
+    model_dir: str | Path,
+    log_path: str | Path,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    seed: int = 0,
+    admin_key: str | None = None,
+    max_batch: int | None = None,
+) -> ServerProcess:
     """A (not yet started) embedded engine serving model_dir; the admin key travels in its environment."""
     port = port or free_port(host)
-    command = [sys.executable, "-m", "bapo_megatron.rollout.embedded", "--model", str(model_dir),
-               "--port", str(port), "--host", host, "--seed", str(seed)]
+    command = [
+        sys.executable,
+        "-m",
+        "bapo_megatron.rollout.embedded",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--host",
+        host,
+        "--seed",
+        str(seed),
+    ]
     if max_batch is not None:
         command += ["--max-batch", str(max_batch)]
     env = {"BAPO_ADMIN_API_KEY": admin_key} if admin_key else {}

@@ -56,8 +56,9 @@ class EnginePool:
             if len(self.dead) < len(self.load):
                 continue
             if time.monotonic() > deadline:
-                raise EngineUnavailable(f"no engine answered for {self.timeout_s:.0f} s: "
-                                        f"{[c.base_url for c in self.clients]}")
+                raise EngineUnavailable(
+                    f"no engine answered for {self.timeout_s:.0f} s: {[c.base_url for c in self.clients]}"
+                )
             await asyncio.sleep(self.probe_s)
 
     def mark_dead(self, index: int) -> None:
@@ -79,9 +80,19 @@ class RolloutManager:
       checkpoint or at shutdown).
     """
 
-    def __init__(self, pool: EnginePool, buffer: PartialRolloutBuffer, prompts: PromptFn, reward: RewardWorkers,
-                 sampling: SamplingParams, prompts_per_step: int, oversample: float = 1.0, partial: bool = True,
-                 decode: Callable[[list[int]], str] | None = None, mode: str = "abort") -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        buffer: PartialRolloutBuffer,
+        prompts: PromptFn,
+        reward: RewardWorkers,
+        sampling: SamplingParams,
+        prompts_per_step: int,
+        oversample: float = 1.0,
+        partial: bool = True,
+        decode: Callable[[list[int]], str] | None = None,
+        mode: str = "abort",
+    ) -> None:
         if mode not in ("abort", "retract"):
             raise ValueError(f"mode must be 'abort' or 'retract', got {mode!r}")
         if mode == "retract" and not partial:
@@ -114,7 +125,7 @@ class RolloutManager:
         self.buffer.drop_stale(version, self._busy())  # once per step: this step's tokens are never stale in it
         pending_rewards: set[asyncio.Task] = set()
         budget = self.buffer.token_budget
-        used: dict[str, int] = {}    # tokens each sample has generated in its current round
+        used: dict[str, int] = {}  # tokens each sample has generated in its current round
         rounds: dict[str, int] = {}  # rounds each sample has begun in this step
 
         def launch() -> None:
@@ -158,11 +169,17 @@ class RolloutManager:
             await task
         groups = self.buffer.pop_finished(self.prompts_per_step)
         elapsed = time.monotonic() - start
-        self.stats = {"rollout/seconds": elapsed, "rollout/tokens": tokens, "rollout/rounds": self.rounds,
-                      "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
-                      "rollout/in_buffer": self.buffer.in_flight, "rollout/in_engines": len(self._running),
-                      "rollout/dropped_stale": self.buffer.counters["dropped_stale"],
-                      "rollout/engine_failures": self.pool.failures, "rollout/reward_failures": self.reward.failures}
+        self.stats = {
+            "rollout/seconds": elapsed,
+            "rollout/tokens": tokens,
+            "rollout/rounds": self.rounds,
+            "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
+            "rollout/in_buffer": self.buffer.in_flight,
+            "rollout/in_engines": len(self._running),
+            "rollout/dropped_stale": self.buffer.counters["dropped_stale"],
+            "rollout/engine_failures": self.pool.failures,
+            "rollout/reward_failures": self.reward.failures,
+        }
         return groups
 
     def _busy(self) -> frozenset[str]:
@@ -198,6 +215,7 @@ class RolloutManager:
     async def _each(self, engines: list[int], call: Callable[[EngineClient], Any]) -> None:
         """call(client) on these engines at once; one found unavailable is marked dead (its requests
         fail over to another engine)."""
+
         async def one(index: int) -> None:
             try:
                 await call(self.pool.clients[index])

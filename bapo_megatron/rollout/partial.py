@@ -25,9 +25,9 @@ class SampleState:
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish: str | None = None        # "stop" or "length" once finished
+    finish: str | None = None  # "stop" or "length" once finished
     reward: float | None = None
-    regenerated: int = 0             # times dropped for staleness
+    regenerated: int = 0  # times dropped for staleness
 
     @property
     def finished(self) -> bool:
@@ -60,8 +60,9 @@ class Request:
 
 
 class PartialRolloutBuffer:
-    def __init__(self, samples_per_prompt: int, max_new_tokens: int, token_budget: int | None = None,
-                 max_staleness: int = 4) -> None:
+    def __init__(
+        self, samples_per_prompt: int, max_new_tokens: int, token_budget: int | None = None, max_staleness: int = 4
+    ) -> None:
         self.samples_per_prompt, self.max_new_tokens = samples_per_prompt, max_new_tokens
         self.token_budget = token_budget or max_new_tokens
         self.max_staleness = max_staleness
@@ -73,8 +74,12 @@ class PartialRolloutBuffer:
             raise ValueError(f"prompt {uid!r} is already in the buffer")
         if not prompt_ids:
             raise ValueError(f"prompt {uid!r} has no tokens")
-        group = GroupState(uid, list(prompt_ids), dict(meta or {}),
-                           [SampleState(f"{uid}/{i}", list(prompt_ids)) for i in range(self.samples_per_prompt)])
+        group = GroupState(
+            uid,
+            list(prompt_ids),
+            dict(meta or {}),
+            [SampleState(f"{uid}/{i}", list(prompt_ids)) for i in range(self.samples_per_prompt)],
+        )
         self.groups[uid] = group
         self.counters["groups_added"] += 1
         return group
@@ -114,8 +119,7 @@ class PartialRolloutBuffer:
         if s.finished:
             raise RuntimeError(f"{s.uid} is finished already: a duplicate completion")
         if len(completion.output_ids) > request.max_new_tokens:
-            raise ValueError(f"{s.uid}: {len(completion.output_ids)} tokens for a request of "
-                             f"{request.max_new_tokens}")
+            raise ValueError(f"{s.uid}: {len(completion.output_ids)} tokens for a request of {request.max_new_tokens}")
         if s.response_ids:
             self.counters["resumed"] += 1
         reported = completion.token_versions()
@@ -142,14 +146,19 @@ class PartialRolloutBuffer:
         return len(self.groups)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"config": [self.samples_per_prompt, self.max_new_tokens, self.token_budget, self.max_staleness],
-                "groups": [asdict(g) for g in self.groups.values()], "counters": dict(self.counters)}
+        return {
+            "config": [self.samples_per_prompt, self.max_new_tokens, self.token_budget, self.max_staleness],
+            "groups": [asdict(g) for g in self.groups.values()],
+            "counters": dict(self.counters),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         config = [self.samples_per_prompt, self.max_new_tokens, self.token_budget, self.max_staleness]
         if list(state["config"]) != config:
-            raise ValueError(f"partial-rollout buffer saved with (samples_per_prompt, max_new_tokens, token_budget, "
-                             f"max_staleness) = {state['config']}, this run has {config}")
+            raise ValueError(
+                f"partial-rollout buffer saved with (samples_per_prompt, max_new_tokens, token_budget, "
+                f"max_staleness) = {state['config']}, this run has {config}"
+            )
         self.groups = {}
         for g in state["groups"]:
             samples = [SampleState(**s) for s in g["samples"]]

@@ -17,12 +17,24 @@ import torch
 
 # Control endpoints: once a server has an admin key, only a request carrying it may call these
 # (SGLang marks them ADMIN_OPTIONAL). /generate and health/info endpoints are not among them.
-ADMIN_ENDPOINTS = frozenset({
-    "/abort_request", "/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update",
-    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
-    "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weight_version",
-    "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache",
-})
+ADMIN_ENDPOINTS = frozenset(
+    {
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/flush_cache",
+    }
+)
 FINISH_TYPES = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what /release_memory_occupation can free
@@ -49,12 +61,17 @@ class SamplingParams:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or (self.top_k == 0 or self.top_k < -1):
-            raise ValueError(f"invalid sampling params: temperature={self.temperature}, top_p={self.top_p}, "
-                             f"top_k={self.top_k}")
+            raise ValueError(
+                f"invalid sampling params: temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}"
+            )
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                               "top_p": self.top_p, "top_k": self.top_k}
+        out: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
         if self.ignore_eos:
@@ -78,8 +95,14 @@ class SamplingParams:
 
 def generate_request(input_ids: list[int], sampling: SamplingParams, rid: str) -> dict[str, Any]:
     """POST /generate body: token ids in, per-token logprobs of the output back."""
-    return {"input_ids": list(input_ids), "sampling_params": sampling.to_json(), "return_logprob": True,
-            "logprob_start_len": -1, "rid": rid, "stream": False}
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": sampling.to_json(),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "rid": rid,
+        "stream": False,
+    }
 
 
 @dataclass
@@ -89,7 +112,7 @@ class Completion:
     rid: str
     output_ids: list[int]
     logprobs: list[float]
-    finish: str                     # stop | length | abort
+    finish: str  # stop | length | abort
     weight_version: str | None = None
     # [(version, start, end)] over output tokens, when the engine reports versions per span
     version_spans: list[tuple[str, int, int]] = field(default_factory=list)
@@ -142,18 +165,39 @@ def parse_generate_response(body: Any, rid: str) -> Completion:
         except (KeyError, TypeError, ValueError):
             raise MalformedResponse(f"{where}.meta_info.weight_versions: bad span {span!r}") from None
     version = meta.get("weight_version")
-    return Completion(rid=str(meta.get("id", rid)), output_ids=[int(t) for t in output_ids], logprobs=logprobs,
-                      finish=kind, weight_version=None if version is None else str(version), version_spans=spans,
-                      prompt_tokens=int(meta.get("prompt_tokens", 0)))
+    return Completion(
+        rid=str(meta.get("id", rid)),
+        output_ids=[int(t) for t in output_ids],
+        logprobs=logprobs,
+        finish=kind,
+        weight_version=None if version is None else str(version),
+        version_spans=spans,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+    )
 
 
-def generate_response(rid: str, output_ids: list[int], logprobs: list[float], finish: dict[str, Any],
-                      prompt_tokens: int, weight_version: str, spans: list[tuple[str, int, int]]) -> dict[str, Any]:
+def generate_response(
+    rid: str,
+    output_ids: list[int],
+    logprobs: list[float],
+    finish: dict[str, Any],
+    prompt_tokens: int,
+    weight_version: str,
+    spans: list[tuple[str, int, int]],
+) -> dict[str, Any]:
     """The body the embedded engine answers /generate with (SGLang's shape, text left empty)."""
-    meta = {"id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens, "weight_version": weight_version,
-            "num_retractions": 0, "completion_tokens": len(output_ids), "cached_tokens": 0, "reasoning_tokens": 0,
-            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=True)],
-            "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans]}
+    meta = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": prompt_tokens,
+        "weight_version": weight_version,
+        "num_retractions": 0,
+        "completion_tokens": len(output_ids),
+        "cached_tokens": 0,
+        "reasoning_tokens": 0,
+        "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=True)],
+        "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans],
+    }
     return {"text": "", "output_ids": list(output_ids), "meta_info": meta}
 
 
@@ -169,22 +213,46 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def init_group_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
-                       group_name: str = DEFAULT_GROUP, backend: str = "nccl") -> dict[str, Any]:
-    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}
+def init_group_request(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP,
+    backend: str = "nccl",
+) -> dict[str, Any]:
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
 
 
 FLATTENED = "flattened_bucket"
 
 
-def update_distributed_request(names: list[str], dtypes: list[str], shapes: list[list[int]], version: str,
-                               group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
-                               flattened: bool = False) -> dict[str, Any]:
+def update_distributed_request(
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    version: str,
+    group_name: str = DEFAULT_GROUP,
+    flush_cache: bool = True,
+    flattened: bool = False,
+) -> dict[str, Any]:
     """flattened: the tensors travel as one uint8 broadcast, their bytes concatenated in order
     (SGLang's load_format "flattened_bucket"); else one broadcast per tensor."""
-    body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": version}
+    body = {
+        "names": names,
+        "dtypes": dtypes,
+        "shapes": shapes,
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "weight_version": version,
+    }
     if flattened:
         body["load_format"] = FLATTENED
     return body
@@ -204,8 +272,9 @@ def flattened_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> list
     return out
 
 
-def update_tensor_request(serialized: list[str], version: str, flattened: bool = True,
-                          flush_cache: bool = True) -> dict[str, Any]:
+def update_tensor_request(
+    serialized: list[str], version: str, flattened: bool = True, flush_cache: bool = True
+) -> dict[str, Any]:
     """POST /update_weights_from_tensor body: one base64 payload per engine TP rank (weights/ipc.py)."""
     body = {"serialized_named_tensors": list(serialized), "flush_cache": flush_cache, "weight_version": version}
     if flattened:

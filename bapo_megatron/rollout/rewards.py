@@ -26,7 +26,7 @@ def last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1:j]
+            return text[i + 1 : j]
     return None
 
 
@@ -81,7 +81,8 @@ class RewardWorkers:
             value, error = score(self.name, text, ids, meta)
         else:
             value, error = await asyncio.get_running_loop().run_in_executor(
-                self._pool, score, self.name, text, ids, meta)
+                self._pool, score, self.name, text, ids, meta
+            )
         if error is not None:
             self.failures += 1
         return value

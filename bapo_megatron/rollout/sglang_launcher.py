@@ -64,27 +64,43 @@ def mem_fraction(cfg: RolloutConfig, colocated_fraction: float | None = None) ->
         return cfg.mem_fraction_static
     if cfg.colocate:
         if colocated_fraction is None:
-            raise ValueError("rollout.colocate: set rollout.mem_fraction_static, or pass the fraction the trainer "
-                             "leaves (sglang_launcher.rollout_mem_fraction)")
+            raise ValueError(
+                "rollout.colocate: set rollout.mem_fraction_static, or pass the fraction the trainer "
+                "leaves (sglang_launcher.rollout_mem_fraction)"
+            )
         return colocated_fraction
     return SEPARATE_MEM_FRACTION
 
 
 def rollout_mem_fraction(job: JobConfig, spec: ModelSpec, gpu_bytes: int, data_parallel: int) -> float:
     """What a colocated server may take of a GPU of gpu_bytes beside a trainer rank of `job`."""
-    estimate = trainer_memory(spec, job.model, job.parallel, data_parallel,
-                              distributed_optimizer=True)  # GPU runs use Megatron's distributed optimizer
+    estimate = trainer_memory(
+        spec, job.model, job.parallel, data_parallel, distributed_optimizer=True
+    )  # GPU runs use Megatron's distributed optimizer
     return colocated_mem_fraction(gpu_bytes, estimate)
 
 
-def server_args(cfg: RolloutConfig, model_path: str, index: int, key: str | None, weight_version: str = "0",
-                seed: int = 0, colocated_fraction: float | None = None) -> dict[str, Any]:
+def server_args(
+    cfg: RolloutConfig,
+    model_path: str,
+    index: int,
+    key: str | None,
+    weight_version: str = "0",
+    seed: int = 0,
+    colocated_fraction: float | None = None,
+) -> dict[str, Any]:
     """SGLang's options (its CLI names) for server `index`."""
     args: dict[str, Any] = {
-        "model-path": model_path, "host": cfg.host, "port": cfg.port + index, "tp-size": cfg.tensor_parallel,
-        "dp-size": 1, "base-gpu-id": (index * cfg.tensor_parallel) % max(1, _gpus_per_node()),
-        "mem-fraction-static": mem_fraction(cfg, colocated_fraction), "weight-version": weight_version,
-        "random-seed": seed + index, "skip-tokenizer-init": True,  # we send and read token ids
+        "model-path": model_path,
+        "host": cfg.host,
+        "port": cfg.port + index,
+        "tp-size": cfg.tensor_parallel,
+        "dp-size": 1,
+        "base-gpu-id": (index * cfg.tensor_parallel) % max(1, _gpus_per_node()),
+        "mem-fraction-static": mem_fraction(cfg, colocated_fraction),
+        "weight-version": weight_version,
+        "random-seed": seed + index,
+        "skip-tokenizer-init": True,  # we send and read token ids
     }
     # validated by the config; None: SGLang's default (its --config merger would pass the string "None")
     args.update({k.replace("_", "-"): v for k, v in cfg.sglang_args.items() if v is not None})
@@ -101,8 +117,14 @@ def _gpus_per_node() -> int:
     return torch.cuda.device_count() or 1
 
 
-def sglang_servers(cfg: RolloutConfig, model_path: str, run_dir: str | Path, weight_version: str = "0",
-                   seed: int = 0, colocated_fraction: float | None = None) -> tuple[list[ServerProcess], str | None]:
+def sglang_servers(
+    cfg: RolloutConfig,
+    model_path: str,
+    run_dir: str | Path,
+    weight_version: str = "0",
+    seed: int = 0,
+    colocated_fraction: float | None = None,
+) -> tuple[list[ServerProcess], str | None]:
     """Not yet started server processes (one per rollout.servers) and the admin key they use."""
     key = admin_key(cfg, run_dir)
     run_dir = Path(run_dir)
@@ -113,20 +135,33 @@ def sglang_servers(cfg: RolloutConfig, model_path: str, run_dir: str | Path, wei
         with os.fdopen(fd, "w") as f:
             yaml.safe_dump(server_args(cfg, model_path, i, key, weight_version, seed, colocated_fraction), f)
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
-        servers.append(ServerProcess([sys.executable, "-m", "sglang.launch_server", "--config", str(config)],
-                                     f"http://{host}:{cfg.port + i}", run_dir / f"sglang_{i}.log"))
+        servers.append(
+            ServerProcess(
+                [sys.executable, "-m", "sglang.launch_server", "--config", str(config)],
+                f"http://{host}:{cfg.port + i}",
+                run_dir / f"sglang_{i}.log",
+            )
+        )
     return servers, key
 
 
-def start_sglang(cfg: RolloutConfig, model_path: str, run_dir: str | Path, timeout_s: float = 900.0,
-                 weight_version: str = "0", seed: int = 0,
-                 colocated_fraction: float | None = None) -> tuple[list[ServerProcess], str | None]:
+def start_sglang(
+    cfg: RolloutConfig,
+    model_path: str,
+    run_dir: str | Path,
+    timeout_s: float = 900.0,
+    weight_version: str = "0",
+    seed: int = 0,
+    colocated_fraction: float | None = None,
+) -> tuple[list[ServerProcess], str | None]:
     """Start every server and wait until each generates; on any failure all are stopped."""
     try:
         import sglang  # noqa: F401 (a clear error before any process starts)
     except ImportError:
-        raise RuntimeError("rollout.engine=sglang needs SGLang 0.5.23: pip install -e '.[sglang]' "
-                           "(CUDA only; use rollout.engine=embedded on CPU)") from None
+        raise RuntimeError(
+            "rollout.engine=sglang needs SGLang 0.5.23: pip install -e '.[sglang]' "
+            "(CUDA only; use rollout.engine=embedded on CPU)"
+        ) from None
     servers, key = sglang_servers(cfg, model_path, run_dir, weight_version, seed, colocated_fraction)
     try:
         for s in servers:

@@ -64,8 +64,9 @@ def in_process_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_sharded(sharded: dict, directory: str | Path, strategy=None,
-                 extra_files: dict[str, str] | None = None) -> None:
+def save_sharded(
+    sharded: dict, directory: str | Path, strategy=None, extra_files: dict[str, str] | None = None
+) -> None:
     """dist_checkpointing.save into `directory` through a temporary sibling, renamed when complete,
     with `extra_files` (name -> text) written beside it first; `strategy`: a sharded save strategy
     other than Megatron's default torch_dist one."""
@@ -111,8 +112,10 @@ def load_sharded(sharded: dict, directory: str | Path) -> dict:
     loaded, _, absent = dist_checkpointing.load(sharded, str(directory), strict=StrictHandling.RETURN_UNEXPECTED)
     required = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
     if required:
-        raise ValueError(f"checkpoint {directory} lacks {len(required)} tensors this model needs, e.g. "
-                         f"{required[:3]} (a checkpoint of another model or layout?)")
+        raise ValueError(
+            f"checkpoint {directory} lacks {len(required)} tensors this model needs, e.g. "
+            f"{required[:3]} (a checkpoint of another model or layout?)"
+        )
     return loaded
 
 
@@ -121,8 +124,10 @@ def load_module_state(module: torch.nn.Module, state: dict, source: str | Path) 
     result = module.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
     if missing or result.unexpected_keys:
-        raise ValueError(f"checkpoint {source} does not fit the model: missing {missing[:3]}, "
-                         f"unexpected {result.unexpected_keys[:3]}")
+        raise ValueError(
+            f"checkpoint {source} does not fit the model: missing {missing[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]}"
+        )
 
 
 def save_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> None:
@@ -174,8 +179,10 @@ class CheckpointManager:
 
     def _sharded(self, trainer, is_loading: bool, with_rng: bool) -> dict:
         model_sd = model_sharded_state_dict(trainer.model)
-        sharded = {"model": model_sd,
-                   "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        sharded = {
+            "model": model_sd,
+            "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        }
         if with_rng:
             from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -236,8 +243,11 @@ class CheckpointManager:
         if same_world:
             _set_rng_states(loaded["rng"])
         else:
-            warnings.warn(f"checkpoint {directory} was saved by {common['world_size']} ranks, this job has "
-                          f"{dist.get_world_size()}: random states start afresh", stacklevel=2)
+            warnings.warn(
+                f"checkpoint {directory} was saved by {common['world_size']} ranks, this job has "
+                f"{dist.get_world_size()}: random states start afresh",
+                stacklevel=2,
+            )
         for name, obj in self.extras.items():
             if name not in common["extras"]:
                 raise ValueError(f"checkpoint {directory} has no state for {name!r}")

@@ -41,22 +41,24 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         local_target = targets - vocab_start
         on_rank = (local_target >= 0) & (local_target < v_local)
         for s in range(0, n, chunk):
-            z = _scaled(logits[s:s + chunk], temperature, valid_cols, dtype)
+            z = _scaled(logits[s : s + chunk], temperature, valid_cols, dtype)
             zmax = z.max(dim=-1).values
             _all_reduce(zmax, dist.ReduceOp.MAX, group)
             e = torch.exp(z - zmax.unsqueeze(-1))
-            zt = z.gather(1, local_target[s:s + chunk].clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
-            stats = torch.stack([
-                e.sum(-1),
-                torch.where(valid_cols, e * z, 0.0).sum(-1),
-                torch.where(on_rank[s:s + chunk], zt, 0.0),
-            ])
+            zt = z.gather(1, local_target[s : s + chunk].clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
+            stats = torch.stack(
+                [
+                    e.sum(-1),
+                    torch.where(valid_cols, e * z, 0.0).sum(-1),
+                    torch.where(on_rank[s : s + chunk], zt, 0.0),
+                ]
+            )
             _all_reduce(stats, dist.ReduceOp.SUM, group)
             sum_e, sum_ez, z_target = stats
             lse = zmax + torch.log(sum_e)
-            logp[s:s + chunk] = z_target - lse
-            entropy[s:s + chunk] = lse - sum_ez / sum_e
-            lse_all[s:s + chunk] = lse
+            logp[s : s + chunk] = z_target - lse
+            entropy[s : s + chunk] = lse - sum_ez / sum_e
+            lse_all[s : s + chunk] = lse
         ctx.save_for_backward(logits, local_target, on_rank, lse_all, entropy, valid_cols)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp, entropy
@@ -72,17 +74,17 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         if grad_entropy is None:
             grad_entropy = torch.zeros_like(lse_all)
         for s in range(0, n, ctx.chunk):
-            z = _scaled(logits[s:s + ctx.chunk], ctx.temperature, valid_cols, dtype)
-            log_p = z - lse_all[s:s + ctx.chunk].unsqueeze(-1)
+            z = _scaled(logits[s : s + ctx.chunk], ctx.temperature, valid_cols, dtype)
+            log_p = z - lse_all[s : s + ctx.chunk].unsqueeze(-1)
             p = torch.exp(log_p)
-            g_lp = grad_logp[s:s + ctx.chunk].unsqueeze(-1).to(dtype)
-            g_h = grad_entropy[s:s + ctx.chunk].unsqueeze(-1).to(dtype)
+            g_lp = grad_logp[s : s + ctx.chunk].unsqueeze(-1).to(dtype)
+            g_h = grad_entropy[s : s + ctx.chunk].unsqueeze(-1).to(dtype)
             # d logp_target / dz = onehot - p;  d H / dz = -p (log p + H)
             log_p = torch.where(valid_cols, log_p, 0.0)
-            dz = -g_lp * p - g_h * p * (log_p + entropy[s:s + ctx.chunk].unsqueeze(-1))
-            cols = local_target[s:s + ctx.chunk].clamp(0, v_local - 1).unsqueeze(1)
-            dz.scatter_add_(1, cols, torch.where(on_rank[s:s + ctx.chunk].unsqueeze(1), g_lp, 0.0))
-            grad[s:s + ctx.chunk] = (dz / ctx.temperature).to(grad.dtype)
+            dz = -g_lp * p - g_h * p * (log_p + entropy[s : s + ctx.chunk].unsqueeze(-1))
+            cols = local_target[s : s + ctx.chunk].clamp(0, v_local - 1).unsqueeze(1)
+            dz.scatter_add_(1, cols, torch.where(on_rank[s : s + ctx.chunk].unsqueeze(1), g_lp, 0.0))
+            grad[s : s + ctx.chunk] = (dz / ctx.temperature).to(grad.dtype)
         return grad, None, None, None, None, None, None
 
 
@@ -128,7 +130,12 @@ def vocab_parallel_logprobs(
         itemsize = torch.promote_types(logits.dtype, torch.float32).itemsize
         chunk_tokens = chunk_tokens_for(v_local, itemsize, memory_budget_bytes)
     logp, entropy = _VocabParallelLogprobEntropy.apply(
-        logits.reshape(-1, v_local), targets.reshape(-1), group, float(temperature), int(vocab_start),
-        int(vocab_size), max(1, int(chunk_tokens)),
+        logits.reshape(-1, v_local),
+        targets.reshape(-1),
+        group,
+        float(temperature),
+        int(vocab_start),
+        int(vocab_size),
+        max(1, int(chunk_tokens)),
     )
     return logp.view(lead), entropy.view(lead)

@@ -32,16 +32,22 @@ def check_precision_support(model: ModelConfig) -> None:
         try:
             import transformer_engine.pytorch  # noqa: F401
         except ImportError as err:
-            raise ConfigError("model.transformer_impl", model.transformer_impl,
-                              f"Transformer Engine is not importable here ({err}); install the [gpu] extra "
-                              "or use transformer_impl='local'") from None
+            raise ConfigError(
+                "model.transformer_impl",
+                model.transformer_impl,
+                f"Transformer Engine is not importable here ({err}); install the [gpu] extra "
+                "or use transformer_impl='local'",
+            ) from None
     if model.precision in ("bf16", "fp8") and not torch.cuda.is_available():
         raise ConfigError("model.precision", model.precision, "needs a CUDA GPU; use 'fp32' on CPU")
     if model.precision == "fp8":
         problem = fp8_hardware_problem(model.fp8_recipe, torch.cuda.get_device_capability(), torch.version.cuda)
         if problem:
-            raise ConfigError("model.fp8_recipe" if model.fp8_recipe == "blockwise" else "model.precision",
-                              model.fp8_recipe if model.fp8_recipe == "blockwise" else "fp8", problem)
+            raise ConfigError(
+                "model.fp8_recipe" if model.fp8_recipe == "blockwise" else "model.precision",
+                model.fp8_recipe if model.fp8_recipe == "blockwise" else "fp8",
+                problem,
+            )
 
 
 def fp8_hardware_problem(recipe: str, capability: tuple[int, int], cuda: str | None) -> str | None:
@@ -51,8 +57,10 @@ def fp8_hardware_problem(recipe: str, capability: tuple[int, int], cuda: str | N
     if recipe == "blockwise":
         version = tuple(int(x) for x in (cuda or "0.0").split(".")[:2])
         if tuple(capability) < FP8_BLOCKWISE_MIN_CAPABILITY or version < FP8_BLOCKWISE_MIN_CUDA:
-            return (f"blockwise fp8 needs compute capability >= 9.0 (Hopper) and CUDA >= 12.9; found "
-                    f"{capability[0]}.{capability[1]} with CUDA {cuda}: use fp8_recipe='tensorwise'")
+            return (
+                f"blockwise fp8 needs compute capability >= 9.0 (Hopper) and CUDA >= 12.9; found "
+                f"{capability[0]}.{capability[1]} with CUDA {cuda}: use fp8_recipe='tensorwise'"
+            )
     return None
 
 
@@ -72,8 +80,9 @@ def sequence_multiple(model: ModelConfig, parallel: ParallelConfig) -> int:
     return per_rank * split
 
 
-def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, initialize: bool = True,
-                       cpu_init: bool = False):
+def transformer_config(
+    spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, initialize: bool = True, cpu_init: bool = False
+):
     """Megatron's TransformerConfig for `spec` under our model and parallel settings.
 
     initialize=False skips the random initialisation of weights that are about to be loaded.
@@ -89,8 +98,11 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
     dtype = PARAMS_DTYPE[model.precision]
     fp8 = {}
     if model.precision == "fp8":
-        fp8 = {"fp8": model.fp8_format, "fp8_recipe": model.fp8_recipe,
-               "first_last_layers_bf16": model.fp8_bf16_first_last_layers}
+        fp8 = {
+            "fp8": model.fp8_format,
+            "fp8_recipe": model.fp8_recipe,
+            "first_last_layers_bf16": model.fp8_bf16_first_last_layers,
+        }
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -137,8 +149,16 @@ def _fusions(enabled: bool) -> dict:
     """Kernel fusions: all on with Transformer Engine, all off on the local (CPU) spec. Gradient
     accumulation fusion only where apex's wgrad kernel imports: Megatron's own output layer
     (a ColumnParallelLinear even under the TE spec) refuses to build without it."""
-    flags = {name: enabled for name in ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
-                                        "persist_layer_norm", "apply_rope_fusion")}
+    flags = {
+        name: enabled
+        for name in (
+            "bias_activation_fusion",
+            "bias_dropout_fusion",
+            "masked_softmax_fusion",
+            "persist_layer_norm",
+            "apply_rope_fusion",
+        )
+    }
     flags["gradient_accumulation_fusion"] = enabled and wgrad_fusion_available()
     return flags
 
@@ -166,13 +186,19 @@ def layer_spec(model: ModelConfig):
 
 def padded_vocab(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> int:
     """Rows of the (vocab-parallel) embedding and output layer, padding included."""
-    return padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor,
-                             model.vocab_pad_tp)
+    return padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp)
 
 
 def build_gpt_model(
-    spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, *, pre_process: bool, post_process: bool,
-    vp_stage: int | None = None, initialize: bool = True, cpu_init: bool = False,
+    spec: ModelSpec,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+    initialize: bool = True,
+    cpu_init: bool = False,
 ):
     """One pipeline stage (or virtual chunk) of the policy as a Megatron GPTModel."""
     from megatron.core.models.gpt.gpt_model import GPTModel

@@ -82,21 +82,30 @@ def activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConf
     return total
 
 
-def trainer_memory(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, data_parallel: int,
-                   distributed_optimizer: bool = True) -> MemoryEstimate:
+def trainer_memory(
+    spec: ModelSpec,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    data_parallel: int,
+    distributed_optimizer: bool = True,
+) -> MemoryEstimate:
     """The estimate for the most loaded pipeline stage, with micro-batches of
     parallel.max_tokens_per_microbatch tokens."""
-    vocab = padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor,
-                              model.vocab_pad_tp)
+    vocab = padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp)
     width = PARAM_BYTES[model.precision]
     optimizer_per_param = 8 + (4 if width < 4 else 0)
     shards = data_parallel if distributed_optimizer else 1
     stages = []
     for stage in range(parallel.pipeline):
         n = stage_params(spec, vocab, parallel.tensor, parallel.pipeline, stage)
-        stages.append(MemoryEstimate(params=n * width, grads=n * 4, optimizer=n * optimizer_per_param // shards,
-                                     activations=activation_bytes(spec, model, parallel,
-                                                                  parallel.max_tokens_per_microbatch, stage)))
+        stages.append(
+            MemoryEstimate(
+                params=n * width,
+                grads=n * 4,
+                optimizer=n * optimizer_per_param // shards,
+                activations=activation_bytes(spec, model, parallel, parallel.max_tokens_per_microbatch, stage),
+            )
+        )
     return max(stages, key=lambda e: e.peak)
 
 
@@ -110,5 +119,6 @@ def colocated_mem_fraction(gpu_bytes: int, trainer: MemoryEstimate, reserve: flo
         raise ValueError(
             f"colocated: the trainer keeps {trainer.resident / 2**30:.1f} GiB per GPU (parameters, gradients, "
             f"optimizer) of {gpu_bytes / 2**30:.1f} GiB, leaving SGLang {max(fraction, 0.0):.0%}; use more "
-            "GPUs (tensor/pipeline/data parallel), or run the engines on GPUs of their own (rollout.colocate=false)")
+            "GPUs (tensor/pipeline/data parallel), or run the engines on GPUs of their own (rollout.colocate=false)"
+        )
     return round(fraction, 3)

@@ -25,8 +25,10 @@ def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list
     too_long = [(i, length) for i, length in enumerate(lengths) if length > max_tokens]
     if too_long:
         i, length = too_long[0]
-        raise ValueError(f"sample {i} has {length} tokens, more than parallel.max_tokens_per_microbatch="
-                         f"{max_tokens} ({len(too_long)} such samples)")
+        raise ValueError(
+            f"sample {i} has {length} tokens, more than parallel.max_tokens_per_microbatch="
+            f"{max_tokens} ({len(too_long)} such samples)"
+        )
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
     per_rank: list[list[int]] = [[] for _ in range(dp_size)]
     for k, i in enumerate(order):
@@ -38,7 +40,7 @@ def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list
         while len(plan) < target:
             fullest = max(range(len(plan)), key=lambda j: len(plan[j]))
             mb = plan.pop(fullest)
-            plan[fullest:fullest] = [mb[: len(mb) // 2], mb[len(mb) // 2:]]
+            plan[fullest:fullest] = [mb[: len(mb) // 2], mb[len(mb) // 2 :]]
     return plans
 
 
@@ -80,8 +82,9 @@ class MicroBatch:
         return MicroBatch(**fields)
 
 
-def pack_microbatch(samples: list[Sample], indices: list[int], advantages: list[float],
-                    sequence_multiple: int = 1, pad_id: int = 0) -> MicroBatch:
+def pack_microbatch(
+    samples: list[Sample], indices: list[int], advantages: list[float], sequence_multiple: int = 1, pad_id: int = 0
+) -> MicroBatch:
     """Right-padded tensors for samples[indices]; advantages[i] is sample i's advantage."""
     chosen = [samples[i] for i in indices]
     seq = math.ceil(max(s.length for s in chosen) / sequence_multiple) * sequence_multiple
@@ -104,5 +107,13 @@ def pack_microbatch(samples: list[Sample], indices: list[int], advantages: list[
         adv[row, span] = advantages[i] * (mask != 0)
         versions[row, span] = torch.tensor(s.versions, dtype=torch.long)
     position_ids = torch.arange(seq).unsqueeze(0).expand(b, seq).contiguous()
-    return MicroBatch(input_ids=input_ids, position_ids=position_ids, targets=targets, loss_mask=loss_mask,
-                      old_logprobs=old, advantages=adv, versions=versions, sample_index=list(indices))
+    return MicroBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        targets=targets,
+        loss_mask=loss_mask,
+        old_logprobs=old,
+        advantages=adv,
+        versions=versions,
+        sample_index=list(indices),
+    )

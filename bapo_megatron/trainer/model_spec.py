@@ -39,11 +39,23 @@ class ModelSpec:
     """Llama 3.1-style RoPE scaling (low/high frequency factors 1 and 4, original length 8192)."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                     "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        check(self.num_heads % self.num_kv_heads == 0, "num_key_value_heads", self.num_kv_heads,
-              f"must divide num_attention_heads={self.num_heads}")
+        check(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_key_value_heads",
+            self.num_kv_heads,
+            f"must divide num_attention_heads={self.num_heads}",
+        )
 
     @property
     def query_groups(self) -> int:
@@ -98,20 +110,36 @@ class ModelSpec:
     def to_hf_config(self) -> dict:
         """A config.json for this spec that transformers loads (used by tests and conversion)."""
         common = {
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "intermediate_size": self.ffn_hidden_size, "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings, "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_embeddings, "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.ffn_hidden_size,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
         }
         if self.rope_scaling_factor is not None:
-            common["rope_scaling"] = {"rope_type": "llama3", "factor": self.rope_scaling_factor,
-                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                      "original_max_position_embeddings": 8192}
+            common["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": self.rope_scaling_factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
         if self.architecture == "qwen2":
             return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **common}
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-                "mlp_bias": False, **common}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "attention_bias": False,
+            "mlp_bias": False,
+            **common,
+        }
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -125,17 +153,28 @@ def _rope_scaling(scaling: dict | None) -> float | None:
         return None
     expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if kind != "llama3" or any(float(scaling.get(k, v)) != v for k, v in expected.items()):
-        raise ConfigError("rope_scaling", scaling,
-                          "only Llama 3.1-style scaling (low 1, high 4, original 8192) is mapped")
+        raise ConfigError(
+            "rope_scaling", scaling, "only Llama 3.1-style scaling (low 1, high 4, original 8192) is mapped"
+        )
     return float(scaling["factor"])
 
 
 def tiny_spec(architecture: Literal["qwen2", "llama"] = "qwen2") -> ModelSpec:
     """The built-in model of the CPU demo and the tests: a few layers, GQA, a vocab that needs padding."""
     return ModelSpec(
-        architecture=architecture, vocab_size=250, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-        ffn_hidden_size=128, head_dim=16, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
-        qkv_bias=architecture == "qwen2", tie_embeddings=False,
+        architecture=architecture,
+        vocab_size=250,
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=128,
+        head_dim=16,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        qkv_bias=architecture == "qwen2",
+        tie_embeddings=False,
     )
 
 
@@ -147,12 +186,23 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int, 
 
 def check_layout(spec: ModelSpec, tensor: int, pipeline: int, virtual_pipeline: int | None = None) -> None:
     """ConfigError unless the model splits evenly over this tensor/pipeline layout."""
-    check(spec.num_heads % tensor == 0, "parallel.tensor", tensor,
-          f"must divide the {spec.num_heads} attention heads")
-    check(spec.num_kv_heads % tensor == 0, "parallel.tensor", tensor,
-          f"must divide the {spec.num_kv_heads} query groups (key/value heads)")
-    check(spec.ffn_hidden_size % tensor == 0, "parallel.tensor", tensor,
-          f"must divide the MLP width {spec.ffn_hidden_size}")
+    check(spec.num_heads % tensor == 0, "parallel.tensor", tensor, f"must divide the {spec.num_heads} attention heads")
+    check(
+        spec.num_kv_heads % tensor == 0,
+        "parallel.tensor",
+        tensor,
+        f"must divide the {spec.num_kv_heads} query groups (key/value heads)",
+    )
+    check(
+        spec.ffn_hidden_size % tensor == 0,
+        "parallel.tensor",
+        tensor,
+        f"must divide the MLP width {spec.ffn_hidden_size}",
+    )
     stages = pipeline * (virtual_pipeline or 1)
-    check(spec.num_layers % stages == 0, "parallel.pipeline", pipeline,
-          f"pipeline x virtual stages ({stages}) must divide the {spec.num_layers} layers")
+    check(
+        spec.num_layers % stages == 0,
+        "parallel.pipeline",
+        pipeline,
+        f"pipeline x virtual stages ({stages}) must divide the {spec.num_layers} layers",
+    )

@@ -53,8 +53,9 @@ class PolicyTrainer:
         self.spec, self.cfg, self.info = spec, cfg, info
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = [
-            DistributedDataParallel(config=chunk.config, ddp_config=mc.ddp_config(cfg.model), module=chunk,
-                                    disable_bucketing=i > 0)
+            DistributedDataParallel(
+                config=chunk.config, ddp_config=mc.ddp_config(cfg.model), module=chunk, disable_bucketing=i > 0
+            )
             for i, chunk in enumerate(self._build_chunks())
         ]
         self.optimizer = get_megatron_optimizer(mc.optimizer_config(cfg.optimizer, cfg.model), self.model)
@@ -81,7 +82,9 @@ class PolicyTrainer:
         for vp_stage in range(vpp or 1):
             stage = vp_stage if vpp else None
             chunk = mc.build_gpt_model(
-                self.spec, self.cfg.model, self.cfg.parallel,
+                self.spec,
+                self.cfg.model,
+                self.cfg.parallel,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=stage),
                 vp_stage=stage,
@@ -109,8 +112,9 @@ class PolicyTrainer:
         advantages = [0.0] * len(batch)
         for i, a in zip(order, adv.reshape(-1).tolist(), strict=True):
             advantages[i] = a
-        plan = plan_microbatches([s.length for s in batch.samples], self.info.dp_size,
-                                 self.cfg.parallel.max_tokens_per_microbatch)
+        plan = plan_microbatches(
+            [s.length for s in batch.samples], self.info.dp_size, self.cfg.parallel.max_tokens_per_microbatch
+        )
         mine = plan[self.info.dp_rank]
         mbs = [pack_microbatch(batch.samples, idx, advantages, self.seq_multiple).to(self.device) for idx in mine]
         return mbs, metrics
@@ -139,8 +143,12 @@ class PolicyTrainer:
 
     def _logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_parallel_logprobs(
-            logits, mb.targets, group=self.info.tp_group, vocab_start=self.info.tp_rank * self.vocab_local,
-            vocab_size=self.spec.vocab_size, temperature=self._temperature,
+            logits,
+            mb.targets,
+            group=self.info.tp_group,
+            vocab_start=self.info.tp_rank * self.vocab_local,
+            vocab_size=self.spec.vocab_size,
+            temperature=self._temperature,
             memory_budget_bytes=self.cfg.model.logprob_memory_mb << 20,
         )
 
@@ -159,9 +167,15 @@ class PolicyTrainer:
 
     def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor):
         logp, entropy = self._logprobs(mb, logits)
-        batch = PolicyBatch(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
-                            mask=mb.loss_mask, prox_logprobs=mb.prox_logprobs, entropy=entropy,
-                            first_update=self._first_update)
+        batch = PolicyBatch(
+            logprobs=logp,
+            old_logprobs=mb.old_logprobs,
+            advantages=mb.advantages,
+            mask=mb.loss_mask,
+            prox_logprobs=mb.prox_logprobs,
+            entropy=entropy,
+            first_update=self._first_update,
+        )
         scope_group = self.info.dp_cp_group if self._bounds is None else None
         try:
             out = policy_loss(batch, self.cfg.algo, bounds=self._bounds, group=scope_group)
@@ -246,7 +260,6 @@ class PolicyTrainer:
         metrics["train/step"] = float(self.step)
         if self.info.pp_size > 1:
             box = [metrics]
-            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=self.info.pp_group)
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self.info.pp_group)
             metrics = box[0]
         return metrics

@@ -52,12 +52,14 @@ def _model(spec: ModelSpec):
     padded vocabulary is the one every TP dividing vocab_pad_tp uses."""
     from bapo_megatron.trainer import megatron_config as mc
 
-    return mc.build_gpt_model(spec, ModelConfig(), ParallelConfig(), pre_process=True, post_process=True,
-                              initialize=False, cpu_init=True).eval()  # every weight is loaded right after
+    return mc.build_gpt_model(
+        spec, ModelConfig(), ParallelConfig(), pre_process=True, post_process=True, initialize=False, cpu_init=True
+    ).eval()  # every weight is loaded right after
 
 
-def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str = "float32",
-                progress: bool = True) -> Path:
+def hf_to_mcore(
+    hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str = "float32", progress: bool = True
+) -> Path:
     """A Megatron dist checkpoint of a HF checkpoint, loadable by the trainer at any PP and at every
     TP dividing model.vocab_pad_tp (8); `tp` and `pp` are checked against the model's shape.
 
@@ -85,7 +87,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
     def make(sharded) -> torch.Tensor:
         data = sharded.data if sharded.data._base is None else sharded.data._base  # a factory's slice
         recipe = recipes[name_of[id(data)]]
-        start, shape = tuple(sharded.global_offset[sharded.prepend_axis_num:]), tuple(sharded.local_shape)
+        start, shape = tuple(sharded.global_offset[sharded.prepend_axis_num :]), tuple(sharded.local_shape)
         if shape == tuple(data.shape):
             return recipe(hf)
         if isinstance(recipe, Rows) and not any(start[1:]) and shape[1:] == tuple(data.shape[1:]):
@@ -96,14 +98,24 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
 
     size = sum(p.numel() for p in params.values()) * torch_dtype.itemsize
     with ByteProgress(size, "hf-to-mcore", progress) as bar:
-        save_sharded(model_sharded_state_dict([model]), out, streaming_save_strategy(make, torch_dtype, bar.update),
-                     extra_files={HF_CONFIG: json.dumps(hf.config, indent=2)})
+        save_sharded(
+            model_sharded_state_dict([model]),
+            out,
+            streaming_save_strategy(make, torch_dtype, bar.update),
+            extra_files={HF_CONFIG: json.dumps(hf.config, indent=2)},
+        )
     return Path(out)
 
 
-def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path | None = None,
-                dtype: str = "bfloat16", sglang_tp: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-                progress: bool = True) -> Path:
+def mcore_to_hf(
+    mcore_dir: str | Path,
+    out: str | Path,
+    hf_template: str | Path | None = None,
+    dtype: str = "bfloat16",
+    sglang_tp: int | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> Path:
     """safetensors shards (<= max_shard_bytes), index, config.json and the template's tokenizer files;
     with sglang_tp, per-rank files for SGLang's sharded_state loader instead.
 
@@ -116,6 +128,7 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path 
     source = McoreCheckpoint(mcore_dir, template)  # memory-mapped; no process group needed
     spec, torch_dtype = source.spec, DTYPES[dtype]
     if sglang_tp is None:
+
         def layout(tmp: Path) -> list[StreamingWriter]:
             return [hf_writer(tmp, hf_entries(spec, torch_dtype), max_shard_bytes)]
 
@@ -126,9 +139,15 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path 
         entries = sglang_shards.rank_entries(spec, sglang_tp, torch_dtype)
 
         def layout(tmp: Path) -> list[StreamingWriter]:
-            return [StreamingWriter(tmp, plan_files(entries, max_shard_bytes,
-                                                    lambda i, n, r=r: sglang_shards.PATTERN.format(rank=r, part=i)))
-                    for r in range(sglang_tp)]
+            return [
+                StreamingWriter(
+                    tmp,
+                    plan_files(
+                        entries, max_shard_bytes, lambda i, n, r=r: sglang_shards.PATTERN.format(rank=r, part=i)
+                    ),
+                )
+                for r in range(sglang_tp)
+            ]
 
         def split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
             return [sglang_shards.rank_tensors(spec, group, sglang_tp, r) for r in range(sglang_tp)]
@@ -144,13 +163,13 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, hf_template: str | Path 
                         writer.write(name, tensor)
         for w in writers:
             w.close()
-        finish_hf_checkpoint(tmp, {**source.config, "torch_dtype": dtype}, template,
-                             writers[0] if sglang_tp is None else None)
+        finish_hf_checkpoint(
+            tmp, {**source.config, "torch_dtype": dtype}, template, writers[0] if sglang_tp is None else None
+        )
     return Path(out)
 
 
-def verify(hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int = 2,
-           seq: int = 32) -> dict[str, float]:
+def verify(hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int = 2, seq: int = 32) -> dict[str, float]:
     """Logits of the HF model (transformers, on the CPU) and the Megatron checkpoint (on the GPU
     where there is one, in float32 without TF32) on random token ids."""
     import transformers

@@ -40,12 +40,15 @@ def gather_tensor_parallel(param: torch.Tensor, info: ParallelInfo, gated: bool 
 
 
 def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torch.Tensor]:
-    return {name: gather_tensor_parallel(p, info, gated=name.endswith("mlp.linear_fc1.weight"))
-            for name, p in layer.named_parameters()}
+    return {
+        name: gather_tensor_parallel(p, info, gated=name.endswith("mlp.linear_fc1.weight"))
+        for name, p in layer.named_parameters()
+    }
 
 
-def _stage_tensors(chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo,
-                   impl: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _stage_tensors(
+    chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo, impl: str | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     model = unwrap(chunk)
     if model.pre_process:
         embedding = gather_tensor_parallel(model.embedding.word_embeddings.weight, info)
@@ -61,17 +64,23 @@ def _stage_tensors(chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo,
             yield "lm_head.weight", output[: spec.vocab_size]
 
 
-def stream_hf_buckets(model_chunks: list[torch.nn.Module], spec: ModelSpec, info: ParallelInfo,
-                      bucket_bytes: int = 512 << 20, impl: str | None = None,
-                      dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+def stream_hf_buckets(
+    model_chunks: list[torch.nn.Module],
+    spec: ModelSpec,
+    info: ParallelInfo,
+    bucket_bytes: int = 512 << 20,
+    impl: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[Bucket]:
     """This stage's HF (name, tensor) pairs, grouped into buckets of at most bucket_bytes (see `buckets`);
     impl: the layer spec ("transformer_engine" or "local"; None: read from each layer's parameters)."""
     named = (pair for chunk in model_chunks for pair in _stage_tensors(chunk, spec, info, impl))
     return buckets(named, bucket_bytes, dtype)
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
-            dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None
+) -> Iterator[Bucket]:
     """(name, tensor) pairs, cast to `dtype` when given and made contiguous, grouped in order into
     buckets of at most bucket_bytes. A tensor larger than bucket_bytes travels alone in its own bucket."""
     bucket: Bucket = []

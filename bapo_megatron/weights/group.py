@@ -32,8 +32,9 @@ def tcp_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-def join_group(host: str, port: int, rank: int, world_size: int, group_name: str, backend: str = "gloo",
-               timeout_s: float = 600.0) -> dist.ProcessGroup:
+def join_group(
+    host: str, port: int, rank: int, world_size: int, group_name: str, backend: str = "gloo", timeout_s: float = 600.0
+) -> dist.ProcessGroup:
     """This process's end of the weight-update group; rank 0 hosts the rendezvous store at (host, port).
 
     Blocks until all `world_size` ranks have joined. A group of the same name that this process
@@ -48,8 +49,9 @@ def join_group(host: str, port: int, rank: int, world_size: int, group_name: str
     store, rank, world_size = next(c10d.rendezvous(tcp_address(host, port), rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                              group_name=group_name, backend_options=None, timeout=timeout)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
+    )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group rank == rank in the group
     return group
 

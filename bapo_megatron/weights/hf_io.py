@@ -21,8 +21,15 @@ from bapo_megatron.weights.safetensors_stream import StreamingWriter, TensorEntr
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_SHARD_BYTES = 5 * 10**9
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -32,18 +39,31 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, d)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (d,), p + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
-            p + "self_attn.k_proj.weight": (kv, d), p + "self_attn.v_proj.weight": (kv, d),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (d,),
+                p + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
+                p + "self_attn.k_proj.weight": (kv, d),
+                p + "self_attn.v_proj.weight": (kv, d),
+            }
+        )
         if spec.qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (spec.num_heads * hd,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-        shapes.update({
-            p + "self_attn.o_proj.weight": (d, spec.num_heads * hd), p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, d), p + "mlp.up_proj.weight": (spec.ffn_hidden_size, d),
-            p + "mlp.down_proj.weight": (d, spec.ffn_hidden_size),
-        })
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (spec.num_heads * hd,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
+        shapes.update(
+            {
+                p + "self_attn.o_proj.weight": (d, spec.num_heads * hd),
+                p + "post_attention_layernorm.weight": (d,),
+                p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, d),
+                p + "mlp.up_proj.weight": (spec.ffn_hidden_size, d),
+                p + "mlp.down_proj.weight": (d, spec.ffn_hidden_size),
+            }
+        )
     shapes["model.norm.weight"] = (d,)
     if not spec.tie_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, d)
@@ -131,18 +151,21 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
 
 def hf_writer(directory: Path, entries: list[TensorEntry], max_shard_bytes: int = MAX_SHARD_BYTES) -> StreamingWriter:
     """A StreamingWriter for the HF shard files of `entries` (model.safetensors or model-0000i-of-0000N)."""
-    files = plan_files(entries, max_shard_bytes,
-                       lambda i, n: SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+    files = plan_files(
+        entries, max_shard_bytes, lambda i, n: SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    )
     return StreamingWriter(directory, files)
 
 
-def finish_hf_checkpoint(directory: Path, config: dict, template: Path | None,
-                         shards: StreamingWriter | None = None) -> None:
+def finish_hf_checkpoint(
+    directory: Path, config: dict, template: Path | None, shards: StreamingWriter | None = None
+) -> None:
     """config.json, the template's tokenizer files and, for HF shards written (and closed) by
     `shards` into several files, the index."""
     if shards is not None and len(set(shards.weight_map.values())) > 1:
-        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": shards.total_bytes},
-                                                   "weight_map": shards.weight_map}, indent=2))
+        (directory / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": shards.total_bytes}, "weight_map": shards.weight_map}, indent=2)
+        )
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if template is not None:
         for name in TOKENIZER_FILES:

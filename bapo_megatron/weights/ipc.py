@@ -69,8 +69,10 @@ def flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> dict:
     tensors = [t.detach() for _, t in named]
     layout = protocol.flattened_layout([t.dtype for t in tensors], [list(t.shape) for t in tensors])
     flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-    metadata = [FlattenedTensorMetadata(name, t.shape, t.dtype, start, end, end - start)
-                for (name, t), (start, end) in zip(named, layout, strict=True)]
+    metadata = [
+        FlattenedTensorMetadata(name, t.shape, t.dtype, start, end, end - start)
+        for (name, t), (start, end) in zip(named, layout, strict=True)
+    ]
     return {"flattened_tensor": flat, "metadata": metadata}
 
 
@@ -83,9 +85,11 @@ def unflatten(payload: dict) -> list[tuple[str, torch.Tensor]]:
     for meta in metadata:
         size = meta.shape.numel() * meta.dtype.itemsize
         if meta.end_idx - meta.start_idx != size or not 0 <= meta.start_idx <= meta.end_idx <= flat.numel():
-            raise ValueError(f"{meta.name}: bytes [{meta.start_idx}, {meta.end_idx}) do not hold a "
-                             f"{meta.dtype} tensor of shape {tuple(meta.shape)} in a bucket of {flat.numel()} bytes")
-        out.append((meta.name, flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)))
+            raise ValueError(
+                f"{meta.name}: bytes [{meta.start_idx}, {meta.end_idx}) do not hold a "
+                f"{meta.dtype} tensor of shape {tuple(meta.shape)} in a bucket of {flat.numel()} bytes"
+            )
+        out.append((meta.name, flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)))
     return out
 
 
@@ -106,8 +110,11 @@ class _HandlePickler(pickle._Pickler):
             rebuild, args = reductions.reduce_tensor(obj)
             if obj.is_cuda:
                 device = args[_CUDA_DEVICE_ARG]
-                args = (*args[:_CUDA_DEVICE_ARG], str(torch.cuda.get_device_properties(device).uuid),
-                        *args[_CUDA_DEVICE_ARG + 1:])
+                args = (
+                    *args[:_CUDA_DEVICE_ARG],
+                    str(torch.cuda.get_device_properties(device).uuid),
+                    *args[_CUDA_DEVICE_ARG + 1 :],
+                )
             return rebuild, args
         return NotImplemented
 

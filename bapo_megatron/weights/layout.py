@@ -62,8 +62,9 @@ def pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
 
 
-def megatron_layer_to_hf(spec: ModelSpec, i: int, mg: Mapping[str, torch.Tensor],
-                         impl: str = "local") -> Iterator[tuple[str, torch.Tensor]]:
+def megatron_layer_to_hf(
+    spec: ModelSpec, i: int, mg: Mapping[str, torch.Tensor], impl: str = "local"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs of decoder layer i, read from Megatron names in `mg`."""
     h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
     attn_norm, mlp_norm = _norm_names(impl)
@@ -127,11 +128,13 @@ def megatron_recipes(spec: ModelSpec, padded_vocab: int, impl: str = "local") ->
     for i in range(spec.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         recipes[m + attn_norm] = Rows((h + "input_layernorm.weight",))
-        recipes[m + "self_attention.linear_qkv.weight"] = Fused(qkv, tuple(h + f"self_attn.{n}_proj.weight"
-                                                                          for n in "qkv"))
+        recipes[m + "self_attention.linear_qkv.weight"] = Fused(
+            qkv, tuple(h + f"self_attn.{n}_proj.weight" for n in "qkv")
+        )
         if spec.qkv_bias:
-            recipes[m + "self_attention.linear_qkv.bias"] = Fused(qkv, tuple(h + f"self_attn.{n}_proj.bias"
-                                                                            for n in "qkv"))
+            recipes[m + "self_attention.linear_qkv.bias"] = Fused(
+                qkv, tuple(h + f"self_attn.{n}_proj.bias" for n in "qkv")
+            )
         recipes[m + "self_attention.linear_proj.weight"] = Rows((h + "self_attn.o_proj.weight",))
         recipes[m + mlp_norm] = Rows((h + "post_attention_layernorm.weight",))
         recipes[m + "mlp.linear_fc1.weight"] = Rows((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"))
@@ -142,8 +145,9 @@ def megatron_recipes(spec: ModelSpec, padded_vocab: int, impl: str = "local") ->
     return recipes
 
 
-def hf_to_megatron(spec: ModelSpec, hf: Mapping[str, torch.Tensor], padded_vocab: int,
-                   impl: str = "local") -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    spec: ModelSpec, hf: Mapping[str, torch.Tensor], padded_vocab: int, impl: str = "local"
+) -> dict[str, torch.Tensor]:
     """A whole HF state dict as Megatron's TP=1 state dict (names of `impl`'s layer spec)."""
     return {name: recipe(hf) for name, recipe in megatron_recipes(spec, padded_vocab, impl).items()}
 

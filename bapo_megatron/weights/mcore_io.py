@@ -86,8 +86,11 @@ class McoreCheckpoint:
             metadata = FileSystemReader(str(self.dir)).read_metadata()
         except Exception as err:  # torch DCP raises several types for a damaged .metadata
             raise ValueError(f"{self.dir}: unreadable checkpoint metadata ({err})") from None
-        self.meta = {k: (tuple(m.size), m.properties.dtype)
-                     for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+        self.meta = {
+            k: (tuple(m.size), m.properties.dtype)
+            for k, m in metadata.state_dict_metadata.items()
+            if hasattr(m, "size")
+        }
         self._check()
         self._chunks = StoredChunks(self.dir, metadata)
 
@@ -104,8 +107,9 @@ class McoreCheckpoint:
             got = self.meta[key][0]
             if shape is None:  # vocabulary rows, padded
                 if len(got) != 2 or got[1] != spec.hidden_size or got[0] < spec.vocab_size:
-                    raise ValueError(f"{self.dir}: {key} has shape {got}, expected "
-                                     f"(>= {spec.vocab_size}, {spec.hidden_size})")
+                    raise ValueError(
+                        f"{self.dir}: {key} has shape {got}, expected (>= {spec.vocab_size}, {spec.hidden_size})"
+                    )
             elif got != shape:
                 raise ValueError(f"{self.dir}: {key} has shape {got}, the model's config implies {shape}")
 
@@ -155,8 +159,10 @@ class StoredChunks:
         try:
             for key, md in metadata.state_dict_metadata.items():
                 if hasattr(md, "chunks"):
-                    self.chunks[key] = [(tuple(c.offsets), tuple(c.sizes),
-                                         metadata.storage_data[MetadataIndex(key, c.offsets)]) for c in md.chunks]
+                    self.chunks[key] = [
+                        (tuple(c.offsets), tuple(c.sizes), metadata.storage_data[MetadataIndex(key, c.offsets)])
+                        for c in md.chunks
+                    ]
         except KeyError as err:
             raise ValueError(f"{directory}: checkpoint metadata names no storage for a chunk of {err}") from None
         ends: dict[str, int] = {}
@@ -167,8 +173,10 @@ class StoredChunks:
             if not path.is_file():
                 raise ValueError(f"{directory}: data file {relative} is missing")
             if path.stat().st_size < end:
-                raise ValueError(f"{directory}: data file {relative} is truncated ({path.stat().st_size} bytes, "
-                                 f"its chunks end at {end})")
+                raise ValueError(
+                    f"{directory}: data file {relative} is truncated ({path.stat().st_size} bytes, "
+                    f"its chunks end at {end})"
+                )
         self._files: dict[str, torch.Tensor] = {}
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -196,16 +204,17 @@ class StoredChunks:
     def _file(self, relative: str) -> torch.Tensor:
         if relative not in self._files:
             path = self.dir / relative
-            self._files[relative] = torch.from_file(str(path), shared=False, size=path.stat().st_size,
-                                                    dtype=torch.uint8)
+            self._files[relative] = torch.from_file(
+                str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8
+            )
         return self._files[relative]
 
     def _chunk(self, key: str, sizes: tuple[int, ...], info, dtype: torch.dtype) -> torch.Tensor:
-        blob = self._file(info.relative_path)[info.offset: info.offset + info.length]
+        blob = self._file(info.relative_path)[info.offset : info.offset + info.length]
         nbytes = math.prod(sizes) * dtype.itemsize
         start = _plain_tensor_record(blob, sizes, dtype) if info.transform_descriptors is None else None
         if start is not None:
-            raw = blob[start: start + nbytes]
+            raw = blob[start : start + nbytes]
             if raw.storage_offset() % dtype.itemsize:
                 raw = raw.clone()
             return raw.view(dtype).view(sizes)
@@ -214,8 +223,9 @@ class StoredChunks:
         except Exception as err:
             raise ValueError(f"{self.dir}: chunk of {key} in {info.relative_path} is unreadable ({err})") from None
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(sizes) or tensor.dtype != dtype:
-            raise ValueError(f"{self.dir}: chunk of {key} in {info.relative_path} is not a {dtype} tensor of "
-                             f"shape {tuple(sizes)}")
+            raise ValueError(
+                f"{self.dir}: chunk of {key} in {info.relative_path} is not a {dtype} tensor of shape {tuple(sizes)}"
+            )
         return tensor
 
 
@@ -255,15 +265,21 @@ def _plain_tensor_record(blob: torch.Tensor, sizes: tuple[int, ...], dtype: torc
             warnings.simplefilter("ignore", UserWarning)
             stored = getattr(torch, storage_type).dtype
         contiguous = tuple(torch.empty(sizes, device="meta").stride())
-        if (kind != "storage" or stored != dtype or offset != 0 or size != tuple(sizes) or stride != contiguous
-                or numel != math.prod(sizes)):
+        if (
+            kind != "storage"
+            or stored != dtype
+            or offset != 0
+            or size != tuple(sizes)
+            or stride != contiguous
+            or numel != math.prod(sizes)
+        ):
             return None
         entry = archive.getinfo(prefix + f"data/{record}")
         if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != numel * dtype.itemsize:
             return None
     except (zipfile.BadZipFile, KeyError, ValueError, TypeError, AttributeError, pickle.UnpicklingError, EOFError):
         return None
-    header = blob[entry.header_offset: entry.header_offset + 30].numpy().tobytes()
+    header = blob[entry.header_offset : entry.header_offset + 30].numpy().tobytes()
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         return None
     name_len, extra_len = struct.unpack("<HH", header[26:30])
@@ -292,7 +308,7 @@ class _BlobFile(io.RawIOBase):
         return self.pos
 
     def readinto(self, buffer) -> int:
-        part = self.blob[self.pos: self.pos + len(buffer)].numpy()
+        part = self.blob[self.pos : self.pos + len(buffer)].numpy()
         memoryview(buffer).cast("B")[: part.size] = part
         self.pos += part.size
         return part.size
@@ -328,8 +344,7 @@ def streaming_save_strategy(make: Callable, dtype: torch.dtype, on_tensor: Calla
                 if is_main_replica(item.replica_id):
                     (tensors if isinstance(item, ShardedTensor) else objects).append(item)
             planner = _StreamingSavePlanner(tensors, objects, make, dtype, on_tensor)
-            writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True,
-                                      thread_count=1)
+            writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
             try:
                 dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
             except CheckpointException as wrapped:  # one process: raise what it raised (OSError for a full disk)
@@ -342,24 +357,33 @@ class _StreamingSavePlanner(DefaultSavePlanner):
     """Plans the write items of Megatron ShardedTensors (stacked layer axes included) and objects;
     resolves each tensor item by calling `make` then, so no tensor exists before it is written."""
 
-    def __init__(self, tensors: list, objects: list, make: Callable, dtype: torch.dtype,
-                 on_tensor: Callable[[int], None] | None) -> None:
+    def __init__(
+        self, tensors: list, objects: list, make: Callable, dtype: torch.dtype, on_tensor: Callable[[int], None] | None
+    ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.make, self.dtype, self.on_tensor = make, dtype, on_tensor
         self.tensors = {}
         for sh in tensors:
             if sh.flattened_range is not None:
                 raise ValueError(f"{sh.key}: flattened (distributed optimizer) shards are not written by this strategy")
-            chunk = ChunkStorageMetadata(offsets=torch.Size(sh.global_offset),
-                                         sizes=torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape)))
+            chunk = ChunkStorageMetadata(
+                offsets=torch.Size(sh.global_offset),
+                sizes=torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape)),
+            )
             self.tensors[MetadataIndex(sh.key, chunk.offsets)] = (sh, chunk)
         self.objects = {MetadataIndex(obj.unique_key): obj for obj in objects}
 
     def create_local_plan(self) -> SavePlan:
-        items = [WriteItem(index=index, type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=self.dtype),
-                                                       size=torch.Size(sh.global_shape)))
-                 for index, (sh, chunk) in self.tensors.items()]
+        items = [
+            WriteItem(
+                index=index,
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk, properties=TensorProperties(dtype=self.dtype), size=torch.Size(sh.global_shape)
+                ),
+            )
+            for index, (sh, chunk) in self.tensors.items()
+        ]
         items += [WriteItem(index=index, type=WriteItemType.BYTE_IO) for index in self.objects]
         self.plan = SavePlan(items)
         return self.plan
@@ -372,8 +396,10 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         sh, chunk = self.tensors[write_item.index]
         tensor = self.make(sh)
         if tuple(tensor.shape) != tuple(sh.local_shape):
-            raise RuntimeError(f"{sh.key} at {tuple(sh.global_offset)}: made a tensor of shape {tuple(tensor.shape)}, "
-                               f"the checkpoint's shard is {tuple(sh.local_shape)}")
+            raise RuntimeError(
+                f"{sh.key} at {tuple(sh.global_offset)}: made a tensor of shape {tuple(tensor.shape)}, "
+                f"the checkpoint's shard is {tuple(sh.local_shape)}"
+            )
         tensor = tensor.to(self.dtype).reshape(chunk.sizes)
         if self.on_tensor is not None:
             self.on_tensor(tensor.numel() * tensor.element_size())

@@ -34,8 +34,9 @@ class TensorEntry:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def plan_files(entries: Sequence[TensorEntry], max_bytes: int,
-               file_name: Callable[[int, int], str]) -> list[tuple[str, list[TensorEntry]]]:
+def plan_files(
+    entries: Sequence[TensorEntry], max_bytes: int, file_name: Callable[[int, int], str]
+) -> list[tuple[str, list[TensorEntry]]]:
     """Entries split, in order, into files of at most max_bytes (a larger tensor gets a file alone),
     the i-th of n named file_name(i, n)."""
     files: list[list[TensorEntry]] = [[]]
@@ -52,8 +53,13 @@ def plan_files(entries: Sequence[TensorEntry], max_bytes: int,
 class StreamingWriter:
     """Writes planned safetensors files; `write` puts one tensor at its offset, in any order."""
 
-    def __init__(self, directory: Path, files: list[tuple[str, list[TensorEntry]]],
-                 metadata: dict[str, str] | None = None, progress: ByteProgress | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        files: list[tuple[str, list[TensorEntry]]],
+        metadata: dict[str, str] | None = None,
+        progress: ByteProgress | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.progress = progress
         self._slots: dict[str, tuple[int, int, TensorEntry]] = {}  # name -> (file index, offset, entry)
@@ -65,8 +71,11 @@ class StreamingWriter:
             for e in entries:
                 if e.dtype not in SAFETENSORS_DTYPES:
                     raise ValueError(f"{e.name}: dtype {e.dtype} cannot be written to safetensors here")
-                header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
-                                  "data_offsets": [offset, offset + e.nbytes]}
+                header[e.name] = {
+                    "dtype": SAFETENSORS_DTYPES[e.dtype],
+                    "shape": list(e.shape),
+                    "data_offsets": [offset, offset + e.nbytes],
+                }
                 offset += e.nbytes
             blob = json.dumps(header, separators=(",", ":")).encode()
             blob += b" " * (-len(blob) % 8)
@@ -123,8 +132,15 @@ class ByteProgress:
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                             file=sys.stderr, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
 
     def update(self, nbytes: int) -> None:
         if self._bar is not None:
@@ -139,4 +155,3 @@ class ByteProgress:
 
     def __exit__(self, *exc) -> None:
         self.close()
-

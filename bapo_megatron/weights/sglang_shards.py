@@ -58,7 +58,7 @@ def _rows(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 def _vocab_shard(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     rows = padded_vocab(weight.shape[0], tp) // tp
     shard = weight.new_zeros(rows, *weight.shape[1:])
-    part = weight[rank * rows: (rank + 1) * rows]
+    part = weight[rank * rows : (rank + 1) * rows]
     shard[: part.shape[0]] = part
     return shard
 
@@ -78,7 +78,8 @@ def rank_tensors(spec: ModelSpec, hf: dict[str, torch.Tensor], tp: int, rank: in
             prefix = name.split("q_proj.")[0]
             kv = _kv_rows(spec, tp, rank)
             out[f"{prefix}qkv_proj.{kind}"] = torch.cat(
-                [_rows(t, tp, rank), hf[f"{prefix}k_proj.{kind}"][kv], hf[f"{prefix}v_proj.{kind}"][kv]])
+                [_rows(t, tp, rank), hf[f"{prefix}k_proj.{kind}"][kv], hf[f"{prefix}v_proj.{kind}"][kv]]
+            )
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".mlp.up_proj." in name:
             continue  # fused with q_proj / gate_proj
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -100,14 +101,18 @@ def rank_entries(spec: ModelSpec, tp: int, dtype: torch.dtype) -> list[TensorEnt
     entries = [TensorEntry("lm_head.weight" if spec.tie_embeddings else "model.embed_tokens.weight", vocab, dtype)]
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        entries += [TensorEntry(p + "input_layernorm.weight", (d,), dtype),
-                    TensorEntry(p + "self_attn.qkv_proj.weight", (qkv, d), dtype)]
+        entries += [
+            TensorEntry(p + "input_layernorm.weight", (d,), dtype),
+            TensorEntry(p + "self_attn.qkv_proj.weight", (qkv, d), dtype),
+        ]
         if spec.qkv_bias:
             entries.append(TensorEntry(p + "self_attn.qkv_proj.bias", (qkv,), dtype))
-        entries += [TensorEntry(p + "self_attn.o_proj.weight", (d, spec.num_heads * hd // tp), dtype),
-                    TensorEntry(p + "post_attention_layernorm.weight", (d,), dtype),
-                    TensorEntry(p + "mlp.gate_up_proj.weight", (2 * spec.ffn_hidden_size // tp, d), dtype),
-                    TensorEntry(p + "mlp.down_proj.weight", (d, spec.ffn_hidden_size // tp), dtype)]
+        entries += [
+            TensorEntry(p + "self_attn.o_proj.weight", (d, spec.num_heads * hd // tp), dtype),
+            TensorEntry(p + "post_attention_layernorm.weight", (d,), dtype),
+            TensorEntry(p + "mlp.gate_up_proj.weight", (2 * spec.ffn_hidden_size // tp, d), dtype),
+            TensorEntry(p + "mlp.down_proj.weight", (d, spec.ffn_hidden_size // tp), dtype),
+        ]
     entries.append(TensorEntry("model.norm.weight", (d,), dtype))
     if not spec.tie_embeddings:
         entries.append(TensorEntry("lm_head.weight", vocab, dtype))

@@ -42,9 +42,17 @@ def default_backend() -> str:
 
 
 class DistributedWeightSender:
-    def __init__(self, clients: list[EngineClient], engine_ranks: list[int], host: str, port: int,
-                 group_name: str = protocol.DEFAULT_GROUP, backend: str | None = None, timeout_s: float = 600.0,
-                 flatten: bool = True) -> None:
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        engine_ranks: list[int],
+        host: str,
+        port: int,
+        group_name: str = protocol.DEFAULT_GROUP,
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+        flatten: bool = True,
+    ) -> None:
         if len(clients) != len(engine_ranks):
             raise ValueError("one rank count per engine")
         if backend not in (None, "nccl", "gloo"):
@@ -66,10 +74,20 @@ class DistributedWeightSender:
         if self.group is not None:
             await self.close()
         offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.clients))]
-        ours = asyncio.to_thread(weight_group.join_group, self.host, self.port, 0, self.world_size,
-                                 self.group_name, self.backend, self.timeout_s)
-        joins = [c.init_weights_update_group(self.host, self.port, off, self.world_size, self.group_name, self.backend)
-                 for c, off in zip(self.clients, offsets, strict=True)]
+        ours = asyncio.to_thread(
+            weight_group.join_group,
+            self.host,
+            self.port,
+            0,
+            self.world_size,
+            self.group_name,
+            self.backend,
+            self.timeout_s,
+        )
+        joins = [
+            c.init_weights_update_group(self.host, self.port, off, self.world_size, self.group_name, self.backend)
+            for c, off in zip(self.clients, offsets, strict=True)
+        ]
         self.group, *_ = await asyncio.gather(ours, *joins)
 
     async def close(self) -> None:
@@ -77,8 +95,9 @@ class DistributedWeightSender:
         its refusal is ignored), then this end is destroyed and the group's name is free again."""
         if self.group is None:
             return
-        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self.clients),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(c.destroy_weights_update_group(self.group_name) for c in self.clients), return_exceptions=True
+        )
         weight_group.leave_group(self.group)
         self.group = None
 
@@ -95,9 +114,14 @@ class DistributedWeightSender:
                 names = [n for n, _ in bucket]
                 dtypes = [protocol.dtype_name(t.dtype) for _, t in bucket]
                 shapes = [list(t.shape) for _, t in bucket]
-                answers = asyncio.gather(*(c.update_weights_from_distributed(
-                    names, dtypes, shapes, version, self.group_name, self.flatten, flush_cache=last)
-                    for c in self.clients))
+                answers = asyncio.gather(
+                    *(
+                        c.update_weights_from_distributed(
+                            names, dtypes, shapes, version, self.group_name, self.flatten, flush_cache=last
+                        )
+                        for c in self.clients
+                    )
+                )
                 await asyncio.to_thread(self._broadcast, tensors)
                 await answers
                 sent += _nbytes(bucket)
@@ -131,10 +155,17 @@ class TensorWeightSender:
                 payload = ipc.flattened_bucket(bucket) if self.flatten else list(bucket)
                 # one pickle per receiving rank (a CUDA IPC reference each), kept valid until all answered
                 with ipc.serialized(payload, self.engine_tp * len(self.clients)) as serialized:
-                    await asyncio.gather(*(
-                        c.update_weights_from_tensor(serialized[i * self.engine_tp:(i + 1) * self.engine_tp],
-                                                     version, self.flatten, flush_cache=last)
-                        for i, c in enumerate(self.clients)))
+                    await asyncio.gather(
+                        *(
+                            c.update_weights_from_tensor(
+                                serialized[i * self.engine_tp : (i + 1) * self.engine_tp],
+                                version,
+                                self.flatten,
+                                flush_cache=last,
+                            )
+                            for i, c in enumerate(self.clients)
+                        )
+                    )
                 sent += _nbytes(bucket)
         return sent
 

@@ -16,9 +16,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-    "all_to_all_single", "barrier", "gather", "scatter", "send", "recv", "isend", "irecv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
 )
 
 
@@ -72,6 +87,7 @@ def count_collectives() -> Iterator[list[tuple[str, object]]]:
         def counted(*args, **kwargs):
             calls.append((name, kwargs.get("group")))
             return original(*args, **kwargs)
+
         return counted
 
     for name, original in originals.items():

@@ -27,18 +27,30 @@ def sglang_updater(wheel: zipfile.ZipFile):
     """A stand-in model runner carrying SGLang's own weight-update methods."""
     from tests.sglang_wheel import load_defs
 
-    ns = load_defs(wheel, {
-        "utils/network.py": ["_is_ipv6", "_wrap", "NetworkAddress"],
-        "weight_sync/tensor_bucket.py": ["FlattenedTensorMetadata", "FlattenedTensorBucket"],
-        "utils/common.py": ["init_custom_process_group"],
-        "model_executor/model_runner_components/weight_updater.py": [
-            "WeightUpdater.init_weights_update_group", "WeightUpdater.receive_weights_from_distributed",
-            "WeightUpdater._receive_bucketed_weights_from_distributed",
-            "WeightUpdater.destroy_weights_update_group"],
-    }, {"torch": torch, "logger": logging.getLogger("sglang"), "torch_release": _release(torch.__version__)})
-    methods = {name: ns[name] for name in ("init_weights_update_group", "receive_weights_from_distributed",
-                                           "_receive_bucketed_weights_from_distributed",
-                                           "destroy_weights_update_group")}
+    ns = load_defs(
+        wheel,
+        {
+            "utils/network.py": ["_is_ipv6", "_wrap", "NetworkAddress"],
+            "weight_sync/tensor_bucket.py": ["FlattenedTensorMetadata", "FlattenedTensorBucket"],
+            "utils/common.py": ["init_custom_process_group"],
+            "model_executor/model_runner_components/weight_updater.py": [
+                "WeightUpdater.init_weights_update_group",
+                "WeightUpdater.receive_weights_from_distributed",
+                "WeightUpdater._receive_bucketed_weights_from_distributed",
+                "WeightUpdater.destroy_weights_update_group",
+            ],
+        },
+        {"torch": torch, "logger": logging.getLogger("sglang"), "torch_release": _release(torch.__version__)},
+    )
+    methods = {
+        name: ns[name]
+        for name in (
+            "init_weights_update_group",
+            "receive_weights_from_distributed",
+            "_receive_bucketed_weights_from_distributed",
+            "destroy_weights_update_group",
+        )
+    }
     runner = type("SGLangWeightUpdater", (), methods)()
     runner.tp_rank, runner.device, runner._model_update_group = 0, torch.device("cpu"), {}
     return runner
@@ -59,8 +71,14 @@ def app(runner, out: Path):
     async def init_group(request):
         body = await request.json()
         ok, message = await asyncio.to_thread(
-            runner.init_weights_update_group, body["master_address"], body["master_port"], body["rank_offset"],
-            body["world_size"], body["group_name"], body["backend"])
+            runner.init_weights_update_group,
+            body["master_address"],
+            body["master_port"],
+            body["rank_offset"],
+            body["world_size"],
+            body["group_name"],
+            body["backend"],
+        )
         return await answer(ok, message)
 
     async def destroy_group(request):
@@ -72,12 +90,19 @@ def app(runner, out: Path):
 
         body = await request.json()
         weights = await asyncio.to_thread(
-            runner.receive_weights_from_distributed, names=body["names"], dtypes=body["dtypes"],
-            shapes=body["shapes"], group_name=body["group_name"], load_format=body.get("load_format"))
+            runner.receive_weights_from_distributed,
+            names=body["names"],
+            dtypes=body["dtypes"],
+            shapes=body["shapes"],
+            group_name=body["group_name"],
+            load_format=body.get("load_format"),
+        )
         received["count"] += 1
-        save_file({n: t.contiguous() for n, t in weights},
-                  str(out / f"{body['weight_version']}-{received['count']}.safetensors"),
-                  metadata={"flush_cache": str(body["flush_cache"])})
+        save_file(
+            {n: t.contiguous() for n, t in weights},
+            str(out / f"{body['weight_version']}-{received['count']}.safetensors"),
+            metadata={"flush_cache": str(body["flush_cache"])},
+        )
         return await answer(True, f"received {len(weights)} tensors")
 
     async def session(request):
@@ -88,9 +113,13 @@ def app(runner, out: Path):
 
     application = web.Application(client_max_size=1 << 30)
     application.router.add_get("/health", health)
-    for path, handler in {"/init_weights_update_group": init_group, "/destroy_weights_update_group": destroy_group,
-                          "/update_weights_from_distributed": update, "/begin_weight_update": session,
-                          "/end_weight_update": session}.items():
+    for path, handler in {
+        "/init_weights_update_group": init_group,
+        "/destroy_weights_update_group": destroy_group,
+        "/update_weights_from_distributed": update,
+        "/begin_weight_update": session,
+        "/end_weight_update": session,
+    }.items():
         application.router.add_post(path, handler)
     return application
 

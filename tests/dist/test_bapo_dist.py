@@ -34,8 +34,10 @@ def _configs():
         itertools.product(("loss", "gradient"), ("paper", "lower_first"), (None, 2.0))
     ):
         # Targets around the data's share, so that searches stop at many different points.
-        yield i, BAPOConfig(contribution=contribution, search_order=order, dual_clip=dual,
-                            target_rho=0.3 + 0.05 * (i % 5))
+        yield (
+            i,
+            BAPOConfig(contribution=contribution, search_order=order, dual_clip=dual, target_rho=0.3 + 0.05 * (i % 5)),
+        )
 
 
 def _same_bounds(got, want):

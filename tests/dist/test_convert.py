@@ -30,8 +30,9 @@ def make_hf_model(root: Path, name: str, case: tuple[str, int, bool] | None = No
 
     arch, kv, tied = case or CASES[name]
     spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**spec.to_hf_config()),
-                                                          dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**spec.to_hf_config()), dtype=torch.float32
+    ).eval()
     g = torch.Generator().manual_seed(len(name))
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -50,8 +51,22 @@ def _convert_all(rank: int, world: int, root: str) -> None:
     for name in CASES:
         assert cli.main(["hf-to-mcore", "--hf", str(root / name), "--out", str(root / f"{name}-mcore")]) == 0
         assert cli.main(["verify", "--hf", str(root / name), "--mcore", str(root / f"{name}-mcore")]) == 0
-        assert cli.main(["mcore-to-hf", "--mcore", str(root / f"{name}-mcore"), "--out", str(root / f"{name}-back"),
-                         "--hf-template", str(root / name), "--dtype", "float32"]) == 0
+        assert (
+            cli.main(
+                [
+                    "mcore-to-hf",
+                    "--mcore",
+                    str(root / f"{name}-mcore"),
+                    "--out",
+                    str(root / f"{name}-back"),
+                    "--hf-template",
+                    str(root / name),
+                    "--dtype",
+                    "float32",
+                ]
+            )
+            == 0
+        )
 
 
 def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
@@ -68,8 +83,21 @@ def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
 
     root = Path(root)
     for dtype, suffix in (("float32", ""), ("bfloat16", "-bf16")):
-        assert cli.main(["hf-to-mcore", "--hf", str(root / name), "--out", str(root / f"{name}-mcore{suffix}"),
-                         "--dtype", dtype, "--no-progress"]) == 0
+        assert (
+            cli.main(
+                [
+                    "hf-to-mcore",
+                    "--hf",
+                    str(root / name),
+                    "--out",
+                    str(root / f"{name}-mcore{suffix}"),
+                    "--dtype",
+                    dtype,
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     hf = HFCheckpoint(root / name)
     _megatron_world_of_one()
     model = _model(hf.spec)
@@ -90,14 +118,32 @@ def _layout_logprobs(rank: int, world: int, root: str, name: str, tp: int, pp: i
     activate_cpu_shim()
     root = Path(root)
     spec = ModelSpec.from_hf_dir(root / name)
-    cfg = load_config(None, [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.max_tokens_per_microbatch=24",
-                             "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"])
+    cfg = load_config(
+        None,
+        [
+            f"parallel.tensor={tp}",
+            f"parallel.pipeline={pp}",
+            "parallel.max_tokens_per_microbatch=24",
+            "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=2",
+        ],
+    )
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
     trainer.load_weights(root / f"{name}-mcore")
     tokens = json.loads((root / "tokens.json").read_text())
-    batch = RolloutBatch(samples=[Sample(prompt_ids=t[:3], response_ids=t[3:], behaviour_logprobs=[0.0] * (len(t) - 3),
-                                         versions=[0] * (len(t) - 3), reward=float(i), group=i // 2)
-                                  for i, t in enumerate(tokens)])
+    batch = RolloutBatch(
+        samples=[
+            Sample(
+                prompt_ids=t[:3],
+                response_ids=t[3:],
+                behaviour_logprobs=[0.0] * (len(t) - 3),
+                versions=[0] * (len(t) - 3),
+                reward=float(i),
+                group=i // 2,
+            )
+            for i, t in enumerate(tokens)
+        ]
+    )
     mbs, _ = trainer.microbatches(batch)
 
     def collect(mb, logits):
@@ -133,8 +179,12 @@ def test_convert_round_trip_and_every_layout(tmp_path):
     (tmp_path / "tokens.json").write_text(json.dumps(tokens))
     name = "qwen2-gqa2"
     with torch.no_grad():
-        want = {i: torch.log_softmax(models[name](torch.tensor([t])).logits[0, 2:-1], -1)
-                .gather(1, torch.tensor(t[3:]).unsqueeze(1)).squeeze(1) for i, t in enumerate(tokens)}
+        want = {
+            i: torch.log_softmax(models[name](torch.tensor([t])).logits[0, 2:-1], -1)
+            .gather(1, torch.tensor(t[3:]).unsqueeze(1))
+            .squeeze(1)
+            for i, t in enumerate(tokens)
+        }
     for tp, pp in LAYOUTS:
         run_workers(_layout_logprobs, tp * pp, str(tmp_path), name, tp, pp)
         got = json.loads((tmp_path / f"logp-{name}-tp{tp}pp{pp}.json").read_text())
@@ -163,10 +213,13 @@ def test_streamed_checkpoint_is_what_megatrons_writer_writes(tmp_path):
             assert type(o) is type(m), key
             if hasattr(m, "size"):
                 assert (o.size, o.properties) == (m.size, m.properties), key
-                assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in o.chunks) == \
-                    sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks), key
-        tensors = {d: {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta[d].items() if hasattr(m, "size")}
-                   for d in (ours, theirs)}
+                assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in o.chunks) == sorted(
+                    (tuple(c.offsets), tuple(c.sizes)) for c in m.chunks
+                ), key
+        tensors = {
+            d: {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta[d].items() if hasattr(m, "size")}
+            for d in (ours, theirs)
+        }
         for d, state in tensors.items():
             dcp.load(state, storage_reader=FileSystemReader(str(d)), no_dist=True)
         for key, tensor in tensors[theirs].items():
@@ -210,8 +263,12 @@ def _fail_midway(rank: int, world: int, root: str) -> None:
             convert.hf_to_mcore(root / "qwen2-gqa2", root / "ckpt-2", progress=False)
         err = io.StringIO()
         with contextlib.redirect_stderr(err):  # the CLI: an error line and exit 2, not a traceback
-            assert cli.main(["hf-to-mcore", "--hf", str(root / "qwen2-gqa2"), "--out", str(root / "ckpt-2"),
-                             "--no-progress"]) == 2
+            assert (
+                cli.main(
+                    ["hf-to-mcore", "--hf", str(root / "qwen2-gqa2"), "--out", str(root / "ckpt-2"), "--no-progress"]
+                )
+                == 2
+            )
         assert err.getvalue() == "error: [Errno 28] No space left on device\n"
     finally:
         convert.streaming_save_strategy = original

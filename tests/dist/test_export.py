@@ -38,12 +38,15 @@ def _export(rank: int, world: int, root: str, name: str) -> None:
     from bapo_megatron.trainer.checkpoint import unwrap
 
     live = unwrap(trainer.model[0])
-    bare = mc.build_gpt_model(spec, cfg.model, cfg.parallel, pre_process=live.pre_process,
-                              post_process=live.post_process, initialize=False)
+    bare = mc.build_gpt_model(
+        spec, cfg.model, cfg.parallel, pre_process=live.pre_process, post_process=live.post_process, initialize=False
+    )
 
     def marks(model):
-        return {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
-                for n, p in model.named_parameters()}
+        return {
+            n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
+            for n, p in model.named_parameters()
+        }
 
     assert marks(bare) == marks(live) and any(m[0] for m in marks(bare).values())
     names, sizes, tensors = [], [], {}
@@ -54,8 +57,9 @@ def _export(rank: int, world: int, root: str, name: str) -> None:
             names.append(key)
             tensors[key] = tensor.clone()
     save_file(tensors, str(root / f"{name}-export-{rank}.safetensors"))
-    (root / f"{name}-export-{rank}.json").write_text(json.dumps({"names": names, "sizes": sizes,
-                                                                  "pp": trainer.info.pp_rank}))
+    (root / f"{name}-export-{rank}.json").write_text(
+        json.dumps({"names": names, "sizes": sizes, "pp": trainer.info.pp_rank})
+    )
 
 
 def test_stream_reassembles_the_hf_state_dict(tmp_path):
@@ -68,8 +72,13 @@ def test_stream_reassembles_the_hf_state_dict(tmp_path):
             original.pop("lm_head.weight")
         run_workers(_convert, 1, str(tmp_path), name)
         run_workers(_export, 4, str(tmp_path), name)
-        per_rank = [(json.loads((tmp_path / f"{name}-export-{r}.json").read_text()),
-                     load_file(str(tmp_path / f"{name}-export-{r}.safetensors"))) for r in range(4)]
+        per_rank = [
+            (
+                json.loads((tmp_path / f"{name}-export-{r}.json").read_text()),
+                load_file(str(tmp_path / f"{name}-export-{r}.safetensors")),
+            )
+            for r in range(4)
+        ]
         stages: dict[int, dict] = {}
         for meta, tensors in per_rank:
             if meta["pp"] in stages:  # the other TP rank of the stage sends the same tensors

@@ -14,9 +14,16 @@ def _report(rank: int, world: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    Path(out, f"{rank}.json").write_text(json.dumps({
-        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "backend": dist.get_backend(),
-        "cuda": torch.cuda.is_available(), "world": dist.get_world_size()}))
+    Path(out, f"{rank}.json").write_text(
+        json.dumps(
+            {
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "backend": dist.get_backend(),
+                "cuda": torch.cuda.is_available(),
+                "world": dist.get_world_size(),
+            }
+        )
+    )
 
 
 @pytest.mark.dist

@@ -24,8 +24,15 @@ def load_then_step(root: str, precision: str, tp: int) -> None:
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
     from tests.e2e.test_train_resume import make_batch
 
-    cfg = load_config(None, [f"model.precision={precision}", f"parallel.tensor={tp}", "optimizer.lr=1e-12",
-                             "parallel.max_tokens_per_microbatch=64"])
+    cfg = load_config(
+        None,
+        [
+            f"model.precision={precision}",
+            f"parallel.tensor={tp}",
+            "optimizer.lr=1e-12",
+            "parallel.max_tokens_per_microbatch=64",
+        ],
+    )
     trainer = PolicyTrainer(tiny_spec(), cfg, init_model_parallel(cfg.parallel, cfg.seed))
     params = list(trainer.model[0].module.parameters())
     with torch.no_grad():

@@ -69,8 +69,24 @@ def test_trainer_checkpoint_to_hf_bitwise(saved, tmp_path):
 
     root, original = saved
     out = tmp_path / "hf"
-    assert reshard.main(["--mcore", str(root / "trained"), "--out", str(out), "--hf-template", str(root / NAME),
-                         "--dtype", "float32", "--max-shard-gb", "0.0002", "--no-progress"]) == 0
+    assert (
+        reshard.main(
+            [
+                "--mcore",
+                str(root / "trained"),
+                "--out",
+                str(out),
+                "--hf-template",
+                str(root / NAME),
+                "--dtype",
+                "float32",
+                "--max-shard-gb",
+                "0.0002",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and (out / "tokenizer.json").is_file()
     tensors = _read(out)
@@ -86,13 +102,14 @@ def _expected_rank(original: dict, rank: int, tp: int, kv_heads: int, head_dim: 
     q = original["model.layers.0.self_attn.q_proj.weight"]
     k, v = original["model.layers.0.self_attn.k_proj.weight"], original["model.layers.0.self_attn.v_proj.weight"]
     q_rows = heads // tp * head_dim
-    kv_head = [rank * kv_heads // tp] if tp >= kv_heads else list(range(rank * kv_heads // tp,
-                                                                         (rank + 1) * kv_heads // tp))
+    kv_head = (
+        [rank * kv_heads // tp] if tp >= kv_heads else list(range(rank * kv_heads // tp, (rank + 1) * kv_heads // tp))
+    )
     kv_rows = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in kv_head])
-    qkv = torch.cat([q[rank * q_rows:(rank + 1) * q_rows], k[kv_rows], v[kv_rows]])
+    qkv = torch.cat([q[rank * q_rows : (rank + 1) * q_rows], k[kv_rows], v[kv_rows]])
     per = padded_vocab(vocab, tp) // tp
     embed = torch.zeros(per, q.shape[1])
-    part = original["model.embed_tokens.weight"][rank * per:(rank + 1) * per]
+    part = original["model.embed_tokens.weight"][rank * per : (rank + 1) * per]
     embed[: part.shape[0]] = part
     return qkv, embed
 
@@ -108,17 +125,35 @@ def test_sglang_presplit(saved, tmp_path, tp):
     root, original = saved
     spec = ModelSpec.from_hf_dir(root / NAME)
     out = tmp_path / "sglang"
-    assert reshard.main(["--mcore", str(root / "trained"), "--out", str(out), "--hf-template", str(root / NAME),
-                         "--dtype", "float32", "--sglang-tp", str(tp), "--no-progress"]) == 0
+    assert (
+        reshard.main(
+            [
+                "--mcore",
+                str(root / "trained"),
+                "--out",
+                str(out),
+                "--hf-template",
+                str(root / NAME),
+                "--dtype",
+                "float32",
+                "--sglang-tp",
+                str(tp),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     ranks = []
     for rank in range(tp):
         files = sorted(out.glob(f"model-rank-{rank}-part-*.safetensors"))
         assert [f.name for f in files] == [f"model-rank-{rank}-part-0.safetensors"]
         tensors = load_file(str(files[0]))
         assert {n: tuple(t.shape) for n, t in tensors.items()} == {
-            e.name: e.shape for e in rank_entries(spec, tp, torch.float32)}
-        qkv, embed = _expected_rank(original, rank, tp, spec.num_kv_heads, spec.head_dim, spec.num_heads,
-                                    spec.vocab_size)
+            e.name: e.shape for e in rank_entries(spec, tp, torch.float32)
+        }
+        qkv, embed = _expected_rank(
+            original, rank, tp, spec.num_kv_heads, spec.head_dim, spec.num_heads, spec.vocab_size
+        )
         assert torch.equal(tensors["model.layers.0.self_attn.qkv_proj.weight"], qkv)
         assert torch.equal(tensors["model.embed_tokens.weight"], embed)
         ranks.append(tensors)
@@ -134,7 +169,9 @@ def test_reshard_bad_input(saved, tmp_path, capsys):
 
     root, _ = saved
     args = ["--hf-template", str(root / NAME), "--no-progress"]
-    assert reshard.main(["--mcore", str(root / "trained"), "--out", str(tmp_path / "a"), "--sglang-tp", "3", *args]) == 2
+    assert (
+        reshard.main(["--mcore", str(root / "trained"), "--out", str(tmp_path / "a"), "--sglang-tp", "3", *args]) == 2
+    )
     assert "SGLang TP 3 must divide the 4 attention heads" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "a.tmp").exists()
     broken = tmp_path / "broken"
@@ -154,8 +191,20 @@ def test_reshard_bad_input(saved, tmp_path, capsys):
     config = json.loads((other / "config.json").read_text())
     config["num_hidden_layers"] = 6
     (other / "config.json").write_text(json.dumps(config))
-    assert reshard.main(["--mcore", str(root / "trained"), "--out", str(tmp_path / "c"), "--hf-template", str(other),
-                         "--no-progress"]) == 2
+    assert (
+        reshard.main(
+            [
+                "--mcore",
+                str(root / "trained"),
+                "--out",
+                str(tmp_path / "c"),
+                "--hf-template",
+                str(other),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "layer_norm_weight has shape (4, 64), the model's config implies (6, 64)" in err, err
     assert not (tmp_path / "c").exists()

@@ -29,18 +29,24 @@ GROUP = "weight_update_group"  # SGLang's default name
 
 def _bucket(seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [("model.embed_tokens.weight", torch.randn(8, 5, generator=g).to(torch.bfloat16)),
-            ("model.layers.0.self_attn.qkv_proj.bias", torch.randn(6, generator=g)),
-            ("model.layers.0.mlp.down_proj.weight", torch.randn(3, 4, generator=g).to(torch.bfloat16)),
-            ("model.norm.weight", torch.randn(5, generator=g, dtype=torch.float64)),
-            ("lm_head.weight", torch.randn(2, 3, 4, generator=g).to(torch.float16))]
+    return [
+        ("model.embed_tokens.weight", torch.randn(8, 5, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.self_attn.qkv_proj.bias", torch.randn(6, generator=g)),
+        ("model.layers.0.mlp.down_proj.weight", torch.randn(3, 4, generator=g).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(5, generator=g, dtype=torch.float64)),
+        ("lm_head.weight", torch.randn(2, 3, 4, generator=g).to(torch.float16)),
+    ]
 
 
 def _receiver(out: Path, index: int) -> ServerProcess:
     port = free_port()
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    return ServerProcess([sys.executable, "-m", "tests.dist.sglang_receiver", "--port", str(port), "--out", str(out)],
-                         f"http://127.0.0.1:{port}", out / f"receiver-{index}.log", env)
+    return ServerProcess(
+        [sys.executable, "-m", "tests.dist.sglang_receiver", "--port", str(port), "--out", str(out)],
+        f"http://127.0.0.1:{port}",
+        out / f"receiver-{index}.log",
+        env,
+    )
 
 
 def _trainer(rank: int, world: int, control: str) -> None:
@@ -143,7 +149,7 @@ def test_buckets_reach_sglangs_own_receiver_bitwise_and_the_group_reconnects(tmp
             _assert_bitwise(flat[0][0], _bucket(1))
             _assert_bitwise(flat[1][0], _bucket(2))
             assert [m["flush_cache"] for _, m in flat] == ["False", "True"]  # once per sync, with the last bucket
-            (per_tensor, _), = _received(o, "per-tensor")
+            ((per_tensor, _),) = _received(o, "per-tensor")
             _assert_bitwise(per_tensor, _bucket(3))
         engines[1].kill()
         restarted = tmp_path / "engine1-restarted"
@@ -155,9 +161,9 @@ def test_buckets_reach_sglangs_own_receiver_bitwise_and_the_group_reconnects(tmp
         worker.join(60)
         assert worker.exitcode == 0
         for o in outs:
-            (after, _), = _received(o, "after-restart")
+            ((after, _),) = _received(o, "after-restart")
             _assert_bitwise(after, _bucket(4))
-            (again, _), = _received(o, "reconnected")
+            ((again, _),) = _received(o, "reconnected")
             _assert_bitwise(again, _bucket(5))
     finally:
         if worker is not None and worker.is_alive():

@@ -25,9 +25,14 @@ def _give_te_keys(model: torch.nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in TE_MODULES:
             base = type(module)
-            module.__class__ = type(f"TE{base.__name__}", (base,), {
-                "get_extra_state": lambda self: torch.tensor([7.0]),
-                "set_extra_state": lambda self, state: setattr(self, "extra_state_set", True)})
+            module.__class__ = type(
+                f"TE{base.__name__}",
+                (base,),
+                {
+                    "get_extra_state": lambda self: torch.tensor([7.0]),
+                    "set_extra_state": lambda self, state: setattr(self, "extra_state_set", True),
+                },
+            )
             names.append(f"{name}._extra_state")
     return names
 

@@ -18,8 +18,16 @@ def _worker(rank: int, world: int, loss: str, scope: str, tp: int, pp: int) -> N
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     activate_cpu_shim()
-    cfg = load_config(None, [f"algo.loss={loss}", f"algo.bapo.bound_scope={scope}", f"parallel.tensor={tp}",
-                             f"parallel.pipeline={pp}", "parallel.max_tokens_per_microbatch=64"])
+    cfg = load_config(
+        None,
+        [
+            f"algo.loss={loss}",
+            f"algo.bapo.bound_scope={scope}",
+            f"parallel.tensor={tp}",
+            f"parallel.pipeline={pp}",
+            "parallel.max_tokens_per_microbatch=64",
+        ],
+    )
     trainer = PolicyTrainer(tiny_spec(), cfg, init_model_parallel(cfg.parallel, cfg.seed))
     before = {k: v.clone() for k, v in trainer.model[0].module.state_dict().items() if isinstance(v, torch.Tensor)}
     poisoned = make_batch(7)
@@ -38,10 +46,13 @@ def _worker(rank: int, world: int, loss: str, scope: str, tp: int, pp: int) -> N
     assert all(torch.isfinite(p).all() for p in trainer.model[0].module.parameters())
 
 
-@pytest.mark.parametrize(("loss", "scope", "tp", "pp", "world"), [
-    ("bapo", "step", 1, 2, 2),        # the search after the forward-only pass, on the last stage only
-    ("bapo", "microbatch", 1, 1, 2),  # the search inside the loss, over the data-parallel group
-    ("ppo", "step", 2, 1, 2),         # no search: the non-finite loss and gradients are caught
-])
+@pytest.mark.parametrize(
+    ("loss", "scope", "tp", "pp", "world"),
+    [
+        ("bapo", "step", 1, 2, 2),  # the search after the forward-only pass, on the last stage only
+        ("bapo", "microbatch", 1, 1, 2),  # the search inside the loss, over the data-parallel group
+        ("ppo", "step", 2, 1, 2),  # no search: the non-finite loss and gradients are caught
+    ],
+)
 def test_nonfinite_steps_are_skipped_everywhere(loss, scope, tp, pp, world):
     run_workers(_worker, world, loss, scope, tp, pp)

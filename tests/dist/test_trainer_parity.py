@@ -18,17 +18,33 @@ from tests.e2e.test_train_resume import make_batch
 
 LOSSES = ("bapo", "ppo")
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (1, 2, 2), "dp2": (1, 1, 2), "tp2pp2": (2, 2, 4)}
-COMPARED = ("loss/pg", "bapo/clip_low", "bapo/clip_high", "bapo/rho", "bapo/rho_start", "train/grad_norm",
-            "policy/entropy", "policy/ratio_mean", "rollout/logprob_mismatch")
+COMPARED = (
+    "loss/pg",
+    "bapo/clip_low",
+    "bapo/clip_high",
+    "bapo/rho",
+    "bapo/rho_start",
+    "train/grad_norm",
+    "policy/entropy",
+    "policy/ratio_mean",
+    "rollout/logprob_mismatch",
+)
 
 
 def _overrides(loss: str, tp: int, pp: int) -> list[str]:
-    return [f"algo.loss={loss}", "algo.bapo.target_rho=0.45", f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
-            "parallel.max_tokens_per_microbatch=48", "optimizer.lr=1e-3", "optimizer.clip_grad=1.0",
-            # Adam's first step is lr * g / (|g| + eps): at eps=1e-8 a gradient element of ~1e-8 turns
-            # float32 summation-order noise (~1e-12) into a visible update. 1e-6 keeps the comparison
-            # well-conditioned without changing what is compared.
-            "optimizer.adam_eps=1e-6"]
+    return [
+        f"algo.loss={loss}",
+        "algo.bapo.target_rho=0.45",
+        f"parallel.tensor={tp}",
+        f"parallel.pipeline={pp}",
+        "parallel.max_tokens_per_microbatch=48",
+        "optimizer.lr=1e-3",
+        "optimizer.clip_grad=1.0",
+        # Adam's first step is lr * g / (|g| + eps): at eps=1e-8 a gradient element of ~1e-8 turns
+        # float32 summation-order noise (~1e-12) into a visible update. 1e-6 keeps the comparison
+        # well-conditioned without changing what is compared.
+        "optimizer.adam_eps=1e-6",
+    ]
 
 
 def _batch() -> RolloutBatch:
@@ -88,8 +104,11 @@ def _compare(rank: int, world: int, root: str) -> None:
     for name in LAYOUTS:
         for loss in LOSSES:
             trainer.load_weights(Path(root) / f"{name}-{loss}")
-            weights[name, loss] = {k: v.clone() for k, v in trainer.model[0].module.state_dict().items()
-                                   if isinstance(v, torch.Tensor) and v.is_floating_point()}
+            weights[name, loss] = {
+                k: v.clone()
+                for k, v in trainer.model[0].module.state_dict().items()
+                if isinstance(v, torch.Tensor) and v.is_floating_point()
+            }
     # The full TP=2 checkpoint (model, optimizer, schedule) resumes at TP=1, weights intact.
     resumed = PolicyTrainer(spec, cfg, info)
     assert CheckpointManager(CheckpointConfig(dir=str(Path(root) / "full-tp2"))).load(resumed) == 1
@@ -102,8 +121,10 @@ def _compare(rank: int, world: int, root: str) -> None:
         want = weights["tp1", loss]
         assert any(not torch.equal(want[k], initial[k]) for k in want), "the step changed nothing"
         for name in LAYOUTS:
-            worst = max((torch.linalg.norm(t - want[k]) / torch.linalg.norm(want[k]).clamp(min=1e-12)).item()
-                        for k, t in weights[name, loss].items())
+            worst = max(
+                (torch.linalg.norm(t - want[k]) / torch.linalg.norm(want[k]).clamp(min=1e-12)).item()
+                for k, t in weights[name, loss].items()
+            )
             print(f"{name} {loss}: worst tensor relative difference {worst:.2e}")
             assert worst <= 1e-5, f"{name} {loss}: updated weights differ by {worst:.3g} (relative norm)"
 

@@ -18,10 +18,17 @@ def _worker(rank: int, world: int) -> None:
     upstream = torch.randn(2, 37, generator=g, dtype=torch.float64)
     width = padded // world
     for dtype, tol, chunk in ((torch.float64, 1e-12, 8), (torch.float32, 1e-5, 4096)):
-        local = full[:, rank * width:(rank + 1) * width].to(dtype).clone().requires_grad_()
+        local = full[:, rank * width : (rank + 1) * width].to(dtype).clone().requires_grad_()
         with count_collectives() as calls:
-            logp, ent = vocab_parallel_logprobs(local, targets, group=dist.group.WORLD, vocab_start=rank * width,
-                                                vocab_size=vocab, temperature=0.8, chunk_tokens=chunk)
+            logp, ent = vocab_parallel_logprobs(
+                local,
+                targets,
+                group=dist.group.WORLD,
+                vocab_start=rank * width,
+                vocab_size=vocab,
+                temperature=0.8,
+                chunk_tokens=chunk,
+            )
         assert len(calls) == 2 * math.ceil(37 / chunk), calls  # one MAX and one SUM per chunk
         with count_collectives() as calls:
             ((logp.double() * upstream[0]).sum() + (ent.double() * upstream[1]).sum()).backward()
@@ -32,7 +39,7 @@ def _worker(rank: int, world: int) -> None:
         ((ref_logp * upstream[0]).sum() + (ref_ent * upstream[1]).sum()).backward()
         torch.testing.assert_close(logp.double(), ref_logp, rtol=tol, atol=tol)
         torch.testing.assert_close(ent.double(), ref_ent, rtol=tol, atol=tol)
-        want = ref_logits.grad[:, rank * width:(rank + 1) * width]
+        want = ref_logits.grad[:, rank * width : (rank + 1) * width]
         torch.testing.assert_close(local.grad.double(), want, rtol=tol, atol=tol)
 
 

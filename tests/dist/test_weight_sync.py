@@ -53,20 +53,27 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
         return stream_hf_buckets(trainer.model, spec, trainer.info, bucket_bytes=50_000)
 
     if rank == 0:
+
         async def drive():
             async with EngineClient(url) as client:
                 results = []
                 for i, (transport, flatten) in enumerate(WAYS):
                     version = str(i + 1)
                     if transport == "distributed":
-                        sender = DistributedWeightSender([client], [1], "127.0.0.1", free_port(),
-                                                         group_name=f"sync-{version}", flatten=flatten)
+                        sender = DistributedWeightSender(
+                            [client], [1], "127.0.0.1", free_port(), group_name=f"sync-{version}", flatten=flatten
+                        )
                         await sender.connect()
                     else:
                         sender = TensorWeightSender([client], flatten=flatten)
                     assert await sender.send(stream(), version) > 0
-                    results.append(await client.generate(prompt, SamplingParams(
-                        max_new_tokens=20, temperature=0.9, ignore_eos=True), f"after-{version}"))
+                    results.append(
+                        await client.generate(
+                            prompt,
+                            SamplingParams(max_new_tokens=20, temperature=0.9, ignore_eos=True),
+                            f"after-{version}",
+                        )
+                    )
                 return results
 
         for i, result in enumerate(asyncio.run(drive())):
@@ -78,9 +85,20 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
             for _ in stream():  # the TP gathers are collectives: every rank walks the stream
                 pass
     dist.broadcast(tokens, 0)
-    batch = RolloutBatch(samples=[Sample(prompt_ids=ids[:4], response_ids=ids[4:], behaviour_logprobs=[0.0] * 20,
-                                         versions=[0] * 20, reward=float(i % 2), group=0)
-                                  for i, ids in enumerate(tokens.tolist())], temperature=0.9)
+    batch = RolloutBatch(
+        samples=[
+            Sample(
+                prompt_ids=ids[:4],
+                response_ids=ids[4:],
+                behaviour_logprobs=[0.0] * 20,
+                versions=[0] * 20,
+                reward=float(i % 2),
+                group=0,
+            )
+            for i, ids in enumerate(tokens.tolist())
+        ],
+        temperature=0.9,
+    )
     mbs, _ = trainer.microbatches(batch)
     trainer._temperature = 0.9  # the rollout temperature the engine sampled with (set by train_step normally)
 
@@ -95,8 +113,9 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
         for index, logp, mask in outputs:
             for row, i in enumerate(index):
                 ours[int(i)] = logp[row][mask[row] != 0].double().tolist()
-        (root / "sync.json").write_text(json.dumps({"trainer": [ours[i] for i in range(len(WAYS))],
-                                                    "engine": engine_logprobs.tolist()}))
+        (root / "sync.json").write_text(
+            json.dumps({"trainer": [ours[i] for i in range(len(WAYS))], "engine": engine_logprobs.tolist()})
+        )
 
 
 @pytest.mark.dist

@@ -9,8 +9,9 @@ import clip_comparison
 
 
 def test_demo_prints_bounds_and_bapo_learns(capsys, tmp_path):
-    results = clip_comparison.main(["--losses", "bapo", "ppo", "--steps", "60", "--every", "20",
-                                    "--json", str(tmp_path / "rows.json")])
+    results = clip_comparison.main(
+        ["--losses", "bapo", "ppo", "--steps", "60", "--every", "20", "--json", str(tmp_path / "rows.json")]
+    )
     out = capsys.readouterr().out
     assert "c_low" in out and "c_high" in out and "rho" in out
     bapo, ppo = results["bapo"], results["ppo"]

@@ -37,8 +37,11 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed(model_dir, tmp_path_factory):
-    proc = embedded_server(model_dir, tmp_path_factory.mktemp("logs") / "keyed.log",
-                           admin_key=ADMIN).start().wait_ready(120)
+    proc = (
+        embedded_server(model_dir, tmp_path_factory.mktemp("logs") / "keyed.log", admin_key=ADMIN)
+        .start()
+        .wait_ready(120)
+    )
     yield proc
     proc.stop()
 
@@ -48,7 +51,7 @@ def _reference_logprobs(model_dir, prompt, output, temperature):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
@@ -59,8 +62,9 @@ def test_generation_logprobs_match_transformers(server, model_dir):
     async def run():
         async with EngineClient(server.url) as client:
             sampling = [SamplingParams(max_new_tokens=n, temperature=0.7, ignore_eos=True) for n in lengths]
-            return await asyncio.gather(*(client.generate(p, s, f"r{i}")
-                                          for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))))
+            return await asyncio.gather(
+                *(client.generate(p, s, f"r{i}") for i, (p, s) in enumerate(zip(prompts, sampling, strict=True)))
+            )
 
     results = asyncio.run(run())
     for prompt, n, result in zip(prompts, lengths, results, strict=True):
@@ -73,8 +77,9 @@ def test_generation_logprobs_match_transformers(server, model_dir):
 def test_abort_returns_partial_output_and_pause_holds_requests(server):
     async def run():
         async with EngineClient(server.url) as client:
-            long = asyncio.create_task(client.generate([1, 2, 3], SamplingParams(max_new_tokens=5000, ignore_eos=True),
-                                                       "long"))
+            long = asyncio.create_task(
+                client.generate([1, 2, 3], SamplingParams(max_new_tokens=5000, ignore_eos=True), "long")
+            )
             await asyncio.sleep(1.0)
             await client.abort("long")
             partial = await long
@@ -104,8 +109,9 @@ def test_weights_from_disk_and_version(server, model_dir, tmp_path):
         async with EngineClient(server.url) as client:
             await client.update_weights_from_disk(str(new_dir), "7")
             info = await client.model_info()
-            result = await client.generate([8, 9, 10], SamplingParams(max_new_tokens=8, temperature=1.0,
-                                                                      ignore_eos=True), "after")
+            result = await client.generate(
+                [8, 9, 10], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True), "after"
+            )
             await client.update_weights_from_disk(str(model_dir), "8")  # back, for the other tests
             return info, result
 
@@ -134,12 +140,19 @@ def test_keyed_engine_refuses_unauthenticated_control(keyed, model_dir, tmp_path
     sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
 
     async def run():
-        async with EngineClient(keyed.url) as anonymous, EngineClient(keyed.url, admin_key="wrong") as wrong, \
-                EngineClient(keyed.url, admin_key=ADMIN) as admin:
+        async with (
+            EngineClient(keyed.url) as anonymous,
+            EngineClient(keyed.url, admin_key="wrong") as wrong,
+            EngineClient(keyed.url, admin_key=ADMIN) as admin,
+        ):
             before = await anonymous.generate([3, 4, 5], sampling, "a")  # generation is not a control endpoint
             for client in (anonymous, wrong):
-                for call in (client.pause("abort"), client.update_weights_from_disk(str(broken), "x"),
-                             client.abort(), client.release_memory()):
+                for call in (
+                    client.pause("abort"),
+                    client.update_weights_from_disk(str(broken), "x"),
+                    client.abort(),
+                    client.release_memory(),
+                ):
                     with pytest.raises(EngineError) as err:
                         await call
                     assert err.value.status == 401
@@ -162,8 +175,9 @@ def test_memory_released_and_resumed_as_a_colocated_trainer_does(server, model_d
 
     async def run():
         async with EngineClient(server.url) as client:
-            busy = asyncio.create_task(client.generate([1, 2, 3], SamplingParams(max_new_tokens=5000, ignore_eos=True),
-                                                       "busy"))
+            busy = asyncio.create_task(
+                client.generate([1, 2, 3], SamplingParams(max_new_tokens=5000, ignore_eos=True), "busy")
+            )
             await asyncio.sleep(0.5)
             with pytest.raises(EngineError, match="only when the engine is idle"):
                 await client.release_memory()
@@ -209,7 +223,8 @@ def test_released_memory_is_freed(model_dir):
     assert all(p.untyped_storage().nbytes() == 0 for p in parameters)
     core.resume_memory(["weights", "kv_cache"])
     assert [p.numel() for p in parameters] == [p.numel() for p in core.model.parameters()] and all(
-        p.numel() > 0 for p in parameters)
+        p.numel() > 0 for p in parameters
+    )
     assert "update the weights" in core.can_generate()
 
 
@@ -246,9 +261,14 @@ def test_slotted_cache_under_arrivals_finishes_retracts_and_growth(model_dir):
 
     core = EngineCore(model_dir, max_batch=3)
     lengths = [150, 7, 90, 3, 40, 12]
-    requests = [Request(f"r{i}", [(11 * i + j) % 90 + 1 for j in range(2 + 3 * i)],
-                        SamplingParams(max_new_tokens=n, temperature=0.8, ignore_eos=True))
-                for i, n in enumerate(lengths)]
+    requests = [
+        Request(
+            f"r{i}",
+            [(11 * i + j) % 90 + 1 for j in range(2 + 3 * i)],
+            SamplingParams(max_new_tokens=n, temperature=0.8, ignore_eos=True),
+        )
+        for i, n in enumerate(lengths)
+    ]
     core.add(requests[0])
     core.add(requests[1])
     steps = 0
@@ -321,8 +341,10 @@ def test_prefill_of_mixed_lengths_runs_in_length_sorted_forwards_and_stays_exact
     forward = core.model.forward
     core.model.forward = lambda *a, **k: forwards.append(tuple(k["input_ids"].shape)) or forward(*a, **k)
     prompts = [[(13 * i + j) % 97 + 1 for j in range(n)] for i, n in enumerate([3, 120, 5, 64, 118, 2, 61])]
-    requests = [Request(f"r{i}", p, SamplingParams(max_new_tokens=9, temperature=0.9, ignore_eos=True))
-                for i, p in enumerate(prompts)]
+    requests = [
+        Request(f"r{i}", p, SamplingParams(max_new_tokens=9, temperature=0.9, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     for request in requests:
         core.add(request)
     core.step()
@@ -330,9 +352,14 @@ def test_prefill_of_mixed_lengths_runs_in_length_sorted_forwards_and_stays_exact
     while core.busy:
         core.step()
     # each request's first token comes from its prefill, the other eight from decode steps
-    assert core.counters == {"prefill_forwards": 3, "prefill_requests": 7,
-                             "prefill_positions": 2 * 120 + 2 * 64 + 3 * 5, "decode_steps": 8, "decode_tokens": 7 * 8,
-                             "prefix_hits": 0}
+    assert core.counters == {
+        "prefill_forwards": 3,
+        "prefill_requests": 7,
+        "prefill_positions": 2 * 120 + 2 * 64 + 3 * 5,
+        "decode_steps": 8,
+        "decode_tokens": 7 * 8,
+        "prefix_hits": 0,
+    }
     for request in requests:
         want = _reference_logprobs(model_dir, request.input_ids, request.output_ids, 0.9)
         torch.testing.assert_close(torch.tensor(request.logprobs), want, rtol=0, atol=1e-5)

@@ -29,7 +29,7 @@ def models(tmp_path_factory):
 
 def _token_logprobs(model, prompt, response, temperature=1.0):
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
@@ -43,10 +43,10 @@ async def _round(client, buffer, version):
 def test_tokens_keep_the_version_and_logprob_they_were_sampled_with(models, tmp_path):
     server = embedded_server(models[MODELS[0]][0], tmp_path / "engine.log").start().wait_ready(120)
     try:
+
         async def run():
             async with EngineClient(server.url) as client:
-                buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4,
-                                              max_staleness=2)
+                buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=2)
                 for i in range(2):
                     buffer.add_group(f"p{i}", [10 + i, 20 + i, 30 + i])
                 for version, name in enumerate(MODELS, start=1):
@@ -54,8 +54,7 @@ def test_tokens_keep_the_version_and_logprob_they_were_sampled_with(models, tmp_
                     await _round(client, buffer, version)
                 kept = [s for g in buffer.groups.values() for s in g.samples]
                 drops_before = buffer.counters["dropped_stale"]
-                stale = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4,
-                                             max_staleness=1)
+                stale = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=1)
                 stale.add_group("q", [5, 6, 7])
                 for version in (1, 2):
                     await client.update_weight_version(str(version))
@@ -90,8 +89,14 @@ def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
         async with EngineClient(server.url, retries=1, backoff_s=0.2) as client:
             pool = EnginePool([client], timeout_s=120, probe_s=0.2)
             buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=LONG)
-            manager = RolloutManager(pool, buffer, prompts, RewardWorkers("exact_ids", inline=True),
-                                     SamplingParams(max_new_tokens=LONG, ignore_eos=True), prompts_per_step=2)
+            manager = RolloutManager(
+                pool,
+                buffer,
+                prompts,
+                RewardWorkers("exact_ids", inline=True),
+                SamplingParams(max_new_tokens=LONG, ignore_eos=True),
+                prompts_per_step=2,
+            )
             step = asyncio.create_task(manager.step(0))
             await asyncio.sleep(0.5)
             assert not step.done(), "the step finished before the engine could be killed: make it longer"
@@ -140,9 +145,16 @@ def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_pa
     async def run():
         async with EngineClient(server.url) as client:
             buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=RETRACT_LONG, max_staleness=2)
-            manager = RolloutManager(EnginePool([client]), buffer, prompts, RewardWorkers("exact_ids", inline=True),
-                                     SamplingParams(max_new_tokens=RETRACT_LONG, ignore_eos=True), prompts_per_step=1,
-                                     oversample=2, mode="retract")
+            manager = RolloutManager(
+                EnginePool([client]),
+                buffer,
+                prompts,
+                RewardWorkers("exact_ids", inline=True),
+                SamplingParams(max_new_tokens=RETRACT_LONG, ignore_eos=True),
+                prompts_per_step=1,
+                oversample=2,
+                mode="retract",
+            )
 
             async def update(version):
                 await asyncio.sleep(0.3)  # some tokens under the version before
@@ -156,15 +168,15 @@ def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_pa
                         await manager.resume_memory(["kv_cache", "cuda_graph"])
 
             await client.update_weight_version("1")
-            first = await manager.step(1)              # p0 done; p1 sent under version 1, generating
+            first = await manager.step(1)  # p0 done; p1 sent under version 1, generating
             in_engines = manager.stats["rollout/in_engines"]
             await update(2)
             await update(3)
-            second = await manager.step(3)             # p1, finished under versions 1-3; p2 sent at 3
+            second = await manager.step(3)  # p1, finished under versions 1-3; p2 sent at 3
             await update(4)
             await update(5)
             await update(6)
-            third = await manager.step(6)              # p2 sent at 3: 6 - 3 > 2, aborted and regenerated
+            third = await manager.step(6)  # p2 sent at 3: 6 - 3 > 2, aborted and regenerated
             dropped = buffer.counters["dropped_stale"]
             drained = await manager.drain(6)
             return first, in_engines, second, third, dropped, drained, manager, buffer

@@ -19,18 +19,35 @@ def make_batch(seed: int, groups: int = 4, n: int = 4, max_len: int = 12, temper
         prompt = [rng.randrange(250) for _ in range(rng.randint(2, 6))]
         for _ in range(n):
             length = rng.randint(1, max_len)
-            samples.append(Sample(prompt_ids=prompt, response_ids=[rng.randrange(250) for _ in range(length)],
-                                  behaviour_logprobs=[-5.5 + rng.gauss(0, 0.6) for _ in range(length)],
-                                  versions=[0] * length, reward=rng.random(), group=group))
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(250) for _ in range(length)],
+                    behaviour_logprobs=[-5.5 + rng.gauss(0, 0.6) for _ in range(length)],
+                    versions=[0] * length,
+                    reward=rng.random(),
+                    group=group,
+                )
+            )
     return RolloutBatch(samples=samples, temperature=temperature)
 
 
 def _args(root: Path, run: str, steps: int, ckpt: str) -> list[str]:
-    return [f"rollout.replay={root / 'replay'}", f"steps={steps}", f"checkpoint.dir={root / ckpt}",
-            "checkpoint.interval=2", "checkpoint.keep_last=1", "logging.backends=[jsonl]",
-            f"logging.jsonl_path={root / (run + '.jsonl')}",
-            "optimizer.lr=1e-3", "parallel.max_tokens_per_microbatch=64", "rollout.prompts_per_step=4",
-            "rollout.samples_per_prompt=4", "algo.updates_per_batch=2", "algo.bapo.target_rho=0.45"]
+    return [
+        f"rollout.replay={root / 'replay'}",
+        f"steps={steps}",
+        f"checkpoint.dir={root / ckpt}",
+        "checkpoint.interval=2",
+        "checkpoint.keep_last=1",
+        "logging.backends=[jsonl]",
+        f"logging.jsonl_path={root / (run + '.jsonl')}",
+        "optimizer.lr=1e-3",
+        "parallel.max_tokens_per_microbatch=64",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "algo.updates_per_batch=2",
+        "algo.bapo.target_rho=0.45",
+    ]
 
 
 def _train(rank: int, world: int, args: list[str]) -> None:
@@ -54,8 +71,9 @@ def _final_weights_equal(rank: int, world: int, root: str) -> None:
     for ckpt in ("full", "resumed"):
         manager = CheckpointManager(cfg.checkpoint.__class__(dir=str(Path(root) / ckpt)))
         assert manager.load(trainer) == 8
-        states.append({k: v.clone() for k, v in trainer.model[0].module.state_dict().items()
-                       if isinstance(v, torch.Tensor)})
+        states.append(
+            {k: v.clone() for k, v in trainer.model[0].module.state_dict().items() if isinstance(v, torch.Tensor)}
+        )
     for key, tensor in states[0].items():
         assert torch.equal(tensor, states[1][key]), key
 

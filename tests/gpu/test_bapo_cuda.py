@@ -31,8 +31,9 @@ def test_cuda_loss_matches_cpu():
     outs = []
     for device in ("cpu", "cuda"):
         x = lp.to(device).requires_grad_()
-        out = policy_loss(PolicyBatch(logprobs=x, old_logprobs=old.to(device), advantages=adv.to(device),
-                                      mask=mask.to(device)), cfg)
+        out = policy_loss(
+            PolicyBatch(logprobs=x, old_logprobs=old.to(device), advantages=adv.to(device), mask=mask.to(device)), cfg
+        )
         (out.loss_sum / out.token_count).backward()
         outs.append((out.loss_sum.item(), x.grad.cpu()))
     assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-5)

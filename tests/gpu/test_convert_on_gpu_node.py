@@ -24,8 +24,23 @@ def _convert(rank: int, world: int, root: str, model_bytes: int) -> None:
     peak = torch.cuda.max_memory_allocated()
     assert peak < model_bytes // 2, f"hf-to-mcore allocated {peak} bytes on the GPU (the model has {model_bytes})"
     assert cli.main(["verify", "--hf", str(root / NAME), "--mcore", str(root / "mcore")]) == 0
-    assert cli.main(["mcore-to-hf", "--mcore", str(root / "mcore"), "--out", str(root / "back"),
-                     "--hf-template", str(root / NAME), "--dtype", "float32", "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "mcore-to-hf",
+                "--mcore",
+                str(root / "mcore"),
+                "--out",
+                str(root / "back"),
+                "--hf-template",
+                str(root / NAME),
+                "--dtype",
+                "float32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
 
 
 def test_converters_on_a_gpu_node(tmp_path):

@@ -38,8 +38,17 @@ def _make_model(root: Path, name: str, seed: int):
     from bapo_megatron.trainer.model_spec import tiny_spec
 
     # head_dim 64: a size every SGLang attention backend serves; the context holds the abort test's request
-    spec = dataclasses.replace(tiny_spec("qwen2"), hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                               ffn_hidden_size=512, vocab_size=512, num_layers=2, max_position_embeddings=8192)
+    spec = dataclasses.replace(
+        tiny_spec("qwen2"),
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        ffn_hidden_size=512,
+        vocab_size=512,
+        num_layers=2,
+        max_position_embeddings=8192,
+    )
     config = transformers.AutoConfig.for_model(**spec.to_hf_config())
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -64,19 +73,26 @@ def server(models, tmp_path_factory):
     from bapo_megatron.rollout.sglang_launcher import start_sglang
 
     root, _ = models
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true", "rollout.mem_fraction_static=0.3",
-                             f"rollout.port={free_port()}",
-                             "rollout.sglang_args={disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true}"
-                             ]).rollout
-    servers, key = start_sglang(cfg, str(root / BASE), tmp_path_factory.mktemp("sglang-run"), timeout_s=600,
-                                weight_version="0")
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.colocate=true",
+            "rollout.mem_fraction_static=0.3",
+            f"rollout.port={free_port()}",
+            "rollout.sglang_args={disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true}",
+        ],
+    ).rollout
+    servers, key = start_sglang(
+        cfg, str(root / BASE), tmp_path_factory.mktemp("sglang-run"), timeout_s=600, weight_version="0"
+    )
     yield servers[0], key
     servers[0].stop()
 
 
 def _reference(model, prompt, output, temperature):
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+        logits = model(torch.tensor([prompt + output], device="cuda")).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output, device="cuda")[:, None])[:, 0]
 
 
@@ -89,8 +105,9 @@ def _gap(completion, model, temperature):
 async def _sample(client, rid, temperature=0.8, n=32):
     from bapo_megatron.rollout.protocol import SamplingParams
 
-    return await client.generate(PROMPT, SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True),
-                                 rid)
+    return await client.generate(
+        PROMPT, SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True), rid
+    )
 
 
 def _buckets(model):
@@ -156,8 +173,9 @@ def test_colocated_cycle_and_disk(server, models):
         assert _gap(completion, weights[BASE], 0.8)[0] > 10 * MEAN_TOL  # the update took: not the old weights
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                    reason="NCCL needs the sender on a second GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs the sender on a second GPU"
+)
 def test_update_over_nccl(server, models):
     from bapo_megatron.rollout.client import EngineClient
     from bapo_megatron.rollout.launcher import free_port
@@ -170,8 +188,9 @@ def test_update_over_nccl(server, models):
 
     async def run():
         async with EngineClient(proc.url, admin_key=key) as client:
-            sender = DistributedWeightSender([client], [1], "127.0.0.1", free_port(), group_name="bapo-nccl-test",
-                                             backend="nccl")
+            sender = DistributedWeightSender(
+                [client], [1], "127.0.0.1", free_port(), group_name="bapo-nccl-test", backend="nccl"
+            )
             await sender.connect()
             await client.pause("abort")
             await sender.send(_buckets(sender_model), "3")

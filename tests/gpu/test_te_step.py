@@ -26,8 +26,15 @@ def _trainer(precision: str):
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
-    cfg = load_config(None, ["model.transformer_impl=transformer_engine", f"model.precision={precision}",
-                             "parallel.max_tokens_per_microbatch=256", "optimizer.lr=1e-4"])
+    cfg = load_config(
+        None,
+        [
+            "model.transformer_impl=transformer_engine",
+            f"model.precision={precision}",
+            "parallel.max_tokens_per_microbatch=256",
+            "optimizer.lr=1e-4",
+        ],
+    )
     return PolicyTrainer(tiny_spec(), cfg, init_model_parallel(cfg.parallel, cfg.seed))
 
 

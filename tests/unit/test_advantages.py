@@ -17,7 +17,7 @@ def test_estimators_match_definitions():
     rloo, _ = group_advantages(rewards, AdvantageConfig(estimator="rloo"))
     for g in range(2):
         for i in range(5):
-            others = torch.cat([rewards[g, :i], rewards[g, i + 1:]])
+            others = torch.cat([rewards[g, :i], rewards[g, i + 1 :]])
             assert rloo[g, i].item() == pytest.approx((rewards[g, i] - others.mean()).item())
 
 

@@ -26,16 +26,26 @@ def _random_config(g: torch.Generator, contribution: str, order: str) -> BAPOCon
     if u() < 0.5:
         base = {"seed": PRESETS["seed"], "paper": PRESETS["paper"], "verl": PRESETS["verl_example"]}
         cfg = list(base.values())[int(u() * 3)]
-        fields = {f: getattr(cfg, f) for f in ("low_start", "low_max", "low_step", "high_start", "high_max",
-                                               "high_step")}
+        fields = {
+            f: getattr(cfg, f) for f in ("low_start", "low_max", "low_step", "high_start", "high_max", "high_step")
+        }
     else:
         low_start = 0.3 + 0.6 * u()
         high_start = 1.0 + u()
-        fields = dict(low_start=low_start, low_max=low_start + (1.0 - low_start) * u(), low_step=0.005 + 0.1 * u(),
-                      high_start=high_start, high_max=high_start + 2.5 * u(), high_step=0.01 + 0.3 * u())
+        fields = dict(
+            low_start=low_start,
+            low_max=low_start + (1.0 - low_start) * u(),
+            low_step=0.005 + 0.1 * u(),
+            high_start=high_start,
+            high_max=high_start + 2.5 * u(),
+            high_step=0.01 + 0.3 * u(),
+        )
     target = 0.02 + 0.96 * u() if u() < 0.3 else 0.4 + 0.2 * u()
     return BAPOConfig(
-        **fields, target_rho=target, contribution=contribution, search_order=order,
+        **fields,
+        target_rho=target,
+        contribution=contribution,
+        search_order=order,
         dual_clip=None if u() < 0.6 else 1.5 + 3 * u(),
     )
 
@@ -147,11 +157,17 @@ def test_search_path_lengths_match_the_spec():
     for name, cfg in PRESETS.items():
         path = search_path(cfg)
         if cfg.search_order == "paper":
-            k = (math.floor((cfg.high_max - cfg.high_start) / cfg.high_step + 1e-9)
-                 + math.floor((cfg.low_max - cfg.low_start) / cfg.low_step + 1e-9) + 1)
+            k = (
+                math.floor((cfg.high_max - cfg.high_start) / cfg.high_step + 1e-9)
+                + math.floor((cfg.low_max - cfg.low_start) / cfg.low_step + 1e-9)
+                + 1
+            )
         else:
-            k = (math.ceil((cfg.high_max - cfg.high_start) / cfg.high_step - 1e-9)
-                 + math.ceil((cfg.low_max - cfg.low_start) / cfg.low_step - 1e-9) + 1)
+            k = (
+                math.ceil((cfg.high_max - cfg.high_start) / cfg.high_step - 1e-9)
+                + math.ceil((cfg.low_max - cfg.low_start) / cfg.low_step - 1e-9)
+                + 1
+            )
         assert len(path) == k, name
         assert path.points[0] == (cfg.low_start, cfg.high_start)
     seed = search_path(PRESETS["seed"])
@@ -181,8 +197,7 @@ def test_table_accumulates_over_microbatches():
     cfg = BAPOConfig(target_rho=0.55)
     search = BoundSearch(cfg)
     g = torch.Generator().manual_seed(9)
-    parts = [(torch.exp(torch.randn(n, generator=g)), torch.randn(n, generator=g), torch.ones(n))
-             for n in (17, 250, 3)]
+    parts = [(torch.exp(torch.randn(n, generator=g)), torch.randn(n, generator=g), torch.ones(n)) for n in (17, 250, 3)]
     table = sum(search.table(*p) for p in parts)
     whole = [torch.cat(x) for x in zip(*parts, strict=True)]
     split, single = search.select(table), search_clip_bounds(*whole, cfg)
@@ -192,10 +207,15 @@ def test_table_accumulates_over_microbatches():
 
 def test_bad_configs_name_the_field():
     cases = {
-        "target_rho": dict(target_rho=1.0), "low_start": dict(low_start=0.95),
-        "high_start": dict(high_start=3.5), "low_step": dict(low_step=0.0), "high_step": dict(high_step=-0.1),
-        "contribution": dict(contribution="share"), "search_order": dict(search_order="upper_first"),
-        "bound_scope": dict(bound_scope="global"), "dual_clip": dict(dual_clip=0.5),
+        "target_rho": dict(target_rho=1.0),
+        "low_start": dict(low_start=0.95),
+        "high_start": dict(high_start=3.5),
+        "low_step": dict(low_step=0.0),
+        "high_step": dict(high_step=-0.1),
+        "contribution": dict(contribution="share"),
+        "search_order": dict(search_order="upper_first"),
+        "bound_scope": dict(bound_scope="global"),
+        "dual_clip": dict(dual_clip=0.5),
     }
     for field, kwargs in cases.items():
         with pytest.raises(ConfigError, match=field) as err:

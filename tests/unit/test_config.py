@@ -97,8 +97,9 @@ def test_every_example_config_loads():
 def test_partial_budget_must_reach_max_new_tokens_before_staleness():
     with pytest.raises(ConfigError, match=r"rollout.token_budget=8: x \(max_staleness \+ 1\) = 40 tokens"):
         load_config(None, ["rollout.partial=true", "rollout.max_new_tokens=64", "rollout.token_budget=8"])
-    cfg = load_config(None, ["rollout.partial=true", "rollout.max_new_tokens=64", "rollout.token_budget=8",
-                             "rollout.max_staleness=7"])
+    cfg = load_config(
+        None, ["rollout.partial=true", "rollout.max_new_tokens=64", "rollout.token_budget=8", "rollout.max_staleness=7"]
+    )
     assert cfg.rollout.token_budget * (cfg.rollout.max_staleness + 1) == 64
 
 
@@ -113,13 +114,17 @@ def test_retract_mode_needs_partial_and_no_token_budget():
 
 
 def test_sglang_args_pass_through_and_never_override_the_launcher(tmp_path):
-    cfg = load_config(None, ["rollout.sglang_args.attention_backend=triton",
-                             "rollout.sglang_args.cuda-graph-max-bs=64"])
+    cfg = load_config(
+        None, ["rollout.sglang_args.attention_backend=triton", "rollout.sglang_args.cuda-graph-max-bs=64"]
+    )
     assert cfg.rollout.sglang_args == {"attention_backend": "triton", "cuda-graph-max-bs": 64}
     (tmp_path / "job.yaml").write_text(dump_config(cfg))
     assert load_config(tmp_path / "job.yaml") == cfg
-    with pytest.raises(ConfigError, match=r"rollout.sglang_args.tp_size=4: is the launcher's option "
-                                          r"\(set from rollout.tensor_parallel\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.sglang_args.tp_size=4: is the launcher's option "
+        r"\(set from rollout.tensor_parallel\)",
+    ):
         load_config(None, ["rollout.sglang_args={tp_size: 4}"])
     with pytest.raises(ConfigError, match=r"rollout.sglang_args=3: must be a mapping"):
         load_config(None, ["rollout.sglang_args=3"])

@@ -33,8 +33,9 @@ def _fields(source: str) -> dict[str, set[str]]:
     own, bases = {}, {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
-            own[node.name] = {s.target.id for s in node.body
-                              if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            own[node.name] = {
+                s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
             bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
 
     def collect(name: str) -> set[str]:
@@ -49,14 +50,16 @@ def _fields(source: str) -> dict[str, set[str]]:
 def test_requests_use_only_fields_sglang_defines(wheel):
     io = _fields(_source(wheel, "managers/io_struct.py"))
     sampling_fields = _fields(_source(wheel, "sampling/sampling_params.py"))["SamplingParams"]
-    full = SamplingParams(max_new_tokens=5, temperature=0.5, top_p=0.9, top_k=20, stop_token_ids=(1, 2),
-                          ignore_eos=True, sampling_seed=3)
+    full = SamplingParams(
+        max_new_tokens=5, temperature=0.5, top_p=0.9, top_k=20, stop_token_ids=(1, 2), ignore_eos=True, sampling_seed=3
+    )
     generate = protocol.generate_request([1, 2, 3], full, "rid-1")
     cases = {
         "GenerateReqInput": generate,
         "InitWeightsUpdateGroupReqInput": protocol.init_group_request("127.0.0.1", 1234, 1, 2),
-        "UpdateWeightsFromDistributedReqInput": protocol.update_distributed_request(["w"], ["bfloat16"], [[2]], "3",
-                                                                                    flattened=True),
+        "UpdateWeightsFromDistributedReqInput": protocol.update_distributed_request(
+            ["w"], ["bfloat16"], [[2]], "3", flattened=True
+        ),
         "UpdateWeightFromDiskReqInput": protocol.update_disk_request("/m", "3"),
         "UpdateWeightsFromTensorReqInput": protocol.update_tensor_request(["cGF5bG9hZA=="], "3"),
         "PauseGenerationReqInput": {"mode": "abort"},
@@ -87,8 +90,9 @@ def test_requests_use_only_fields_sglang_defines(wheel):
 def test_parsed_response_fields_are_ones_sglang_produces(wheel):
     manager = _source(wheel, "managers/tokenizer_manager.py") + _source(wheel, "utils/weight_versions.py")
     produced = set(re.findall(r'"([a-z_]+)"\s*:', manager)) | set(re.findall(r'meta_info\["([a-z_]+)"\]', manager))
-    response = protocol.generate_response("r", [5, 6], [-0.1, -0.2], {"type": "length", "length": 2}, 3, "1",
-                                          [("1", 0, 2)])
+    response = protocol.generate_response(
+        "r", [5, 6], [-0.1, -0.2], {"type": "length", "length": 2}, 3, "1", [("1", 0, 2)]
+    )
     ours = set(response["meta_info"])
     assert not ours - produced, f"meta_info fields SGLang {VERSION} does not produce: {sorted(ours - produced)}"
     for key in ("output_ids", "meta_info", "text"):
@@ -106,7 +110,7 @@ def test_endpoints_exist_and_control_ones_are_admin_protected(wheel):
     # each route with the whole decorator block of its handler
     routes = {}
     for block in re.split(r"\n(?:async )?def ", server):
-        decorators = block[block.rfind("\n\n"):]
+        decorators = block[block.rfind("\n\n") :]
         for path in re.findall(r'@app\.(?:post|get|api_route)\(\s*"(/[a-z_]+)"', decorators):
             routes[path] = decorators
     for path in {"/generate", "/health", "/health_generate", "/model_info"} | protocol.ADMIN_ENDPOINTS:
@@ -125,11 +129,18 @@ def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
         if name.startswith(ROOT + "arg_groups/fields/") and name.endswith(".py"):
             for cls_fields in _fields(wheel.read(name).decode()).values():
                 fields |= cls_fields
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true", "rollout.host=10.0.0.5",
-                             "rollout.servers=2", "rollout.tensor_parallel=2",
-                             # the config's documented examples of further options
-                             "rollout.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, "
-                             "disable-decode-cuda-graph: true}"]).rollout
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.colocate=true",
+            "rollout.host=10.0.0.5",
+            "rollout.servers=2",
+            "rollout.tensor_parallel=2",
+            # the config's documented examples of further options
+            "rollout.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, disable-decode-cuda-graph: true}",
+        ],
+    ).rollout
     args = server_args(cfg, "/models/qwen", 1, "k" * 32, colocated_fraction=0.5)
     unknown = {k for k in [*args, *SGLANG_LAUNCHER_ARGS] if k.replace("-", "_") not in fields}
     assert not unknown, f"SGLang {VERSION} has no server options {sorted(unknown)}"
@@ -164,8 +175,10 @@ def test_tensor_payloads_pass_sglangs_safe_unpickler(wheel):
     from bapo_megatron.weights import ipc
 
     allowed = _allowed_globals(wheel)
-    bucket = [("model.layers.0.mlp.down_proj.weight", torch.randn(3, 4)),
-              ("model.norm.weight", torch.randn(4).to(torch.bfloat16))]
+    bucket = [
+        ("model.layers.0.mlp.down_proj.weight", torch.randn(3, 4)),
+        ("model.norm.weight", torch.randn(4).to(torch.bfloat16)),
+    ]
     used = set()
 
     class Strict(pickle.Unpickler):  # SGLang's rule: every global on its list (then ours resolves it)
@@ -174,8 +187,11 @@ def test_tensor_payloads_pass_sglangs_safe_unpickler(wheel):
                 return ipc.rebuild_shared
             assert (module, name) in allowed, f"SGLang {VERSION} refuses {module}.{name} in a tensor payload"
             used.add((module, name))
-            return ipc.FlattenedTensorMetadata if (module, name) == ipc.SGLANG_METADATA else \
-                super().find_class(module, name)
+            return (
+                ipc.FlattenedTensorMetadata
+                if (module, name) == ipc.SGLANG_METADATA
+                else super().find_class(module, name)
+            )
 
     with ipc.serialized(ipc.flattened_bucket(bucket)) as (payload,):
         flat = Strict(io.BytesIO(base64.b64decode(payload))).load()
@@ -189,9 +205,13 @@ def test_tensor_payloads_pass_sglangs_safe_unpickler(wheel):
     assert ("torch.multiprocessing.reductions", "rebuild_cuda_tensor") in allowed  # how GPU tensors travel
     assert ipc.SGLANG_METADATA in used
     # the metadata's fields, in order, are those of SGLang's dataclass; its reader uses these keys
-    fields = [s.target.id for node in ast.parse(_source(wheel, "weight_sync/tensor_bucket.py")).body
-              if isinstance(node, ast.ClassDef) and node.name == ipc.SGLANG_METADATA[1]
-              for s in node.body if isinstance(s, ast.AnnAssign)]
+    fields = [
+        s.target.id
+        for node in ast.parse(_source(wheel, "weight_sync/tensor_bucket.py")).body
+        if isinstance(node, ast.ClassDef) and node.name == ipc.SGLANG_METADATA[1]
+        for s in node.body
+        if isinstance(s, ast.AnnAssign)
+    ]
     assert fields == list(ipc.FlattenedTensorMetadata.__dataclass_fields__)
     updater = _source(wheel, "model_executor/model_runner_components/weight_updater.py")
     assert 'flattened_tensor_bucket_dict["flattened_tensor"]' in updater

@@ -36,13 +36,19 @@ def test_missing_and_truncated_shards(hf_dir, tmp_path, capsys):
     broken = _copy(hf_dir, tmp_path / "missing")
     shard = sorted(broken.glob("model-*.safetensors"))[1]
     shard.unlink()
-    _fails(capsys, ["hf-to-mcore", "--hf", str(broken), "--out", str(tmp_path / "o1")],
-           f"shard(s) named in model.safetensors.index.json are missing: {shard.name}")
+    _fails(
+        capsys,
+        ["hf-to-mcore", "--hf", str(broken), "--out", str(tmp_path / "o1")],
+        f"shard(s) named in model.safetensors.index.json are missing: {shard.name}",
+    )
     truncated = _copy(hf_dir, tmp_path / "truncated")
     shard = sorted(truncated.glob("model-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    _fails(capsys, ["hf-to-mcore", "--hf", str(truncated), "--out", str(tmp_path / "o2")],
-           f"{shard}: not a readable safetensors file")
+    _fails(
+        capsys,
+        ["hf-to-mcore", "--hf", str(truncated), "--out", str(tmp_path / "o2")],
+        f"{shard}: not a readable safetensors file",
+    )
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
@@ -51,27 +57,39 @@ def test_shapes_that_disagree_with_config(hf_dir, tmp_path, capsys):
     config = json.loads((wrong / "config.json").read_text())
     config["intermediate_size"] = 96
     (wrong / "config.json").write_text(json.dumps(config))
-    _fails(capsys, ["hf-to-mcore", "--hf", str(wrong), "--out", str(tmp_path / "o")],
-           "model.layers.0.mlp.gate_proj.weight has shape (128, 64), config.json implies (96, 64)")
+    _fails(
+        capsys,
+        ["hf-to-mcore", "--hf", str(wrong), "--out", str(tmp_path / "o")],
+        "model.layers.0.mlp.gate_proj.weight has shape (128, 64), config.json implies (96, 64)",
+    )
 
 
 def test_unmapped_architecture_and_layouts(hf_dir, tmp_path, capsys):
     other = _copy(hf_dir, tmp_path / "other")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-    _fails(capsys, ["hf-to-mcore", "--hf", str(other), "--out", str(tmp_path / "o")],
-           "architectures=['GPT2LMHeadModel']: not mapped")
-    _fails(capsys, ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "o"), "--tp", "3"],
-           "parallel.tensor=3: must divide the 4 attention heads")
-    _fails(capsys, ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "o"), "--pp", "3"],
-           "parallel.pipeline=3")
+    _fails(
+        capsys,
+        ["hf-to-mcore", "--hf", str(other), "--out", str(tmp_path / "o")],
+        "architectures=['GPT2LMHeadModel']: not mapped",
+    )
+    _fails(
+        capsys,
+        ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "o"), "--tp", "3"],
+        "parallel.tensor=3: must divide the 4 attention heads",
+    )
+    _fails(
+        capsys, ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "o"), "--pp", "3"], "parallel.pipeline=3"
+    )
 
 
 def test_existing_or_incomplete_directories(hf_dir, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     _fails(capsys, ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "taken")], "exists already")
     (tmp_path / "half").mkdir()
-    _fails(capsys, ["mcore-to-hf", "--mcore", str(tmp_path / "half"), "--out", str(tmp_path / "o")],
-           "not a complete Megatron dist checkpoint (no metadata.json)")
-    _fails(capsys, ["hf-to-mcore", "--hf", str(tmp_path / "half"), "--out", str(tmp_path / "o")],
-           "has no config.json")
+    _fails(
+        capsys,
+        ["mcore-to-hf", "--mcore", str(tmp_path / "half"), "--out", str(tmp_path / "o")],
+        "not a complete Megatron dist checkpoint (no metadata.json)",
+    )
+    _fails(capsys, ["hf-to-mcore", "--hf", str(tmp_path / "half"), "--out", str(tmp_path / "o")], "has no config.json")

@@ -63,4 +63,3 @@ def test_shim_sends_cuda_placements_to_cpu_and_undoes_itself():
     assert not cpu_shim.cpu_shim_active()
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1, device="cuda")
-

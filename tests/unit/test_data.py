@@ -15,8 +15,10 @@ def _jsonl(path, records):
 
 def test_jsonl_text_and_ids_with_field_map(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", [{"q": "a b", "sol": "1"}, {"q": [5, 6], "sol": "2"}])
-    source = PromptSource(DataConfig(path=str(path), prompt_field="q", answer_field="sol", shuffle=False),
-                          tokenize=lambda text: [len(w) for w in text.split()])
+    source = PromptSource(
+        DataConfig(path=str(path), prompt_field="q", answer_field="sol", shuffle=False),
+        tokenize=lambda text: [len(w) for w in text.split()],
+    )
     assert source.next() == ("e0-0", [1, 1], {"sol": "1", "answer": "1", "index": 0})
     assert source.next()[1:] == ([5, 6], {"sol": "2", "answer": "2", "index": 1})
     assert source.next()[0] == "e1-0"  # the next epoch

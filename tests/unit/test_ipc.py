@@ -12,15 +12,20 @@ import torch
 
 from bapo_megatron.weights import ipc
 
-BUCKET = [("a", torch.arange(6.0).reshape(2, 3)), ("empty", torch.zeros(0, 4)),
-          ("b", torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16))]
+BUCKET = [
+    ("a", torch.arange(6.0).reshape(2, 3)),
+    ("empty", torch.zeros(0, 4)),
+    ("b", torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16)),
+]
 
 
 def _receive(payload: str) -> list:
-    code = ("import sys, torch; from bapo_megatron.weights import ipc\n"
-            "p = ipc.loads(sys.stdin.read())\n"
-            "named = ipc.unflatten(p) if isinstance(p, dict) else p\n"
-            "torch.save([(n, t.clone()) for n, t in named], sys.stdout.buffer)")
+    code = (
+        "import sys, torch; from bapo_megatron.weights import ipc\n"
+        "p = ipc.loads(sys.stdin.read())\n"
+        "named = ipc.unflatten(p) if isinstance(p, dict) else p\n"
+        "torch.save([(n, t.clone()) for n, t in named], sys.stdout.buffer)"
+    )
     out = subprocess.run([sys.executable, "-c", code], input=payload.encode(), capture_output=True, check=True)
     import io
 

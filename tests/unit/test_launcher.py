@@ -31,8 +31,11 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 def _flaky(tmp_path, fails: int, name: str = "flaky") -> ServerProcess:
     port = free_port()
-    return ServerProcess([sys.executable, "-c", FLAKY_SERVER, str(port), str(fails)], f"http://127.0.0.1:{port}",
-                         tmp_path / f"{name}.log")
+    return ServerProcess(
+        [sys.executable, "-c", FLAKY_SERVER, str(port), str(fails)],
+        f"http://127.0.0.1:{port}",
+        tmp_path / f"{name}.log",
+    )
 
 
 def test_ready_after_some_unready_answers(tmp_path):
@@ -52,10 +55,13 @@ def test_server_that_exits_reports_why(tmp_path):
     assert "no-such-model: no such directory" in str(err.value)  # the log's tail is in the message
 
 
-@pytest.mark.parametrize(("files", "problem"), [
-    ({}, "no config.json"),
-    ({"config.json": "{}", "pytorch_model.bin": "x"}, "no *.safetensors weights"),
-])
+@pytest.mark.parametrize(
+    ("files", "problem"),
+    [
+        ({}, "no config.json"),
+        ({"config.json": "{}", "pytorch_model.bin": "x"}, "no *.safetensors weights"),
+    ],
+)
 def test_embedded_engine_refuses_a_model_dir_it_cannot_serve(tmp_path, capsys, files, problem):
     from bapo_megatron.rollout.embedded import main
 
@@ -74,8 +80,9 @@ def test_server_never_ready_times_out_and_is_stopped(tmp_path):
 
 
 def _sglang_cfg(**overrides):
-    return load_config(None, ["rollout.engine=sglang", "rollout.servers=2",
-                              *(f"rollout.{k}={v}" for k, v in overrides.items())]).rollout
+    return load_config(
+        None, ["rollout.engine=sglang", "rollout.servers=2", *(f"rollout.{k}={v}" for k, v in overrides.items())]
+    ).rollout
 
 
 def test_start_sglang_without_sglang_starts_nothing(tmp_path, monkeypatch):
@@ -88,8 +95,11 @@ def test_start_sglang_without_sglang_starts_nothing(tmp_path, monkeypatch):
 def test_start_sglang_stops_every_server_when_one_fails(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", types.ModuleType("sglang"))
     good = _flaky(tmp_path, fails=0, name="good")
-    dead = ServerProcess([sys.executable, "-c", "import sys; print('CUDA error: out of memory'); sys.exit(1)"],
-                         f"http://127.0.0.1:{free_port()}", tmp_path / "dead.log")
+    dead = ServerProcess(
+        [sys.executable, "-c", "import sys; print('CUDA error: out of memory'); sys.exit(1)"],
+        f"http://127.0.0.1:{free_port()}",
+        tmp_path / "dead.log",
+    )
     monkeypatch.setattr(sglang_launcher, "sglang_servers", lambda *a, **k: ([good, dead], None))
     with pytest.raises(EngineStartError, match="exited with code 1") as err:
         sglang_launcher.start_sglang(_sglang_cfg(), "/models/qwen", tmp_path, timeout_s=30)

@@ -21,8 +21,9 @@ def test_matches_full_vocab_reference(dtype, temperature, chunk):
     targets = torch.randint(vocab, (3, 11), generator=g)
     upstream = torch.randn(2, 3, 11, generator=g, dtype=torch.float64)
 
-    logp, ent = vocab_parallel_logprobs(logits, targets, group=None, vocab_size=vocab, temperature=temperature,
-                                        chunk_tokens=chunk)
+    logp, ent = vocab_parallel_logprobs(
+        logits, targets, group=None, vocab_size=vocab, temperature=temperature, chunk_tokens=chunk
+    )
     ((logp.double() * upstream[0]).sum() + (ent.double() * upstream[1]).sum()).backward()
     ref_logits = logits.detach().double().requires_grad_()
     ref_logp, ref_ent = reference(ref_logits, targets, vocab, temperature)

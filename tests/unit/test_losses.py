@@ -31,8 +31,14 @@ def _batch(seed: int, tis: bool = False, wide: bool = True) -> PolicyBatch:
     old[mask == 0] = math.nan  # the engine reports nothing there
     prox = old + torch.randn(B, S, generator=g, dtype=torch.float64) * 0.3 if tis else None
     entropy = torch.rand(B, S, generator=g, dtype=torch.float64)
-    return PolicyBatch(logprobs=logprobs.requires_grad_(), old_logprobs=old, advantages=adv, mask=mask,
-                       prox_logprobs=prox, entropy=entropy)
+    return PolicyBatch(
+        logprobs=logprobs.requires_grad_(),
+        old_logprobs=old,
+        advantages=adv,
+        mask=mask,
+        prox_logprobs=prox,
+        entropy=entropy,
+    )
 
 
 def _tis(batch: PolicyBatch, cfg: PolicyLossConfig, i: int, j: int) -> float:
@@ -93,7 +99,8 @@ def _bapo_bounds(batch: PolicyBatch, cfg: PolicyLossConfig) -> ClipBounds:
     weight = batch.mask.clone()
     if cfg.tis_cap is not None:
         weight = weight * torch.where(counted, (batch.prox_logprobs - batch.old_logprobs).exp(), 0).clamp(
-            max=cfg.tis_cap)
+            max=cfg.tis_cap
+        )
     return search_clip_bounds_reference(log_ratio.exp(), batch.advantages, weight, cfg.bapo)
 
 
@@ -152,9 +159,20 @@ def test_metrics_have_the_spec_names_and_values():
     batch = _batch(2)
     out = policy_loss(batch, PolicyLossConfig(loss="ppo"))
     m = reduce_metrics([out])
-    spec = {"bapo/clip_low", "bapo/clip_high", "bapo/rho", "bapo/rho_start", "bapo/search_steps", "bapo/clipfrac_low",
-            "bapo/clipfrac_high", "policy/entropy", "policy/ratio_mean", "policy/ratio_max",
-            "rollout/logprob_mismatch", "loss/pg"}
+    spec = {
+        "bapo/clip_low",
+        "bapo/clip_high",
+        "bapo/rho",
+        "bapo/rho_start",
+        "bapo/search_steps",
+        "bapo/clipfrac_low",
+        "bapo/clipfrac_high",
+        "policy/entropy",
+        "policy/ratio_mean",
+        "policy/ratio_max",
+        "rollout/logprob_mismatch",
+        "loss/pg",
+    }
     assert spec <= set(m)
     counted = batch.mask != 0
     ratio = (batch.logprobs.detach() - batch.old_logprobs).exp()[counted]
@@ -176,9 +194,12 @@ def test_metrics_reduce_as_a_global_mean_over_microbatches():
     batch = _batch(1)
     cfg = PolicyLossConfig(loss="clip_higher")
     whole = policy_loss(batch, cfg)
-    parts = [policy_loss(PolicyBatch(**{k: (v[rows] if isinstance(v, torch.Tensor) else v)
-                                        for k, v in batch.__dict__.items()}), cfg)
-             for rows in (slice(0, 1), slice(1, 4))]
+    parts = [
+        policy_loss(
+            PolicyBatch(**{k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()}), cfg
+        )
+        for rows in (slice(0, 1), slice(1, 4))
+    ]
     assert sum(p.loss_sum for p in parts).item() == pytest.approx(whole.loss_sum.item())
     split, single = reduce_metrics(parts), reduce_metrics([whole])
     assert split.keys() == single.keys()
@@ -197,8 +218,12 @@ def test_clipped_surrogate_is_min_of_clipped_and_unclipped():
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match=r"old_logprobs has shape \(2, 3\)"):
-        PolicyBatch(logprobs=torch.zeros(2, 4), old_logprobs=torch.zeros(2, 3), advantages=torch.zeros(2, 4),
-                    mask=torch.ones(2, 4))
+        PolicyBatch(
+            logprobs=torch.zeros(2, 4),
+            old_logprobs=torch.zeros(2, 3),
+            advantages=torch.zeros(2, 4),
+            mask=torch.ones(2, 4),
+        )
     with pytest.raises(ValueError, match="prox_logprobs"):
         policy_loss(_batch(0), PolicyLossConfig(loss="ppo", tis_cap=2.0))
     with pytest.raises(ValueError, match="loss='ppo2'"):
@@ -206,8 +231,12 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match=r"tis_cap=0\.5"):
         PolicyLossConfig(tis_cap=0.5)
     batch = _batch(0)
-    flat = PolicyBatch(logprobs=batch.logprobs.reshape(-1), old_logprobs=batch.old_logprobs.reshape(-1),
-                       advantages=batch.advantages.reshape(-1), mask=batch.mask.reshape(-1))
+    flat = PolicyBatch(
+        logprobs=batch.logprobs.reshape(-1),
+        old_logprobs=batch.old_logprobs.reshape(-1),
+        advantages=batch.advantages.reshape(-1),
+        mask=batch.mask.reshape(-1),
+    )
     with pytest.raises(ValueError, match="segment_ids"):
         policy_loss(flat, PolicyLossConfig(loss="gspo"))
 
@@ -217,7 +246,11 @@ def test_gspo_segment_ids_match_rows():
     cfg = PolicyLossConfig(loss="gspo")
     by_rows = policy_loss(batch, cfg)
     segments = torch.arange(B).unsqueeze(1).expand(B, S).reshape(1, -1) * 10  # packed, ids need not be dense
-    packed = PolicyBatch(logprobs=batch.logprobs.reshape(1, -1), old_logprobs=batch.old_logprobs.reshape(1, -1),
-                         advantages=batch.advantages.reshape(1, -1), mask=batch.mask.reshape(1, -1),
-                         segment_ids=segments)
+    packed = PolicyBatch(
+        logprobs=batch.logprobs.reshape(1, -1),
+        old_logprobs=batch.old_logprobs.reshape(1, -1),
+        advantages=batch.advantages.reshape(1, -1),
+        mask=batch.mask.reshape(1, -1),
+        segment_ids=segments,
+    )
     torch.testing.assert_close(policy_loss(packed, cfg).loss_sum, by_rows.loss_sum)

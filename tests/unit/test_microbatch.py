@@ -35,8 +35,15 @@ def test_plan_errors():
 
 
 def _sample(prompt, response, group=0, mask=None):
-    return Sample(prompt_ids=prompt, response_ids=response, behaviour_logprobs=[-0.1 * (k + 1) for k in
-                  range(len(response))], versions=[3] * len(response), reward=1.0, group=group, loss_mask=mask)
+    return Sample(
+        prompt_ids=prompt,
+        response_ids=response,
+        behaviour_logprobs=[-0.1 * (k + 1) for k in range(len(response))],
+        versions=[3] * len(response),
+        reward=1.0,
+        group=group,
+        loss_mask=mask,
+    )
 
 
 def test_pack_aligns_targets_logprobs_and_mask():
@@ -54,8 +61,11 @@ def test_pack_aligns_targets_logprobs_and_mask():
 
 
 def test_rollout_batch_round_trip_and_corrupt_files(tmp_path):
-    batch = RolloutBatch(samples=[_sample([1, 2], [3, 4], group=0), _sample([1, 2], [5], group=0, mask=[0])],
-                         temperature=0.7, metadata={"step": "4"})
+    batch = RolloutBatch(
+        samples=[_sample([1, 2], [3, 4], group=0), _sample([1, 2], [5], group=0, mask=[0])],
+        temperature=0.7,
+        metadata={"step": "4"},
+    )
     path = tmp_path / "step.safetensors"
     batch.save(path)
     loaded = RolloutBatch.load(path)

@@ -26,8 +26,13 @@ def test_spec_round_trips_through_a_transformers_config(arch, tmp_path):
 
 def test_llama3_rope_scaling_and_unmapped_features():
     hf = tiny_spec("llama").to_hf_config()
-    hf["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 8192}
+    hf["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert ModelSpec.from_hf_config(hf).rope_scaling_factor == 32.0
     hf["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     with pytest.raises(ConfigError, match=r"rope_scaling"):
@@ -78,8 +83,9 @@ def test_fp8_errors_at_config_time():
     with pytest.raises(ConfigError, match=r"fp8 needs transformer_impl='transformer_engine'"):
         load_config(None, ["model.precision=fp8"])
     with pytest.raises(ConfigError, match=r"model.fp8_recipe='delayed': delayed scaling cannot"):
-        load_config(None, ["model.precision=fp8", "model.transformer_impl=transformer_engine",
-                           "model.fp8_recipe=delayed"])
+        load_config(
+            None, ["model.precision=fp8", "model.transformer_impl=transformer_engine", "model.fp8_recipe=delayed"]
+        )
     if not torch.cuda.is_available():
         cfg = ModelConfig(precision="fp8", transformer_impl="transformer_engine")
         with pytest.raises(ConfigError, match=r"Transformer Engine is not importable|needs a CUDA GPU"):
@@ -102,9 +108,13 @@ def _te_accepts(rows: int, recipe: str, all_gathered: bool) -> bool:
 @pytest.mark.parametrize("tensor", [1, 2, 4, 8])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_padding_gives_every_rank_a_slice_te_accepts(tensor, recipe):
-    model = ModelConfig(precision="fp8", transformer_impl="transformer_engine", fp8_recipe=recipe,
-                        fp8_bf16_first_last_layers=recipe != "delayed")
-    for sp in ([False, True] if tensor > 1 else [False]):
+    model = ModelConfig(
+        precision="fp8",
+        transformer_impl="transformer_engine",
+        fp8_recipe=recipe,
+        fp8_bf16_first_last_layers=recipe != "delayed",
+    )
+    for sp in [False, True] if tensor > 1 else [False]:
         multiple = sequence_multiple(model, ParallelConfig(tensor=tensor, sequence_parallel=sp))
         for length in range(1, 700, 7):
             padded = -(-length // multiple) * multiple

@@ -11,15 +11,15 @@ from bapo_megatron.rollout.rewards import RewardWorkers, last_boxed, score
 
 def _completion(n: int, finish: str, version: str, start: int = 0) -> Completion:
     ids = list(range(start, start + n))
-    return Completion(rid="r", output_ids=ids, logprobs=[-0.1 * (i + 1) for i in ids], finish=finish,
-                      weight_version=version)
+    return Completion(
+        rid="r", output_ids=ids, logprobs=[-0.1 * (i + 1) for i in ids], finish=finish, weight_version=version
+    )
 
 
 def _step(buffer: PartialRolloutBuffer, version: int, finish: str = "length") -> None:
     buffer.drop_stale(version)
     for req in buffer.requests():
-        buffer.record(req, _completion(req.max_new_tokens, finish, str(version), len(req.sample.response_ids)),
-                      version)
+        buffer.record(req, _completion(req.max_new_tokens, finish, str(version), len(req.sample.response_ids)), version)
 
 
 def test_budgeted_requests_resume_with_the_partial_response():
@@ -71,9 +71,9 @@ def test_versions_come_from_the_engine_spans():
 def test_staleness_drops_exactly_when_the_oldest_token_is_too_old():
     buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=20, token_budget=2, max_staleness=2)
     buffer.add_group("p", [1, 2])
-    _step(buffer, 0)              # tokens of version 0
+    _step(buffer, 0)  # tokens of version 0
     _step(buffer, 1)
-    _step(buffer, 2)              # version 2 - 0 = 2: not yet stale
+    _step(buffer, 2)  # version 2 - 0 = 2: not yet stale
     assert buffer.counters["dropped_stale"] == 0
     busy = frozenset({"p/1"})
     assert buffer.drop_stale(3, busy) == 1  # 3 - 0 > 2: p/0 dropped and restarted; p/1 is generating: kept
@@ -134,7 +134,13 @@ def test_finished_groups_become_the_training_batch(tmp_path):
     for got, want in zip(loaded.samples, batch.samples, strict=True):  # log-probs stored as float32
         assert got.behaviour_logprobs == pytest.approx(want.behaviour_logprobs, rel=1e-7)
         assert (got.prompt_ids, got.response_ids, got.versions, got.loss_mask, got.reward, got.group) == (
-            want.prompt_ids, want.response_ids, want.versions, want.loss_mask, want.reward, want.group)
+            want.prompt_ids,
+            want.response_ids,
+            want.versions,
+            want.loss_mask,
+            want.reward,
+            want.group,
+        )
 
 
 def test_rewards_boxed_math_and_failures():

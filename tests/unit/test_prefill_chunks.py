@@ -20,8 +20,11 @@ def test_split_is_the_cheapest_of_every_contiguous_split(seed):
     chunks = prefill_chunks(lengths, overhead)
     assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))  # every row once
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    best = min(_cost(lengths, [order[a:b] for a, b in itertools.pairwise((0, *cuts, len(order)))], overhead)
-               for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k))
+    best = min(
+        _cost(lengths, [order[a:b] for a, b in itertools.pairwise((0, *cuts, len(order)))], overhead)
+        for k in range(len(order))
+        for cuts in itertools.combinations(range(1, len(order)), k)
+    )
     assert _cost(lengths, chunks, overhead) == best
 
 

@@ -8,8 +8,9 @@ from bapo_megatron.rollout.protocol import MalformedResponse, SamplingParams
 
 
 def _good() -> dict:
-    return protocol.generate_response("r", [5, 6], [-0.5, -1.5], {"type": "stop", "matched": 6}, 3, "2",
-                                      [("1", 0, 1), ("2", 1, 2)])
+    return protocol.generate_response(
+        "r", [5, 6], [-0.5, -1.5], {"type": "stop", "matched": 6}, 3, "2", [("1", 0, 1), ("2", 1, 2)]
+    )
 
 
 def test_parser_reads_tokens_logprobs_and_versions():

@@ -62,9 +62,15 @@ def test_budgeted_requests_continue_at_once_and_the_rest_is_kept_for_next_step()
         return f"p{i}", [7, 8, 9], {"answer_ids": [STOP]}
 
     buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=3)
-    manager = RolloutManager(EnginePool([engine]), buffer, prompts, RewardWorkers("exact_ids", inline=True),
-                             SamplingParams(max_new_tokens=12, stop_token_ids=(STOP,)), prompts_per_step=1,
-                             oversample=2)
+    manager = RolloutManager(
+        EnginePool([engine]),
+        buffer,
+        prompts,
+        RewardWorkers("exact_ids", inline=True),
+        SamplingParams(max_new_tokens=12, stop_token_ids=(STOP,)),
+        prompts_per_step=1,
+        oversample=2,
+    )
 
     async def run():
         first = await manager.step(1)
@@ -78,8 +84,7 @@ def test_budgeted_requests_continue_at_once_and_the_rest_is_kept_for_next_step()
     # step 1: p0/1 (9 tokens, then STOP) takes three requests, the later two sent as the one
     # before returns: no round barrier waits for p1/0's slow first request (12 ticks)
     assert [g.uid for g in first] == ["p0"] and stats["rollout/rounds"] == 3
-    assert {s.uid: s.response_ids for s in first[0].samples} == {"p0/0": [1, 2, STOP],
-                                                                  "p0/1": [*range(1, 10), STOP]}
+    assert {s.uid: s.response_ids for s in first[0].samples} == {"p0/0": [1, 2, STOP], "p0/1": [*range(1, 10), STOP]}
     assert all(s.versions == [1] * len(s.response_ids) for s in first[0].samples)
     p01 = engine.requests("p0/1")
     assert [(done, n) for done, n, _ in p01] == [(0, 4), (4, 4), (8, 4)]

@@ -23,8 +23,10 @@ from bapo_megatron.trainer.model_spec import tiny_spec
 from tests.sglang_wheel import WheelUnavailable, extracted_wheel, parser_deps
 
 REPO = Path(__file__).resolve().parents[2]
-DOCUMENTED = ("rollout.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, "
-              "disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true, max-running-requests: null}")
+DOCUMENTED = (
+    "rollout.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, "
+    "disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true, max-running-requests: null}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,13 @@ def sglang_parse():
         pytest.skip(str(err))
 
     def parse(*configs: Path) -> dict:
-        result = subprocess.run([sys.executable, "-m", "tests.sglang_parser", str(src), str(deps), *map(str, configs)],
-                                capture_output=True, text=True, cwd=REPO, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.sglang_parser", str(src), str(deps), *map(str, configs)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -44,12 +51,22 @@ def sglang_parse():
 
 
 def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse, tmp_path):
-    job = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true", "rollout.host=10.0.0.5",
-                             "rollout.servers=2", "rollout.tensor_parallel=2", DOCUMENTED])
+    job = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.colocate=true",
+            "rollout.host=10.0.0.5",
+            "rollout.servers=2",
+            "rollout.tensor_parallel=2",
+            DOCUMENTED,
+        ],
+    )
     cfg = job.rollout
     fraction = rollout_mem_fraction(job, tiny_spec(), 80 << 30, data_parallel=2)
-    servers, key = sglang_servers(cfg, "/models/qwen", tmp_path, weight_version="7", seed=3,
-                                  colocated_fraction=fraction)
+    servers, key = sglang_servers(
+        cfg, "/models/qwen", tmp_path, weight_version="7", seed=3, colocated_fraction=fraction
+    )
     bad = tmp_path / "none.yaml"  # what the launcher used to write for a None
     bad.write_text(yaml.safe_dump({"model-path": "/m", "max-running-requests": "None"}))
     refused = tmp_path / "deprecated.yaml"

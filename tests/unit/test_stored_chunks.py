@@ -18,8 +18,9 @@ from bapo_megatron.weights.mcore_io import StoredChunks
 
 
 def _save(directory: Path, state: dict) -> None:
-    dcp.save(state, storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1),
-             no_dist=True)
+    dcp.save(
+        state, storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1), no_dist=True
+    )
 
 
 def _reader(directory: Path) -> StoredChunks:
@@ -39,8 +40,11 @@ def _maps_file(tensor: torch.Tensor, directory: Path) -> bool:
 @pytest.mark.parametrize("odd_bytes", [0, 3])
 def test_chunks_read_in_place_copied_or_loaded(tmp_path, odd_bytes):
     g = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(6, 10, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
-             "t": torch.randn(10, 4, generator=g).t()}  # transposed: strides recorded, not plain
+    state = {
+        "w": torch.randn(6, 10, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "t": torch.randn(10, 4, generator=g).t(),
+    }  # transposed: strides recorded, not plain
     if odd_bytes:
         state["o"] = io.BytesIO(b"x" * odd_bytes)  # written first: the tensors' bytes start unaligned
     _save(tmp_path, state)
@@ -69,19 +73,31 @@ def test_region_over_several_chunks(tmp_path):
 
     class Halves(DefaultSavePlanner):
         def create_local_plan(self):
-            self.plan = SavePlan([WriteItem(index=MetadataIndex("x", torch.Size((row, 0))), type=WriteItemType.SHARD,
-                                            tensor_data=TensorWriteData(
-                                                chunk=ChunkStorageMetadata(torch.Size((row, 0)), torch.Size((4, 6))),
-                                                properties=TensorProperties(dtype=torch.float32),
-                                                size=torch.Size((8, 6))))
-                                  for row in halves])
+            self.plan = SavePlan(
+                [
+                    WriteItem(
+                        index=MetadataIndex("x", torch.Size((row, 0))),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(torch.Size((row, 0)), torch.Size((4, 6))),
+                            properties=TensorProperties(dtype=torch.float32),
+                            size=torch.Size((8, 6)),
+                        ),
+                    )
+                    for row in halves
+                ]
+            )
             return self.plan
 
         def resolve_data(self, item):
             return halves[item.index.offset[0]]
 
-    dcp.save({}, storage_writer=FileSystemWriter(str(tmp_path), single_file_per_rank=True, thread_count=1),
-             planner=Halves(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+    dcp.save(
+        {},
+        storage_writer=FileSystemWriter(str(tmp_path), single_file_per_rank=True, thread_count=1),
+        planner=Halves(flatten_state_dict=False, flatten_sharded_tensors=False),
+        no_dist=True,
+    )
     chunks = _reader(tmp_path)
     assert torch.equal(chunks.read("x", (0, 0), (8, 6), torch.float32), whole)
     assert torch.equal(chunks.read("x", (3, 1), (3, 4), torch.float32), whole[3:6, 1:5])

@@ -19,16 +19,22 @@ def _cfg(*overrides):
     return load_config(None, ["rollout.replay=x.safetensors", *overrides])
 
 
-@pytest.mark.parametrize(("overrides", "world", "message"), [
-    (["parallel.tensor=4"], 4, "parallel.tensor=4: must divide the 2 query groups"),
-    (["parallel.tensor=3"], 3, "parallel.tensor=3: must divide the 4 attention heads"),
-    (["parallel.pipeline=3"], 3, "parallel.pipeline=3: pipeline x virtual stages (3) must divide the 4 layers"),
-    (["parallel.tensor=2"], 3, "does not divide the world size 3"),
-    (["rollout.prompts_per_step=3", "rollout.samples_per_prompt=3"], 2,
-     "9 samples per optimizer step do not split over 2 data-parallel ranks"),
-    (["model.precision=fp8", "model.transformer_impl=transformer_engine"], 1, "model.transformer_impl"),
-    (["rollout.replay=null"], 1, "rollout.replay=None: generation is not built yet"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["parallel.tensor=4"], 4, "parallel.tensor=4: must divide the 2 query groups"),
+        (["parallel.tensor=3"], 3, "parallel.tensor=3: must divide the 4 attention heads"),
+        (["parallel.pipeline=3"], 3, "parallel.pipeline=3: pipeline x virtual stages (3) must divide the 4 layers"),
+        (["parallel.tensor=2"], 3, "does not divide the world size 3"),
+        (
+            ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=3"],
+            2,
+            "9 samples per optimizer step do not split over 2 data-parallel ranks",
+        ),
+        (["model.precision=fp8", "model.transformer_impl=transformer_engine"], 1, "model.transformer_impl"),
+        (["rollout.replay=null"], 1, "rollout.replay=None: generation is not built yet"),
+    ],
+)
 def test_validate_names_the_problem(overrides, world, message):
     with pytest.raises(ConfigError) as err:
         validate(_cfg(*overrides), tiny_spec(), world)
@@ -36,8 +42,13 @@ def test_validate_names_the_problem(overrides, world, message):
 
 
 def test_cli_fails_fast_with_the_message(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bapo_megatron.train", "parallel.tensor=3",
-                           f"rollout.replay={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bapo_megatron.train", "parallel.tensor=3", f"rollout.replay={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip() == "error: parallel.tensor=3: must divide the 4 attention heads"
 
