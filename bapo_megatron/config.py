@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -459,6 +460,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, value, "must be a number")
+        if not math.isfinite(value):  # lr=inf, a NaN: no setting of this package means "unbounded" by inf
+            raise ConfigError(path, value, "must be a finite number")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

@@ -23,6 +23,11 @@ class ConfigError(ValueError):
         return ConfigError(f"{prefix}.{self.field}" if prefix else self.field, self.value, self.reason)
 
 
+class BadInputError(ValueError):
+    """A file the user handed us that cannot be used (a checkpoint, a batch): the message names
+    the file and what is wrong with it; entry points report it as one `error:` line."""
+
+
 class NonFiniteInputError(ValueError):
     """Non-finite values where a finite number is required (a step to skip, not a config bug)."""
 

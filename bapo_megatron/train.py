@@ -16,20 +16,28 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bapo_megatron.config import JobConfig, dump_config, load_config, to_dict
-from bapo_megatron.errors import ConfigError
+from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.logger import MetricLogger
 from bapo_megatron.rollout.batch import RolloutBatch
 from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, tiny_spec
 
 
 class ReplaySource:
-    """Saved rollout batches, one per step, cycling; its cursor is checkpointed."""
+    """Saved rollout batches, one per step, cycling; its cursor is checkpointed. Every file is
+    read and checked against the model when the source is made, before any model is built."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, vocab_size: int) -> None:
         root = Path(path)
         self.files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
         if not self.files or not all(f.is_file() for f in self.files):
             raise ConfigError("rollout.replay", path, "no rollout batch (.safetensors) found there")
+        for f in self.files:
+            try:
+                problem = RolloutBatch.load(f).problem(vocab_size)
+            except ValueError as err:
+                raise BadInputError(str(err)) from None
+            if problem:
+                raise BadInputError(f"rollout batch {f}: {problem}")
         self.index = 0
 
     def next_batch(self) -> RolloutBatch:
@@ -94,24 +102,30 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     import torch
 
     from bapo_megatron.trainer.checkpoint import CheckpointManager
+    from bapo_megatron.trainer.integrity import verify
     from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel, single_process_env
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     spec = model_spec(cfg)
     single_process_env()
     validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
-    source = ReplaySource(cfg.rollout.replay)
+    source = ReplaySource(cfg.rollout.replay, spec.vocab_size)
+    ckpt = CheckpointManager(cfg.checkpoint, dump_config(cfg)) if cfg.checkpoint.dir else None
+    if ckpt is not None:  # before any process group or model: a wrong start fails in seconds
+        ckpt.check_start(cfg.checkpoint.resume)
+        resume_from = ckpt.latest() if cfg.checkpoint.resume else None
+        if resume_from is not None:
+            verify(resume_from, check_contents=False)
     init_distributed()
     if not torch.cuda.is_available():
         from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
 
         activate_cpu_shim()
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
-    ckpt = CheckpointManager(cfg.checkpoint, dump_config(cfg)) if cfg.checkpoint.dir else None
     if ckpt is not None:
         ckpt.register("replay", source)
     start = (ckpt.load(trainer) if ckpt and cfg.checkpoint.resume else None) or 0
-    step = start // cfg.algo.updates_per_batch
+    step = start
     logger = MetricLogger(cfg.logging, job_name=cfg.name, config=to_dict(cfg), enabled=dist.get_rank() == 0)
     history = []
     try:
@@ -123,9 +137,9 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
                 history.append(result.metrics)
             step += 1
             if ckpt and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-                ckpt.save(trainer)
+                ckpt.save(trainer, step)
         if ckpt and (not cfg.checkpoint.interval or step % cfg.checkpoint.interval) and step > start:
-            ckpt.save(trainer)
+            ckpt.save(trainer, step)
     finally:
         logger.close()
     return history
@@ -136,9 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     path = argv.pop(0) if argv and "=" not in argv[0] else None
     try:
         run(load_config(path, argv))  # run validates before any process group starts
-    except ConfigError as err:
-        # A config mistake is the user's to fix: say what, without a traceback.
-        raise SystemExit(f"error: {err}") from None
+    except (ConfigError, BadInputError) as err:
+        # A config mistake or an unusable file is the user's to fix: say what, without a traceback.
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

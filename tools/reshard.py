@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_bytes=int(args.max_shard_gb * 1e9),
             progress=not args.no_progress,
         )
-    except (ValueError, FileExistsError) as err:
+    except (ValueError, OSError) as err:  # OSError: a missing file, a full disk (nothing left behind)
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

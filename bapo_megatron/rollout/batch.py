@@ -9,13 +9,14 @@ version that sampled it (partial rollout mixes versions inside one response).
 from __future__ import annotations
 
 import json
-import os
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from bapo_megatron.fsutil import publish, temporary_sibling
 from bapo_megatron.rollout.partial import GroupState, stale_mask
 
 FORMAT_VERSION = "1"
@@ -63,6 +64,25 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def problem(self, vocab_size: int) -> str | None:
+        """What makes this batch untrainable by a model of `vocab_size` tokens (None: nothing):
+        token ids outside the vocabulary (rows past it are padding, which would train silently),
+        non-finite or positive log-probs, non-finite rewards or temperature."""
+        if not self.samples:
+            return "no samples"
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            return f"temperature {self.temperature!r}: must be finite and > 0"
+        for i, s in enumerate(self.samples):
+            bad = [t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= t < vocab_size]
+            if bad:
+                return f"sample {i}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size})"
+            bad_lp = [x for x in s.behaviour_logprobs if not (math.isfinite(x) and x <= 0)]
+            if bad_lp:
+                return f"sample {i}: behaviour log-prob {bad_lp[0]!r} (must be finite and <= 0)"
+            if not math.isfinite(s.reward):
+                return f"sample {i}: reward {s.reward!r} is not finite"
+        return None
 
     @classmethod
     def from_groups(
@@ -129,9 +149,13 @@ class RolloutBatch:
         }
         meta = {"format": FORMAT_VERSION, "temperature": repr(self.temperature), "metadata": json.dumps(self.metadata)}
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        tmp = temporary_sibling(path, directory=False)
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+            publish(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | Path) -> RolloutBatch:

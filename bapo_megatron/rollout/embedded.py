@@ -41,6 +41,7 @@ from bapo_megatron.rollout.engine_core import EngineCore, Request
 from bapo_megatron.weights.group import join_group, leave_group
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+CONTROL_BODY_LIMIT = 64 << 20  # weight updates carry names and handles, never the tensors themselves
 
 
 def is_loopback(host: str) -> bool:
@@ -94,6 +95,7 @@ class EmbeddedServer:
         self._wake = asyncio.Event()
         self._model_lock = asyncio.Lock()
         self._loop_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
 
     # -- app ------------------------------------------------------------------------------
     def app(self):
@@ -105,7 +107,7 @@ class EmbeddedServer:
                 return web.json_response({"error": "unauthorized"}, status=401)
             return await handler(request)
 
-        app = web.Application(middlewares=[auth], client_max_size=1 << 30)
+        app = web.Application(middlewares=[auth], client_max_size=CONTROL_BODY_LIMIT)
         get = {
             "/health": self.health,
             "/health_generate": self.health,
@@ -143,22 +145,24 @@ class EmbeddedServer:
     async def _stop(self, app) -> None:
         if self._loop_task:
             self._loop_task.cancel()
+        if self.log_interval_s and self.core.counters != self._logged[1]:
+            self._log_throughput()  # what ran since the last line, so that the lines add up to everything
 
     async def _run(self) -> None:
         while True:
             if self.paused or not self.core.busy or self.core.can_generate():
                 self._wake.clear()
+                if not self.core.busy:  # idle: give back the cache's memory (it grows back on demand)
+                    await self._on_engine(self.core.shrink)
                 await self._wake.wait()
                 continue
             async with self._model_lock:
                 start = time.monotonic()
                 try:
                     await self._on_engine(self.core.step)
-                except Exception:  # a bug must not leave every client waiting forever
-                    traceback.print_exc()
-                    self.core.abort(
-                        None, f"engine step failed: {traceback.format_exc(limit=1).strip()}", 500, "InternalError"
-                    )
+                except Exception as err:  # a bug must not leave every client waiting forever
+                    traceback.print_exc()  # the server's log has the traceback; responses never do
+                    self.core.abort(None, f"engine step failed: {type(err).__name__}", 500, "InternalError")
                 self._busy_s += time.monotonic() - start
             if self.log_interval_s and self._busy_s - self._logged[0] >= self.log_interval_s:
                 self._log_throughput()
@@ -191,15 +195,24 @@ class EmbeddedServer:
     async def generate(self, request):
         from aiohttp import web
 
-        body = await request.json()
-        if not isinstance(body, dict) or "input_ids" not in body or body.get("text") is not None:
+        context = self.core.context_length
+        body = await _json_object_limited(request, GENERATE_BODY_BASE + GENERATE_BYTES_PER_TOKEN * context)
+        if "input_ids" not in body or body.get("text") is not None:
             raise ValueError("the embedded engine takes input_ids (token ids), not text")
         if body.get("stream"):
             raise ValueError("stream=true is not supported by the embedded engine")
         ids = body["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("input_ids must be one list of token ids (batches: one request each)")
         sampling = protocol.SamplingParams.from_json(body.get("sampling_params") or {})
+        if len(ids) + sampling.max_new_tokens > context:
+            raise ValueError(
+                f"{len(ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} = "
+                f"{len(ids) + sampling.max_new_tokens} exceed the model's context length {context}"
+            )
+        rid = body.get("rid") or uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise ValueError(f"rid={rid!r}: must be a string")
         refused = self.core.can_generate()
         if refused:
             raise ValueError(f"cannot generate: {refused}")
@@ -209,10 +222,15 @@ class EmbeddedServer:
         def finished(r: Request) -> None:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
 
-        rid = body.get("rid") or uuid.uuid4().hex
         self.core.add(Request(rid, ids, sampling, on_finish=finished))  # joins at the next step
         self._poke()
-        r = await done
+        try:
+            r = await done
+        except asyncio.CancelledError:  # the client went away: stop generating for it
+            task = loop.create_task(self._abort_quietly(rid, "client disconnected"))
+            self._background.add(task)  # held until done (the loop keeps only weak references)
+            task.add_done_callback(self._background.discard)
+            raise
         return web.json_response(
             protocol.generate_response(
                 r.rid,
@@ -225,10 +243,14 @@ class EmbeddedServer:
             )
         )
 
+    async def _abort_quietly(self, rid: str, message: str) -> None:
+        async with self._model_lock:  # not in the middle of a step
+            self.core.abort(rid, message)
+
     async def abort(self, request):
         from aiohttp import web
 
-        body = await request.json()
+        body = await _json_object(request)
         async with self._model_lock:  # not in the middle of a step
             self.core.abort(None if body.get("abort_all") else body.get("rid"))
         return web.Response(status=200)
@@ -236,7 +258,7 @@ class EmbeddedServer:
     async def pause(self, request):
         from aiohttp import web
 
-        mode = (await request.json()).get("mode", "abort")
+        mode = (await _json_object(request)).get("mode", "abort")
         if mode not in protocol.PAUSE_MODES:
             raise ValueError(f"mode must be one of {protocol.PAUSE_MODES}, got {mode!r}")
         self.paused = True
@@ -273,7 +295,7 @@ class EmbeddedServer:
 
     @staticmethod
     async def _memory_tags(request) -> list[str]:
-        body = await request.json() if request.can_read_body else {}
+        body = await _json_object(request) if request.can_read_body else {}
         tags = (body or {}).get("tags")
         return list(protocol.MEMORY_TAGS) if not tags else protocol.memory_tags(tags)  # none or empty: all
 
@@ -303,7 +325,7 @@ class EmbeddedServer:
             raise ValueError("no weight-update session: call /begin_weight_update first (SGLang >= 0.5.21)")
 
     async def init_group(self, request):
-        body = await request.json()
+        body = await _json_object(request)
         if body.get("backend", "gloo") != "gloo":
             raise ValueError(f"the embedded engine joins gloo groups only, not {body.get('backend')!r}")
         name = body.get("group_name", protocol.DEFAULT_GROUP)
@@ -322,14 +344,14 @@ class EmbeddedServer:
         return _ok(f"joined {name}")
 
     async def destroy_group(self, request):
-        name = (await request.json()).get("group_name", protocol.DEFAULT_GROUP)
+        name = (await _json_object(request)).get("group_name", protocol.DEFAULT_GROUP)
         if name not in self.groups:
             raise ValueError(f"no weight-update group {name!r} to destroy")  # SGLang answers 400 too
         await asyncio.to_thread(leave_group, self.groups.pop(name))
         return _ok(f"left {name}")
 
     async def update_from_distributed(self, request):
-        body = await request.json()
+        body = await _json_object(request)
         self._need_session()
         name = body.get("group_name", protocol.DEFAULT_GROUP)
         if name not in self.groups:
@@ -370,7 +392,7 @@ class EmbeddedServer:
 
         from bapo_megatron.weights import ipc
 
-        body = await request.json()
+        body = await _json_object(request)
         self._need_session()
         payloads = body["serialized_named_tensors"]
         if not isinstance(payloads, list) or len(payloads) != 1:
@@ -402,7 +424,7 @@ class EmbeddedServer:
     async def update_from_disk(self, request):
         from bapo_megatron.weights.hf_io import HFCheckpoint
 
-        body = await request.json()
+        body = await _json_object(request)
         checkpoint = await asyncio.to_thread(HFCheckpoint, body["model_path"])  # validated; safetensors only
         async with self._model_lock:
             count = await self._on_engine(self.core.load_weights, ((k, checkpoint[k]) for k in list(checkpoint.files)))
@@ -419,7 +441,7 @@ class EmbeddedServer:
         self._poke()
 
     async def set_version(self, request):
-        body = await request.json()
+        body = await _json_object(request)
         async with self._model_lock:
             self.core.version = str(body["new_version"])
             if body.get("abort_all_requests", True):
@@ -433,23 +455,72 @@ def _ok(message: str):
     return web.json_response({"success": True, "message": message})
 
 
+BAD_REQUEST = (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, RecursionError)
+"""What a malformed body raises (missing fields, wrong types, deeply nested JSON): 400, as SGLang's."""
+
+
+GENERATE_BODY_BASE, GENERATE_BYTES_PER_TOKEN = 64 << 10, 24
+"""/generate's body limit: room for a context of token ids (a JSON id and its comma take at most
+~12 bytes) and sampling parameters; anything larger is refused before it is parsed (413)."""
+
+
+async def _json_object_limited(request, limit: int) -> dict:
+    """_json_object for a body of at most `limit` bytes (read no further)."""
+    import json
+
+    from aiohttp import web
+
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise ValueError(f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
 def _guarded(handler):
-    """Bad requests (missing fields, wrong values) answer 400 with the reason, as SGLang's do."""
+    """Bad requests answer 400 with the reason, as SGLang's do; anything else 500 with one line
+    (the traceback goes to the server's log, never into a response)."""
     from aiohttp import web
 
     async def wrapped(request):
         try:
             return await handler(request)
-        except (ValueError, KeyError, TypeError) as err:
+        except web.HTTPException:
+            raise
+        except BAD_REQUEST as err:
             return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
+        except Exception as err:
+            traceback.print_exc()
+            message = f"internal error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            return web.json_response({"success": False, "message": message}, status=500)
 
     return wrapped
 
 
+async def _json_object(request) -> dict:
+    """The request's JSON body, which must be an object (a list, a number or garbage: 400)."""
+    body = await request.json()
+    if not isinstance(body, dict):
+        raise ValueError(f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
 def _key(env: str, file: str | None) -> str | None:
+    """A key from its file, else from $env; None when neither is given. A key file or variable
+    that is given but empty or blank is an error: taken as no key, it would turn auth off."""
     if file:
-        return Path(file).read_text().strip()
-    return os.environ.get(env) or None
+        key, source = Path(file).read_text().strip(), f"key file {file}"
+    elif env in os.environ:
+        key, source = os.environ[env].strip(), f"${env}"
+    else:
+        return None
+    if not key:
+        raise ValueError(f"{source} is empty: set a key, or leave it out to run without one on loopback")
+    return key
 
 
 def _model_dir_problem(model: Path) -> str | None:
@@ -479,8 +550,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-api-key-file", help="file holding the admin key (else $BAPO_ADMIN_API_KEY)")
     parser.add_argument("--api-key-file", help="file holding the API key (else $BAPO_API_KEY)")
     args = parser.parse_args(argv)
-    admin_key = _key("BAPO_ADMIN_API_KEY", args.admin_api_key_file)
-    api_key = _key("BAPO_API_KEY", args.api_key_file)
+    try:
+        admin_key = _key("BAPO_ADMIN_API_KEY", args.admin_api_key_file)
+        api_key = _key("BAPO_API_KEY", args.api_key_file)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not is_loopback(args.host) and admin_key is None:
         print(
             f"error: --host {args.host} is not loopback: set an admin key (BAPO_ADMIN_API_KEY or "
@@ -497,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_thread = concurrent.futures.ThreadPoolExecutor(1, "engine")  # the model is built where it will run
     core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch).result()
     server = EmbeddedServer(core, api_key, admin_key, engine_thread, args.log_interval)
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
     return 0
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.rollout.protocol import SAMPLING_EPS, SamplingParams
 
 
 class SlotKV:
@@ -218,6 +218,16 @@ class EngineCore:
     def busy(self) -> bool:
         return bool(self.incoming or self.waiting or self.running)
 
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt and output) a request may hold: the model's position range."""
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 20)
+
+    def shrink(self) -> None:
+        """Free the slotted cache's memory when no request runs (it is reallocated on demand)."""
+        if not self.running and self.kv.capacity:
+            self.kv = SlotKV(self.max_batch)
+
     # -- memory ---------------------------------------------------------------------------
     def release_memory(self, tags: Sequence[str], paused: bool = False) -> None:
         """Free memory as SGLang's release_memory_occupation does under its memory saver: kv_cache
@@ -386,7 +396,7 @@ class EngineCore:
         plain = [
             b
             for b, r in enumerate(batch)
-            if r.sampling.temperature > 0
+            if r.sampling.temperature >= SAMPLING_EPS
             and r.sampling.top_p == 1
             and r.sampling.top_k == -1
             and r.sampling.sampling_seed is None
@@ -468,8 +478,9 @@ def _prefix_key(request: Request) -> tuple[int, ...]:
 
 
 def sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """(token, its logprob): logprob from log_softmax(logits / T) over the whole vocabulary."""
-    if s.temperature == 0:
+    """(token, its logprob): logprob from log_softmax(logits / T) over the whole vocabulary; below
+    SAMPLING_EPS, greedy with the logprob of T = 1, as SGLang does."""
+    if s.temperature < SAMPLING_EPS:
         logprobs = torch.log_softmax(logits, -1)
         token = int(torch.argmax(logprobs))
         return token, float(logprobs[token])

@@ -41,6 +41,10 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what /release_memory_occu
 DEFAULT_GROUP = "weight_update_group"
 
 
+SAMPLING_EPS = 1e-6
+"""Temperatures below this sample greedily (SGLang's _SAMPLING_EPS): dividing logits by them overflows."""
+
+
 class MalformedResponse(ValueError):
     """An engine answered with a body that does not have the fields and types the protocol promises."""
 
@@ -58,12 +62,33 @@ class SamplingParams:
     sampling_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or (self.top_k == 0 or self.top_k < -1):
-            raise ValueError(
-                f"invalid sampling params: temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}"
-            )
+        """Every field checked for type and range (SGLang's SamplingParams.verify rules), each
+        error naming the field and the value: a bad request is answered 400 at the boundary
+        instead of failing an engine step that other requests share."""
+
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"sampling_params.{name}={getattr(self, name)!r}: {rule}")
+
+        def integer(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not integer(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise bad("max_new_tokens", "must be an integer >= 0")
+        if not number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (below 1e-6: greedy)")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be a number in (0, 1]")
+        if not integer(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise bad("top_k", "must be -1 (off) or an integer >= 1")
+        if not all(integer(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be true or false")
+        if self.sampling_seed is not None and (not integer(self.sampling_seed) or not 0 <= self.sampling_seed < 2**63):
+            raise bad("sampling_seed", "must be an integer in [0, 2^63)")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -89,7 +114,10 @@ class SamplingParams:
         args = dict(body)
         args.setdefault("max_new_tokens", 128)
         if "stop_token_ids" in args:
-            args["stop_token_ids"] = tuple(args["stop_token_ids"] or ())
+            stop = args["stop_token_ids"] or ()
+            if not isinstance(stop, (list, tuple)):
+                raise ValueError(f"sampling_params.stop_token_ids={stop!r}: must be a list of token ids")
+            args["stop_token_ids"] = tuple(stop)
         return cls(**args)
 
 

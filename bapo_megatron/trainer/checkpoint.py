@@ -1,28 +1,45 @@
 """Megatron dist checkpoints (torch_dist): written to a temporary directory, renamed, then `latest`.
 
-A kill during a save never leaves a broken `latest`: the step directory appears under its
-final name only once complete, and the pointer file is replaced atomically afterwards.
+A kill during a save never leaves a broken checkpoint: the step directory appears under its
+final name only once complete (its files checksummed, trainer/integrity.py, and fsync'd with
+the rename), and the pointer file is replaced atomically afterwards. A kill between the two
+costs nothing: on start the newest complete step directory wins over a stale `latest`, which
+is repaired. Directories are named by the driver's step (not the optimizer's, which skipped
+updates leave unchanged), pruning never removes the newest, what `latest` names or what was
+just written, and a run that would start afresh over existing checkpoints is refused.
+Received checkpoints are read without running code from them (trainer/safe_load.py).
 Checkpoints store sharded tensors by global name, so they load at any TP/PP layout.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import re
-import shutil
 import warnings
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bapo_megatron.config import CheckpointConfig
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.fsutil import publish, remove, temporary_sibling, write_text_atomic
+from bapo_megatron.trainer import safe_load
+from bapo_megatron.trainer.integrity import (
+    CorruptCheckpointError,
+    checksums,
+    listed_files,
+    verify,
+    write_checksums,
+)
+from bapo_megatron.trainer.safe_load import UnsafeCheckpointError, read_metadata
 from bapo_megatron.weights.layout import EXTRA_STATE
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+STALE_TMP = re.compile(r"^\.step_\d{8}\..+\.tmp$")  # a killed save's temporary (fsutil.temporary_sibling)
 
 
 class Stateful(Protocol):
@@ -42,7 +59,15 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return _rank() == 0
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -67,31 +92,40 @@ def in_process_results_queue() -> None:
 def save_sharded(
     sharded: dict, directory: str | Path, strategy=None, extra_files: dict[str, str] | None = None
 ) -> None:
-    """dist_checkpointing.save into `directory` through a temporary sibling, renamed when complete,
-    with `extra_files` (name -> text) written beside it first; `strategy`: a sharded save strategy
-    other than Megatron's default torch_dist one."""
+    """dist_checkpointing.save into `directory` through a fresh temporary sibling, renamed when
+    complete, with `extra_files` (name -> text) written beside it and every file checksummed;
+    `strategy`: a sharded save strategy other than Megatron's default torch_dist one."""
     from megatron.core import dist_checkpointing
 
     in_process_results_queue()
     directory = Path(directory)
-    tmp = directory.with_name(directory.name + ".tmp")
-    if _rank0():
-        if directory.exists():
-            raise FileExistsError(f"checkpoint {directory} exists already; refusing to overwrite it")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
+    if directory.exists():  # every rank sees the same (shared) filesystem: all refuse together
+        raise FileExistsError(f"checkpoint {directory} exists already; refusing to overwrite it")
+    box = [str(temporary_sibling(directory, directory=True)) if _rank0() else None]
+    if _world() > 1:
+        dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
     try:
         dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy)
+        _barrier()
+        mine = checksums(tmp, sorted(p.name for p in tmp.glob(f"__{_rank()}_*.distcp")))
+        gathered = [None] * _world()
+        if _world() > 1:
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        if _rank0():
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
+            entries = {k: v for part in gathered for k, v in part.items()}
+            others = [p.name for p in tmp.iterdir() if p.is_file() and p.name not in entries]
+            entries.update(checksums(tmp, others))
+            write_checksums(tmp, entries)
+            publish(tmp, directory)
     except BaseException:
         if _rank0():
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove(tmp)
         raise
-    _barrier()
-    if _rank0():
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        os.replace(tmp, directory)
     _barrier()
 
 
@@ -102,21 +136,39 @@ def save_sharded(
 
 def load_sharded(sharded: dict, directory: str | Path) -> dict:
     """The tensors of `directory` for the shards this rank's `sharded` dict asks for; a requested
-    `_extra_state` the checkpoint lacks is left out of the result, anything else missing raises."""
+    `_extra_state` the checkpoint lacks is left out of the request (and of the result)."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     directory = Path(directory)
     if not (directory / "metadata.json").is_file():
         raise ValueError(f"checkpoint {directory}: not a complete dist checkpoint (no metadata.json)")
-    loaded, _, absent = dist_checkpointing.load(sharded, str(directory), strict=StrictHandling.RETURN_UNEXPECTED)
-    required = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
-    if required:
-        raise ValueError(
-            f"checkpoint {directory} lacks {len(required)} tensors this model needs, e.g. "
-            f"{required[:3]} (a checkpoint of another model or layout?)"
-        )
-    return loaded
+    present = set(read_metadata(directory).state_dict_metadata)
+    sharded = _without_absent_extra_states(sharded, present)
+    safe_load.install()
+    try:
+        return dist_checkpointing.load(sharded, str(directory))
+    except CheckpointException as wrapped:  # DCP's BaseException wrapper: raise what a rank raised
+        first = next(iter(wrapped.failures.values()))
+        first = first[0] if isinstance(first, tuple) else first
+        if isinstance(first, UnsafeCheckpointError):
+            raise UnsafeCheckpointError(f"checkpoint {directory}: {first}") from None
+        raise first from None
+
+
+def _without_absent_extra_states(sharded, present: set[str]):
+    """`sharded` minus the ShardedObjects of `_extra_state` whose keys the checkpoint does not hold."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if isinstance(sharded, dict):
+        out = {}
+        for k, v in sharded.items():
+            if isinstance(v, ShardedObject) and v.key.endswith(EXTRA_STATE) and v.unique_key not in present:
+                continue
+            out[k] = _without_absent_extra_states(v, present)
+        return out
+    if isinstance(sharded, list):
+        return [_without_absent_extra_states(v, present) for v in sharded]
+    return sharded
 
 
 def load_module_state(module: torch.nn.Module, state: dict, source: str | Path) -> None:
@@ -134,7 +186,26 @@ def save_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> No
     save_sharded(model_sharded_state_dict(model_chunks), directory)
 
 
+def verify_on_all_ranks(directory: str | Path) -> None:
+    """integrity.verify with the contents' checksums split over the ranks (each reads 1/world of
+    the files); every rank raises the same CorruptCheckpointError when any found a problem."""
+    files = listed_files(directory)
+    problem = None
+    try:
+        verify(directory, files=files[_rank() :: _world()])
+    except CorruptCheckpointError as err:
+        problem = str(err)
+    problems = [problem]
+    if _world() > 1:
+        problems = [None] * _world()
+        dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p]
+    if found:
+        raise CorruptCheckpointError(found[0])
+
+
 def load_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> None:
+    verify_on_all_ranks(directory)
     loaded = load_sharded(model_sharded_state_dict(model_chunks), directory)
     for i, chunk in enumerate(model_chunks):
         load_module_state(unwrap(chunk), loaded[f"chunk{i}"], directory)
@@ -190,49 +261,139 @@ class CheckpointManager:
             sharded["rng"] = ShardedObject("rng_state", _rng_states(), (world,), (rank,), replica_id=0)
         return sharded
 
-    def save(self, trainer) -> Path:
-        """Write step_<N> through a temporary directory, then point `latest` at it, then prune."""
-        directory = self.root / f"step_{trainer.step:08d}"
-        sharded = self._sharded(trainer, is_loading=False, with_rng=True)
-        sharded["common"] = {
-            "step": trainer.step,
-            "world_size": dist.get_world_size(),
-            "scheduler": trainer.scheduler.state_dict(),
-            "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
-            "config": self.config_yaml,
-        }
-        save_sharded(sharded, directory)
+    def save(self, trainer, iteration: int | None = None) -> Path:
+        """Write step_<iteration> (default: the optimizer step) through a temporary directory, then
+        point `latest` at it, then prune. A complete directory of that step already there (a save
+        repeated after a kill) counts as done."""
+        iteration = trainer.step if iteration is None else iteration
+        directory = self.root / f"step_{iteration:08d}"
+        if directory.exists():
+            if self._iteration_of(directory) != iteration:
+                raise FileExistsError(f"checkpoint {directory} exists and is not a complete step {iteration}")
+        else:
+            sharded = self._sharded(trainer, is_loading=False, with_rng=True)
+            sharded["common"] = {
+                "step": trainer.step,
+                "iteration": iteration,
+                "world_size": dist.get_world_size(),
+                "scheduler": trainer.scheduler.state_dict(),
+                "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
+                "config": self.config_yaml,
+            }
+            save_sharded(sharded, directory)
         if _rank0():
-            tmp = self.root / (LATEST + ".tmp")
-            tmp.write_text(directory.name + "\n")
-            os.replace(tmp, self.root / LATEST)
-            self._prune()
+            write_text_atomic(self.root / LATEST, directory.name + "\n")
+            self._prune(protect={directory.name})
         _barrier()
         return directory
 
-    def _prune(self) -> None:
-        steps = sorted(p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
-        for old in steps[: -self.cfg.keep_last]:
-            shutil.rmtree(old)
+    @staticmethod
+    def _iteration_of(directory: Path) -> int | None:
+        from megatron.core import dist_checkpointing
+
+        try:
+            verify(directory, check_contents=False)
+            common = dist_checkpointing.load_common_state_dict(str(directory))["common"]
+        except Exception:
+            return None
+        return common.get("iteration", common.get("step"))
+
+    def complete_steps(self) -> list[tuple[int, Path]]:
+        """(step, directory) of every complete step directory, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = STEP_DIR.match(path.name)
+            if match and path.is_dir() and not path.is_symlink() and (path / "metadata.json").is_file():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def _pointer(self) -> str | None:
+        """The step name `latest` holds (None: no pointer); ValueError for one that is not a plain
+        file naming a step (its content is never echoed)."""
+        pointer = self.root / LATEST
+        if pointer.is_symlink():
+            raise ValueError(f"checkpoint pointer {pointer} is a symbolic link; expected a file naming a step")
+        if not pointer.exists():
+            return None
+        if not pointer.is_file() or pointer.stat().st_size > 64:
+            raise ValueError(f"checkpoint pointer {pointer} is not a small file naming a step (step_NNNNNNNN)")
+        name = pointer.read_text(errors="replace").strip()
+        if not STEP_DIR.match(name):
+            raise ValueError(f"checkpoint pointer {pointer} does not name a step directory (step_NNNNNNNN)")
+        return name
+
+    def _prune(self, protect: set[str]) -> None:
+        """Keep the newest keep_last steps, what `latest` names and `protect`; drop killed saves' temporaries."""
+        steps = self.complete_steps()
+        keep = {p.name for _, p in steps[-self.cfg.keep_last :]} | protect
+        try:
+            named = self._pointer()
+        except ValueError:
+            named = None
+        keep |= {named} if named else set()
+        for _, path in steps:
+            if path.name not in keep:
+                remove(path)
+        for path in self.root.iterdir():
+            if STALE_TMP.match(path.name) and not path.is_symlink():
+                remove(path)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, None when there is none; ValueError when `latest` is broken."""
-        pointer = self.root / LATEST
-        if not pointer.is_file():
+        """The checkpoint to resume from: the newest complete step directory (None: there is none).
+        `latest` names it, except after a kill between a step's rename and the pointer's update:
+        then the newer directory wins and the pointer is repaired. ValueError when `latest` names
+        a step but no complete checkpoint exists."""
+        steps = self.complete_steps()
+        try:
+            named = self._pointer()
+        except ValueError as err:
+            if not steps:
+                raise
+            named, problem = None, str(err)
+        else:
+            problem = f"names {named}" if named else "is missing"
+        if not steps:
+            if named is not None:
+                raise ValueError(
+                    f"checkpoint pointer {self.root / LATEST} names {named!r}, which is not a complete "
+                    "checkpoint, and there is no other"
+                )
             return None
-        name = pointer.read_text().strip()
-        directory = self.root / name
-        if not STEP_DIR.match(name) or not (directory / "metadata.json").is_file():
-            raise ValueError(f"checkpoint pointer {pointer} names {name!r}, which is not a complete checkpoint")
-        return directory
+        newest = steps[-1][1]
+        if named != newest.name:
+            warnings.warn(
+                f"checkpoint pointer {self.root / LATEST} {problem}; resuming from the newest complete "
+                f"checkpoint {newest.name} and repairing the pointer",
+                stacklevel=2,
+            )
+            if _rank0():
+                write_text_atomic(self.root / LATEST, newest.name + "\n")
+        return newest
+
+    def check_start(self, resume: bool) -> None:
+        """ConfigError when a run that would not resume starts in a directory holding checkpoints
+        (its saves would mix with theirs, and pruning would choose among both)."""
+        steps = self.complete_steps()
+        if steps and not resume:
+            raise ConfigError(
+                "checkpoint.resume",
+                False,
+                f"{self.root} holds checkpoints (newest {steps[-1][1].name}): resume from them "
+                "(checkpoint.resume=true), or point checkpoint.dir at a new directory",
+            )
 
     def load(self, trainer, directory: str | Path | None = None) -> int | None:
-        """Restore everything from `directory` (default: latest); the step it resumes at, or None."""
+        """Restore everything from `directory` (default: latest); the driver step it resumes at
+        (the optimizer step for checkpoints written before driver steps were recorded), or None."""
         from megatron.core import dist_checkpointing
 
         directory = Path(directory) if directory is not None else self.latest()
         if directory is None:
             return None
+        verify_on_all_ranks(directory)  # files there, whole and as written, before the slow part starts
+        safe_load.install()
         common = dist_checkpointing.load_common_state_dict(str(directory))["common"]
         same_world = common["world_size"] == dist.get_world_size()
         loaded = load_sharded(self._sharded(trainer, is_loading=True, with_rng=same_world), directory)
@@ -253,4 +414,4 @@ class CheckpointManager:
                 raise ValueError(f"checkpoint {directory} has no state for {name!r}")
             obj.load_state_dict(common["extras"][name])
         trainer.step = common["step"]
-        return trainer.step
+        return common.get("iteration", common["step"])

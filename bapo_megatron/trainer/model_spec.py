@@ -170,7 +170,7 @@ def tiny_spec(architecture: Literal["qwen2", "llama"] = "qwen2") -> ModelSpec:
         num_kv_heads=2,
         ffn_hidden_size=128,
         head_dim=16,
-        max_position_embeddings=256,
+        max_position_embeddings=4096,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         qkv_bias=architecture == "qwen2",

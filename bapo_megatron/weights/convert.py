@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.fsutil import atomic_directory
 from bapo_megatron.trainer.model_spec import ModelSpec, check_layout
 from bapo_megatron.weights import sglang_shards
 from bapo_megatron.weights.hf_io import (
     MAX_SHARD_BYTES,
     HFCheckpoint,
-    atomic_directory,
     finish_hf_checkpoint,
     hf_entries,
     hf_writer,
@@ -123,6 +123,8 @@ def mcore_to_hf(
     the output files and dropped before the next is read.
     """
     template = Path(hf_template) if hf_template else None
+    if template is not None and not template.is_dir():
+        raise ValueError(f"--hf-template {template}: no such directory")
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
     source = McoreCheckpoint(mcore_dir, template)  # memory-mapped; no process group needed

@@ -7,10 +7,7 @@ or tensor at fault before any expensive work is done with it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -113,14 +110,26 @@ class HFCheckpoint:
         raise ValueError(f"{self.dir}: no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
 
     def _check_shapes(self) -> None:
+        """Every tensor config.json implies is there with its shape, and every tensor in the files is
+        one of them: a config that disagrees with the weights (fewer layers, a tied head that is
+        not) would otherwise convert part of the checkpoint and drop the rest silently."""
         expected = expected_shapes(self.spec)
-        missing = sorted(set(expected) - set(self.files))
+        missing = [n for n in expected if n not in self.files]
         if missing:
             raise ValueError(f"{self.dir}: {len(missing)} tensors missing, e.g. {missing[0]}")
         for name, shape in expected.items():
             got = tuple(self._handles[self.files[name]].get_slice(name).get_shape())
             if got != shape:
                 raise ValueError(f"{self.dir}: {name} has shape {got}, config.json implies {shape}")
+        # rotary inverse frequencies: a buffer older exports saved, recomputed from rope_theta
+        unused = sorted(n for n in set(self.files) - set(expected) if not n.endswith("rotary_emb.inv_freq"))
+        if self.spec.tie_embeddings and unused == ["lm_head.weight"]:
+            unused = []  # a tied head saved anyway (some exporters do): the embedding is the weight used
+        if unused:
+            raise ValueError(
+                f"{self.dir}: {len(unused)} tensors that config.json does not account for, e.g. {unused[0]} "
+                "(is config.json this checkpoint's? num_hidden_layers, tie_word_embeddings)"
+            )
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._handles[self.files[name]].get_tensor(name)
@@ -130,23 +139,6 @@ class HFCheckpoint:
 
     def keys(self):
         return self.files.keys()
-
-
-@contextmanager
-def atomic_directory(out: str | Path) -> Iterator[Path]:
-    """Write into OUT.tmp; rename to OUT only when the block completes (never a half-written OUT)."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} exists already; refusing to overwrite it")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    os.replace(tmp, out)
 
 
 def hf_writer(directory: Path, entries: list[TensorEntry], max_shard_bytes: int = MAX_SHARD_BYTES) -> StreamingWriter:

@@ -32,9 +32,11 @@ import base64
 import contextlib
 import io
 import math
+import mmap
 import os
 import pickle
 import re
+import stat
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -146,16 +148,29 @@ _SHARED_NAME = re.compile(r"bapo-\d+-[0-9a-f]{32}")
 
 def rebuild_shared(path: str, dtype: str, shape: list[int]) -> torch.Tensor:
     """A CPU tensor from a payload's shared-memory file, mapped copy-on-write (the sender removes the
-    file once the receiver has answered). Only files this module writes can be named."""
+    file once the receiver has answered). Only files this module writes can be named: by name, in
+    the shared-memory directory, opened without following a link, a regular file owned by this
+    user, of exactly the tensor's size."""
     dtype_, numel = protocol.torch_dtype(dtype), math.prod(shape)
     if numel == 0 and not path:
         return torch.empty(shape, dtype=dtype_)
     file = Path(path)
     if file.parent != _shm_dir() or not _SHARED_NAME.fullmatch(file.name):
         raise pickle.UnpicklingError(f"{path}: not a weight-payload file")
-    if file.stat().st_size != numel * dtype_.itemsize:
-        raise pickle.UnpicklingError(f"{path}: {file.stat().st_size} bytes, not a {dtype} tensor of shape {shape}")
-    return torch.from_file(str(file), shared=False, size=numel, dtype=dtype_).reshape(shape)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as err:  # ELOOP: a symbolic link
+        raise pickle.UnpicklingError(f"{path}: cannot open it as a weight-payload file ({err.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise pickle.UnpicklingError(f"{path}: not a regular file of this user")
+        if info.st_size != numel * dtype_.itemsize:
+            raise pickle.UnpicklingError(f"{path}: {info.st_size} bytes, not a {dtype} tensor of shape {shape}")
+        mapped = mmap.mmap(fd, info.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=dtype_).reshape(shape)  # the tensor keeps the mapping alive
 
 
 @contextlib.contextmanager

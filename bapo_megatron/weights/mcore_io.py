@@ -27,12 +27,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from bapo_megatron.trainer.integrity import verify
 from bapo_megatron.trainer.model_spec import ModelSpec
+from bapo_megatron.trainer.safe_load import read_metadata
 from bapo_megatron.weights.layout import megatron_layer_to_hf
 
 HF_CONFIG = "hf_config.json"
@@ -82,10 +84,8 @@ class McoreCheckpoint:
             raise ValueError(f"{self.dir}: not a complete Megatron dist checkpoint (no metadata.json)")
         self.config = read_hf_config(self.dir, Path(template) if template else None)
         self.spec = ModelSpec.from_hf_config(self.config)
-        try:
-            metadata = FileSystemReader(str(self.dir)).read_metadata()
-        except Exception as err:  # torch DCP raises several types for a damaged .metadata
-            raise ValueError(f"{self.dir}: unreadable checkpoint metadata ({err})") from None
+        verify(self.dir)  # files present, whole, and as written; .metadata read without running code
+        metadata = read_metadata(self.dir)
         self.meta = {
             k: (tuple(m.size), m.properties.dtype)
             for k, m in metadata.state_dict_metadata.items()

@@ -4,7 +4,7 @@ The shapes and dtypes of every tensor are known before the first byte is written
 follow from config.json), so each file's header is written first and each tensor goes to
 its planned offset as soon as it exists, in any order. A file counts as written only when
 every planned tensor has arrived exactly once; the caller writes inside an
-atomic_directory, so an incomplete conversion never appears under its final name.
+fsutil.atomic_directory, so an incomplete conversion never appears under its final name.
 """
 
 from __future__ import annotations

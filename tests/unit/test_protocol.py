@@ -1,5 +1,7 @@
 """The protocol's parser and checks: malformed engine answers and bad values are clear errors."""
 
+import math
+
 import pytest
 import torch
 
@@ -40,8 +42,23 @@ def test_malformed_responses_name_the_field(mutate, message):
 
 
 def test_sampling_params_and_dtypes():
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"sampling_params.max_new_tokens=-1: must be an integer >= 0"):
         SamplingParams(max_new_tokens=-1)
+    bad = {  # what once failed an engine step shared by every request in flight, or slipped through
+        "temperature": (math.nan, math.inf, -1.0, "hot", True),
+        "top_k": (2.5, 0, -2, "5"),
+        "top_p": (0.0, 1.5, math.nan),
+        "max_new_tokens": (1e9, math.nan, True, "7"),
+        "sampling_seed": ("x", 1.5, -1),
+        "stop_token_ids": (5, ["a"], [-1]),
+        "ignore_eos": ("yes", 1),
+    }
+    for name, values in bad.items():
+        for value in values:
+            with pytest.raises(ValueError, match=rf"sampling_params\.{name}="):
+                SamplingParams.from_json({"max_new_tokens": 4, name: value})
+    greedy = SamplingParams.from_json({"max_new_tokens": 4, "temperature": 1e-41})  # SGLang: greedy below 1e-6
+    assert greedy.temperature == 1e-41
     with pytest.raises(ValueError, match="top_p=1.5"):
         SamplingParams(max_new_tokens=1, top_p=1.5)
     with pytest.raises(ValueError, match=r"unsupported field\(s\) \['logit_bias'\]"):

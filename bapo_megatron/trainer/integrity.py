@@ -1,0 +1,92 @@
+"""A dist checkpoint's files: checksums written with it, and a check before anything loads it.
+
+Every file of a checkpoint this project writes is listed in its `checksums.json` (CRC-32 and
+size, computed by the rank that wrote it right after the write, gathered by rank 0). Before a
+load, `verify` checks that the files the metadata refers to are there and long enough, and,
+where the checkpoint lists checksums, that every file still matches: a truncated, corrupted or
+missing file is named instead of loaded (or of failing deep inside torch). Checkpoints written
+before checksums existed (or by other tools) get the presence and size checks only.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+from bapo_megatron.errors import BadInputError
+from bapo_megatron.trainer.safe_load import read_metadata
+
+CHECKSUMS = "checksums.json"
+REQUIRED = ("metadata.json", ".metadata", "common.pt")
+_BLOCK = 16 << 20
+
+
+class CorruptCheckpointError(BadInputError):
+    """A checkpoint's files are missing, short, or differ from what was written."""
+
+
+def file_checksum(path: Path) -> dict[str, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return {"crc32": crc, "size": size}
+
+
+def checksums(directory: Path, names: list[str]) -> dict[str, dict[str, int]]:
+    return {name: file_checksum(directory / name) for name in names}
+
+
+def write_checksums(directory: Path, entries: dict[str, dict[str, int]]) -> None:
+    (directory / CHECKSUMS).write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
+
+
+def verify(directory: str | Path, check_contents: bool = True, files: list[str] | None = None) -> None:
+    """CorruptCheckpointError naming the first problem; `files`: verify only these checksummed
+    files' contents (the others' presence and size are still checked)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CorruptCheckpointError(f"checkpoint {directory}: no such directory")
+    for name in REQUIRED:
+        if not (directory / name).is_file():
+            raise CorruptCheckpointError(f"checkpoint {directory}: {name} is missing (an incomplete checkpoint?)")
+    metadata = read_metadata(directory)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CorruptCheckpointError(f"checkpoint {directory}: {name} is missing")
+        if path.stat().st_size < end:
+            raise CorruptCheckpointError(
+                f"checkpoint {directory}: {name} has {path.stat().st_size} bytes, its metadata needs {end} (truncated)"
+            )
+    listed = directory / CHECKSUMS
+    if not check_contents or not listed.is_file():
+        return
+    try:
+        entries = json.loads(listed.read_text())
+    except ValueError as err:
+        raise CorruptCheckpointError(f"checkpoint {directory}: {CHECKSUMS} is not valid JSON ({err})") from None
+    for name, want in sorted(entries.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CorruptCheckpointError(f"checkpoint {directory}: {name} is missing")
+        if path.stat().st_size != want["size"]:
+            raise CorruptCheckpointError(
+                f"checkpoint {directory}: {name} has {path.stat().st_size} bytes, {want['size']} were written"
+            )
+        if (files is None or name in files) and file_checksum(path)["crc32"] != want["crc32"]:
+            raise CorruptCheckpointError(f"checkpoint {directory}: {name} differs from what was written (checksum)")
+
+
+def listed_files(directory: str | Path) -> list[str]:
+    """The files a checkpoint's checksums list (empty for one written without them)."""
+    listed = Path(directory) / CHECKSUMS
+    try:
+        return sorted(json.loads(listed.read_text())) if listed.is_file() else []
+    except ValueError:
+        return []

@@ -1,0 +1,121 @@
+"""The embedded engine under bad input, with good requests in flight.
+
+Each malformed request gets a 400 (a body over the limit: 413) naming what is wrong, with no
+traceback in it; the requests already running finish with their full length; a client that
+disconnects stops its request and the cache's memory comes back; an empty admin key is an
+error at start-up. (Before: a NaN temperature or a top_k of 2.5 failed the shared engine step
+and aborted every request in flight with a 500 and a traceback.)
+"""
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from bapo_megatron.rollout import embedded
+from bapo_megatron.rollout.embedded import EmbeddedServer
+from bapo_megatron.rollout.engine_core import EngineCore
+from tests.dist.test_convert import make_hf_model
+
+pytestmark = pytest.mark.e2e
+GOOD_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    make_hf_model(root, "qwen2-gqa2")
+    return root / "qwen2-gqa2"
+
+
+def _generate(ids, **sampling) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, **sampling}}
+
+
+def _bad_requests(context: int) -> list[tuple[str, str, str | dict, int, str]]:
+    """(name, path, body (dict: JSON; str: raw), status, a phrase the answer must hold)."""
+    return [
+        ("nan temperature", "/generate", _generate([1, 2], temperature=math.nan), 400, "temperature"),
+        ("fractional top_k", "/generate", _generate([1, 2], top_k=2.5), 400, "top_k=2.5"),
+        ("huge max_new_tokens", "/generate", _generate([1, 2], max_new_tokens=10**9), 400, "context length"),
+        ("nan max_new_tokens", "/generate", _generate([1, 2], max_new_tokens=math.nan), 400, "max_new_tokens"),
+        ("prompt past context", "/generate", _generate([1] * (context + 1)), 400, f"{context + 1} prompt tokens"),
+        ("text seed", "/generate", _generate([1, 2], sampling_seed="x"), 400, "sampling_seed"),
+        ("token outside vocab", "/generate", _generate([1, 10**6]), 400, "input_ids"),
+        ("bool token", "/generate", _generate([1, True]), 400, "input_ids"),
+        ("list body", "/generate", "[1, 2, 3]", 400, "JSON object"),
+        ("deeply nested", "/generate", "[" * 20_000 + "]" * 20_000, 400, ""),
+        ("garbage", "/generate", "{not json", 400, ""),
+        ("list to abort", "/abort_request", "[1]", 400, "JSON object"),
+        ("number to pause", "/pause_generation", "7", 400, "JSON object"),
+        ("list to release", "/release_memory_occupation", '["weights"]', 400, "JSON object"),
+        ("string version", "/update_weight_version", '"3"', 400, "JSON object"),
+        ("bad tensor payload", "/update_weights_from_tensor", {"serialized_named_tensors": 5}, 400, ""),
+        ("oversized body", "/generate", json.dumps(_generate([1] * 200_000)), 413, ""),
+    ]
+
+
+def test_bad_requests_get_400s_and_running_ones_finish(model_dir):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    core = EngineCore(model_dir)
+    good = _generate([5, 6, 7], max_new_tokens=GOOD_TOKENS, ignore_eos=True)
+
+    async def run():
+        async with TestClient(TestServer(EmbeddedServer(core).app())) as client:
+            running = [asyncio.create_task(client.post("/generate", json={**good, "rid": f"good{i}"})) for i in (0, 1)]
+            while len(core.running) < 2:  # both are decoding before the bad ones arrive
+                await asyncio.sleep(0.01)
+            answers = []
+            for name, path, body, status, phrase in _bad_requests(core.context_length):
+                raw = body if isinstance(body, str) else json.dumps(body)
+                resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+                answers.append((name, status, phrase, resp.status, await resp.text()))
+            greedy = await client.post("/generate", json=_generate([1, 2], temperature=1e-41, ignore_eos=True))
+            finished = [await (await task).json() for task in running]
+            return answers, await greedy.json(), finished
+
+    answers, greedy, finished = asyncio.run(run())
+    for name, status, phrase, got, text in answers:
+        assert got == status, (name, got, text)
+        assert phrase in text and "Traceback" not in text, (name, text)
+    tokens = greedy["meta_info"]["output_token_logprobs"]
+    assert len(tokens) == 8 and all(math.isfinite(lp) for lp, _, _ in tokens)  # below 1e-6: greedy, as SGLang
+    for answer in finished:
+        assert answer["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(answer["output_ids"]) == GOOD_TOKENS
+
+
+def test_a_client_that_disconnects_stops_its_request_and_the_memory_returns(model_dir):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    core = EngineCore(model_dir)
+
+    async def run():
+        async with TestClient(TestServer(EmbeddedServer(core).app())) as client:
+            long = _generate([1, 2, 3], max_new_tokens=4000, ignore_eos=True)
+            request = asyncio.create_task(client.post("/generate", json=long))
+            while not core.running:
+                await asyncio.sleep(0.01)
+            assert core.kv.capacity > 0
+            request.cancel()  # the client goes away mid-generation
+            for _ in range(3000):  # a state to reach, not a time to wait: up to 30 s on a busy machine
+                if not core.busy and core.kv.capacity == 0:
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+    assert asyncio.run(run()), "the request kept generating, or the cache kept its memory"
+
+
+@pytest.mark.parametrize("where", ["file", "env"])
+def test_an_empty_admin_key_is_an_error_at_start(where, model_dir, tmp_path, monkeypatch, capsys):
+    args = ["--model", str(model_dir), "--port", "1", "--host", "0.0.0.0"]
+    if where == "file":
+        (tmp_path / "key").write_text("  \n")
+        args += ["--admin-api-key-file", str(tmp_path / "key")]
+    else:
+        monkeypatch.setenv("BAPO_ADMIN_API_KEY", "")
+    assert embedded.main(args) == 2
+    assert "is empty" in capsys.readouterr().err
