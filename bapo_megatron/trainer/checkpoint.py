@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from bapo_megatron.config import CheckpointConfig
-from bapo_megatron.errors import ConfigError
+from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.fsutil import publish, remove, temporary_sibling, write_text_atomic
 from bapo_megatron.trainer import safe_load
 from bapo_megatron.trainer.integrity import (
@@ -314,14 +314,14 @@ class CheckpointManager:
         file naming a step (its content is never echoed)."""
         pointer = self.root / LATEST
         if pointer.is_symlink():
-            raise ValueError(f"checkpoint pointer {pointer} is a symbolic link; expected a file naming a step")
+            raise BadInputError(f"checkpoint pointer {pointer} is a symbolic link; expected a file naming a step")
         if not pointer.exists():
             return None
         if not pointer.is_file() or pointer.stat().st_size > 64:
-            raise ValueError(f"checkpoint pointer {pointer} is not a small file naming a step (step_NNNNNNNN)")
+            raise BadInputError(f"checkpoint pointer {pointer} is not a small file naming a step (step_NNNNNNNN)")
         name = pointer.read_text(errors="replace").strip()
         if not STEP_DIR.match(name):
-            raise ValueError(f"checkpoint pointer {pointer} does not name a step directory (step_NNNNNNNN)")
+            raise BadInputError(f"checkpoint pointer {pointer} does not name a step directory (step_NNNNNNNN)")
         return name
 
     def _prune(self, protect: set[str]) -> None:

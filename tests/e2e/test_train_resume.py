@@ -70,7 +70,8 @@ def _final_weights_equal(rank: int, world: int, root: str) -> None:
     states = []
     for ckpt in ("full", "resumed"):
         manager = CheckpointManager(cfg.checkpoint.__class__(dir=str(Path(root) / ckpt)))
-        assert manager.load(trainer) == 8
+        assert manager.load(trainer) == 4  # driver steps (8 optimizer steps at 2 updates each)
+        assert trainer.step == 8
         states.append(
             {k: v.clone() for k, v in trainer.model[0].module.state_dict().items() if isinstance(v, torch.Tensor)}
         )
@@ -85,7 +86,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
         make_batch(i).save(tmp_path / "replay" / f"step_{i:03d}.safetensors")
     run_workers(_train, 1, _args(tmp_path, "full", 4, "full"))
     run_workers(_train, 1, _args(tmp_path, "resumed", 2, "resumed"))  # stops after 2 of 4 steps
-    assert (tmp_path / "resumed" / "latest").read_text().strip() == "step_00000004"
+    assert (tmp_path / "resumed" / "latest").read_text().strip() == "step_00000002"  # named by driver step
     run_workers(_train, 1, _args(tmp_path, "resumed", 4, "resumed"))  # resumes at step 2 (4 updates)
     full = [json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines()]
     resumed = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
@@ -95,5 +96,5 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
             assert a[key] == b[key], (a["train/step"], key)
     assert sum("rollout/logprob_mismatch" in r for r in full) == 4  # first update of each batch only
     # keep_last=1: only the newest checkpoint stays, and latest names it.
-    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["latest", "step_00000008"]
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["latest", "step_00000004"]
     run_workers(_final_weights_equal, 1, str(tmp_path))

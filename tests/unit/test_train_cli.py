@@ -55,14 +55,14 @@ def test_cli_fails_fast_with_the_message(tmp_path):
 
 def test_replay_source_and_group_split(tmp_path):
     with pytest.raises(ConfigError, match="no rollout batch"):
-        ReplaySource(str(tmp_path))
+        ReplaySource(str(tmp_path), 250)
     for i in range(2):
         make_batch(i).save(tmp_path / f"b{i}.safetensors")
-    source = ReplaySource(str(tmp_path))
+    source = ReplaySource(str(tmp_path), 250)
     first = source.next_batch()
     source.next_batch()
     assert source.next_batch().samples[0].response_ids == first.samples[0].response_ids  # cycles
-    restored = ReplaySource(str(tmp_path))
+    restored = ReplaySource(str(tmp_path), 250)
     restored.load_state_dict(source.state_dict())
     assert restored.index == 3
     parts = split_groups(first, 2)
