@@ -360,7 +360,9 @@ class EngineCore:
         for b, (request, seq, picked) in enumerate(
             zip(batch, sequences, self._sample(batch, out.logits[:, -1]), strict=True)
         ):
-            if self._emit(request, *picked):
+            if isinstance(picked, Exception) or self._emit(request, *picked):
+                if isinstance(picked, Exception):
+                    self._fail(request, picked)
                 finished.append(request)
                 continue
             self.kv.put(len(self.running), [(k[b], v[b]) for k, v in layers], len(seq))
@@ -387,21 +389,33 @@ class EngineCore:
         picked = self._sample(batch, out.logits[:, -1])
         self.counters["decode_steps"] += 1
         self.counters["decode_tokens"] += len(batch)
-        return [r for r, choice in zip(batch, picked, strict=True) if self._emit(r, *choice)]
+        finished = []
+        for r, choice in zip(batch, picked, strict=True):
+            if isinstance(choice, Exception):
+                self._fail(r, choice)
+                finished.append(r)
+            elif self._emit(r, *choice):
+                finished.append(r)
+        return finished
 
-    def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[tuple[int, float]]:
-        """(token, logprob) per row. Rows with plain sampling (T > 0, no top-p/top-k, no seed of
-        their own) are drawn together from the engine's generator; the others one by one."""
+    def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[tuple[int, float] | Exception]:
+        """(token, logprob) per row, or the error that row alone met (its request fails, the others
+        go on). Rows with plain sampling (T > 0, no top-p/top-k, no seed of their own) are drawn
+        together from the engine's generator; the others one by one."""
         logits = logits.float()
+        finite = torch.isfinite(logits).all(-1).tolist()
+        out: list[tuple[int, float] | Exception | None] = [
+            None if ok else FloatingPointError("non-finite logits") for ok in finite
+        ]
         plain = [
             b
             for b, r in enumerate(batch)
-            if r.sampling.temperature >= SAMPLING_EPS
+            if finite[b]
+            and r.sampling.temperature >= SAMPLING_EPS
             and r.sampling.top_p == 1
             and r.sampling.top_k == -1
             and r.sampling.sampling_seed is None
         ]
-        out: list[tuple[int, float] | None] = [None] * len(batch)
         if plain:
             rows = torch.tensor(plain)
             temps = torch.tensor([batch[b].sampling.temperature for b in plain])
@@ -412,8 +426,16 @@ class EngineCore:
                 out[b] = (t, lp)
         for b, r in enumerate(batch):
             if out[b] is None:
-                out[b] = sample(logits[b], r.sampling, r.generator)
+                try:
+                    out[b] = sample(logits[b], r.sampling, r.generator)
+                except (RuntimeError, ValueError) as err:  # this request's parameters: it fails alone
+                    out[b] = err
         return out
+
+    def _fail(self, request: Request, err: Exception) -> None:
+        """Finish one request with an error (status 500, one line, no traceback)."""
+        message = f"request failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        self._finish(request, {"type": "abort", "message": message, "status_code": 500, "err_type": type(err).__name__})
 
     def _emit(self, request: Request, token: int, logprob: float) -> bool:
         """Append a sampled token to `request`; True when it finished."""

@@ -119,3 +119,32 @@ def test_an_empty_admin_key_is_an_error_at_start(where, model_dir, tmp_path, mon
         monkeypatch.setenv("BAPO_ADMIN_API_KEY", "")
     assert embedded.main(args) == 2
     assert "is empty" in capsys.readouterr().err
+
+
+def test_a_request_whose_sampling_fails_fails_alone(model_dir, monkeypatch):
+    from bapo_megatron.rollout import engine_core
+    from bapo_megatron.rollout.engine_core import Request
+    from bapo_megatron.rollout.protocol import SamplingParams
+
+    core = EngineCore(model_dir)
+    real = engine_core.sample
+
+    def flaky(logits, s, generator):
+        if s.top_k == 7:
+            raise RuntimeError("simulated sampling failure\nsecond line")
+        return real(logits, s, generator)
+
+    monkeypatch.setattr(engine_core, "sample", flaky)
+    good = Request("good", [1, 2, 3], SamplingParams(max_new_tokens=6, top_k=5, ignore_eos=True))
+    bad = Request("bad", [4, 5], SamplingParams(max_new_tokens=6, top_k=7, ignore_eos=True))
+    core.add(good)
+    core.add(bad)
+    while core.busy:
+        core.step()
+    assert bad.finish == {
+        "type": "abort",
+        "message": "request failed: RuntimeError: simulated sampling failure",
+        "status_code": 500,
+        "err_type": "RuntimeError",
+    }
+    assert good.finish["type"] == "length" and len(good.output_ids) == 6

@@ -93,3 +93,20 @@ def test_existing_or_incomplete_directories(hf_dir, tmp_path, capsys):
         "not a complete Megatron dist checkpoint (no metadata.json)",
     )
     _fails(capsys, ["hf-to-mcore", "--hf", str(tmp_path / "half"), "--out", str(tmp_path / "o")], "has no config.json")
+
+
+def test_reshard_reports_a_full_disk_as_one_error_line(monkeypatch, tmp_path, capsys):
+    import errno
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import reshard
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(reshard, "mcore_to_hf", full)
+    assert reshard.main(["--mcore", str(tmp_path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: [Errno 28] No space left on device" and "Traceback" not in err

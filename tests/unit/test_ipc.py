@@ -68,3 +68,25 @@ def test_loads_refuses_code_and_foreign_files(tmp_path):
     for path in (str(tmp_path / "secret"), "/etc/passwd", str(ipc._shm_dir() / "bapo-1-../../etc/passwd")):
         with pytest.raises(pickle.UnpicklingError, match="not a weight-payload file"):
             ipc.rebuild_shared(path, "float32", [4])
+
+
+def test_a_link_in_the_shared_memory_directory_is_not_followed(tmp_path):
+    import uuid
+
+    (tmp_path / "secret").write_bytes(b"\1" * 16)
+    link = ipc._shm_dir() / f"bapo-{os.getpid()}-{uuid.uuid4().hex}"  # a payload's name, pointing elsewhere
+    link.symlink_to(tmp_path / "secret")
+    try:
+        with pytest.raises(pickle.UnpicklingError, match="cannot open it as a weight-payload file"):
+            ipc.rebuild_shared(str(link), "float32", [4])
+    finally:
+        link.unlink()
+    real = ipc._shm_dir() / f"bapo-{os.getpid()}-{uuid.uuid4().hex}"
+    real.write_bytes(torch.arange(4.0).numpy().tobytes())
+    try:
+        tensor = ipc.rebuild_shared(str(real), "float32", [4])
+        assert torch.equal(tensor, torch.arange(4.0))
+        tensor += 1  # copy-on-write: the file keeps what the sender wrote
+        assert real.read_bytes() == torch.arange(4.0).numpy().tobytes()
+    finally:
+        real.unlink()
