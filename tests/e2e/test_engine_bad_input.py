@@ -148,3 +148,76 @@ def test_a_request_whose_sampling_fails_fails_alone(model_dir, monkeypatch):
         "err_type": "RuntimeError",
     }
     assert good.finish["type"] == "length" and len(good.output_ids) == 6
+
+
+def _probe_bodies() -> list[str]:
+    """Malformed bodies of every kind a careless or hostile client sends."""
+    values = ["5", '"x"', "null", "true", "-1", "1e400", "[]", '["a"]', "{}", '{"a": 1}', "[[1]]", '"../../etc/passwd"']
+    fields = [
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "weight_version",
+        "load_format",
+        "model_path",
+        "tags",
+        "mode",
+        "rid",
+        "abort_all",
+        "new_version",
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "backend",
+        "serialized_named_tensors",
+        "flush_cache",
+        "input_ids",
+        "sampling_params",
+    ]
+    bodies = ["", "{", "[", "nul", '{"a": }', "[" * 5000 + "]" * 5000, "[1, 2]", "3", '"s"']
+    bodies += [f'{{"{field}": {value}}}' for field in fields for value in values]
+    bodies += [
+        '{"names": ["w"], "dtypes": ["float32"], "shapes": [[-1]]}',
+        '{"names": ["w"], "dtypes": ["float99"], "shapes": [[2]]}',
+        '{"names": ["w", "v"], "dtypes": ["float32"], "shapes": [[2]]}',
+        '{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "stop_token_ids": [1.5]}}',
+        '{"input_ids": [1, 2], "sampling_params": []}',
+        '{"input_ids": [], "sampling_params": {}}',
+    ]
+    return bodies
+
+
+def test_no_malformed_body_gets_a_500_and_the_server_keeps_serving(model_dir):
+    """A bounded probe: every control and generation endpoint, each malformed body once."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    core = EngineCore(model_dir)
+    server = EmbeddedServer(core)
+    post_paths = [r.resource.canonical for r in server.app().router.routes() if r.method == "POST"]
+
+    async def run():
+        async with TestClient(TestServer(server.app())) as client:
+            statuses = {}
+            await client.post("/begin_weight_update", json={})  # the update endpoints past their session check
+            for path in post_paths:
+                for body in _probe_bodies():
+                    resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+                    text = await resp.text()
+                    statuses[(path, body[:60])] = (resp.status, text)
+            # the probe may have paused the engine and released its memory (its weights' values are lost
+            # then, as under SGLang's memory saver): resume, reload, continue, and it serves again
+            await client.post("/resume_memory_occupation", json={})
+            reload = await client.post("/update_weights_from_disk", json={"model_path": str(model_dir)})
+            assert reload.status == 200, await reload.text()
+            await client.post("/end_weight_update", json={})
+            await client.post("/continue_generation", json={})
+            ok = await client.post("/generate", json=_generate([1, 2, 3], max_new_tokens=4))
+            return statuses, ok.status
+
+    statuses, after = asyncio.run(run())
+    server_errors = {k: v for k, v in statuses.items() if v[0] >= 500}
+    assert not server_errors, list(server_errors.items())[:5]
+    assert all("Traceback" not in text for _, text in statuses.values())
+    assert len(statuses) > 1000 and after == 200
