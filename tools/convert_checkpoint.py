@@ -1,7 +1,7 @@
 """Convert between Hugging Face and Megatron dist checkpoints, and check that they agree.
 
     python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp N --pp M --dtype float32]
-    python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype bfloat16]
+    python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype DTYPE]
     python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4]
 
 Conversions hold about one decoder layer beyond their inputs (hf-to-mcore: beyond the
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mcore", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--hf-template", help="directory with config.json and tokenizer files to copy")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype in the model's config.json")
     p = sub.add_parser("verify", help="compare logits of the two on random token ids")
     p.add_argument("--hf", required=True)
     p.add_argument("--mcore", required=True)

@@ -1,6 +1,6 @@
 """Offline resharding: a Megatron checkpoint of any TP/PP to the inference layout.
 
-    python tools/reshard.py --mcore CKPT_DIR --out HF_DIR [--hf-template DIR] [--dtype bfloat16]
+    python tools/reshard.py --mcore CKPT_DIR --out HF_DIR [--hf-template DIR] [--dtype DTYPE]
     python tools/reshard.py --mcore CKPT_DIR --out SGLANG_DIR --sglang-tp 4 [--hf-template DIR]
 
 CKPT_DIR is a converted checkpoint or a trainer step directory (checkpoint.dir/step_N).
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mcore", required=True, help="Megatron dist checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory (must not exist)")
     parser.add_argument("--hf-template", help="directory with config.json and tokenizer files to copy")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype in the model's config.json")
     parser.add_argument("--sglang-tp", type=int, default=None, help="pre-split for this SGLang TP size")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest output file, in GB")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

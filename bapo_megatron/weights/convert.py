@@ -31,6 +31,15 @@ from bapo_megatron.weights.safetensors_stream import ByteProgress, StreamingWrit
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def config_dtype(config: dict) -> str:
+    """The dtype a HF config.json declares (transformers 5: `dtype`, before: `torch_dtype`), as one of
+    DTYPES; float32 when it declares none: the default export is then lossless."""
+    declared = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    if declared not in DTYPES:
+        raise ValueError(f"config.json declares dtype {declared!r}; pass --dtype (one of {sorted(DTYPES)})")
+    return declared
+
+
 def _megatron_world_of_one() -> None:
     import torch.distributed as dist
 
@@ -111,7 +120,7 @@ def mcore_to_hf(
     mcore_dir: str | Path,
     out: str | Path,
     hf_template: str | Path | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     sglang_tp: int | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: bool = True,
@@ -128,6 +137,7 @@ def mcore_to_hf(
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
     source = McoreCheckpoint(mcore_dir, template)  # memory-mapped; no process group needed
+    dtype = dtype or config_dtype(source.config)
     spec, torch_dtype = source.spec, DTYPES[dtype]
     if sglang_tp is None:
 

@@ -61,9 +61,7 @@ def _convert_all(rank: int, world: int, root: str) -> None:
                     str(root / f"{name}-back"),
                     "--hf-template",
                     str(root / name),
-                    "--dtype",
-                    "float32",
-                ]
+                ]  # no --dtype: the model's own (float32), so the round trip is lossless by default
             )
             == 0
         )
