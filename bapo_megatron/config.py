@@ -48,7 +48,13 @@ class ModelConfig:
     """The policy network: a Hugging Face checkpoint or config, and how Megatron builds it."""
 
     hf_path: str | None = None
-    """Directory with config.json (and weights, tokenizer); None: the built-in tiny CPU model."""
+    """Directory with config.json (and weights, tokenizer); None: the built-in tiny CPU model. Its
+    safetensors are the starting weights (loaded by each rank straight into its slices), unless
+    mcore_path is set or a checkpoint is resumed; a directory without weights starts from random
+    ones, with a warning."""
+    mcore_path: str | None = None
+    """A Megatron dist checkpoint to start from instead (tools/convert_checkpoint.py hf-to-mcore, or
+    a trainer's step directory: its model weights only)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """"transformer_engine" on GPU (needed for fp8); "local" on CPU and in tests."""
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"

@@ -78,6 +78,33 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
         )
 
 
+def check_starting_weights(cfg: JobConfig, spec: ModelSpec) -> bool:
+    """Whether model.hf_path's safetensors are the starting weights; their files (or mcore_path's)
+    checked before any model is built. A config without weights: random ones, loudly."""
+    import warnings
+
+    from bapo_megatron.trainer.integrity import verify
+    from bapo_megatron.weights.hf_io import HFCheckpoint
+
+    if cfg.model.mcore_path:
+        verify(cfg.model.mcore_path, check_contents=False)
+        return False
+    if not cfg.model.hf_path:
+        return False
+    if not any(Path(cfg.model.hf_path).glob("*.safetensors")):
+        warnings.warn(
+            f"model.hf_path={cfg.model.hf_path} has a config.json but no *.safetensors: training starts from "
+            "RANDOM weights (set model.mcore_path, or put the model's safetensors there)",
+            stacklevel=2,
+        )
+        return False
+    try:
+        HFCheckpoint(cfg.model.hf_path)  # shapes against config.json, every tensor accounted for
+    except ValueError as err:
+        raise BadInputError(str(err)) from None
+    return True
+
+
 def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
     """`parts` mini-batches of whole prompt groups, in order."""
     groups: dict[int, list] = {}
@@ -110,6 +137,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     single_process_env()
     validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
     source = ReplaySource(cfg.rollout.replay, spec.vocab_size)
+    starting_weights = check_starting_weights(cfg, spec)
     ckpt = CheckpointManager(cfg.checkpoint, dump_config(cfg)) if cfg.checkpoint.dir else None
     if ckpt is not None:  # before any process group or model: a wrong start fails in seconds
         ckpt.check_start(cfg.checkpoint.resume)
@@ -124,7 +152,13 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
     if ckpt is not None:
         ckpt.register("replay", source)
-    start = (ckpt.load(trainer) if ckpt and cfg.checkpoint.resume else None) or 0
+    start = ckpt.load(trainer) if ckpt and cfg.checkpoint.resume else None
+    if start is None:  # a new run: its starting weights
+        start = 0
+        if cfg.model.mcore_path:
+            trainer.load_weights(cfg.model.mcore_path)
+        elif starting_weights:
+            trainer.load_hf_weights(cfg.model.hf_path)
     step = start
     logger = MetricLogger(cfg.logging, job_name=cfg.name, config=to_dict(cfg), enabled=dist.get_rank() == 0)
     history = []

@@ -144,6 +144,12 @@ def load_sharded(sharded: dict, directory: str | Path) -> dict:
         raise ValueError(f"checkpoint {directory}: not a complete dist checkpoint (no metadata.json)")
     present = set(read_metadata(directory).state_dict_metadata)
     sharded = _without_absent_extra_states(sharded, present)
+    absent = sorted(_requested_keys(sharded) - present)
+    if absent:
+        raise ValueError(
+            f"checkpoint {directory} lacks {len(absent)} tensors this model needs, e.g. {absent[:3]} "
+            "(a checkpoint of another model or layout?)"
+        )
     safe_load.install()
     try:
         return dist_checkpointing.load(sharded, str(directory))
@@ -153,6 +159,21 @@ def load_sharded(sharded: dict, directory: str | Path) -> dict:
         if isinstance(first, UnsafeCheckpointError):
             raise UnsafeCheckpointError(f"checkpoint {directory}: {first}") from None
         raise first from None
+
+
+def _requested_keys(sharded) -> set[str]:
+    """The checkpoint keys a sharded state dict reads (tensors by key, objects by unique key)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    if isinstance(sharded, dict):
+        return set().union(*(_requested_keys(v) for v in sharded.values())) if sharded else set()
+    if isinstance(sharded, list):
+        return set().union(*(_requested_keys(v) for v in sharded)) if sharded else set()
+    if isinstance(sharded, ShardedObject):
+        return {sharded.unique_key}
+    if isinstance(sharded, (ShardedTensor, ShardedTensorFactory)):
+        return {sharded.key}
+    return set()
 
 
 def _without_absent_extra_states(sharded, present: set[str]):

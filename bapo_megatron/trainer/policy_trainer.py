@@ -102,6 +102,17 @@ class PolicyTrainer:
         load_model(self.model, directory)
         self.optimizer.reload_model_params()
 
+    def load_hf_weights(self, hf_dir) -> int:
+        """Weights from a Hugging Face directory (safetensors), each rank its own slices, streamed
+        tensor by tensor (weights/hf_load.py); the optimizer's main parameters refreshed as in
+        load_weights. Returns the bytes this rank copied."""
+        from bapo_megatron.weights.hf_io import HFCheckpoint
+        from bapo_megatron.weights.hf_load import load_hf_weights
+
+        copied = load_hf_weights(self.model, self.spec, HFCheckpoint(hf_dir), self.vocab_local * self.info.tp_size)
+        self.optimizer.reload_model_params()
+        return copied
+
     # ------------------------------------------------------------------------------------------
     # Data.
 

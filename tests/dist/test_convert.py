@@ -105,7 +105,9 @@ def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
     save_model([model], root / f"{name}-megatron-writer")
 
 
-def _layout_logprobs(rank: int, world: int, root: str, name: str, tp: int, pp: int) -> None:
+def _layout_logprobs(
+    rank: int, world: int, root: str, name: str, tp: int, pp: int, source: str = "mcore", vpp: int | None = None
+) -> None:
     from bapo_megatron.config import load_config
     from bapo_megatron.rollout.batch import RolloutBatch, Sample
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
@@ -121,13 +123,18 @@ def _layout_logprobs(rank: int, world: int, root: str, name: str, tp: int, pp: i
         [
             f"parallel.tensor={tp}",
             f"parallel.pipeline={pp}",
-            "parallel.max_tokens_per_microbatch=24",
+            f"parallel.virtual_pipeline={vpp}" if vpp else "parallel.virtual_pipeline=null",
+            # interleaved stages need the micro-batches in multiples of PP: one sample each
+            "parallel.max_tokens_per_microbatch=14" if vpp else "parallel.max_tokens_per_microbatch=24",
             "rollout.prompts_per_step=2",
             "rollout.samples_per_prompt=2",
         ],
     )
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
-    trainer.load_weights(root / f"{name}-mcore")
+    if source == "hf":
+        trainer.load_hf_weights(root / name)  # straight from safetensors, each rank its own slices
+    else:
+        trainer.load_weights(root / f"{name}-mcore")
     tokens = json.loads((root / "tokens.json").read_text())
     batch = RolloutBatch(
         samples=[
@@ -155,7 +162,7 @@ def _layout_logprobs(rank: int, world: int, root: str, name: str, tp: int, pp: i
         for index, logp, mask in outputs:
             for row, i in enumerate(index):
                 rows[i] = logp[row][mask[row] != 0].tolist()
-        (root / f"logp-{name}-tp{tp}pp{pp}.json").write_text(json.dumps(rows))
+        (root / f"logp-{name}-tp{tp}pp{pp}vpp{vpp}-{source}.json").write_text(json.dumps(rows))
 
 
 def test_convert_round_trip_and_every_layout(tmp_path):
@@ -185,9 +192,31 @@ def test_convert_round_trip_and_every_layout(tmp_path):
         }
     for tp, pp in LAYOUTS:
         run_workers(_layout_logprobs, tp * pp, str(tmp_path), name, tp, pp)
-        got = json.loads((tmp_path / f"logp-{name}-tp{tp}pp{pp}.json").read_text())
+        got = json.loads((tmp_path / f"logp-{name}-tp{tp}pp{pp}vpp{None}-mcore.json").read_text())
         for i, expected in want.items():
             torch.testing.assert_close(torch.tensor(got[str(i)]), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_hf_weights_load_straight_into_every_layout(tmp_path):
+    """model.hf_path's weights, loaded by each rank into its own slices at TP x PP (and interleaved
+    virtual stages), give transformers' log-probs; a tied embedding's last-stage copy included."""
+    g = torch.Generator().manual_seed(2)
+    tokens = [torch.randint(250, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
+    (tmp_path / "tokens.json").write_text(json.dumps(tokens))
+    for name, layouts in (("qwen2-gqa2", [(2, 2, None), (1, 2, 2)]), ("llama-gqa4-tied", [(1, 2, None)])):
+        model = make_hf_model(tmp_path, name)
+        with torch.no_grad():
+            want = {
+                i: torch.log_softmax(model(torch.tensor([t])).logits[0, 2:-1], -1)
+                .gather(1, torch.tensor(t[3:]).unsqueeze(1))
+                .squeeze(1)
+                for i, t in enumerate(tokens)
+            }
+        for tp, pp, vpp in layouts:
+            run_workers(_layout_logprobs, tp * pp, str(tmp_path), name, tp, pp, "hf", vpp)
+            got = json.loads((tmp_path / f"logp-{name}-tp{tp}pp{pp}vpp{vpp}-hf.json").read_text())
+            for i, expected in want.items():
+                torch.testing.assert_close(torch.tensor(got[str(i)]), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_streamed_checkpoint_is_what_megatrons_writer_writes(tmp_path):

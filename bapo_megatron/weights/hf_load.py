@@ -1,0 +1,83 @@
+"""Hugging Face safetensors straight into a live Megatron model, at any TP / PP / VPP.
+
+Each rank fills exactly its own slices: Megatron's sharded_state_dict says, for every local
+parameter (and for each half of the gated fc1, through its factory), which rows and columns of
+the whole TP=1 tensor it holds; the layout maps (weights/layout.py) make that whole tensor from
+the memory-mapped HF files, one tensor at a time, and the rank copies its slice. Memory: about
+one (TP=1) tensor beyond the model. Every parameter of every local chunk must be covered, or it
+is an error naming it. The caller refreshes the optimizer's copies (PolicyTrainer.load_hf_weights).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bapo_megatron.trainer.checkpoint import unwrap
+from bapo_megatron.trainer.model_spec import ModelSpec
+from bapo_megatron.weights.hf_io import HFCheckpoint
+from bapo_megatron.weights.layout import EXTRA_STATE, layer_impl, megatron_recipes
+
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+
+
+def _global_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its TP=1 name in the whole model (layer numbers global, as with PP/VPP)."""
+    names = {}
+    for name, param in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            _, _, local, suffix = name.split(".", 3)
+            name = f"decoder.layers.{model.decoder.layers[int(local)].layer_number - 1}.{suffix}"
+        names[id(param)] = name
+    return names
+
+
+def load_hf_weights(model_chunks: list[torch.nn.Module], spec: ModelSpec, hf: HFCheckpoint, padded_vocab: int) -> int:
+    """Copy the HF checkpoint into this rank's chunks; returns the bytes copied."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.utils import extract_matching_values
+
+    if hf.spec != spec:
+        raise ValueError(f"{hf.dir}: its config.json describes another model than the trainer's")
+    copied = 0
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        params = dict(model.named_parameters())
+        impl = layer_impl(n for n in params if n.startswith("decoder.layers.")) if model.decoder.layers else "local"
+        recipes = megatron_recipes(spec, padded_vocab, impl)
+        if spec.tie_embeddings:  # the last stage's copy of a tied embedding (PP > 1) is the embedding too
+            recipes[OUTPUT] = recipes[EMBEDDING]
+        names = _global_names(model)
+        covered = dict.fromkeys(names, 0)
+        sharded = model.sharded_state_dict()
+        apply_factories(sharded)
+        tensors, _ = extract_matching_values(sharded, lambda v: isinstance(v, ShardedTensor))
+        with torch.no_grad():
+            for sh in _leaves(tensors):
+                if sh.key.endswith(EXTRA_STATE):
+                    continue
+                data = sh.data
+                param = data if data._base is None else data._base
+                name = names.get(id(param))
+                if name is None or name not in recipes:
+                    raise ValueError(f"the model's {sh.key} has no Hugging Face source (layout map and model disagree)")
+                start = tuple(sh.global_offset[sh.prepend_axis_num :])
+                whole = recipes[name](hf)
+                data.copy_(whole[tuple(slice(o, o + n) for o, n in zip(start, sh.local_shape, strict=True))])
+                covered[id(param)] += data.numel()
+                copied += data.numel() * data.element_size()
+        missing = [n for n, p in params.items() if covered[id(p)] != p.numel()]
+        if missing:
+            raise ValueError(f"{hf.dir}: no weights were loaded into {missing[:3]}")
+    return copied
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _leaves(value)
+    else:
+        yield tree
