@@ -1,7 +1,8 @@
 """The BAPO training driver: rollout, advantages, Megatron update, checkpoint, log.
 
-    python -m bapo_megatron.train CONFIG.yaml key=value ...            # one process (CPU)
+    bapo-train CONFIG.yaml key=value ...                                # one process (CPU)
     torchrun --nproc-per-node 8 -m bapo_megatron.train CONFIG.yaml ...  # a parallel job
+    bapo-train --help-config; bapo-train CONFIG.yaml --dry-run          # every field; what would run
 
 Today the rollout comes from saved batches (`rollout.replay=PATH`); generation through
 SGLang or the embedded engine plugs in at `next_batch` (issue 5).
@@ -180,10 +181,19 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    """`bapo-train` (and python -m bapo_megatron.train): see bapo_megatron/cli.py for the options."""
+    from bapo_megatron import cli
+
+    args = cli.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.help_config:
+        print(cli.help_config())
+        return
     try:
-        run(load_config(path, argv))  # run validates before any process group starts
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            print(cli.dry_run(cfg, cli.world_size(args), int(args.gpu_memory_gib * cli.GIB)))
+            return
+        run(cfg)  # run validates before any process group starts
     except (ConfigError, BadInputError) as err:
         # A config mistake or an unusable file is the user's to fix: say what, without a traceback.
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,187 @@
+"""The `bapo-train` command line: arguments, --help-config (from the config dataclasses) and --dry-run.
+
+    bapo-train CONFIG.yaml [key=value ...]          # same as python -m bapo_megatron.train
+    bapo-train --help-config                        # every field: type, default, what it does
+    bapo-train CONFIG.yaml --dry-run [key=value]    # resolved config, layout, engines, memory; builds nothing
+
+The field list is generated from the dataclasses and their field docstrings, never kept by
+hand. The dry run's memory figures come from trainer/memory.py (exact parameter counts, the
+rest estimated) and need neither a GPU nor Megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import os
+import textwrap
+import typing
+
+from bapo_megatron.config import JobConfig, dump_config
+
+USAGE = "bapo-train [CONFIG.yaml] [key=value ...] [--dry-run] [--world-size N] [--gpu-memory-gib G]"
+GIB = 2**30
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bapo-train",
+        usage=USAGE,
+        description="BAPO reinforcement learning on Megatron-Core: rollout, rewards, policy update, weight sync.",
+        epilog="Overrides are dotted config fields (algo.bapo.target_rho=0.4); --help-config lists them all. "
+        "torchrun and srun start the same command on every rank.",
+    )
+    parser.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value", help="a YAML file, then overrides")
+    parser.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    parser.add_argument("--dry-run", action="store_true", help="print what would run and the memory it needs; exit")
+    parser.add_argument(
+        "--world-size", type=int, help="trainer processes for --dry-run (default: $WORLD_SIZE, else one)"
+    )
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU size for --dry-run (default 80: H100)")
+    args = parser.parse_args(argv)
+    args.config = args.args[0] if args.args and "=" not in args.args[0] else None
+    args.overrides = args.args[1:] if args.config else args.args
+    bad = [a for a in args.overrides if "=" not in a]
+    if bad:
+        parser.error(f"{bad[0]!r} is neither the config file (first) nor a key=value override")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# --help-config
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), inherited ones too."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError):
+            continue
+        for node, following in zip(body, [*body[1:], None], strict=True):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                doc = (
+                    following.value.value
+                    if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    else ""
+                )
+                docs[node.target.id] = " ".join(str(doc).split())
+    return docs
+
+
+def _type_name(hint) -> str:
+    text = str(hint).replace("typing.", "").replace("NoneType", "None")
+    return text if "[" in text or "|" in text else getattr(hint, "__name__", text)
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        return "(section)" if dataclasses.is_dataclass(value) else repr(value)
+    return "(required)"
+
+
+def config_fields(cls: type = JobConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted name, type, default, doc) of every field, sections expanded."""
+    hints, docs, rows = typing.get_type_hints(cls), field_docs(cls), []
+    for f in dataclasses.fields(cls):
+        name, hint = prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows += config_fields(hint, name + ".")
+        else:
+            rows.append((name, _type_name(hint), _default(f), docs.get(f.name, "")))
+    return rows
+
+
+def help_config() -> str:
+    lines = ["Every field (dotted name, type, default), settable in the YAML file or as key=value:", ""]
+    for name, type_name, default, doc in config_fields():
+        lines.append(f"{name}: {type_name} = {default}")
+        if doc:
+            lines.extend("    " + line for line in textwrap.wrap(doc, 96))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# --dry-run
+
+
+def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int) -> str:
+    """What `bapo-train` would do with `cfg` on `world_size` trainer processes, without doing it."""
+    from bapo_megatron.train import model_spec, validate
+    from bapo_megatron.trainer.memory import trainer_memory
+    from bapo_megatron.trainer.model_spec import check_layout
+
+    spec = model_spec(cfg)
+    p = cfg.parallel
+    check_layout(spec, p.tensor, p.pipeline, p.virtual_pipeline)
+    dp = p.data_parallel_size(world_size)
+    if cfg.rollout.replay is not None:
+        validate(cfg, spec, world_size)
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.algo.updates_per_batch
+    longest = cfg.rollout.max_new_tokens + 512  # a prompt of up to 512 tokens: micro-batches to expect
+    per_mb = max(1, p.max_tokens_per_microbatch // longest)
+    out = ["# resolved config", dump_config(cfg).rstrip(), "", "# layout"]
+    out.append(
+        f"trainer: {world_size} processes = TP {p.tensor} x PP {p.pipeline} x VPP {p.virtual_pipeline or 1} "
+        f"(virtual stages) x CP {p.context} x DP {dp}"
+    )
+    out.append(
+        f"per optimizer step: {samples} samples, {math.ceil(samples / dp)} per data-parallel rank, about "
+        f"{math.ceil(samples / dp / per_mb)} micro-batches of <= {p.max_tokens_per_microbatch} tokens "
+        f"(responses up to {cfg.rollout.max_new_tokens} tokens); {cfg.algo.updates_per_batch} steps per batch"
+    )
+    r = cfg.rollout
+    if r.replay is not None:
+        out.append(f"rollout: replayed batches from {r.replay} (no engine)")
+    else:
+        where = "colocated with the trainer" if r.colocate else f"on GPUs of their own, listening on {r.host}"
+        out.append(
+            f"rollout: {r.servers} {r.engine} server(s), TP {r.tensor_parallel} each, ports {r.port}.."
+            f"{r.port + r.servers - 1}, {where}"
+        )
+    out += ["", f"# memory per GPU (estimate; GPU of {gpu_bytes / GIB:.0f} GiB)"]
+    for label, distributed in (("distributed optimizer", True), ("replicated optimizer", False)):
+        m = trainer_memory(spec, cfg.model, p, dp, distributed_optimizer=distributed)
+        out.append(
+            f"trainer, {label}: parameters {m.params / GIB:.2f} GiB, gradients {m.grads / GIB:.2f} GiB, "
+            f"optimizer {m.optimizer / GIB:.2f} GiB, activations of one micro-batch {m.activations / GIB:.2f} "
+            f"GiB; peak {m.peak / GIB:.2f} GiB"
+        )
+    if r.replay is None and r.engine == "sglang":
+        out.append(_sglang_memory(cfg, spec, gpu_bytes, dp))
+    return "\n".join(out)
+
+
+def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:
+    from bapo_megatron.rollout.sglang_launcher import mem_fraction, rollout_mem_fraction
+    from bapo_megatron.trainer.memory import layer_params
+
+    r = cfg.rollout
+    weights = (
+        (spec.num_layers * layer_params(spec) + (1 + (not spec.tie_embeddings)) * spec.vocab_size * spec.hidden_size)
+        * 2
+        // r.tensor_parallel
+    )  # bf16
+    try:
+        fraction = mem_fraction(r, rollout_mem_fraction(cfg, spec, gpu_bytes, dp) if r.colocate else None)
+    except ValueError as err:
+        return f"each SGLang server GPU: cannot fit ({err})"
+    kv_budget = max(0, int(fraction * gpu_bytes) - weights)
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 // r.tensor_parallel  # keys+values, bf16
+    return (
+        f"each SGLang server GPU: mem_fraction_static {fraction:.2f}: weights {weights / GIB:.2f} GiB, "
+        f"KV cache {kv_budget / GIB:.2f} GiB = {kv_budget // max(per_token, 1):,} tokens"
+    )
+
+
+def world_size(args: argparse.Namespace) -> int:
+    return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))

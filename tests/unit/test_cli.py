@@ -1,0 +1,99 @@
+"""`bapo-train` as a user meets it: --help, --help-config (generated from the dataclasses),
+--dry-run (layout, engines, memory; builds no model and imports no Megatron), bad arguments."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from bapo_megatron import cli
+from bapo_megatron.config import JobConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN7B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1e6,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def _leaf_fields(cls=JobConfig, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _leaf_fields(hints[f.name], prefix + f.name + ".")
+        else:
+            yield prefix + f.name
+
+
+def test_help_and_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.parse_args(["--help"])
+    assert done.value.code == 0 and "usage: bapo-train" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        cli.parse_args(["job.yaml", "oops"])
+    assert done.value.code == 2 and "'oops' is neither the config file" in capsys.readouterr().err
+    args = cli.parse_args(["job.yaml", "steps=3", "--dry-run"])
+    assert (args.config, args.overrides, args.dry_run) == ("job.yaml", ["steps=3"], True)
+
+
+def test_help_config_lists_every_field_once_with_its_doc():
+    text = cli.help_config()
+    body = text.splitlines()[2:]  # after the heading and a blank line
+    listed = [line.split(":")[0] for line in body if line and not line.startswith(" ")]
+    assert sorted(listed) == sorted(_leaf_fields())
+    assert "algo.bapo.target_rho: float = 0.5\n    rho0: the share P / (P + N)" in text
+    assert "rollout.mem_fraction_static: float | None = None" in text
+    assert "model.mcore_path: str | None = None" in text
+
+
+def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN7B))
+    code = (
+        "import sys\nfrom bapo_megatron.train import main\nmain(sys.argv[1:])\n"
+        "print('MEGATRON', 'megatron' in sys.modules)"
+    )
+    args = [
+        f"model.hf_path={tmp_path}",
+        "model.precision=bf16",
+        "model.transformer_impl=transformer_engine",
+        "parallel.tensor=4",
+        "parallel.sequence_parallel=true",
+        "rollout.engine=sglang",
+        "rollout.colocate=true",
+        "rollout.servers=2",
+        "rollout.tensor_parallel=4",
+        "--dry-run",
+        "--world-size",
+        "8",
+    ]
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "trainer: 8 processes = TP 4 x PP 1 x VPP 1 (virtual stages) x CP 1 x DP 2" in out
+    assert "rollout: 2 sglang server(s), TP 4 each" in out and "colocated with the trainer" in out
+    assert "trainer, distributed optimizer: parameters 3.55 GiB" in out  # 7.6 B bf16 over TP 4
+    assert "each SGLang server GPU: mem_fraction_static" in out and "KV cache" in out
+    assert out.strip().endswith("MEGATRON False")  # nothing was built: Megatron never imported
+
+
+def test_dry_run_refuses_a_layout_that_cannot_split(tmp_path, capsys):
+    from bapo_megatron.train import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["parallel.tensor=3", "--dry-run", "--world-size", "3"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: parallel.tensor=3: must divide the 4 attention heads"
