@@ -465,14 +465,15 @@ GENERATE_BODY_BASE, GENERATE_BYTES_PER_TOKEN = 64 << 10, 24
 
 
 async def _json_object_limited(request, limit: int) -> dict:
-    """_json_object for a body of at most `limit` bytes (read no further)."""
+    """_json_object for a body of at most `limit` bytes: a declared length above it is refused
+    before anything is read; a chunked body is read whole (up to the app's client_max_size)."""
     import json
 
     from aiohttp import web
 
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    raw = await request.content.read(limit + 1)
+    raw = await request.read()
     if len(raw) > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
     body = json.loads(raw)

@@ -314,6 +314,8 @@ class EngineCore:
         cached = self.prefixes.pop(_prefix_key(request), None)
         if cached is None:
             return False
+        # the cache may have been given back while idle (shrink): room for this prefix first
+        self.kv.reserve([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in cached], request.length)
         self.kv.put(len(self.running), cached, request.length - 1)
         self.running.append(request)
         self.counters["prefix_hits"] += 1

@@ -291,8 +291,9 @@ def test_slotted_cache_under_arrivals_finishes_retracts_and_growth(model_dir):
 
 def test_resubmitted_partial_response_reuses_its_cache_until_weights_change(model_dir):
     """Partial rollout's next round resubmits prompt + partial response: its cached keys and
-    values are taken back (no prefill) and the log-probs are still transformers' own; after a
-    weight load the store is empty and it is prefilled again."""
+    values are taken back (no prefill, also after the idle engine gave its cache's memory back)
+    and the log-probs are still transformers' own; after a weight load the store is empty and
+    it is prefilled again."""
     from bapo_megatron.rollout.engine_core import EngineCore, Request
 
     core = EngineCore(model_dir, max_batch=4)
@@ -306,6 +307,8 @@ def test_resubmitted_partial_response_reuses_its_cache_until_weights_change(mode
 
     prompt = [4, 8, 15, 16, 23, 42]
     first = run("a", prompt, 10)
+    core.shrink()  # idle between steps: the slotted cache gives its memory back, the prefix store stays
+    assert core.kv.capacity == 0
     second = run("a#2", prompt + first.output_ids, 12)
     assert core.counters["prefix_hits"] == 1
     core.load_weights([])  # a (here empty) weight update empties the store
