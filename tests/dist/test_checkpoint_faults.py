@@ -159,8 +159,14 @@ def _crafted(rank: int, world: int, root: str) -> None:
         "verify": lambda: convert_checkpoint.main(["verify", "--hf", str(root / "hf"), "--mcore", str(root / "mcore")]),
         "reshard": lambda: reshard.main(["--mcore", str(root / "mcore"), "--out", str(root / "out2"), "--no-progress"]),
     }
+    import contextlib
+    import io
+
     for name, run in runs.items():
-        assert run() == 2, name
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert run() == 2, name
+        assert err.getvalue().startswith("error: ") and "mcore/.metadata: refers to posix.system" in err.getvalue()
         assert not (root / "out1").exists() and not (root / "out2").exists()
     assert not marker.exists()
 

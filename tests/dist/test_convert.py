@@ -177,7 +177,7 @@ def test_convert_round_trip_and_every_layout(tmp_path):
         theirs = original.state_dict()
         for key, tensor in reloaded.state_dict().items():
             assert torch.equal(tensor, theirs[key]), (name, key)
-        assert not (tmp_path / f"{name}-back.tmp").exists()
+        assert not list(tmp_path.glob(f".{name}-back.*.tmp"))  # no temporary left behind
 
     g = torch.Generator().manual_seed(1)
     tokens = [torch.randint(250, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
@@ -299,7 +299,7 @@ def _fail_midway(rank: int, world: int, root: str) -> None:
         assert err.getvalue() == "error: [Errno 28] No space left on device\n"
     finally:
         convert.streaming_save_strategy = original
-    assert not (root / "ckpt-2").exists() and not (root / "ckpt-2.tmp").exists()
+    assert not (root / "ckpt-2").exists() and not list(root.glob(".ckpt-2.*.tmp"))
 
 
 def _streaming_save_on_two_ranks(rank: int, world: int, root: str) -> None:
@@ -313,7 +313,7 @@ def _streaming_save_on_two_ranks(rank: int, world: int, root: str) -> None:
     with pytest.raises(RuntimeError, match="one process"):
         save_sharded(sharded, Path(root) / "two-ranks", streaming_save_strategy(lambda t: t.data, torch.float32))
     torch.distributed.barrier()
-    assert not (Path(root) / "two-ranks").exists() and not (Path(root) / "two-ranks.tmp").exists()
+    assert not (Path(root) / "two-ranks").exists() and not list(Path(root).glob(".two-ranks.*.tmp"))
 
 
 def test_a_failed_conversion_leaves_nothing_and_the_streaming_writer_refuses_two_ranks(tmp_path):

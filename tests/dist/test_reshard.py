@@ -173,7 +173,7 @@ def test_reshard_bad_input(saved, tmp_path, capsys):
         reshard.main(["--mcore", str(root / "trained"), "--out", str(tmp_path / "a"), "--sglang-tp", "3", *args]) == 2
     )
     assert "SGLang TP 3 must divide the 4 attention heads" in capsys.readouterr().err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "a.tmp").exists()
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.*.tmp"))
     broken = tmp_path / "broken"
     shutil.copytree(root / "trained", broken)
     (broken / "metadata.json").unlink()
@@ -184,8 +184,17 @@ def test_reshard_bad_input(saved, tmp_path, capsys):
     data = sorted(truncated.glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     assert reshard.main(["--mcore", str(truncated), "--out", str(tmp_path / "t"), *args]) == 2
-    assert f"data file {data.name} is truncated" in capsys.readouterr().err
-    assert not (tmp_path / "t").exists() and not (tmp_path / "t.tmp").exists()
+    assert f"{data.name} has {data.stat().st_size} bytes, its metadata needs" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists() and not list(tmp_path.glob(".t.*.tmp"))
+    flipped = tmp_path / "flipped"  # same size, one byte changed: only the checksums can tell
+    shutil.copytree(root / "trained", flipped)
+    data = sorted(flipped.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert reshard.main(["--mcore", str(flipped), "--out", str(tmp_path / "f"), *args]) == 2
+    assert f"{data.name} differs from what was written (checksum)" in capsys.readouterr().err
+    assert not (tmp_path / "f").exists()
     other = tmp_path / "other"
     shutil.copytree(root / NAME, other)
     config = json.loads((other / "config.json").read_text())
