@@ -163,14 +163,11 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int) -> str:
 
 def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:
     from bapo_megatron.rollout.sglang_launcher import mem_fraction, rollout_mem_fraction
-    from bapo_megatron.trainer.memory import layer_params
+    from bapo_megatron.trainer.memory import stage_params
 
     r = cfg.rollout
-    weights = (
-        (spec.num_layers * layer_params(spec) + (1 + (not spec.tie_embeddings)) * spec.vocab_size * spec.hidden_size)
-        * 2
-        // r.tensor_parallel
-    )  # bf16
+    # bf16 weights of one server rank: the whole model at TP = the server's, one stage, no vocabulary padding
+    weights = stage_params(spec, spec.vocab_size, r.tensor_parallel, 1, 0) * 2
     try:
         fraction = mem_fraction(r, rollout_mem_fraction(cfg, spec, gpu_bytes, dp) if r.colocate else None)
     except ValueError as err:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.rollout import protocol
-from bapo_megatron.rollout.engine_core import EngineCore, Request
+from bapo_megatron.rollout.engine_core import EngineCore, Request, one_line
 from bapo_megatron.weights.group import join_group, leave_group
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -196,7 +196,7 @@ class EmbeddedServer:
         from aiohttp import web
 
         context = self.core.context_length
-        body = await _json_object_limited(request, GENERATE_BODY_BASE + GENERATE_BYTES_PER_TOKEN * context)
+        body = await _json_object(request, GENERATE_BODY_BASE + GENERATE_BYTES_PER_TOKEN * context)
         if "input_ids" not in body or body.get("text") is not None:
             raise ValueError("the embedded engine takes input_ids (token ids), not text")
         if body.get("stream"):
@@ -464,24 +464,6 @@ GENERATE_BODY_BASE, GENERATE_BYTES_PER_TOKEN = 64 << 10, 24
 ~12 bytes) and sampling parameters; anything larger is refused before it is parsed (413)."""
 
 
-async def _json_object_limited(request, limit: int) -> dict:
-    """_json_object for a body of at most `limit` bytes: a declared length above it is refused
-    before anything is read; a chunked body is read whole (up to the app's client_max_size)."""
-    import json
-
-    from aiohttp import web
-
-    if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    raw = await request.read()
-    if len(raw) > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
-    body = json.loads(raw)
-    if not isinstance(body, dict):
-        raise ValueError(f"the request body must be a JSON object, not {type(body).__name__}")
-    return body
-
-
 def _guarded(handler):
     """Bad requests answer 400 with the reason, as SGLang's do; anything else 500 with one line
     (the traceback goes to the server's log, never into a response)."""
@@ -496,15 +478,26 @@ def _guarded(handler):
             return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
         except Exception as err:
             traceback.print_exc()
-            message = f"internal error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            message = f"internal error: {one_line(err)}"
             return web.json_response({"success": False, "message": message}, status=500)
 
     return wrapped
 
 
-async def _json_object(request) -> dict:
-    """The request's JSON body, which must be an object (a list, a number or garbage: 400)."""
-    body = await request.json()
+async def _json_object(request, limit: int | None = None) -> dict:
+    """The request's JSON body, which must be an object (a list, a number or garbage: 400). With
+    `limit`: a body over that many bytes is refused (413), a declared length before anything is
+    read; otherwise the app's client_max_size bounds it."""
+    import json
+
+    from aiohttp import web
+
+    if limit is not None and request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    raw = await request.read()
+    if limit is not None and len(raw) > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    body = json.loads(raw)
     if not isinstance(body, dict):
         raise ValueError(f"the request body must be a JSON object, not {type(body).__name__}")
     return body

@@ -108,12 +108,11 @@ def save_sharded(
     try:
         dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy)
         _barrier()
-        mine = checksums(tmp, sorted(p.name for p in tmp.glob(f"__{_rank()}_*.distcp")))
-        gathered = [None] * _world()
+        mine = checksums(tmp, sorted(p.name for p in tmp.glob(f"__{_rank()}_*.distcp")))  # what this rank wrote
+        gathered = [mine]
         if _world() > 1:
+            gathered = [None] * _world()
             dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
         if _rank0():
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
@@ -161,19 +160,18 @@ def load_sharded(sharded: dict, directory: str | Path) -> dict:
         raise first from None
 
 
-def _requested_keys(sharded) -> set[str]:
+def _requested_keys(sharded: dict) -> set[str]:
     """The checkpoint keys a sharded state dict reads (tensors by key, objects by unique key)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-    if isinstance(sharded, dict):
-        return set().union(*(_requested_keys(v) for v in sharded.values())) if sharded else set()
-    if isinstance(sharded, list):
-        return set().union(*(_requested_keys(v) for v in sharded)) if sharded else set()
-    if isinstance(sharded, ShardedObject):
-        return {sharded.unique_key}
-    if isinstance(sharded, (ShardedTensor, ShardedTensorFactory)):
-        return {sharded.key}
-    return set()
+    keys = set()
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedObject):
+            keys.add(value.unique_key)
+        elif isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+            keys.add(value.key)
+    return keys
 
 
 def _without_absent_extra_states(sharded, present: set[str]):

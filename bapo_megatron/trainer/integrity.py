@@ -43,16 +43,8 @@ def write_checksums(directory: Path, entries: dict[str, dict[str, int]]) -> None
     (directory / CHECKSUMS).write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
 
 
-def verify(directory: str | Path, check_contents: bool = True, files: list[str] | None = None) -> None:
-    """CorruptCheckpointError naming the first problem; `files`: verify only these checksummed
-    files' contents (the others' presence and size are still checked)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CorruptCheckpointError(f"checkpoint {directory}: no such directory")
-    for name in REQUIRED:
-        if not (directory / name).is_file():
-            raise CorruptCheckpointError(f"checkpoint {directory}: {name} is missing (an incomplete checkpoint?)")
-    metadata = read_metadata(directory)
+def check_storage(directory: Path, metadata) -> None:
+    """Every file the metadata stores data in is there and reaches the end of its last item."""
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -62,11 +54,25 @@ def verify(directory: str | Path, check_contents: bool = True, files: list[str] 
             raise CorruptCheckpointError(f"checkpoint {directory}: {name} is missing")
         if path.stat().st_size < end:
             raise CorruptCheckpointError(
-                f"checkpoint {directory}: {name} has {path.stat().st_size} bytes, its metadata needs {end} (truncated)"
+                f"checkpoint {directory}: {name} is truncated ({path.stat().st_size} bytes, its metadata needs {end})"
             )
+
+
+def verify(directory: str | Path, check_contents: bool = True, files: list[str] | None = None):
+    """The checkpoint's metadata (read without running code), once its files are checked;
+    CorruptCheckpointError naming the first problem. `files`: verify only these checksummed
+    files' contents (the others' presence and size are still checked)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CorruptCheckpointError(f"checkpoint {directory}: no such directory")
+    for name in REQUIRED:
+        if not (directory / name).is_file():
+            raise CorruptCheckpointError(f"checkpoint {directory}: {name} is missing (an incomplete checkpoint?)")
+    metadata = read_metadata(directory)
+    check_storage(directory, metadata)
     listed = directory / CHECKSUMS
     if not check_contents or not listed.is_file():
-        return
+        return metadata
     try:
         entries = json.loads(listed.read_text())
     except ValueError as err:
@@ -81,6 +87,7 @@ def verify(directory: str | Path, check_contents: bool = True, files: list[str] 
             )
         if (files is None or name in files) and file_checksum(path)["crc32"] != want["crc32"]:
             raise CorruptCheckpointError(f"checkpoint {directory}: {name} differs from what was written (checksum)")
+    return metadata
 
 
 def listed_files(directory: str | Path) -> list[str]:

@@ -24,7 +24,7 @@ from bapo_megatron.weights.hf_io import (
     hf_entries,
     hf_writer,
 )
-from bapo_megatron.weights.layout import EXTRA_STATE, Rows, megatron_recipes
+from bapo_megatron.weights.layout import EXTRA_STATE, megatron_recipes, recipe_region
 from bapo_megatron.weights.mcore_io import HF_CONFIG, McoreCheckpoint, streaming_save_strategy
 from bapo_megatron.weights.safetensors_stream import ByteProgress, StreamingWriter, plan_files
 
@@ -95,15 +95,8 @@ def hf_to_mcore(
 
     def make(sharded) -> torch.Tensor:
         data = sharded.data if sharded.data._base is None else sharded.data._base  # a factory's slice
-        recipe = recipes[name_of[id(data)]]
-        start, shape = tuple(sharded.global_offset[sharded.prepend_axis_num :]), tuple(sharded.local_shape)
-        if shape == tuple(data.shape):
-            return recipe(hf)
-        if isinstance(recipe, Rows) and not any(start[1:]) and shape[1:] == tuple(data.shape[1:]):
-            block = recipe.block(hf, start[0], shape[0])
-            if block is not None:
-                return block
-        return recipe(hf)[tuple(slice(o, o + n) for o, n in zip(start, shape, strict=True))]
+        start = tuple(sharded.global_offset[sharded.prepend_axis_num :])
+        return recipe_region(recipes[name_of[id(data)]], hf, start, tuple(sharded.local_shape), tuple(data.shape))
 
     size = sum(p.numel() for p in params.values()) * torch_dtype.itemsize
     with ByteProgress(size, "hf-to-mcore", progress) as bar:

@@ -15,7 +15,7 @@ import torch
 from bapo_megatron.trainer.checkpoint import unwrap
 from bapo_megatron.trainer.model_spec import ModelSpec
 from bapo_megatron.weights.hf_io import HFCheckpoint
-from bapo_megatron.weights.layout import EXTRA_STATE, layer_impl, megatron_recipes
+from bapo_megatron.weights.layout import layer_impl, megatron_recipes, recipe_region
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -34,8 +34,8 @@ def _global_names(model: torch.nn.Module) -> dict[int, str]:
 
 def load_hf_weights(model_chunks: list[torch.nn.Module], spec: ModelSpec, hf: HFCheckpoint, padded_vocab: int) -> int:
     """Copy the HF checkpoint into this rank's chunks; returns the bytes copied."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-    from megatron.core.dist_checkpointing.utils import extract_matching_values
 
     if hf.spec != spec:
         raise ValueError(f"{hf.dir}: its config.json describes another model than the trainer's")
@@ -50,34 +50,19 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], spec: ModelSpec, hf: HF
         names = _global_names(model)
         covered = dict.fromkeys(names, 0)
         sharded = model.sharded_state_dict()
-        apply_factories(sharded)
-        tensors, _ = extract_matching_values(sharded, lambda v: isinstance(v, ShardedTensor))
+        apply_factories(sharded)  # the gated fc1's two halves: two shards of one parameter
         with torch.no_grad():
-            for sh in _leaves(tensors):
-                if sh.key.endswith(EXTRA_STATE):
-                    continue
+            for sh in (v for v in nested_values(sharded) if isinstance(v, ShardedTensor)):
                 data = sh.data
                 param = data if data._base is None else data._base
                 name = names.get(id(param))
                 if name is None or name not in recipes:
                     raise ValueError(f"the model's {sh.key} has no Hugging Face source (layout map and model disagree)")
-                start = tuple(sh.global_offset[sh.prepend_axis_num :])
-                whole = recipes[name](hf)
-                data.copy_(whole[tuple(slice(o, o + n) for o, n in zip(start, sh.local_shape, strict=True))])
+                start, whole = tuple(sh.global_offset[sh.prepend_axis_num :]), sh.global_shape[sh.prepend_axis_num :]
+                data.copy_(recipe_region(recipes[name], hf, start, tuple(sh.local_shape), tuple(whole)))
                 covered[id(param)] += data.numel()
                 copied += data.numel() * data.element_size()
         missing = [n for n, p in params.items() if covered[id(p)] != p.numel()]
         if missing:
             raise ValueError(f"{hf.dir}: no weights were loaded into {missing[:3]}")
     return copied
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    elif isinstance(tree, list):
-        for value in tree:
-            yield from _leaves(value)
-    else:
-        yield tree

@@ -118,6 +118,24 @@ class Fused:
 Recipe = Rows | Fused
 
 
+def recipe_region(
+    recipe: Recipe,
+    hf: Mapping[str, torch.Tensor],
+    start: tuple[int, ...],
+    shape: tuple[int, ...],
+    whole: tuple[int, ...],
+) -> torch.Tensor:
+    """The region [start, start + shape) of the TP=1 tensor (of shape `whole`) that `recipe` makes:
+    the tensor itself, the HF tensor that is exactly those rows (no copy), or a slice."""
+    if tuple(shape) == tuple(whole):
+        return recipe(hf)
+    if isinstance(recipe, Rows) and not any(start[1:]) and tuple(shape[1:]) == tuple(whole[1:]):
+        block = recipe.block(hf, start[0], shape[0])
+        if block is not None:
+            return block
+    return recipe(hf)[tuple(slice(o, o + n) for o, n in zip(start, shape, strict=True))]
+
+
 def megatron_recipes(spec: ModelSpec, padded_vocab: int, impl: str = "local") -> dict[str, Recipe]:
     """Every Megatron TP=1 parameter name (names of `impl`'s layer spec), in loading order, with the
     recipe that makes it from a HF state dict, reading only the HF tensors it needs."""

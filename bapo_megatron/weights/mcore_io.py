@@ -32,9 +32,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from bapo_megatron.trainer.integrity import verify
+from bapo_megatron.trainer.integrity import check_storage, verify
 from bapo_megatron.trainer.model_spec import ModelSpec
-from bapo_megatron.trainer.safe_load import read_metadata
 from bapo_megatron.weights.layout import megatron_layer_to_hf
 
 HF_CONFIG = "hf_config.json"
@@ -84,8 +83,7 @@ class McoreCheckpoint:
             raise ValueError(f"{self.dir}: not a complete Megatron dist checkpoint (no metadata.json)")
         self.config = read_hf_config(self.dir, Path(template) if template else None)
         self.spec = ModelSpec.from_hf_config(self.config)
-        verify(self.dir)  # files present, whole, and as written; .metadata read without running code
-        metadata = read_metadata(self.dir)
+        metadata = verify(self.dir)  # files present, whole, and as written; .metadata read without running code
         self.meta = {
             k: (tuple(m.size), m.properties.dtype)
             for k, m in metadata.state_dict_metadata.items()
@@ -165,18 +163,7 @@ class StoredChunks:
                     ]
         except KeyError as err:
             raise ValueError(f"{directory}: checkpoint metadata names no storage for a chunk of {err}") from None
-        ends: dict[str, int] = {}
-        for info in metadata.storage_data.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        for relative, end in sorted(ends.items()):
-            path = directory / relative
-            if not path.is_file():
-                raise ValueError(f"{directory}: data file {relative} is missing")
-            if path.stat().st_size < end:
-                raise ValueError(
-                    f"{directory}: data file {relative} is truncated ({path.stat().st_size} bytes, "
-                    f"its chunks end at {end})"
-                )
+        check_storage(directory, metadata)
         self._files: dict[str, torch.Tensor] = {}
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

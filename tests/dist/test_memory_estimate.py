@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from tests.dist.launch import run_workers
+from tests.unit.test_cli import QWEN7B
 
 
 def _count(rank: int, world: int) -> None:
@@ -42,21 +43,7 @@ def test_byte_figures_and_the_colocated_fraction():
     from bapo_megatron.trainer.memory import colocated_mem_fraction, trainer_memory
     from bapo_megatron.trainer.model_spec import ModelSpec
 
-    qwen7b = ModelSpec(
-        architecture="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        num_layers=28,
-        num_heads=28,
-        num_kv_heads=4,
-        ffn_hidden_size=18944,
-        head_dim=128,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        qkv_bias=True,
-        tie_embeddings=False,
-    )
+    qwen7b = ModelSpec.from_hf_config(QWEN7B)
     bf16 = ModelConfig(precision="bf16", transformer_impl="transformer_engine")
     one = trainer_memory(qwen7b, bf16, ParallelConfig(), data_parallel=1)
     n = one.params // 2

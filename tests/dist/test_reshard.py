@@ -184,7 +184,7 @@ def test_reshard_bad_input(saved, tmp_path, capsys):
     data = sorted(truncated.glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     assert reshard.main(["--mcore", str(truncated), "--out", str(tmp_path / "t"), *args]) == 2
-    assert f"{data.name} has {data.stat().st_size} bytes, its metadata needs" in capsys.readouterr().err
+    assert f"{data.name} is truncated ({data.stat().st_size} bytes, its metadata needs" in capsys.readouterr().err
     assert not (tmp_path / "t").exists() and not list(tmp_path.glob(".t.*.tmp"))
     flipped = tmp_path / "flipped"  # same size, one byte changed: only the checksums can tell
     shutil.copytree(root / "trained", flipped)

@@ -17,6 +17,7 @@ from bapo_megatron.rollout import protocol
 from bapo_megatron.rollout.protocol import SamplingParams
 from tests.sglang_wheel import ROOT, VERSION, WheelUnavailable, wheel_path
 from tests.sglang_wheel import source as _source
+from tests.unit.test_sglang_launch_config import LAUNCH
 
 
 @pytest.fixture(scope="module")
@@ -129,18 +130,7 @@ def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
         if name.startswith(ROOT + "arg_groups/fields/") and name.endswith(".py"):
             for cls_fields in _fields(wheel.read(name).decode()).values():
                 fields |= cls_fields
-    cfg = load_config(
-        None,
-        [
-            "rollout.engine=sglang",
-            "rollout.colocate=true",
-            "rollout.host=10.0.0.5",
-            "rollout.servers=2",
-            "rollout.tensor_parallel=2",
-            # the config's documented examples of further options
-            "rollout.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, disable-decode-cuda-graph: true}",
-        ],
-    ).rollout
+    cfg = load_config(None, LAUNCH).rollout  # the config's documented examples of further options included
     args = server_args(cfg, "/models/qwen", 1, "k" * 32, colocated_fraction=0.5)
     unknown = {k for k in [*args, *SGLANG_LAUNCHER_ARGS] if k.replace("-", "_") not in fields}
     assert not unknown, f"SGLang {VERSION} has no server options {sorted(unknown)}"

@@ -29,6 +29,16 @@ DOCUMENTED = (
 )
 
 
+LAUNCH = [  # two colocated servers beyond loopback (a generated key), with the documented further options
+    "rollout.engine=sglang",
+    "rollout.colocate=true",
+    "rollout.host=10.0.0.5",
+    "rollout.servers=2",
+    "rollout.tensor_parallel=2",
+    DOCUMENTED,
+]
+
+
 @pytest.fixture(scope="module")
 def sglang_parse():
     try:
@@ -51,17 +61,7 @@ def sglang_parse():
 
 
 def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse, tmp_path):
-    job = load_config(
-        None,
-        [
-            "rollout.engine=sglang",
-            "rollout.colocate=true",
-            "rollout.host=10.0.0.5",
-            "rollout.servers=2",
-            "rollout.tensor_parallel=2",
-            DOCUMENTED,
-        ],
-    )
+    job = load_config(None, LAUNCH)
     cfg = job.rollout
     fraction = rollout_mem_fraction(job, tiny_spec(), 80 << 30, data_parallel=2)
     servers, key = sglang_servers(
