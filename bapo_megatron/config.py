@@ -34,13 +34,10 @@ class AlgoConfig(PolicyLossConfig):
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     updates_per_batch: int = 1
     """Optimizer steps taken on one rollout batch (the batch is split into this many mini-batches)."""
-    kl_coef: float = 0.0
-    """Weight of a k3 KL penalty to the reference policy (0: no reference model is kept)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.updates_per_batch >= 1, "updates_per_batch", self.updates_per_batch, "must be >= 1")
-        check(self.kl_coef >= 0.0, "kl_coef", self.kl_coef, "must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,11 +253,47 @@ class RolloutConfig:
     {attention-backend: fa3, chunked-prefill-size: 8192, disable-decode-cuda-graph: true}).
     Underscores read as dashes; a None leaves the option at SGLang's default. The options the
     launcher sets from the fields above, and SGLang's deprecated ones, are refused here."""
+    engine_urls: tuple[str, ...] = ()
+    """Engines that are already running (another node, another job): the driver only connects to
+    them (and starts none). Empty: the driver starts rollout.servers engines of rollout.engine."""
+    deterministic: bool = False
+    """One request order and per-request sampling seeds (from the job seed, the sample's id and its
+    length so far): two runs, or a run and its resumption, generate the same samples. Synchronous
+    rounds instead of the asynchronous step, so slower; abort mode only."""
+    sync_host: str | None = None
+    """Address the engines reach this trainer's rank 0 at for the weight-update group (None:
+    127.0.0.1 when the engines are local, else this host's name)."""
+    sync_bucket_mb: int = 512
+    """Weight sync: tensors travel in buckets of at most this many MiB."""
+    sync_check_every: int = 0
+    """Every this many steps (0: never), after the weight sync, the engine's log-probs of a fixed
+    probe response are compared with the trainer's (sync/probe_logprob_gap)."""
+    sync_check_max_gap: float = 1e-3
+    """A probe gap above this stops the run with an error (a broken weight sync) instead of training
+    on what the engines generate. Raise it for bf16/fp8 engines, whose kernels differ."""
+    engine_max_batch: int = 64
+    """Embedded engine: requests decoded together."""
+    startup_timeout_s: float = 600.0
+    """Seconds an engine may take to become ready (or an engine URL to answer)."""
     replay: str | None = None
     """Train from saved rollout batches instead of generating: a .safetensors file (used every
     step) or a directory of them (one per step, in name order, cycling)."""
 
     def __post_init__(self) -> None:
+        for name in ("sync_bucket_mb", "engine_max_batch"):
+            check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        check(self.sync_check_every >= 0, "sync_check_every", self.sync_check_every, "must be >= 0")
+        check(self.sync_check_max_gap > 0, "sync_check_max_gap", self.sync_check_max_gap, "must be > 0")
+        check(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "must be > 0")
+        for i, url in enumerate(self.engine_urls):
+            check(url.startswith(("http://", "https://")), f"engine_urls[{i}]", url, "must be an http(s):// URL")
+        if self.deterministic:
+            check(
+                self.partial_mode == "abort",
+                "deterministic",
+                self.deterministic,
+                "needs partial_mode=abort (in retract mode the engines decide when a request continues)",
+            )
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "servers", "tensor_parallel"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         check(self.temperature > 0, "temperature", self.temperature, "must be > 0")
@@ -326,27 +359,40 @@ class DataConfig:
     """Prompts: a jsonl or parquet file and which fields hold what; None: the synthetic task."""
 
     path: str | None = None
+    """Prompts, one record each (needed unless rollout.replay is set)."""
     format: Literal["jsonl", "parquet"] = "jsonl"
     prompt_field: str = "prompt"
+    """The record's prompt: text (tokenised with the model directory's tokenizer) or token ids."""
     answer_field: str = "answer"
+    """The record's reference answer, handed to the reward as record["answer"]."""
     shuffle: bool = True
     seed: int = 0
+    reward: str = "math"
+    """"math" (math-verify on the last \\boxed answer), "exact" (the text, stripped), "exact_ids",
+    or a function of yours, "pkg.module:fn" or "path/to/file.py:fn", called as
+    fn(text, ids, record) -> float. A call that fails scores 0 and is counted (rollout/reward_errors)."""
+    reward_workers: int = 1
+    """Processes scoring responses beside generation."""
+    chat_template: bool = False
+    """Wrap each text prompt in the tokenizer's chat template (one user turn, generation prompt)."""
+
+    def __post_init__(self) -> None:
+        check(self.reward_workers >= 1, "reward_workers", self.reward_workers, "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     """Where metrics go: one logger, several backends."""
 
-    backends: tuple[Literal["console", "jsonl", "wandb"], ...] = ("console",)
+    backends: tuple[Literal["console", "jsonl", "wandb"], ...] = ("console", "jsonl")
     jsonl_path: str | None = None
+    """The jsonl backend's file (None: metrics.jsonl in the run directory)."""
     wandb_project: str | None = None
     wandb_run_name: str | None = None
     interval: int = 1
 
     def __post_init__(self) -> None:
         check(self.interval >= 1, "interval", self.interval, "must be >= 1")
-        if "jsonl" in self.backends:
-            check(self.jsonl_path is not None, "jsonl_path", self.jsonl_path, "the jsonl backend needs a path")
         if "wandb" in self.backends:
             check(
                 self.wandb_project is not None, "wandb_project", self.wandb_project, "the wandb backend needs a project"
@@ -363,6 +409,8 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: bool = True
     """Continue from dir's latest checkpoint when there is one."""
+    save_on_signal: bool = True
+    """SIGTERM or SIGUSR1 (Slurm's warning before the time limit): finish the step, save, exit 0."""
 
     def __post_init__(self) -> None:
         check(self.interval >= 0, "interval", self.interval, "must be >= 0")
@@ -377,6 +425,8 @@ class JobConfig:
     steps: int = 20
     """Rollout-and-train iterations."""
     seed: int = 1234
+    run_dir: str | None = None
+    """Where the run writes metrics.jsonl, config.yaml, engine logs (None: runs/<name>)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -400,6 +450,10 @@ class JobConfig:
             self.algo.updates_per_batch,
             f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (mini-batches hold whole groups)",
         )
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,7 +25,19 @@ CONSOLE_KEYS = (
 class MetricLogger:
     """Send each step's metrics to every configured backend; a no-op on ranks that do not log."""
 
-    def __init__(self, cfg: LoggingConfig, *, job_name: str, config: dict, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        *,
+        job_name: str,
+        config: dict,
+        enabled: bool = True,
+        run_dir: str | Path = ".",
+        resume_step: int | None = None,
+    ) -> None:
+        """resume_step: a resumed run's first step is after it; lines of later steps (written by the
+        interrupted run after its last checkpoint) are dropped from the jsonl file, so that it holds
+        one timeline."""
         self.cfg = cfg
         self.enabled = enabled
         self._jsonl = None
@@ -33,8 +45,10 @@ class MetricLogger:
         if not enabled:
             return
         if "jsonl" in cfg.backends:
-            path = Path(cfg.jsonl_path)
+            path = Path(cfg.jsonl_path) if cfg.jsonl_path else Path(run_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_file():
+                keep_lines(path, lambda record: resume_step is not None and record.get("step", 0) <= resume_step)
             self._jsonl = path.open("a")
         if "wandb" in cfg.backends:
             import wandb
@@ -60,3 +74,18 @@ class MetricLogger:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def keep_lines(path: Path, keep) -> None:
+    """Rewrite a jsonl file (atomically) keeping the records for which keep(record) is true."""
+    from bapo_megatron.fsutil import write_text_atomic
+
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        if isinstance(record, dict) and keep(record):
+            kept.append(line + "\n")
+    write_text_atomic(path, "".join(kept))

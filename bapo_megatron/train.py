@@ -1,24 +1,32 @@
-"""The BAPO training driver: rollout, advantages, Megatron update, checkpoint, log.
+"""The BAPO training driver: generate, reward, train, sync the weights, log, checkpoint.
 
     bapo-train CONFIG.yaml key=value ...                                # one process (CPU)
     torchrun --nproc-per-node 8 -m bapo_megatron.train CONFIG.yaml ...  # a parallel job
     bapo-train --help-config; bapo-train CONFIG.yaml --dry-run          # every field; what would run
 
-Today the rollout comes from saved batches (`rollout.replay=PATH`); generation through
-SGLang or the embedded engine plugs in at `next_batch` (issue 5).
+One step (`run`): rank 0 drives the engines (rollout/driver.py) until rollout.prompts_per_step
+prompt groups are complete and rewarded (partial rollout, oversampling, staleness), hands the
+batch to every rank, the trainer takes algo.updates_per_batch optimizer steps on it, and the
+new weights go to the engines as the next policy version. Saved batches (rollout.replay) are
+a second source, for debugging the trainer without generation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from bapo_megatron.config import JobConfig, dump_config, load_config, to_dict
 from bapo_megatron.errors import BadInputError, ConfigError
-from bapo_megatron.logger import MetricLogger
+from bapo_megatron.fsutil import write_text_atomic
+from bapo_megatron.logger import MetricLogger, keep_lines
 from bapo_megatron.rollout.batch import RolloutBatch
 from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, tiny_spec
 
@@ -71,12 +79,6 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
             f"{per_update} samples per optimizer step do not split over {dp} data-parallel ranks",
         )
     check_precision_support(cfg.model)
-    if cfg.rollout.replay is None:
-        raise ConfigError(
-            "rollout.replay",
-            None,
-            "generation is not built yet (issue 5): train from saved rollout batches with rollout.replay=PATH",
-        )
 
 
 def check_starting_weights(cfg: JobConfig, spec: ModelSpec) -> bool:
@@ -125,10 +127,102 @@ def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
     ]
 
 
-def run(cfg: JobConfig) -> list[dict[str, float]]:
-    """Train for cfg.steps steps (resuming from cfg.checkpoint.dir when it holds one)."""
+class StopSignal:
+    """SIGTERM/SIGUSR1 (checkpoint.save_on_signal): remembered, acted on at the next step boundary
+    (all ranks agree, then save and exit 0). Without save_on_signal, SIGTERM ends the run at once,
+    through its teardown (engines stopped), and SIGUSR1 is ignored."""
+
+    def __init__(self, save_on_signal: bool) -> None:
+        self.received: int | None = None
+        self.previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only (tests call run() from elsewhere)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self.previous[sig] = signal.signal(sig, self._remember if save_on_signal else self._end)
+
+    def _remember(self, signum, frame) -> None:
+        self.received = signum
+
+    def _end(self, signum, frame) -> None:
+        if signum == signal.SIGTERM:
+            raise SystemExit(128 + signum)
+
+    def agreed(self) -> bool:
+        """Whether any rank has been signalled (a collective: every rank calls it at the same point)."""
+        import torch
+
+        flag = torch.tensor([float(self.received is not None)], device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class _NoState:
+    """The driver's state on ranks other than 0 (rank 0 saves it; the others have none to restore)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _device():
     import torch
 
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _broadcast(obj=None):
+    """rank 0's object on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=_device())
+    return box[0]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def engine_model_dir(cfg: JobConfig, trainer, starting_weights: bool, run_dir: Path) -> Path | None:
+    """A directory the engines can load: model.hf_path when its safetensors are the starting
+    weights, else the trainer's weights written once to run_dir/engine_model (on rank 0; every
+    data-parallel rank 0 helps gather them). The first sync sends the trainer's weights anyway."""
+    from bapo_megatron.weights.gather import hf_buckets_to_rank0
+
+    if starting_weights:
+        return Path(cfg.model.hf_path)
+    tensors = {name: t.cpu() for bucket in hf_buckets_to_rank0(trainer, 512 << 20) for name, t in bucket}
+    if dist.get_rank() != 0:
+        return None
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from bapo_megatron.fsutil import atomic_directory, remove
+
+    target = run_dir / "engine_model"
+    if target.exists():
+        remove(target)  # this run's own, from an earlier start
+    with atomic_directory(target) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(trainer.spec.to_hf_config(), indent=1))
+        if cfg.model.hf_path:
+            for name in TOKENIZER_FILES:
+                if (Path(cfg.model.hf_path) / name).is_file():
+                    shutil.copy(Path(cfg.model.hf_path) / name, tmp / name)
+    return target
+
+
+def run(cfg: JobConfig) -> list[dict[str, float]]:
+    """Train for cfg.steps steps (resuming from cfg.checkpoint.dir when it holds one). Every check
+    that needs no model runs first: bad input fails in seconds, before any process group starts."""
+    import torch
+
+    from bapo_megatron.rollout.driver import RolloutDriver, write_samples_log
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.integrity import verify
     from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel, single_process_env
@@ -137,7 +231,12 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     spec = model_spec(cfg)
     single_process_env()
     validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
-    source = ReplaySource(cfg.rollout.replay, spec.vocab_size)
+    rank, run_dir = int(os.environ["RANK"]), cfg.run_path
+    online = cfg.rollout.replay is None
+    source = None if online else ReplaySource(cfg.rollout.replay, spec.vocab_size)
+    driver = None
+    if online and rank == 0:
+        driver = RolloutDriver(cfg, spec, run_dir)
     starting_weights = check_starting_weights(cfg, spec)
     ckpt = CheckpointManager(cfg.checkpoint, dump_config(cfg)) if cfg.checkpoint.dir else None
     if ckpt is not None:  # before any process group or model: a wrong start fails in seconds
@@ -145,39 +244,143 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
         resume_from = ckpt.latest() if cfg.checkpoint.resume else None
         if resume_from is not None:
             verify(resume_from, check_contents=False)
-    init_distributed()
-    if not torch.cuda.is_available():
-        from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-
-        activate_cpu_shim()
-    trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
-    if ckpt is not None:
-        ckpt.register("replay", source)
-    start = ckpt.load(trainer) if ckpt and cfg.checkpoint.resume else None
-    if start is None:  # a new run: its starting weights
-        start = 0
-        if cfg.model.mcore_path:
-            trainer.load_weights(cfg.model.mcore_path)
-        elif starting_weights:
-            trainer.load_hf_weights(cfg.model.hf_path)
-    step = start
-    logger = MetricLogger(cfg.logging, job_name=cfg.name, config=to_dict(cfg), enabled=dist.get_rank() == 0)
-    history = []
+    own_group = not dist.is_initialized()
+    stop = StopSignal(cfg.checkpoint.save_on_signal)
+    logger = None
+    history: list[dict[str, float]] = []
     try:
-        while step < cfg.steps:
-            batch = source.next_batch()
+        init_distributed()
+        if not torch.cuda.is_available():
+            from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+
+            activate_cpu_shim()
+        trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
+        if ckpt is not None:
+            ckpt.register("replay" if source else "rollout", source or driver or _NoState())
+        start = ckpt.load(trainer) if ckpt and cfg.checkpoint.resume else None
+        resumed = start is not None
+        if not resumed:  # a new run: its starting weights
+            start = 0
+            if cfg.model.mcore_path:
+                trainer.load_weights(cfg.model.mcore_path)
+            elif starting_weights:
+                trainer.load_hf_weights(cfg.model.hf_path)
+        if rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+        logger = MetricLogger(
+            cfg.logging,
+            job_name=cfg.name,
+            config=to_dict(cfg),
+            enabled=rank == 0,
+            run_dir=run_dir,
+            resume_step=trainer.step if resumed else None,
+        )
+        if online:
+            model_dir = engine_model_dir(cfg, trainer, starting_weights and not resumed, run_dir)
+            if driver is not None:
+                keep_lines_if_present(run_dir / "samples.jsonl", start if resumed else None)
+                driver.start(model_dir)
+            sync_weights(cfg, trainer, driver, start)  # the engines serve the trainer's (the checkpoint's) weights
+        step = start
+        while step < cfg.steps and not stop.agreed():
+            t0 = time.monotonic()
+            if online:
+                batch, rollout_stats = driver.rollout(step) if driver else (None, {})
+                if driver:
+                    driver.release_memory()
+                batch = _broadcast(batch)
+            else:
+                batch, rollout_stats = source.next_batch(), {}
+            t1 = time.monotonic()
             for k, part in enumerate(split_groups(batch, cfg.algo.updates_per_batch)):
-                result = trainer.train_step(part, first_update=k == 0)
-                logger.log(trainer.step, result.metrics)
-                history.append(result.metrics)
+                metrics = {**(rollout_stats if k == 0 else {}), **trainer.train_step(part, first_update=k == 0).metrics}
+                if k < cfg.algo.updates_per_batch - 1:  # the step's last update is logged with its timings
+                    history.append(metrics)
+                    logger.log(trainer.step, metrics)
+            t2 = time.monotonic()
             step += 1
-            if ckpt and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-                ckpt.save(trainer, step)
-        if ckpt and (not cfg.checkpoint.interval or step % cfg.checkpoint.interval) and step > start:
-            ckpt.save(trainer, step)
+            metrics.update(sync_weights(cfg, trainer, driver, step) if online else {})
+            if ckpt is not None and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                metrics["time/checkpoint"] = save(ckpt, trainer, driver, step)
+            elapsed = time.monotonic() - t0
+            metrics.update(
+                {
+                    "time/rollout": t1 - t0,
+                    "time/train": t2 - t1,
+                    "time/step": elapsed,
+                    "perf/tokens_per_s": sum(s.length for s in batch.samples) / max(elapsed, 1e-9),
+                    "perf/samples_per_s": len(batch) / max(elapsed, 1e-9),
+                    "driver/step": float(step),
+                }
+            )
+            history.append(metrics)
+            logger.log(trainer.step, metrics)
+            if driver is not None:
+                write_samples_log(run_dir / "samples.jsonl", step, batch)
+        if ckpt and step > start and (not cfg.checkpoint.interval or step % cfg.checkpoint.interval):
+            save(ckpt, trainer, driver, step)
+        if stop.received is not None and rank == 0:
+            print(
+                f"signal {stop.received}: saved step {step} of {cfg.steps}; the same command resumes", file=sys.stderr
+            )
     finally:
-        logger.close()
+        stop.restore()
+        if driver is not None:
+            driver.close()
+        if logger is not None:
+            logger.close()
+        if own_group and dist.is_initialized():
+            from bapo_megatron.trainer.parallel import destroy_model_parallel
+
+            destroy_model_parallel()
+            dist.destroy_process_group()
     return history
+
+
+def sync_weights(cfg: JobConfig, trainer, driver, version: int) -> dict[str, float]:
+    """The trainer's weights to the engines as policy `version` (rank 0 sends, every data-parallel rank
+    0 helps gather); every rollout.sync_check_every versions, the probe: the engine's log-probs of
+    a fixed response against the trainer's, all ranks together."""
+    from bapo_megatron.weights.gather import hf_buckets_to_rank0
+
+    buckets = hf_buckets_to_rank0(trainer, cfg.rollout.sync_bucket_mb << 20)
+    if driver is not None:
+        metrics = driver.sync(buckets, version)
+    else:
+        metrics = {}
+        for _ in buckets:
+            pass
+    every = cfg.rollout.sync_check_every
+    if every and version % every == 0:
+        probe = _broadcast(driver.probe() if driver else None)
+        copies = 2 * trainer.info.dp_size  # every data-parallel rank scores a copy; a group of >= 2
+        samples = [dataclasses.replace(probe) for _ in range(copies)]
+        batch = RolloutBatch(samples=samples, temperature=cfg.rollout.temperature)
+        gap = trainer.logprob_gap(batch)
+        metrics["sync/probe_logprob_gap"] = gap
+        if gap > cfg.rollout.sync_check_max_gap:
+            raise RuntimeError(
+                f"weight sync check: the engines' log-probs of the probe differ from the trainer's by {gap:.3g} "
+                f"(> rollout.sync_check_max_gap={cfg.rollout.sync_check_max_gap}) after the sync of version "
+                f"{version}: the engines are not serving the trainer's weights; stopping rather than training on them"
+            )
+    return metrics
+
+
+def save(ckpt, trainer, driver, step: int) -> float:
+    """A whole-run checkpoint of driver step `step` (retract mode: the engines drained first); its seconds."""
+    start = time.monotonic()
+    if driver is not None:
+        driver.drain(step)
+    ckpt.save(trainer, step)
+    return time.monotonic() - start
+
+
+def keep_lines_if_present(path: Path, step: int | None) -> None:
+    """A resumed run's samples log keeps the steps up to its checkpoint; a new run's starts empty."""
+    if path.is_file():
+        keep_lines(path, lambda record: step is not None and record.get("step", 0) <= step)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,6 +397,9 @@ def main(argv: list[str] | None = None) -> None:
             print(cli.dry_run(cfg, cli.world_size(args), int(args.gpu_memory_gib * cli.GIB)))
             return
         run(cfg)  # run validates before any process group starts
+    except KeyboardInterrupt:
+        print("interrupted: engines stopped; resume from the last checkpoint with the same command", file=sys.stderr)
+        raise SystemExit(130) from None
     except (ConfigError, BadInputError) as err:
         # A config mistake or an unusable file is the user's to fix: say what, without a traceback.
         print(f"error: {err}", file=sys.stderr)

@@ -27,6 +27,7 @@ import concurrent.futures
 import ipaddress
 import os
 import secrets
+import signal
 import sys
 import time
 import traceback
@@ -563,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from aiohttp import web
 
+    # Slurm's warning signal (SIGUSR1) is for the driver, which saves and then stops its engines
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     engine_thread = concurrent.futures.ThreadPoolExecutor(1, "engine")  # the model is built where it will run
     core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch).result()
     server = EmbeddedServer(core, api_key, admin_key, engine_thread, args.log_interval)

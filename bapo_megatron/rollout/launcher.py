@@ -20,6 +20,17 @@ class EngineStartError(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the process that started it dies (Linux), so that a
+    killed driver leaves no engine behind holding its port and memory."""
+    import contextlib
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError):  # not Linux: the driver's own teardown is all there is
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -37,7 +48,9 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent
+        )
         log.close()
         return self
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -44,9 +45,13 @@ class EnginePool:
         self.timeout_s, self.probe_s = timeout_s, probe_s
         self.failures = 0
 
-    async def pick(self) -> int:
+    async def pick(self, prefer: int | None = None) -> int:
+        """`prefer` when it is alive (the engine holding a continued sample's prefix in its cache),
+        else the least-loaded live engine."""
         deadline = time.monotonic() + self.timeout_s
         while True:
+            if prefer is not None and prefer in self.load and prefer not in self.dead:
+                return prefer
             live = [i for i in self.load if i not in self.dead]
             if live:
                 return min(live, key=lambda i: self.load[i])
@@ -92,11 +97,14 @@ class RolloutManager:
         partial: bool = True,
         decode: Callable[[list[int]], str] | None = None,
         mode: str = "abort",
+        deterministic_seed: int | None = None,
     ) -> None:
         if mode not in ("abort", "retract"):
             raise ValueError(f"mode must be 'abort' or 'retract', got {mode!r}")
         if mode == "retract" and not partial:
             raise ValueError("mode='retract' keeps requests across steps: it needs partial=True")
+        if mode == "retract" and deterministic_seed is not None:
+            raise ValueError("mode='retract' lets the engines decide when requests continue: it is not deterministic")
         self.pool, self.buffer, self.prompts, self.reward = pool, buffer, prompts, reward
         self.sampling, self.partial, self.retract = sampling, partial, mode == "retract"
         self.prompts_per_step = prompts_per_step
@@ -104,7 +112,9 @@ class RolloutManager:
         self.decode = decode or (lambda ids: "")
         self._attempt = 0
         self.rounds = 0
+        self.deterministic_seed = deterministic_seed
         self._engine_of: dict[str, int] = {}  # request id -> the engine it was last sent to
+        self._home: dict[str, int] = {}  # sample uid -> the engine that generated its last tokens
         # generating now: task -> (request, request id, the version live when it was sent)
         self._running: dict[asyncio.Task, tuple[Request, str, int]] = {}
         self.stats: dict[str, float] = {}
@@ -114,10 +124,13 @@ class RolloutManager:
 
         Abort mode: each request carries at most the token budget (a round of its sample); a sample
         cut at its budget begins another round at once, but only while too few groups are complete.
+        Deterministic (`deterministic_seed` set): see `_step_in_rounds`.
         """
         start = time.monotonic()
         while self.buffer.in_flight < self.in_flight_groups:
             self.buffer.add_group(*self.prompts())
+        if self.deterministic_seed is not None:
+            return await self._step_in_rounds(version, start)
         tokens = 0
         if self.retract:  # requests begun too long ago: their output so far is recorded, then judged
             stale = [t for t, (_, _, sent) in self._running.items() if version - sent > self.buffer.max_staleness]
@@ -167,6 +180,43 @@ class RolloutManager:
             tokens += await self._cut(list(self._running), version, keep=self.partial)
         for task in pending_rewards:
             await task
+        return self._finish(start, tokens)
+
+    async def _step_in_rounds(self, version: int, start: float) -> list[GroupState]:
+        """The deterministic step: synchronous rounds in which every unfinished sample generates up
+        to the token budget with its own sampling seed (from the run's seed, the sample's id and its
+        length so far, as SGLang's sampling_seed), until prompts_per_step groups are complete. What
+        a step trains on then depends on nothing but the seed and the weights: never on timing."""
+        self.buffer.drop_stale(version)
+        tokens, self.rounds = 0, 0
+        while sum(g.finished for g in self.buffer.groups.values()) < self.prompts_per_step:
+            requests = self.buffer.requests()
+            if not requests:
+                raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
+            self.rounds += 1
+            tasks = []
+            for req in requests:
+                self._attempt += 1
+                tasks.append(asyncio.create_task(self._generate(req, f"{req.sample.uid}#{self._attempt}")))
+            completions = await asyncio.gather(*tasks)
+            for req, completion in zip(requests, completions, strict=True):  # in the buffer's order
+                self.buffer.record(req, completion, version)
+                tokens += len(completion.output_ids)
+            await asyncio.gather(*(self._score(req) for req in requests if req.sample.finished))
+        if not self.partial:
+            for group in self.buffer.groups.values():
+                for s in group.samples:
+                    if not s.finished:
+                        s.reset()
+        return self._finish(start, tokens)
+
+    def _seed_of(self, req: Request) -> int | None:
+        if self.deterministic_seed is None:
+            return None
+        key = f"{self.deterministic_seed}/{req.sample.uid}/{len(req.sample.response_ids)}/{req.sample.regenerated}"
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+
+    def _finish(self, start: float, tokens: int) -> list[GroupState]:
         groups = self.buffer.pop_finished(self.prompts_per_step)
         elapsed = time.monotonic() - start
         self.stats = {
@@ -178,7 +228,7 @@ class RolloutManager:
             "rollout/in_engines": len(self._running),
             "rollout/dropped_stale": self.buffer.counters["dropped_stale"],
             "rollout/engine_failures": self.pool.failures,
-            "rollout/reward_failures": self.reward.failures,
+            "rollout/reward_errors": self.reward.failures,
         }
         return groups
 
@@ -257,14 +307,18 @@ class RolloutManager:
         return tokens
 
     async def _generate(self, req: Request, rid: str):
-        sampling = dataclasses.replace(self.sampling, max_new_tokens=req.max_new_tokens)
+        seed = self._seed_of(req)
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=req.max_new_tokens, sampling_seed=seed)
+        uid = req.sample.uid
         try:
             while True:
-                index = await self.pool.pick()
+                index = await self.pool.pick(prefer=self._home.get(uid) if req.sample.response_ids else None)
                 self._engine_of[rid] = index
                 self.pool.load[index] += 1
                 try:
-                    return await self.pool.clients[index].generate(req.input_ids, sampling, rid)
+                    completion = await self.pool.clients[index].generate(req.input_ids, sampling, rid)
+                    self._home[uid] = index
+                    return completion
                 except EngineUnavailable:
                     self.pool.mark_dead(index)  # resubmitted elsewhere (or here, once it answers again)
                 finally:
@@ -279,3 +333,4 @@ class RolloutManager:
         reward = await self.reward(self.decode(response), response, group.meta)
         if s.finished and s.response_ids == response:  # not reset while it was being scored
             s.reward = reward
+            self._home.pop(s.uid, None)

@@ -1,8 +1,10 @@
 """Rule-based rewards, computed beside generation; a verifier that throws scores 0 and is counted.
 
-A reward function takes (response text, response token ids, the prompt's metadata) and
+A reward function takes (response text, response token ids, the prompt's data record) and
 returns a float. "math" checks the response's final (boxed) answer against meta["answer"]
-with math-verify; "exact_text" and "exact_ids" are the synthetic checkers the demo tasks use.
+with math-verify; "exact" ("exact_text") compares the text, "exact_ids" the tokens. Any other
+name is a user function: "pkg.module:fn" (imported) or "path/to/file.py:fn" (loaded from the
+file), resolved once per process (`load_reward`).
 math-verify bounds its own run time with SIGALRM, which works only in a main thread, so
 scoring runs in worker processes (RewardWorkers), where each call is a main thread.
 """
@@ -11,7 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import importlib
+import importlib.util
+import multiprocessing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 RewardFn = Callable[[str, list[int], dict[str, Any]], float]
@@ -52,13 +59,48 @@ def exact_ids(text: str, ids: list[int], meta: dict[str, Any]) -> float:
     return float(list(trimmed) == list(meta["answer_ids"]))
 
 
-REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact_text": exact_text, "exact_ids": exact_ids}
+REWARDS: dict[str, RewardFn] = {
+    "math": math_reward,
+    "exact": exact_text,
+    "exact_text": exact_text,
+    "exact_ids": exact_ids,
+}
+
+
+@functools.cache
+def load_reward(name: str) -> RewardFn:
+    """The reward function `name` stands for: a built-in, "pkg.module:fn" or "file.py:fn".
+    ValueError naming what is wrong (unknown name, a module or file that does not import, no
+    such function, not callable)."""
+    if name in REWARDS:
+        return REWARDS[name]
+    where, sep, attr = name.rpartition(":")
+    if not sep or not where or not attr.isidentifier():
+        raise ValueError(f"unknown reward {name!r}: use one of {sorted(REWARDS)}, 'pkg.module:fn' or 'file.py:fn'")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ValueError(f"reward {name!r}: no such file {where}")
+            spec = importlib.util.spec_from_file_location(f"bapo_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as err:  # the user's file: any error on import is theirs to see, in one line
+        raise ValueError(f"reward {name!r} does not import: {type(err).__name__}: {err}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward {name!r}: {where} has no function {attr!r}")
+    return fn
 
 
 def score(name: str, text: str, ids: list[int], meta: dict[str, Any]) -> tuple[float, str | None]:
     """(reward, None), or (0.0, the error) when the verifier throws or returns a non-number."""
     try:
-        value = float(REWARDS[name](text, ids, meta))
+        value = float(load_reward(name)(text, ids, meta))
     except Exception as err:  # a verifier's failure is the sample's, never the run's
         return 0.0, f"{type(err).__name__}: {err}"
     if value != value:  # NaN
@@ -70,11 +112,12 @@ class RewardWorkers:
     """Scores samples concurrently with generation, in worker processes (or inline, for tests)."""
 
     def __init__(self, name: str, workers: int = 1, inline: bool = False) -> None:
-        if name not in REWARDS:
-            raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)}")
+        load_reward(name)  # an unknown name or a file that does not import fails here, not in a worker
         self.name = name
         self.failures = 0
-        self._pool = None if inline else concurrent.futures.ProcessPoolExecutor(max_workers=workers)
+        # spawned, never forked: the caller may hold threads (torch, process groups) a fork would copy mid-state
+        context = multiprocessing.get_context("spawn")
+        self._pool = None if inline else concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
 
     async def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> float:
         if self._pool is None:
@@ -87,6 +130,13 @@ class RewardWorkers:
             self.failures += 1
         return value
 
+    def state_dict(self) -> dict[str, int]:
+        return {"failures": self.failures}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.failures = int(state["failures"])
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
+            self._pool = None

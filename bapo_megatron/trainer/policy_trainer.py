@@ -247,6 +247,23 @@ class PolicyTrainer:
         metrics = self._metrics(outputs, adv_metrics, grad_norm, skipped)
         return StepResult(metrics=metrics, skipped=skipped)
 
+    def logprob_gap(self, batch: RolloutBatch) -> float:
+        """The largest |log-prob of this trainer - behaviour log-prob| over `batch`'s response tokens
+        (a forward pass, no update), the same on every rank: the weight-sync probe."""
+        self._temperature = batch.temperature
+        mbs, _ = self.microbatches(batch)
+
+        def gap(mb: MicroBatch, logits: torch.Tensor):
+            logp, _ = self._logprobs(mb, logits)
+            worst = ((logp.detach() - mb.old_logprobs).abs() * mb.loss_mask).max()
+            return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), worst
+
+        with torch.no_grad():
+            found = self._run(mbs, gap, forward_only=True)
+        worst = torch.tensor([max((float(x) for x in found), default=0.0)], device=self.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return float(worst.item())
+
     def _nonfinite(self, outputs: list[LossOutput]) -> bool:
         """Whether any rank saw a non-finite loss or gradient (one flag all-reduce, outside the loss)."""
         bad = bool(self._skip_reason) or any(not bool(torch.isfinite(out.loss_sum).all()) for out in outputs)

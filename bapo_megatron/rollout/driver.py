@@ -1,0 +1,342 @@
+"""Rank 0's side of the online loop: the engines, the prompts, the rewards and the weight sync.
+
+    driver = RolloutDriver(cfg, spec, run_dir)      # data, reward and tokenizer checked here
+    driver.start(model_dir)                         # engines started (or connected) and ready
+    driver.sync(buckets, version)                   # every engine now serves `version`
+    batch, metrics = driver.rollout(version)        # one step's whole groups, rewarded
+    driver.close()                                  # engines stopped, workers closed
+
+Engines: `rollout.engine_urls` are connected to; otherwise `rollout.servers` engines are
+started (embedded on loopback with a generated admin key, or SGLang by its launcher) and
+stopped at close; a started engine dies with this process (parent-death signal), so a killed
+driver leaves none behind. Weights travel over a weight-update group from rank 0, or by
+handle to colocated engines, whose memory is released while the trainer runs. After every
+sync each engine's weight version is checked against the trainer's.
+
+Everything asynchronous runs on one event loop owned by the driver (retract mode keeps
+requests in flight across steps, so the loop outlives each call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from bapo_megatron.config import JobConfig
+from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.rollout.batch import RolloutBatch, Sample
+from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
+from bapo_megatron.rollout.data import PromptSource
+from bapo_megatron.rollout.launcher import ServerProcess, embedded_server, free_port
+from bapo_megatron.rollout.manager import EnginePool, RolloutManager
+from bapo_megatron.rollout.partial import PartialRolloutBuffer
+from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.rollout.rewards import RewardWorkers, load_reward
+from bapo_megatron.trainer.model_spec import ModelSpec
+
+PROBE_TOKENS = 16
+
+
+def load_tokenizer(model_dir: str | Path | None):
+    """The model directory's tokenizer (transformers), or None when it has none."""
+    if model_dir is None:
+        return None
+    root = Path(model_dir)
+    import transformers
+
+    if (root / "tokenizer_config.json").is_file():
+        return transformers.AutoTokenizer.from_pretrained(str(root))
+    if (root / "tokenizer.json").is_file():
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json"))
+    return None
+
+
+def check_port(host: str, port: int, field: str) -> None:
+    """ConfigError when (host, port) cannot be listened on (in use, or not this machine's)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise ConfigError(field, port, f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+
+
+def spec_difference(spec: ModelSpec, other: ModelSpec) -> str | None:
+    """The first shape field in which two specs differ, as text (None: same shape)."""
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size"):
+        if getattr(spec, name) != getattr(other, name):
+            return f"{name} {getattr(other, name)} (the trainer's is {getattr(spec, name)})"
+    return None
+
+
+class RolloutDriver:
+    def __init__(self, cfg: JobConfig, spec: ModelSpec, run_dir: Path) -> None:
+        """Everything that can be checked without an engine or a model, checked: the dataset (every
+        record), the reward (imported), the tokenizer (against the model's vocabulary), the ports."""
+        ro, data = cfg.rollout, cfg.data
+        self.cfg, self.spec, self.run_dir = cfg, spec, Path(run_dir)
+        if data.path is None:
+            raise ConfigError("data.path", None, "generation needs prompts: a jsonl or parquet file")
+        self.tokenizer = load_tokenizer(cfg.model.hf_path)
+        if self.tokenizer is not None and len(self.tokenizer) > spec.vocab_size:
+            raise BadInputError(
+                f"model.hf_path={cfg.model.hf_path}: the tokenizer has {len(self.tokenizer)} tokens, more than "
+                f"the model's vocabulary of {spec.vocab_size}"
+            )
+        try:
+            load_reward(data.reward)
+            self.prompts = PromptSource(data, self._tokenize if self.tokenizer is not None else None)
+        except ValueError as err:
+            field = "data.reward" if "reward" in str(err) else "data.path"
+            raise ConfigError(field, getattr(data, field.split(".")[1]), str(err)) from None
+        context = spec.max_position_embeddings
+        too_long = [i for i, (ids, _) in enumerate(self.prompts.items) if len(ids) + ro.max_new_tokens > context]
+        if too_long:
+            raise BadInputError(
+                f"data.path={data.path} record {too_long[0] + 1}: prompt + rollout.max_new_tokens exceed the "
+                f"model's context of {spec.max_position_embeddings} tokens"
+            )
+        bad_ids = [i for i, (ids, _) in enumerate(self.prompts.items) if any(not 0 <= t < spec.vocab_size for t in ids)]
+        if bad_ids:
+            raise BadInputError(
+                f"data.path={data.path} record {bad_ids[0] + 1}: a token id outside the model's vocabulary "
+                f"[0, {spec.vocab_size})"
+            )
+        if not ro.engine_urls:
+            host = "127.0.0.1" if ro.engine == "embedded" else ro.host
+            for i in range(ro.servers):
+                check_port(host, ro.port + i, "rollout.port")
+        self.buffer = PartialRolloutBuffer(
+            ro.samples_per_prompt,
+            ro.max_new_tokens,
+            ro.token_budget if ro.partial else None,
+            ro.max_staleness,
+        )
+        self.rewards = RewardWorkers(data.reward, data.reward_workers)  # processes start at the first score
+        self.loop = asyncio.new_event_loop()
+        self.servers: list[ServerProcess] = []
+        self.clients: list[EngineClient] = []
+        self.manager: RolloutManager | None = None
+        self.sender = None
+        self._probe: tuple[list[int], int] | None = None
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.cfg.data.chat_template:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    # ------------------------------------------------------------------------------------------
+    # Engines.
+
+    def start(self, model_dir: str | Path) -> None:
+        """Start the engines on `model_dir` (or connect to rollout.engine_urls) and wait until every one
+        answers; then build the rollout manager and the weight sender."""
+        ro = self.cfg.rollout
+        if ro.engine_urls:
+            from bapo_megatron.rollout.sglang_launcher import admin_key
+
+            key = admin_key(ro, self.run_dir)
+            urls = list(ro.engine_urls)
+        elif ro.engine == "embedded":
+            key = secrets.token_urlsafe(32)
+            self.servers = [
+                embedded_server(
+                    model_dir,
+                    self.run_dir / f"engine_{i}.log",
+                    port=ro.port + i,
+                    seed=self.cfg.seed + i,
+                    admin_key=key,
+                    max_batch=ro.engine_max_batch,
+                )
+                for i in range(ro.servers)
+            ]
+            for server in self.servers:
+                server.start()
+            urls = [s.url for s in self.servers]
+        else:
+            from bapo_megatron.rollout.sglang_launcher import start_sglang
+
+            self.servers, key = start_sglang(ro, str(model_dir), self.run_dir, ro.startup_timeout_s, seed=self.cfg.seed)
+            urls = [s.url for s in self.servers]
+        for server in self.servers:
+            server.wait_ready(ro.startup_timeout_s)
+        self.clients = [EngineClient(url, admin_key=key, timeout_s=ro.request_timeout_s) for url in urls]
+        if ro.engine_urls:
+            self._run(self._check_engines())
+        self.manager = RolloutManager(
+            EnginePool(self.clients, timeout_s=ro.startup_timeout_s),
+            self.buffer,
+            self.prompts.next,
+            self.rewards,
+            SamplingParams(ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k),
+            ro.prompts_per_step,
+            oversample=ro.oversample,
+            partial=ro.partial,
+            decode=self._decode,
+            mode=ro.partial_mode if ro.partial else "abort",
+            deterministic_seed=self.cfg.seed if ro.deterministic else None,
+        )
+        self.sender = self._weight_sender()
+
+    async def _check_engines(self) -> None:
+        """Engines that are already running answer, and serve a model of the trainer's shape."""
+        for client in self.clients:
+            try:
+                info = await client.model_info()
+            except (EngineUnavailable, EngineError) as err:
+                raise ConfigError("rollout.engine_urls", client.base_url, f"does not answer: {err}") from None
+            served = Path(str(info.get("model_path", "")))
+            if (served / "config.json").is_file():
+                problem = spec_difference(self.spec, ModelSpec.from_hf_dir(served))
+                if problem:
+                    raise ConfigError(
+                        "rollout.engine_urls", client.base_url, f"serves {served}, whose shape differs: {problem}"
+                    )
+
+    def _weight_sender(self):
+        from bapo_megatron.weights.sync import DistributedWeightSender, TensorWeightSender
+
+        ro = self.cfg.rollout
+        if ro.colocate:
+            return TensorWeightSender(self.clients, engine_tp=ro.tensor_parallel)
+        host = ro.sync_host or ("127.0.0.1" if not ro.engine_urls else socket.getfqdn())
+        ranks = [ro.tensor_parallel] * len(self.clients)
+        sender = DistributedWeightSender(self.clients, ranks, host, free_port(host), timeout_s=ro.startup_timeout_s)
+        self._run(sender.connect())
+        return sender
+
+    # ------------------------------------------------------------------------------------------
+    # One step.
+
+    def rollout(self, version: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate until rollout.prompts_per_step groups are complete; the batch and its metrics."""
+        groups = self._run(self.manager.step(version))
+        batch = RolloutBatch.from_groups(
+            groups, self.cfg.rollout.temperature, self.cfg.rollout.mask_stale_prefix, {"version": str(version)}
+        )
+        stats = dict(self.manager.stats)
+        rewards = [s.reward for s in batch.samples]
+        lengths = [len(s.response_ids) for s in batch.samples]
+        stale = [version - v for s in batch.samples for v in s.versions]
+        stats.update(
+            {
+                "rollout/reward_mean": sum(rewards) / len(rewards),
+                "rollout/response_length": sum(lengths) / len(lengths),
+                "rollout/truncated": sum(s_len >= self.cfg.rollout.max_new_tokens for s_len in lengths) / len(lengths),
+                "rollout/token_staleness": sum(stale) / max(1, len(stale)),
+                "rollout/token_staleness_max": float(max(stale, default=0)),
+            }
+        )
+        return batch, stats
+
+    def release_memory(self) -> None:
+        """Colocated engines free their memory while the trainer runs (abort mode: nothing generates)."""
+        if self.cfg.rollout.colocate:
+            self._run(self.manager.release_memory())
+
+    def sync(self, buckets: Iterable, version: int) -> dict[str, float]:
+        """Every bucket to every engine as weight version `version`; then each engine's version checked."""
+        colocate = self.cfg.rollout.colocate
+        start = time.monotonic()
+
+        async def go() -> int:
+            async with self.manager.weight_update():
+                if colocate:
+                    await self.manager.resume_memory(["weights"])
+                sent = await self.sender.send(buckets, str(version))
+                if colocate:
+                    await self.manager.resume_memory(["kv_cache", "cuda_graph"])
+            for client in self.clients:
+                served = (await client.model_info()).get("weight_version")
+                if str(served) != str(version):
+                    raise RuntimeError(
+                        f"weight sync: {client.base_url} reports weight version {served!r} after the sync of "
+                        f"version {version}: its weights are not the trainer's"
+                    )
+            return sent
+
+        sent = self._run(go())
+        return {"time/weight_sync": time.monotonic() - start, "sync/bytes": float(sent)}
+
+    def probe(self) -> Sample:
+        """A fixed response (the first prompt, sampled with a fixed seed) with the engine's log-probs."""
+        ids, _ = self.prompts.items[0]
+        sampling = SamplingParams(
+            max_new_tokens=min(PROBE_TOKENS, self.cfg.rollout.max_new_tokens),
+            temperature=self.cfg.rollout.temperature,
+            ignore_eos=True,
+            sampling_seed=self.cfg.seed,
+        )
+        completion = self._run(self.clients[0].generate(list(ids), sampling, f"probe-{secrets.token_hex(4)}"))
+        return Sample(
+            prompt_ids=list(ids),
+            response_ids=completion.output_ids,
+            behaviour_logprobs=completion.logprobs,
+            versions=[0] * len(completion.output_ids),
+            reward=0.0,
+            group=0,
+        )
+
+    def drain(self, version: int) -> None:
+        """Retract mode: requests still in the engines are aborted and their output kept (before a save)."""
+        if self.manager is not None and self.manager.retract:
+            self._run(self.manager.drain(version))
+
+    # ------------------------------------------------------------------------------------------
+    # The run's state and the end.
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "buffer": self.buffer.state_dict(),
+            "prompts": self.prompts.state_dict(),
+            "rewards": self.rewards.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.prompts.load_state_dict(state["prompts"])
+        self.rewards.load_state_dict(state["rewards"])
+
+    def close(self) -> None:
+        """Stop what this driver started; safe to call more than once and after a failed start."""
+        try:
+            if self.sender is not None and hasattr(self.sender, "close"):
+                self._run(asyncio.wait_for(self.sender.close(), 30))
+        except Exception:  # the engines may be gone already: their end of the group is gone too
+            pass
+        finally:
+            self.sender = None
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self._run(asyncio.gather(*pending, return_exceptions=True))
+            for client in self.clients:
+                self._run(client.close())
+            self.clients = []
+            self.rewards.close()
+            for server in self.servers:
+                server.stop()
+            self.servers = []
+            if not self.loop.is_closed():
+                self.loop.close()
+
+
+def write_samples_log(path: Path, step: int, batch: RolloutBatch) -> None:
+    """Which prompt groups step `step` trained on (one jsonl line): their uids are unique in one run."""
+    with path.open("a") as f:
+        f.write(json.dumps({"step": step, "groups": json.loads(batch.metadata["group_uids"])}) + "\n")
