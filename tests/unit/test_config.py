@@ -49,7 +49,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("rollout.token_budget=8", "rollout.token_budget=8: only applies with partial=true"),
         ("steps.x=1", "steps.x=1: 'steps' is a value, not a section"),
         ("algo.bapo.preset=fast", "algo.bapo.preset='fast': must be one of"),
-        ("logging.backends=[console, jsonl]", "logging.jsonl_path=None: the jsonl backend needs a path"),
+        ("logging.backends=[console, tensorboard]", "logging.backends[1]='tensorboard': must be one of"),
         ("algo.updates_per_batch=3", "algo.updates_per_batch=3: must divide rollout.prompts_per_step=8"),
         ("noequals", "override='noequals'"),
     ],

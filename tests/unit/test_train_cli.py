@@ -32,7 +32,6 @@ def _cfg(*overrides):
             "9 samples per optimizer step do not split over 2 data-parallel ranks",
         ),
         (["model.precision=fp8", "model.transformer_impl=transformer_engine"], 1, "model.transformer_impl"),
-        (["rollout.replay=null"], 1, "rollout.replay=None: generation is not built yet"),
     ],
 )
 def test_validate_names_the_problem(overrides, world, message):
