@@ -234,21 +234,20 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     rank, run_dir = int(os.environ["RANK"]), cfg.run_path
     online = cfg.rollout.replay is None
     source = None if online else ReplaySource(cfg.rollout.replay, spec.vocab_size)
-    driver = None
-    if online and rank == 0:
-        driver = RolloutDriver(cfg, spec, run_dir)
-    starting_weights = check_starting_weights(cfg, spec)
-    ckpt = CheckpointManager(cfg.checkpoint, dump_config(cfg)) if cfg.checkpoint.dir else None
-    if ckpt is not None:  # before any process group or model: a wrong start fails in seconds
-        ckpt.check_start(cfg.checkpoint.resume)
-        resume_from = ckpt.latest() if cfg.checkpoint.resume else None
-        if resume_from is not None:
-            verify(resume_from, check_contents=False)
     own_group = not dist.is_initialized()
     stop = StopSignal(cfg.checkpoint.save_on_signal)
-    logger = None
+    driver = logger = None
     history: list[dict[str, float]] = []
     try:
+        if online and rank == 0:
+            driver = RolloutDriver(cfg, spec, run_dir)  # data, reward, tokenizer, ports, engine URLs checked
+        starting_weights = check_starting_weights(cfg, spec)
+        ckpt = CheckpointManager(cfg.checkpoint, dump_config(cfg)) if cfg.checkpoint.dir else None
+        if ckpt is not None:  # before any process group or model: a wrong start fails in seconds
+            ckpt.check_start(cfg.checkpoint.resume)
+            resume_from = ckpt.latest() if cfg.checkpoint.resume else None
+            if resume_from is not None:
+                verify(resume_from, check_contents=False)
         init_distributed()
         if not torch.cuda.is_available():
             from bapo_megatron.trainer.cpu_shim import activate_cpu_shim

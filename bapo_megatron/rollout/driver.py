@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import socket
 import time
@@ -90,10 +91,12 @@ class RolloutDriver:
             )
         try:
             load_reward(data.reward)
+        except ValueError as err:
+            raise ConfigError("data.reward", data.reward, str(err)) from None
+        try:
             self.prompts = PromptSource(data, self._tokenize if self.tokenizer is not None else None)
         except ValueError as err:
-            field = "data.reward" if "reward" in str(err) else "data.path"
-            raise ConfigError(field, getattr(data, field.split(".")[1]), str(err)) from None
+            raise ConfigError("data.path", data.path, str(err)) from None
         context = spec.max_position_embeddings
         too_long = [i for i, (ids, _) in enumerate(self.prompts.items) if len(ids) + ro.max_new_tokens > context]
         if too_long:
@@ -121,9 +124,20 @@ class RolloutDriver:
         self.loop = asyncio.new_event_loop()
         self.servers: list[ServerProcess] = []
         self.clients: list[EngineClient] = []
+        self.key: str | None = None
         self.manager: RolloutManager | None = None
         self.sender = None
-        self._probe: tuple[list[int], int] | None = None
+        if ro.engine_urls:  # engines of another job: they answer and serve this shape, or nothing starts
+            from bapo_megatron.rollout.sglang_launcher import KEY_ENV, admin_key
+
+            given = ro.admin_key_file or os.environ.get(KEY_ENV)
+            self.key = admin_key(ro, self.run_dir) if given else None  # theirs: never one generated here
+            self.clients = [EngineClient(url, self.key, timeout_s=ro.request_timeout_s) for url in ro.engine_urls]
+            try:
+                self._run(self._check_engines())
+            except BaseException:
+                self.close()
+                raise
 
     def _tokenize(self, text: str) -> list[int]:
         if self.cfg.data.chat_template:
@@ -147,10 +161,7 @@ class RolloutDriver:
         answers; then build the rollout manager and the weight sender."""
         ro = self.cfg.rollout
         if ro.engine_urls:
-            from bapo_megatron.rollout.sglang_launcher import admin_key
-
-            key = admin_key(ro, self.run_dir)
-            urls = list(ro.engine_urls)
+            urls, key = list(ro.engine_urls), self.key
         elif ro.engine == "embedded":
             key = secrets.token_urlsafe(32)
             self.servers = [
@@ -174,9 +185,8 @@ class RolloutDriver:
             urls = [s.url for s in self.servers]
         for server in self.servers:
             server.wait_ready(ro.startup_timeout_s)
-        self.clients = [EngineClient(url, admin_key=key, timeout_s=ro.request_timeout_s) for url in urls]
-        if ro.engine_urls:
-            self._run(self._check_engines())
+        if not ro.engine_urls:
+            self.clients = [EngineClient(url, admin_key=key, timeout_s=ro.request_timeout_s) for url in urls]
         self.manager = RolloutManager(
             EnginePool(self.clients, timeout_s=ro.startup_timeout_s),
             self.buffer,
@@ -196,7 +206,8 @@ class RolloutDriver:
         """Engines that are already running answer, and serve a model of the trainer's shape."""
         for client in self.clients:
             try:
-                info = await client.model_info()
+                async with EngineClient(client.base_url, self.key, timeout_s=30, retries=1) as quick:
+                    info = await quick.model_info()
             except (EngineUnavailable, EngineError) as err:
                 raise ConfigError("rollout.engine_urls", client.base_url, f"does not answer: {err}") from None
             served = Path(str(info.get("model_path", "")))

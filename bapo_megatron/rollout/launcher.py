@@ -15,6 +15,23 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+LAUNCHER_ENV = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "ROLE_NAME",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+"""The trainer's torchrun/srun variables: an engine is no rank of the trainer's job, and torch reads them."""
+
 
 class EngineStartError(RuntimeError):
     pass
@@ -42,7 +59,8 @@ class ServerProcess:
 
     def __init__(self, command: list[str], url: str, log_path: str | Path, env: dict[str, str] | None = None) -> None:
         self.command, self.url, self.log_path = command, url.rstrip("/"), Path(log_path)
-        self.env = {**os.environ, **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+        self.env = {**inherited, **(env or {})}
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:

@@ -46,8 +46,12 @@ def join_group(
     if group_name in c10d._world.pg_names.values():
         raise ValueError(f"this process already holds a weight-update group {group_name!r}: leave it first")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(tcp_address(host, port), rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store c10d.rendezvous(tcp_address(host, port)) makes, made here: under torchrun (whose
+    # TORCHELASTIC_USE_AGENT_STORE the trainer inherits) rendezvous would connect to the job's agent
+    # store instead, and rank 0 would wait forever for engines that join a store it never hosts.
+    store = dist.TCPStore(
+        host.strip("[]"), port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True, use_libuv=True
+    )
     store = dist.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout

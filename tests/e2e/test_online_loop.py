@@ -224,3 +224,44 @@ def test_asynchronous_run_killed_and_resumed_loses_and_repeats_no_sample(task, t
     source = PromptSource(load_config(None, argv).data)
     drawn = [source.next()[0] for _ in range(state["prompts"]["position"])]
     assert sorted(trained + in_buffer) == sorted(drawn)
+
+
+def torchrun(n: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n),
+        "--master-port",
+        str(free_port()),
+        "-m",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    [(4, ("parallel.tensor=2", "parallel.pipeline=2")), (2, ())],
+    ids=["tp2-pp2", "dp2"],
+)
+def test_parallel_trainers_sync_their_engines_and_match_one_process(task, tmp_path, world, layout):
+    """Under torchrun: the engine's log-probs after every sync equal the trainer's (the probe, and
+    the first update's mismatch), and from the same HF weights the first step's loss, gradient norm
+    and clip bounds equal one process's (deterministic rollout: the same samples)."""
+    det = ("rollout.deterministic=true", "rollout.sync_check_every=1", "algo.bapo.target_rho=0.45")
+    single, parallel = tmp_path / "one", tmp_path / "many"
+    train(args(task, single, 2, *det))
+    train(args(task, parallel, 2, *det, *layout), launcher=torchrun(world))
+    ours, theirs = metrics(parallel), metrics(single)
+    assert [m["step"] for m in ours] == [1, 2]
+    for m in ours:
+        assert m["sync/probe_logprob_gap"] <= 1e-5 and m["rollout/logprob_mismatch"] <= 1e-5, m
+    keys = ("loss/pg", "train/grad_norm", "bapo/clip_low", "bapo/clip_high", "bapo/rho", "rollout/reward_mean")
+    for key in keys:
+        assert math.isclose(ours[0][key], theirs[0][key], rel_tol=1e-5, abs_tol=1e-6), (
+            key,
+            ours[0][key],
+            theirs[0][key],
+        )
+    assert trained_groups(parallel) == trained_groups(single)
+    no_engine_left(tmp_path)

@@ -1,0 +1,99 @@
+"""`bapo-train` online, on input it cannot use: one `error:` line naming the field and the value,
+exit 2, no traceback, and nothing built or started (no run directory, no checkpoint, no engine).
+
+The dataset (missing, empty, a record without the prompt field), the reward (unknown, a file
+that does not import), the tokenizer (a vocabulary larger than the model's), the engines (a
+port in use, URLs that do not answer, an engine serving another shape), the data-parallel split (tests/unit/test_train_cli.py).
+"""
+
+import json
+import shutil
+import socket
+
+import pytest
+
+from bapo_megatron.rollout.launcher import embedded_server
+from tests.dist.test_convert import make_hf_model
+from tests.e2e.test_online_loop import REWARD, args, start
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    make_hf_model(root, "m", ("qwen2", 2, False))
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": [3 + i, 7, 11], "answer": str(i)}) + "\n")
+    (root / "reward.py").write_text(REWARD)
+    (root / "broken_reward.py").write_text("import a_module_that_is_not_there\n")
+    (root / "empty.jsonl").write_text("\n")
+    (root / "no_prompt.jsonl").write_text(json.dumps({"question": [1, 2]}) + "\n")
+    big = root / "big-tokenizer"
+    shutil.copytree(root / "m", big)
+    import tokenizers
+
+    vocab = {f"t{i}": i for i in range(300)}  # the model has 250 tokens
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")).save(str(big / "tokenizer.json"))
+    make_hf_model(root, "other", ("qwen2", 1, False))  # another shape: one key-value head
+    return root
+
+
+def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
+    run = tmp_path / "run"
+    proc = start(args(task, run, 2, *overrides))
+    out, _ = proc.communicate(timeout=300)
+    lines = out.strip().splitlines()
+    assert proc.returncode == 2, out[-3000:]
+    assert lines and lines[-1].startswith("error: ") and "Traceback" not in out, out[-3000:]
+    for phrase in phrases:
+        assert phrase in lines[-1], (phrase, lines[-1])
+    assert not run.exists(), "the run started before the input was checked"
+
+
+@pytest.mark.parametrize(
+    ("override", "phrases"),
+    [
+        ("data.path={root}/missing.jsonl", ("data.path=", "missing.jsonl: no such file")),
+        ("data.path={root}/empty.jsonl", ("data.path=", "no records")),
+        ("data.path={root}/no_prompt.jsonl", ("record 1: no field 'prompt'",)),
+        ("data.reward=nope", ("data.reward='nope'", "unknown reward")),
+        ("data.reward={root}/broken_reward.py:score", ("data.reward=", "does not import", "ModuleNotFoundError")),
+        ("data.reward={root}/reward.py:missing", ("data.reward=", "has no function 'missing'")),
+        ("model.hf_path={root}/big-tokenizer", ("tokenizer has 300 tokens", "vocabulary of 250")),
+    ],
+    ids=["missing", "empty", "no-prompt", "unknown-reward", "reward-import", "reward-name", "tokenizer"],
+)
+def test_bad_data_reward_and_tokenizer(task, tmp_path, override, phrases):
+    """(A batch that does not split over the data-parallel ranks: tests/unit/test_train_cli.py.)"""
+    fails(task, tmp_path, override.format(root=task), phrases=phrases)
+
+
+def test_a_port_in_use(task, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        fails(task, tmp_path, f"rollout.port={port}", phrases=(f"rollout.port={port}", "cannot listen"))
+
+
+def test_engine_urls_that_do_not_answer(task, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once the socket is closed
+    url = f"http://127.0.0.1:{port}"
+    fails(task, tmp_path, f"rollout.engine_urls=[{url}]", phrases=("rollout.engine_urls", url, "does not answer"))
+
+
+def test_an_engine_serving_another_shape(task, tmp_path):
+    server = embedded_server(task / "other", tmp_path / "engine.log").start().wait_ready(120)
+    try:
+        fails(
+            task,
+            tmp_path,
+            f"rollout.engine_urls=[{server.url}]",
+            phrases=("rollout.engine_urls", server.url, "num_kv_heads 1 (the trainer's is 2)"),
+        )
+    finally:
+        server.stop()

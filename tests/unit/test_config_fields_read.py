@@ -1,0 +1,60 @@
+"""Every config field is read by something: a field that nothing reads is a setting that silently
+does nothing. Each field of every section must be read as an attribute (`cfg.rollout.oversample`,
+`self.cfg.tis_cap`) or by name (`getattr(x, "field")`) somewhere in the package outside the
+modules that only define, document or print the config."""
+
+import ast
+import dataclasses
+from pathlib import Path
+
+from bapo_megatron.config import JobConfig
+
+PACKAGE = Path(__file__).resolve().parents[2] / "bapo_megatron"
+DEFINING = {"config.py", "cli.py"}  # the definitions, --help-config and --dry-run's printout
+
+
+def sections(cls: type, path: str = "job") -> dict[str, type]:
+    """Every section class under `cls` by its dotted path (nested dataclasses found on a default instance)."""
+    out = {path: cls}
+    default = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(sections(type(value), f.name if path == "job" else f"{path}.{f.name}"))
+    return out
+
+
+def names_read() -> set[str]:
+    found: set[str] = set()
+    for file in PACKAGE.rglob("*.py"):
+        if file.name in DEFINING and file.parent == PACKAGE:
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                found.add(node.attr)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) >= 2:
+                if isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                    found.add(node.args[1].value)
+    return found
+
+
+def test_every_config_field_is_read_somewhere():
+    read = names_read()
+    unread = [
+        f"{path}.{f.name}" if path != "job" else f.name
+        for path, cls in sections(JobConfig).items()
+        for f in dataclasses.fields(cls)
+        if f.name not in read
+    ]
+    assert not unread, f"config fields read by nothing: {unread}"
+
+
+def test_the_check_finds_an_unread_field():
+    """The check can fail: a field named like nothing in the package is reported."""
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Probe:
+        surely_nobody_reads_this_field: int = 0
+
+    assert "surely_nobody_reads_this_field" not in names_read()
+    assert {"oversample", "max_staleness", "mask_stale_prefix"} <= names_read()
