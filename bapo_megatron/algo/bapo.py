@@ -57,6 +57,10 @@ class BAPOConfig:
     """"step": one search over the whole optimizer step; "microbatch": one per micro-batch (verl)."""
     dual_clip: float | None = None
     """For A < 0, cap the per-token loss at -dual_clip * A (None: no cap). Enters N as the loss does."""
+    dual_clip_in_search: bool = True
+    """Whether the search's N counts the dual clip's cap as the loss does (the spec), or leaves it
+    out (False), as the authors' verl code does: its loss applies verl's dual clip (c = 3) while
+    its bound search ignores it."""
 
     def __post_init__(self) -> None:
         check(0.0 < self.target_rho < 1.0, "target_rho", self.target_rho, "must lie in (0, 1)")
@@ -100,6 +104,11 @@ class BAPOConfig:
                 "must be None or a finite number > 1",
             )
 
+    @property
+    def search_dual_clip(self) -> float | None:
+        """The dual clip the bound search sees (None: none)."""
+        return self.dual_clip if self.dual_clip_in_search else None
+
 
 def target_from_pn_ratio(pn: float) -> float:
     """The share target rho0 that a P/N target (as the verl code states it) means."""
@@ -119,6 +128,8 @@ PRESETS: dict[str, BAPOConfig] = {
         high_step=0.1,
         search_order="lower_first",
         bound_scope="microbatch",
+        dual_clip=3.0,
+        dual_clip_in_search=False,
     ),
 }
 """Named parameter sets: the seed README (default), the paper's section 5.1 runs, the authors' verl example."""
@@ -357,7 +368,7 @@ class BoundSearch:
         """Rows 0..K-1: (P, N) at each path point; row K: (invalid ratios, invalid advantages/weights)."""
         low, high, low_index, high_index = self._device_grids(ratio.device)
         cfg = self.config
-        p, n, counts = contribution_sums(ratio, advantages, mask, low, high, cfg.contribution, cfg.dual_clip)
+        p, n, counts = contribution_sums(ratio, advantages, mask, low, high, cfg.contribution, cfg.search_dual_clip)
         return torch.cat([torch.stack([p[high_index], n[low_index]], dim=1), counts[:2].view(1, 2)])
 
     def select(self, table: torch.Tensor, group: dist.ProcessGroup | None = None) -> ClipBounds:
@@ -481,7 +492,7 @@ def search_clip_bounds_reference(
         )
 
     def rho(c_low: float, c_high: float) -> float:
-        p, n = contributions_at(ratio, advantages, mask, c_low, c_high, config.contribution, config.dual_clip)
+        p, n = contributions_at(ratio, advantages, mask, c_low, c_high, config.contribution, config.search_dual_clip)
         return 1.0 if p + n <= 0 else p / (p + n)
 
     visited = _walk(config, lambda c_low, c_high: rho(c_low, c_high) >= config.target_rho - TOL)

@@ -3,7 +3,8 @@ exit 2, no traceback, and nothing built or started (no run directory, no checkpo
 
 The dataset (missing, empty, a record without the prompt field), the reward (unknown, a file
 that does not import), the tokenizer (a vocabulary larger than the model's), the engines (a
-port in use, URLs that do not answer, an engine serving another shape), the data-parallel split (tests/unit/test_train_cli.py).
+port in use, URLs that do not answer, an engine serving another shape); the data-parallel split
+is checked in tests/unit/test_train_cli.py.
 """
 
 import json

@@ -252,3 +252,28 @@ def test_search_takes_any_shape_and_dtype():
     flat = search_clip_bounds(ratio.reshape(-1), adv.reshape(-1), mask.reshape(-1), PRESETS["paper"])
     assert search_clip_bounds(ratio, adv, mask, PRESETS["paper"]) == flat
     assert search_clip_bounds_reference(ratio, adv, mask.float(), PRESETS["paper"]) == flat
+
+
+def test_verl_example_keeps_the_dual_clip_out_of_the_search_and_in_the_loss():
+    """The authors' verl code: the loss caps A < 0 tokens at verl's dual clip c = 3, the bound search
+    ignores it. Tokens with A < 0 far past 3 make the two choices differ: the preset's bounds are
+    those of a search without the dual clip, and its loss is the capped one at those bounds."""
+    import dataclasses
+
+    from bapo_megatron.algo.losses import clipped_surrogate_loss
+
+    g = torch.Generator().manual_seed(3)
+    advantages = torch.cat([torch.rand(64, generator=g) + 0.1, -(torch.rand(64, generator=g) + 0.1)])
+    ratio = torch.cat([1.0 + 2.0 * torch.rand(64, generator=g), 4.0 + 4.0 * torch.rand(64, generator=g)])
+    mask = torch.ones(128)
+    preset = PRESETS["verl_example"]
+    assert preset.dual_clip == 3.0 and not preset.dual_clip_in_search
+    without = search_clip_bounds(ratio, advantages, mask, dataclasses.replace(preset, dual_clip=None))
+    got = search_clip_bounds(ratio, advantages, mask, preset)
+    counted = search_clip_bounds(ratio, advantages, mask, dataclasses.replace(preset, dual_clip_in_search=True))
+    assert (got.c_low, got.c_high, got.rho) == (without.c_low, without.c_high, without.rho)
+    assert (counted.c_low, counted.c_high) != (got.c_low, got.c_high)  # the option changes the bounds here
+    reference = search_clip_bounds_reference(ratio, advantages, mask, preset)
+    assert (reference.c_low, reference.c_high) == (got.c_low, got.c_high)
+    loss = clipped_surrogate_loss(ratio, advantages, got.c_low, got.c_high, preset.dual_clip)
+    assert torch.equal(loss[64:], -3.0 * advantages[64:])  # every A < 0 token here sits past the cap

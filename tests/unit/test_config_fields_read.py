@@ -33,8 +33,9 @@ def names_read() -> set[str]:
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
                 found.add(node.attr)
             elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) >= 2:
-                if isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
-                    found.add(node.args[1].value)
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    found.add(name.value)
     return found
 
 
