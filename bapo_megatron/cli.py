@@ -116,9 +116,9 @@ def help_config() -> str:
 
 def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int) -> str:
     """What `bapo-train` would do with `cfg` on `world_size` trainer processes, without doing it."""
+    from bapo_megatron.common.model_spec import check_layout
     from bapo_megatron.train import model_spec, validate
     from bapo_megatron.trainer.memory import trainer_memory
-    from bapo_megatron.trainer.model_spec import check_layout
 
     spec = model_spec(cfg)
     p = cfg.parallel
@@ -162,7 +162,7 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int) -> str:
 
 
 def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:
-    from bapo_megatron.rollout.sglang_launcher import mem_fraction, rollout_mem_fraction
+    from bapo_megatron.rollout.sglang_launcher import mem_fraction
     from bapo_megatron.trainer.memory import stage_params
 
     r = cfg.rollout
@@ -182,3 +182,13 @@ def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:
 
 def world_size(args: argparse.Namespace) -> int:
     return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rollout_mem_fraction(job: JobConfig, spec, gpu_bytes: int, data_parallel: int) -> float:
+    """What a colocated SGLang server may take of a GPU of gpu_bytes beside a trainer rank of `job`."""
+    from bapo_megatron.trainer.memory import colocated_mem_fraction, trainer_memory
+
+    estimate = trainer_memory(
+        spec, job.model, job.parallel, data_parallel, distributed_optimizer=True
+    )  # GPU runs use Megatron's distributed optimizer
+    return colocated_mem_fraction(gpu_bytes, estimate)

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 -m bapo_megatron.train CONFIG.yaml ...  # a parallel job
     bapo-train --help-config; bapo-train CONFIG.yaml --dry-run          # every field; what would run
 
-One step (`run`): rank 0 drives the engines (rollout/driver.py) until rollout.prompts_per_step
+One step (`run`): rank 0 drives the engines (driver.py) until rollout.prompts_per_step
 prompt groups are complete and rewarded (partial rollout, oversampling, staleness), hands the
 batch to every rank, the trainer takes algo.updates_per_batch optimizer steps on it, and the
 new weights go to the engines as the next policy version. Saved batches (rollout.replay) are
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from bapo_megatron.common.batch import RolloutBatch
+from bapo_megatron.common.model_spec import ModelSpec, check_layout, tiny_spec
 from bapo_megatron.config import JobConfig, dump_config, load_config, to_dict
 from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.fsutil import write_text_atomic
 from bapo_megatron.logger import MetricLogger, keep_lines
-from bapo_megatron.rollout.batch import RolloutBatch
-from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, tiny_spec
 
 
 class ReplaySource:
@@ -86,8 +86,8 @@ def check_starting_weights(cfg: JobConfig, spec: ModelSpec) -> bool:
     checked before any model is built. A config without weights: random ones, loudly."""
     import warnings
 
+    from bapo_megatron.common.hf_io import HFCheckpoint
     from bapo_megatron.trainer.integrity import verify
-    from bapo_megatron.weights.hf_io import HFCheckpoint
 
     if cfg.model.mcore_path:
         verify(cfg.model.mcore_path, check_contents=False)
@@ -222,11 +222,12 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     that needs no model runs first: bad input fails in seconds, before any process group starts."""
     import torch
 
-    from bapo_megatron.rollout.driver import RolloutDriver, write_samples_log
+    from bapo_megatron.driver import RolloutDriver, write_samples_log
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.integrity import verify
     from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel, single_process_env
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+    from bapo_megatron.weights.hf_load import load_hf_into_trainer
 
     spec = model_spec(cfg)
     single_process_env()
@@ -263,7 +264,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
             if cfg.model.mcore_path:
                 trainer.load_weights(cfg.model.mcore_path)
             elif starting_weights:
-                trainer.load_hf_weights(cfg.model.hf_path)
+                load_hf_into_trainer(trainer, cfg.model.hf_path)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(run_dir / "config.yaml", dump_config(cfg))

@@ -33,7 +33,7 @@ def tiny_model(directory: Path, seed: int = 0, head_scale: float = 1.0) -> None:
     """A random tiny Qwen2; head_scale sharpens its next-token distributions."""
     import transformers
 
-    from bapo_megatron.trainer.model_spec import tiny_spec
+    from bapo_megatron.common.model_spec import tiny_spec
 
     torch.manual_seed(seed)
     config = transformers.AutoConfig.for_model(**tiny_spec("qwen2").to_hf_config())
@@ -44,10 +44,10 @@ def tiny_model(directory: Path, seed: int = 0, head_scale: float = 1.0) -> None:
 
 
 async def run_mode(url: str, model: Path, partial: bool, oversample: float, args) -> dict[str, float]:
+    from bapo_megatron.common.protocol import SamplingParams
     from bapo_megatron.rollout.client import EngineClient
     from bapo_megatron.rollout.manager import EnginePool, RolloutManager
     from bapo_megatron.rollout.partial import PartialRolloutBuffer
-    from bapo_megatron.rollout.protocol import SamplingParams
     from bapo_megatron.rollout.rewards import RewardWorkers
 
     counter = iter(range(10**6))

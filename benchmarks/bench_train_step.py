@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from bapo_megatron.common.batch import RolloutBatch, Sample
+from bapo_megatron.common.model_spec import ModelSpec, tiny_spec
 from bapo_megatron.config import load_config
-from bapo_megatron.rollout.batch import RolloutBatch, Sample
-from bapo_megatron.trainer.model_spec import ModelSpec, tiny_spec
 
 SHAPES = {
     "tiny": tiny_spec(),

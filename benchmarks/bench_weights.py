@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bapo_megatron.trainer.model_spec import ModelSpec
+from bapo_megatron.common.model_spec import ModelSpec
 
 
 def synthetic_spec(size_gb: float) -> ModelSpec:
@@ -55,7 +55,7 @@ def synthetic_spec(size_gb: float) -> ModelSpec:
 def write_synthetic_hf(spec: ModelSpec, directory: Path) -> int:
     from safetensors.torch import save_file
 
-    from bapo_megatron.weights.hf_io import expected_shapes
+    from bapo_megatron.common.hf_io import expected_shapes
 
     directory.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
@@ -139,9 +139,9 @@ def main() -> None:
     args = parser.parse_args()
     from safetensors.torch import load_file, save_file
 
+    from bapo_megatron.common.hf_io import hf_entries
     from bapo_megatron.trainer.parallel import init_model_parallel  # noqa: F401 (imported before timing)
     from bapo_megatron.weights.convert import _megatron_world_of_one, hf_to_mcore, mcore_to_hf
-    from bapo_megatron.weights.hf_io import hf_entries
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_weights_"))
     spec = synthetic_spec(args.size_gb)

@@ -14,8 +14,8 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from bapo_megatron.rollout import protocol
-from bapo_megatron.rollout.protocol import Completion, SamplingParams
+from bapo_megatron.common import protocol
+from bapo_megatron.common.protocol import Completion, SamplingParams
 
 
 class EngineError(RuntimeError):
@@ -196,7 +196,7 @@ class EngineClient:
     async def update_weights_from_tensor(
         self, serialized: list[str], version: str, flattened: bool = True, flush_cache: bool = True
     ) -> None:
-        """Colocated: tensor handles (weights/ipc.py), one payload per engine TP rank."""
+        """Colocated: tensor handles (common/ipc.py), one payload per engine TP rank."""
         await self._checked(
             "/update_weights_from_tensor", protocol.update_tensor_request(serialized, version, flattened, flush_cache)
         )

@@ -2,12 +2,12 @@
 
     python -m bapo_megatron.rollout.embedded --model HF_DIR --port 30000 [--host 127.0.0.1]
 
-Same payloads as SGLang 0.5.23 (rollout/protocol.py): /generate with logprobs,
+Same payloads as SGLang 0.5.23 (common/protocol.py): /generate with logprobs,
 /abort_request, /pause_generation (abort | retract | in_place), /continue_generation,
 /health, /health_generate, /ready, /model_info, /begin_weight_update, /end_weight_update,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed
 (gloo; the trainer is rank 0), /update_weights_from_tensor (shared-memory handles from a
-process on the same host, weights/ipc.py), /update_weights_from_disk (safetensors only),
+process on the same host, common/ipc.py), /update_weights_from_disk (safetensors only),
 /update_weight_version, /release_memory_occupation and /resume_memory_occupation (the KV
 cache and the weights' memory freed while a colocated trainer runs; released weights lose
 their values, as under SGLang's memory saver, and generation is refused until they are
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bapo_megatron.rollout import protocol
+from bapo_megatron.common import protocol
+from bapo_megatron.common.weight_group import join_group, leave_group
 from bapo_megatron.rollout.engine_core import EngineCore, Request, one_line
-from bapo_megatron.weights.group import join_group, leave_group
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 CONTROL_BODY_LIMIT = 64 << 20  # weight updates carry names and handles, never the tensors themselves
@@ -391,7 +391,7 @@ class EmbeddedServer:
     async def update_from_tensor(self, request):
         import pickle
 
-        from bapo_megatron.weights import ipc
+        from bapo_megatron.common import ipc
 
         body = await _json_object(request)
         self._need_session()
@@ -423,7 +423,7 @@ class EmbeddedServer:
         return _ok(f"updated {count} tensors")
 
     async def update_from_disk(self, request):
-        from bapo_megatron.weights.hf_io import HFCheckpoint
+        from bapo_megatron.common.hf_io import HFCheckpoint
 
         body = await _json_object(request)
         checkpoint = await asyncio.to_thread(HFCheckpoint, body["model_path"])  # validated; safetensors only

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from bapo_megatron.rollout.protocol import SAMPLING_EPS, SamplingParams
+from bapo_megatron.common.protocol import SAMPLING_EPS, SamplingParams
 
 
 class SlotKV:

@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
 from bapo_megatron.rollout.partial import GroupState, PartialRolloutBuffer, Request
-from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.rewards import RewardWorkers
 
 PromptFn = Callable[[], tuple[str, list[int], dict[str, Any]]]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bapo_megatron.rollout.protocol import Completion
+from bapo_megatron.common.protocol import Completion
 
 
 @dataclass
@@ -164,12 +164,3 @@ class PartialRolloutBuffer:
             samples = [SampleState(**s) for s in g["samples"]]
             self.groups[g["uid"]] = GroupState(g["uid"], g["prompt_ids"], g["meta"], samples)
         self.counters = dict(state["counters"])
-
-
-def stale_mask(versions: list[int], mask_stale_prefix: bool) -> list[int] | None:
-    """Loss mask of one response: with mask_stale_prefix, tokens sampled by an older policy than
-    the sample's newest tokens are left out; else None (every token counts)."""
-    if not mask_stale_prefix or not versions:
-        return None
-    newest = max(versions)
-    return [int(v == newest) for v in versions]

@@ -20,11 +20,9 @@ from typing import Any
 
 import yaml
 
-from bapo_megatron.config import JobConfig, RolloutConfig
+from bapo_megatron.config import RolloutConfig
 from bapo_megatron.rollout.embedded import is_loopback
 from bapo_megatron.rollout.launcher import ServerProcess
-from bapo_megatron.trainer.memory import colocated_mem_fraction, trainer_memory
-from bapo_megatron.trainer.model_spec import ModelSpec
 
 KEY_ENV = "BAPO_ADMIN_API_KEY"
 
@@ -59,25 +57,17 @@ SEPARATE_MEM_FRACTION = 0.8
 
 def mem_fraction(cfg: RolloutConfig, colocated_fraction: float | None = None) -> float:
     """The servers' mem_fraction_static: the config's; else, colocated, `colocated_fraction` (the
-    caller's rollout_mem_fraction, from the trainer's estimate); else SEPARATE_MEM_FRACTION."""
+    caller's, from the trainer's estimate: cli.rollout_mem_fraction); else SEPARATE_MEM_FRACTION."""
     if cfg.mem_fraction_static is not None:
         return cfg.mem_fraction_static
     if cfg.colocate:
         if colocated_fraction is None:
             raise ValueError(
                 "rollout.colocate: set rollout.mem_fraction_static, or pass the fraction the trainer "
-                "leaves (sglang_launcher.rollout_mem_fraction)"
+                "leaves (cli.rollout_mem_fraction)"
             )
         return colocated_fraction
     return SEPARATE_MEM_FRACTION
-
-
-def rollout_mem_fraction(job: JobConfig, spec: ModelSpec, gpu_bytes: int, data_parallel: int) -> float:
-    """What a colocated server may take of a GPU of gpu_bytes beside a trainer rank of `job`."""
-    estimate = trainer_memory(
-        spec, job.model, job.parallel, data_parallel, distributed_optimizer=True
-    )  # GPU runs use Megatron's distributed optimizer
-    return colocated_mem_fraction(gpu_bytes, estimate)
 
 
 def server_args(

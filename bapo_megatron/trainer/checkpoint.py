@@ -34,8 +34,8 @@ from bapo_megatron.trainer.integrity import (
     verify,
     write_checksums,
 )
+from bapo_megatron.trainer.megatron_config import EXTRA_STATE
 from bapo_megatron.trainer.safe_load import UnsafeCheckpointError, read_metadata
-from bapo_megatron.weights.layout import EXTRA_STATE
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8})$")

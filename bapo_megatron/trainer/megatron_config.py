@@ -9,9 +9,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bapo_megatron.common.model_spec import ModelSpec, check_layout, padded_vocab_size
 from bapo_megatron.config import ModelConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, padded_vocab_size
+
+EXTRA_STATE = "_extra_state"
+"""The key suffix of Transformer Engine modules' own state (fp8 scaling history) in state dicts."""
 
 FP8_ROWS_MULTIPLE = 16
 """Tokens (rows) each rank's fp8 GEMM input is padded to a multiple of. Transformer Engine asserts

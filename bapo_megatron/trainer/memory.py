@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bapo_megatron.common.model_spec import ModelSpec, padded_vocab_size
 from bapo_megatron.config import ModelConfig, ParallelConfig
-from bapo_megatron.trainer.model_spec import ModelSpec, padded_vocab_size
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bapo_megatron.rollout.batch import Sample
+from bapo_megatron.common.batch import Sample
 
 
 def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:

@@ -27,14 +27,26 @@ from bapo_megatron.algo.advantages import group_advantages
 from bapo_megatron.algo.bapo import BoundSearch, ClipBounds
 from bapo_megatron.algo.losses import PolicyBatch, importance_ratio, policy_loss, truncated_is_weight
 from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
+from bapo_megatron.common.batch import RolloutBatch
+from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import NonFiniteInputError
-from bapo_megatron.rollout.batch import RolloutBatch
 from bapo_megatron.trainer import megatron_config as mc
 from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
 from bapo_megatron.trainer.microbatch import MicroBatch, pack_microbatch, plan_microbatches
-from bapo_megatron.trainer.model_spec import ModelSpec
 from bapo_megatron.trainer.parallel import ParallelInfo
+
+
+@dataclass
+class StepState:
+    """What one optimizer step's loss callbacks need, handed to them (never kept on the trainer)."""
+
+    temperature: float
+    first_update: bool
+    bounds: ClipBounds | None = None
+    """The step's BAPO bounds from the prepass (None: searched in the loss, or fixed bounds)."""
+    skip_reason: str = ""
+    """Why the step will be skipped (a non-finite input found by a collective check); empty: it will not."""
 
 
 @dataclass
@@ -69,10 +81,6 @@ class PolicyTrainer:
         self.seq_multiple = mc.sequence_multiple(cfg.model, cfg.parallel)
         self.vocab_local = mc.padded_vocab(spec, cfg.model, cfg.parallel) // info.tp_size
         self.step = 0
-        self._bounds: ClipBounds | None = None
-        self._skip_reason = ""
-        self._temperature = 1.0
-        self._first_update = True
 
     def _build_chunks(self) -> list[torch.nn.Module]:
         from megatron.core import parallel_state as ps
@@ -101,17 +109,6 @@ class PolicyTrainer:
 
         load_model(self.model, directory)
         self.optimizer.reload_model_params()
-
-    def load_hf_weights(self, hf_dir) -> int:
-        """Weights from a Hugging Face directory (safetensors), each rank its own slices, streamed
-        tensor by tensor (weights/hf_load.py); the optimizer's main parameters refreshed as in
-        load_weights. Returns the bytes this rank copied."""
-        from bapo_megatron.weights.hf_io import HFCheckpoint
-        from bapo_megatron.weights.hf_load import load_hf_weights
-
-        copied = load_hf_weights(self.model, self.spec, HFCheckpoint(hf_dir), self.vocab_local * self.info.tp_size)
-        self.optimizer.reload_model_params()
-        return copied
 
     # ------------------------------------------------------------------------------------------
     # Data.
@@ -152,14 +149,14 @@ class PolicyTrainer:
             forward_only=forward_only,
         )
 
-    def _logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, mb: MicroBatch, logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_parallel_logprobs(
             logits,
             mb.targets,
             group=self.info.tp_group,
             vocab_start=self.info.tp_rank * self.vocab_local,
             vocab_size=self.spec.vocab_size,
-            temperature=self._temperature,
+            temperature=temperature,
             memory_budget_bytes=self.cfg.model.logprob_memory_mb << 20,
         )
 
@@ -167,17 +164,17 @@ class PolicyTrainer:
         cap = self.cfg.algo.tis_cap
         return torch.ones_like(prox) if cap is None else truncated_is_weight(prox, mb.old_logprobs, cap)
 
-    def _stats_loss(self, mb: MicroBatch, logits: torch.Tensor):
+    def _stats_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
         """Forward-only pass: keep pi_prox and this micro-batch's part of the BAPO table."""
-        logp, _ = self._logprobs(mb, logits)
+        logp, _ = self._logprobs(mb, logits, step.temperature)
         mb.prox_logprobs = logp.detach()
         ratio = importance_ratio(logp, mb.old_logprobs)
         weights = mb.loss_mask * self._is_weight(mb, logp)
         table = self.search.table(ratio, mb.advantages, weights)
         return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), table
 
-    def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor):
-        logp, entropy = self._logprobs(mb, logits)
+    def _policy_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
+        logp, entropy = self._logprobs(mb, logits, step.temperature)
         batch = PolicyBatch(
             logprobs=logp,
             old_logprobs=mb.old_logprobs,
@@ -185,15 +182,15 @@ class PolicyTrainer:
             mask=mb.loss_mask,
             prox_logprobs=mb.prox_logprobs,
             entropy=entropy,
-            first_update=self._first_update,
+            first_update=step.first_update,
         )
-        scope_group = self.info.dp_cp_group if self._bounds is None else None
+        scope_group = self.info.dp_cp_group if step.bounds is None else None
         try:
-            out = policy_loss(batch, self.cfg.algo, bounds=self._bounds, group=scope_group)
+            out = policy_loss(batch, self.cfg.algo, bounds=step.bounds, group=scope_group)
         except NonFiniteInputError as err:
             # Every rank of the group raised together (the search reduces its error counts first):
             # finish the schedule with the starting bounds so no pipeline peer waits, then skip.
-            self._invalid(err)
+            self._invalid(step, err)
             out = policy_loss(batch, self.cfg.algo, bounds=self._start_bounds())
         return out.loss_sum, torch.tensor(mb.num_tokens, dtype=torch.int), out
 
@@ -201,19 +198,19 @@ class PolicyTrainer:
         c_low, c_high = self.search.path.points[0]
         return ClipBounds(c_low=c_low, c_high=c_high, rho=float("nan"), rho_start=float("nan"), steps=0)
 
-    def _invalid(self, err: Exception) -> None:
-        if not self._skip_reason:
+    def _invalid(self, step: StepState, err: Exception) -> None:
+        if not step.skip_reason:
             warnings.warn(f"step {self.step + 1} will be skipped: {err}", stacklevel=2)
-        self._skip_reason = str(err)
+        step.skip_reason = str(err)
 
     def _needs_prepass(self) -> bool:
         algo = self.cfg.algo
         return (algo.loss == "bapo" and algo.bapo.bound_scope == "step") or algo.tis_cap is not None
 
-    def _step_bounds(self, mbs: list[MicroBatch]) -> ClipBounds | None:
+    def _step_bounds(self, step: StepState, mbs: list[MicroBatch]) -> ClipBounds | None:
         """BAPO's bounds over the whole step, at the start-of-step parameters (None: not searched here)."""
         with torch.no_grad():
-            tables = self._run(mbs, self._stats_loss, forward_only=True)
+            tables = self._run(mbs, partial(self._stats_loss, step), forward_only=True)
         if self.cfg.algo.loss != "bapo" or self.cfg.algo.bapo.bound_scope != "step":
             return None
         if not self.info.is_last_stage:
@@ -221,7 +218,7 @@ class PolicyTrainer:
         try:
             return self.search.select(torch.stack(tables).sum(0), group=self.info.dp_cp_group)
         except NonFiniteInputError as err:
-            self._invalid(err)
+            self._invalid(step, err)
             return self._start_bounds()
 
     # ------------------------------------------------------------------------------------------
@@ -229,15 +226,14 @@ class PolicyTrainer:
 
     def train_step(self, batch: RolloutBatch, first_update: bool = True) -> StepResult:
         """One optimizer step on all of `batch`'s samples (every rank passes the same batch)."""
-        self._temperature, self._first_update = batch.temperature, first_update
-        self._skip_reason = ""
+        step = StepState(temperature=batch.temperature, first_update=first_update)
         mbs, adv_metrics = self.microbatches(batch)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._bounds = self._step_bounds(mbs) if self._needs_prepass() else None
-        outputs: list[LossOutput] = self._run(mbs, self._policy_loss, forward_only=False)
-        skipped = self._nonfinite(outputs)
+        step.bounds = self._step_bounds(step, mbs) if self._needs_prepass() else None
+        outputs: list[LossOutput] = self._run(mbs, partial(self._policy_loss, step), forward_only=False)
+        skipped = self._nonfinite(step, outputs)
         grad_norm = float("nan")
         if not skipped:
             _, norm, _ = self.optimizer.step()
@@ -250,11 +246,10 @@ class PolicyTrainer:
     def logprob_gap(self, batch: RolloutBatch) -> float:
         """The largest |log-prob of this trainer - behaviour log-prob| over `batch`'s response tokens
         (a forward pass, no update), the same on every rank: the weight-sync probe."""
-        self._temperature = batch.temperature
         mbs, _ = self.microbatches(batch)
 
         def gap(mb: MicroBatch, logits: torch.Tensor):
-            logp, _ = self._logprobs(mb, logits)
+            logp, _ = self._logprobs(mb, logits, batch.temperature)
             worst = ((logp.detach() - mb.old_logprobs).abs() * mb.loss_mask).max()
             return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), worst
 
@@ -264,9 +259,9 @@ class PolicyTrainer:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return float(worst.item())
 
-    def _nonfinite(self, outputs: list[LossOutput]) -> bool:
+    def _nonfinite(self, step: StepState, outputs: list[LossOutput]) -> bool:
         """Whether any rank saw a non-finite loss or gradient (one flag all-reduce, outside the loss)."""
-        bad = bool(self._skip_reason) or any(not bool(torch.isfinite(out.loss_sum).all()) for out in outputs)
+        bad = bool(step.skip_reason) or any(not bool(torch.isfinite(out.loss_sum).all()) for out in outputs)
         for chunk in self.model:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                 bad = bad or not bool(torch.isfinite(buffer.grad_data).all())

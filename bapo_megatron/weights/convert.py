@@ -13,20 +13,21 @@ from pathlib import Path
 
 import torch
 
-from bapo_megatron.config import ModelConfig, ParallelConfig
-from bapo_megatron.fsutil import atomic_directory
-from bapo_megatron.trainer.model_spec import ModelSpec, check_layout
-from bapo_megatron.weights import sglang_shards
-from bapo_megatron.weights.hf_io import (
+from bapo_megatron.common.hf_io import (
     MAX_SHARD_BYTES,
     HFCheckpoint,
     finish_hf_checkpoint,
     hf_entries,
     hf_writer,
 )
-from bapo_megatron.weights.layout import EXTRA_STATE, megatron_recipes, recipe_region
+from bapo_megatron.common.model_spec import ModelSpec, check_layout
+from bapo_megatron.common.safetensors_stream import ByteProgress, StreamingWriter, plan_files
+from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.fsutil import atomic_directory
+from bapo_megatron.trainer.megatron_config import EXTRA_STATE
+from bapo_megatron.weights import sglang_shards
+from bapo_megatron.weights.layout import megatron_recipes, recipe_region
 from bapo_megatron.weights.mcore_io import HF_CONFIG, McoreCheckpoint, streaming_save_strategy
-from bapo_megatron.weights.safetensors_stream import ByteProgress, StreamingWriter, plan_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.trainer.checkpoint import unwrap
-from bapo_megatron.trainer.model_spec import ModelSpec
 from bapo_megatron.trainer.parallel import ParallelInfo
 from bapo_megatron.weights.layout import layer_impl, megatron_layer_to_hf
 

@@ -5,16 +5,18 @@ parameter (and for each half of the gated fc1, through its factory), which rows 
 the whole TP=1 tensor it holds; the layout maps (weights/layout.py) make that whole tensor from
 the memory-mapped HF files, one tensor at a time, and the rank copies its slice. Memory: about
 one (TP=1) tensor beyond the model. Every parameter of every local chunk must be covered, or it
-is an error naming it. The caller refreshes the optimizer's copies (PolicyTrainer.load_hf_weights).
+is an error naming it. The caller refreshes the optimizer's copies (load_hf_into_trainer does).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from bapo_megatron.common.hf_io import HFCheckpoint
+from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.trainer.checkpoint import unwrap
-from bapo_megatron.trainer.model_spec import ModelSpec
-from bapo_megatron.weights.hf_io import HFCheckpoint
 from bapo_megatron.weights.layout import layer_impl, megatron_recipes, recipe_region
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -65,4 +67,16 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], spec: ModelSpec, hf: HF
         missing = [n for n, p in params.items() if covered[id(p)] != p.numel()]
         if missing:
             raise ValueError(f"{hf.dir}: no weights were loaded into {missing[:3]}")
+    return copied
+
+
+def load_hf_into_trainer(trainer, hf_dir: str | Path) -> int:
+    """A PolicyTrainer's weights from a Hugging Face directory (safetensors), each rank its own slices,
+    streamed tensor by tensor; then the optimizer's main parameters are refreshed from them (Megatron's
+    reload_model_params: with bf16/fp8 parameters the next step would otherwise write the old values
+    back). Returns the bytes this rank copied."""
+    copied = load_hf_weights(
+        trainer.model, trainer.spec, HFCheckpoint(hf_dir), trainer.vocab_local * trainer.info.tp_size
+    )
+    trainer.optimizer.reload_model_params()
     return copied

@@ -17,9 +17,7 @@ from functools import partial
 
 import torch
 
-from bapo_megatron.trainer.model_spec import ModelSpec
-
-EXTRA_STATE = "_extra_state"
+from bapo_megatron.common.model_spec import ModelSpec
 
 
 def _norm_names(impl: str) -> tuple[str, str]:

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.trainer.integrity import check_storage, verify
-from bapo_megatron.trainer.model_spec import ModelSpec
 from bapo_megatron.weights.layout import megatron_layer_to_hf
 
 HF_CONFIG = "hf_config.json"

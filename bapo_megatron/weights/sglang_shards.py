@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from bapo_megatron.trainer.model_spec import ModelSpec
-from bapo_megatron.weights.safetensors_stream import TensorEntry
+from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.safetensors_stream import TensorEntry
 
 VOCAB_PADDING = 64
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"

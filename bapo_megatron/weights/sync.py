@@ -2,7 +2,7 @@
 
 DistributedWeightSender (update_weights_from_distributed; NCCL where CUDA is, gloo on CPU): the
 trainer's sending rank is rank 0 of a group built exactly as SGLang builds its end
-(weights/group.py); rank 0 hosts the rendezvous store at (host, port). Engine i joins at
+(common/weight_group.py); rank 0 hosts the rendezvous store at (host, port). Engine i joins at
 rank_offset 1 + the ranks before it. Each bucket: announce names/dtypes/shapes over HTTP to
 every engine, broadcast the bucket while the requests wait (by default as one uint8 tensor of
 the tensors' bytes in order, SGLang's load_format "flattened_bucket"; else one broadcast per
@@ -10,7 +10,7 @@ tensor), then collect the answers. After an engine restart, `connect()` again: t
 is left on both ends first.
 
 TensorWeightSender (update_weights_from_tensor, colocated engines): each bucket travels as
-handles to memory this process holds (CUDA IPC, or shared memory on CPU; weights/ipc.py),
+handles to memory this process holds (CUDA IPC, or shared memory on CPU; common/ipc.py),
 one payload per engine TP rank, by default one flattened tensor per bucket. The bucket stays
 alive until every engine has answered, by which time the engines have copied it.
 
@@ -28,10 +28,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from bapo_megatron.rollout import protocol
+from bapo_megatron.common import ipc, protocol, weight_group
 from bapo_megatron.rollout.client import EngineClient
-from bapo_megatron.weights import group as weight_group
-from bapo_megatron.weights import ipc
 
 Bucket = list[tuple[str, torch.Tensor]]
 

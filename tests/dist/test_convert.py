@@ -26,7 +26,7 @@ def make_hf_model(root: Path, name: str, case: tuple[str, int, bool] | None = No
     import tokenizers
     import transformers
 
-    from bapo_megatron.trainer.model_spec import tiny_spec
+    from bapo_megatron.common.model_spec import tiny_spec
 
     arch, kv, tied = case or CASES[name]
     spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
@@ -72,11 +72,11 @@ def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
     model built with its weights."""
     import convert_checkpoint as cli
 
+    from bapo_megatron.common.hf_io import HFCheckpoint
     from bapo_megatron.config import ModelConfig, ParallelConfig
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.checkpoint import save_model
     from bapo_megatron.weights.convert import _megatron_world_of_one, _model
-    from bapo_megatron.weights.hf_io import HFCheckpoint
     from bapo_megatron.weights.layout import hf_to_megatron
 
     root = Path(root)
@@ -108,12 +108,13 @@ def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
 def _layout_logprobs(
     rank: int, world: int, root: str, name: str, tp: int, pp: int, source: str = "mcore", vpp: int | None = None
 ) -> None:
+    from bapo_megatron.common.batch import RolloutBatch, Sample
+    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.config import load_config
-    from bapo_megatron.rollout.batch import RolloutBatch, Sample
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.model_spec import ModelSpec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+    from bapo_megatron.weights.hf_load import load_hf_into_trainer
 
     activate_cpu_shim()
     root = Path(root)
@@ -132,7 +133,7 @@ def _layout_logprobs(
     )
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
     if source == "hf":
-        trainer.load_hf_weights(root / name)  # straight from safetensors, each rank its own slices
+        load_hf_into_trainer(trainer, root / name)  # straight from safetensors, each rank its own slices
     else:
         trainer.load_weights(root / f"{name}-mcore")
     tokens = json.loads((root / "tokens.json").read_text())

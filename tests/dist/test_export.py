@@ -20,9 +20,9 @@ def _convert(rank: int, world: int, root: str, name: str) -> None:
 def _export(rank: int, world: int, root: str, name: str) -> None:
     from safetensors.torch import save_file
 
+    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.model_spec import ModelSpec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
     from bapo_megatron.weights.export import stream_hf_buckets

@@ -17,10 +17,10 @@ CASES = [("qwen2", 4, False), ("qwen2", 2, True), ("qwen2", 1, False), ("llama",
 def _worker(rank: int, world: int) -> None:
     import transformers
 
+    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.model_spec import tiny_spec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
 

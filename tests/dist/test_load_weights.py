@@ -17,9 +17,9 @@ from tests.dist.launch import run_workers
 def load_then_step(root: str, precision: str, tp: int) -> None:
     from pathlib import Path
 
+    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer.checkpoint import save_model
-    from bapo_megatron.trainer.model_spec import tiny_spec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
     from tests.e2e.test_train_resume import make_batch

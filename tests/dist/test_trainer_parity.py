@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo_megatron.rollout.batch import RolloutBatch
+from bapo_megatron.common.batch import RolloutBatch
 from tests.dist.launch import run_workers
 from tests.e2e.test_train_resume import make_batch
 
@@ -52,9 +52,9 @@ def _batch() -> RolloutBatch:
 
 
 def _setup(tp: int, pp: int, loss: str = "bapo"):
+    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.model_spec import tiny_spec
     from bapo_megatron.trainer.parallel import init_model_parallel
 
     activate_cpu_shim()

@@ -28,12 +28,12 @@ def _convert(rank: int, world: int, root: str) -> None:
 def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
     import torch.distributed as dist
 
+    from bapo_megatron.common.batch import RolloutBatch, Sample
+    from bapo_megatron.common.model_spec import ModelSpec
+    from bapo_megatron.common.protocol import SamplingParams
     from bapo_megatron.config import load_config
-    from bapo_megatron.rollout.batch import RolloutBatch, Sample
     from bapo_megatron.rollout.client import EngineClient
-    from bapo_megatron.rollout.protocol import SamplingParams
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.model_spec import ModelSpec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
     from bapo_megatron.weights.export import stream_hf_buckets
@@ -100,10 +100,9 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
         temperature=0.9,
     )
     mbs, _ = trainer.microbatches(batch)
-    trainer._temperature = 0.9  # the rollout temperature the engine sampled with (set by train_step normally)
 
     def collect(mb, logits):
-        logp, _ = trainer._logprobs(mb, logits)
+        logp, _ = trainer._logprobs(mb, logits, 0.9)  # the rollout temperature the engine sampled with
         return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), (mb.sample_index, logp, mb.loss_mask)
 
     with torch.no_grad():

@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
+from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.rollout.client import EngineClient, EngineError
 from bapo_megatron.rollout.launcher import embedded_server
-from bapo_megatron.rollout.protocol import SamplingParams
 from tests.dist.test_convert import make_hf_model
 
 pytestmark = pytest.mark.e2e

@@ -122,9 +122,9 @@ def test_an_empty_admin_key_is_an_error_at_start(where, model_dir, tmp_path, mon
 
 
 def test_a_request_whose_sampling_fails_fails_alone(model_dir, monkeypatch):
+    from bapo_megatron.common.protocol import SamplingParams
     from bapo_megatron.rollout import engine_core
     from bapo_megatron.rollout.engine_core import Request
-    from bapo_megatron.rollout.protocol import SamplingParams
 
     core = EngineCore(model_dir)
     real = engine_core.sample

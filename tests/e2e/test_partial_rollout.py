@@ -6,11 +6,11 @@ import asyncio
 import pytest
 import torch
 
+from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.rollout.client import EngineClient
 from bapo_megatron.rollout.launcher import ServerProcess, embedded_server
 from bapo_megatron.rollout.manager import EnginePool, RolloutManager
 from bapo_megatron.rollout.partial import PartialRolloutBuffer
-from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.rewards import RewardWorkers
 from tests.dist.test_convert import make_hf_model
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo_megatron.rollout.batch import RolloutBatch, Sample
+from bapo_megatron.common.batch import RolloutBatch, Sample
 from tests.dist.test_convert import make_hf_model
 
 pytestmark = pytest.mark.e2e

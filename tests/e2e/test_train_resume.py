@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo_megatron.rollout.batch import RolloutBatch, Sample
+from bapo_megatron.common.batch import RolloutBatch, Sample
 from tests.dist.launch import run_workers
 
 
@@ -57,10 +57,10 @@ def _train(rank: int, world: int, args: list[str]) -> None:
 
 
 def _final_weights_equal(rank: int, world: int, root: str) -> None:
+    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.model_spec import tiny_spec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 

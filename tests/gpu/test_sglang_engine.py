@@ -35,7 +35,7 @@ MEAN_TOL, MAX_TOL = 0.02, 0.15
 def _make_model(root: Path, name: str, seed: int):
     import transformers
 
-    from bapo_megatron.trainer.model_spec import tiny_spec
+    from bapo_megatron.common.model_spec import tiny_spec
 
     # head_dim 64: a size every SGLang attention backend serves; the context holds the abort test's request
     spec = dataclasses.replace(
@@ -103,7 +103,7 @@ def _gap(completion, model, temperature):
 
 
 async def _sample(client, rid, temperature=0.8, n=32):
-    from bapo_megatron.rollout.protocol import SamplingParams
+    from bapo_megatron.common.protocol import SamplingParams
 
     return await client.generate(
         PROMPT, SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True), rid

@@ -13,8 +13,8 @@ import zipfile
 
 import pytest
 
-from bapo_megatron.rollout import protocol
-from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.common import protocol
+from bapo_megatron.common.protocol import SamplingParams
 from tests.sglang_wheel import ROOT, VERSION, WheelUnavailable, wheel_path
 from tests.sglang_wheel import source as _source
 from tests.unit.test_sglang_launch_config import LAUNCH
@@ -162,7 +162,7 @@ def test_tensor_payloads_pass_sglangs_safe_unpickler(wheel):
 
     import torch
 
-    from bapo_megatron.weights import ipc
+    from bapo_megatron.common import ipc
 
     allowed = _allowed_globals(wheel)
     bucket = [

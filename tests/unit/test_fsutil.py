@@ -4,8 +4,8 @@ import os
 
 import pytest
 
+from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.fsutil import atomic_directory, write_text_atomic
-from bapo_megatron.rollout.batch import RolloutBatch
 from tests.e2e.test_train_resume import make_batch
 
 

@@ -1,4 +1,4 @@
-"""Colocated weight payloads (weights/ipc.py): round trips through another process, files
+"""Colocated weight payloads (common/ipc.py): round trips through another process, files
 removed when the block ends, and payloads that try anything but tensors refused."""
 
 import base64
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from bapo_megatron.weights import ipc
+from bapo_megatron.common import ipc
 
 BUCKET = [
     ("a", torch.arange(6.0).reshape(2, 3)),
@@ -21,7 +21,7 @@ BUCKET = [
 
 def _receive(payload: str) -> list:
     code = (
-        "import sys, torch; from bapo_megatron.weights import ipc\n"
+        "import sys, torch; from bapo_megatron.common import ipc\n"
         "p = ipc.loads(sys.stdin.read())\n"
         "named = ipc.unflatten(p) if isinstance(p, dict) else p\n"
         "torch.save([(n, t.clone()) for n, t in named], sys.stdout.buffer)"

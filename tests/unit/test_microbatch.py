@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from bapo_megatron.rollout.batch import RolloutBatch, Sample
+from bapo_megatron.common.batch import RolloutBatch, Sample
 from bapo_megatron.trainer.microbatch import pack_microbatch, plan_microbatches
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 import transformers
 
+from bapo_megatron.common.model_spec import ModelSpec, check_layout, padded_vocab_size, tiny_spec
 from bapo_megatron.config import ModelConfig, ParallelConfig, load_config
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.trainer.megatron_config import (
@@ -13,7 +14,6 @@ from bapo_megatron.trainer.megatron_config import (
     transformer_config,
     wgrad_fusion_available,
 )
-from bapo_megatron.trainer.model_spec import ModelSpec, check_layout, padded_vocab_size, tiny_spec
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

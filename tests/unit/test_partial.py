@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from bapo_megatron.rollout.partial import PartialRolloutBuffer, stale_mask
-from bapo_megatron.rollout.protocol import Completion
+from bapo_megatron.common.batch import stale_mask
+from bapo_megatron.common.protocol import Completion
+from bapo_megatron.rollout.partial import PartialRolloutBuffer
 from bapo_megatron.rollout.rewards import RewardWorkers, last_boxed, score
 
 
@@ -105,7 +106,7 @@ def test_stale_prefix_mask():
 
 
 def test_finished_groups_become_the_training_batch(tmp_path):
-    from bapo_megatron.rollout.batch import RolloutBatch
+    from bapo_megatron.common.batch import RolloutBatch
 
     buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=6, token_budget=3, max_staleness=5)
     buffer.add_group("a", [7, 8])

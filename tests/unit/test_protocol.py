@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from bapo_megatron.rollout import protocol
-from bapo_megatron.rollout.protocol import MalformedResponse, SamplingParams
+from bapo_megatron.common import protocol
+from bapo_megatron.common.protocol import MalformedResponse, SamplingParams
 
 
 def _good() -> dict:

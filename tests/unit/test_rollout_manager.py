@@ -5,9 +5,9 @@ groups is aborted and kept, and it continues next step from where it stopped."""
 
 import asyncio
 
+from bapo_megatron.common.protocol import Completion, SamplingParams
 from bapo_megatron.rollout.manager import EnginePool, RolloutManager
 from bapo_megatron.rollout.partial import PartialRolloutBuffer
-from bapo_megatron.rollout.protocol import Completion, SamplingParams
 from bapo_megatron.rollout.rewards import RewardWorkers
 
 STOP = 0

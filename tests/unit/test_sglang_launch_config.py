@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bapo_megatron.cli import rollout_mem_fraction
+from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.rollout.sglang_launcher import rollout_mem_fraction, server_args, sglang_servers
-from bapo_megatron.trainer.model_spec import tiny_spec
+from bapo_megatron.rollout.sglang_launcher import server_args, sglang_servers
 from tests.sglang_wheel import WheelUnavailable, extracted_wheel, parser_deps
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import load_config
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.train import ReplaySource, split_groups, validate
-from bapo_megatron.trainer.model_spec import tiny_spec
 from tests.e2e.test_train_resume import make_batch
 
 ROOT = Path(__file__).resolve().parents[2]

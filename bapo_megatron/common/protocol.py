@@ -303,7 +303,7 @@ def flattened_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> list
 def update_tensor_request(
     serialized: list[str], version: str, flattened: bool = True, flush_cache: bool = True
 ) -> dict[str, Any]:
-    """POST /update_weights_from_tensor body: one base64 payload per engine TP rank (weights/ipc.py)."""
+    """POST /update_weights_from_tensor body: one base64 payload per engine TP rank (common/ipc.py)."""
     body = {"serialized_named_tensors": list(serialized), "flush_cache": flush_cache, "weight_version": version}
     if flattened:
         body["load_format"] = FLATTENED

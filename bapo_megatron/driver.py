@@ -29,17 +29,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from bapo_megatron.common.batch import RolloutBatch, Sample
+from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError
-from bapo_megatron.rollout.batch import RolloutBatch, Sample
 from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
 from bapo_megatron.rollout.data import PromptSource
 from bapo_megatron.rollout.launcher import ServerProcess, embedded_server, free_port
 from bapo_megatron.rollout.manager import EnginePool, RolloutManager
 from bapo_megatron.rollout.partial import PartialRolloutBuffer
-from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.rewards import RewardWorkers, load_reward
-from bapo_megatron.trainer.model_spec import ModelSpec
 
 PROBE_TOKENS = 16
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from torch.multiprocessing import reductions
 
-from bapo_megatron.rollout import protocol
+from bapo_megatron.common import protocol
 
 SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 _CUDA_DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device, as torch's reduce_tensor orders its arguments

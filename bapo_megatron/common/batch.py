@@ -13,13 +13,30 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from bapo_megatron.fsutil import publish, temporary_sibling
-from bapo_megatron.rollout.partial import GroupState, stale_mask
 
 FORMAT_VERSION = "1"
+
+
+class Group(Protocol):
+    """A prompt's group of samples as the rollout side keeps it (rollout/partial.py: GroupState)."""
+
+    uid: str
+    samples: list
+    finished: bool
+
+
+def stale_mask(versions: list[int], mask_stale_prefix: bool) -> list[int] | None:
+    """Loss mask of one response: with mask_stale_prefix, tokens sampled by an older policy than
+    the sample's newest tokens are left out; else None (every token counts)."""
+    if not mask_stale_prefix or not versions:
+        return None
+    newest = max(versions)
+    return [int(v == newest) for v in versions]
 
 
 @dataclass
@@ -87,7 +104,7 @@ class RolloutBatch:
     @classmethod
     def from_groups(
         cls,
-        groups: Sequence[GroupState],
+        groups: Sequence[Group],
         temperature: float,
         mask_stale_prefix: bool = False,
         metadata: dict[str, str] | None = None,
@@ -95,7 +112,7 @@ class RolloutBatch:
         """The batch a rollout step hands to training: every sample of each finished, rewarded group
         (group i of `groups` is group i of the batch), tokens with their behaviour log-probs and
         versions; with mask_stale_prefix, tokens older than their response's newest version are left
-        out of the loss (rollout/partial.py: stale_mask). The groups' prompt uids go in the metadata."""
+        out of the loss (stale_mask). The groups' prompt uids go in the metadata."""
         samples = []
         for index, group in enumerate(groups):
             if not group.finished:

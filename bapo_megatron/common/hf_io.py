@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from bapo_megatron.trainer.model_spec import ModelSpec
-from bapo_megatron.weights.safetensors_stream import StreamingWriter, TensorEntry, plan_files
+from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.safetensors_stream import StreamingWriter, TensorEntry, plan_files
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
