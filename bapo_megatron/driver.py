@@ -42,6 +42,7 @@ from bapo_megatron.rollout.partial import PartialRolloutBuffer
 from bapo_megatron.rollout.rewards import RewardWorkers, load_reward
 
 PROBE_TOKENS = 16
+BUSY_METRIC = "bapo_engine_busy_seconds_total"
 
 
 def load_tokenizer(model_dir: str | Path | None):
@@ -127,6 +128,7 @@ class RolloutDriver:
         self.key: str | None = None
         self.manager: RolloutManager | None = None
         self.sender = None
+        self._busy: tuple[float, list[float]] | None = None
         if ro.engine_urls:  # engines of another job: they answer and serve this shape, or nothing starts
             from bapo_megatron.rollout.sglang_launcher import KEY_ENV, admin_key
 
@@ -301,6 +303,21 @@ class RolloutDriver:
             reward=0.0,
             group=0,
         )
+
+    def engine_stats(self) -> dict[str, float]:
+        """engine/busy_share: the share of the wall time since the last call that the engines spent
+        computing (averaged over engines; from their /metrics, where they export busy seconds)."""
+
+        async def busy() -> list[float]:
+            found = await asyncio.gather(*(c.metrics() for c in self.clients), return_exceptions=True)
+            return [m.get(BUSY_METRIC) for m in found if isinstance(m, dict) and BUSY_METRIC in m]
+
+        now, seconds = time.monotonic(), self._run(busy())
+        last, self._busy = self._busy, (now, seconds)
+        if last is None or len(last[1]) != len(seconds) or not seconds or now <= last[0]:
+            return {}
+        share = sum(b - a for a, b in zip(last[1], seconds, strict=True)) / (len(seconds) * (now - last[0]))
+        return {"engine/busy_share": share}
 
     def drain(self, version: int) -> None:
         """Retract mode: requests still in the engines are aborted and their output kept (before a save)."""

@@ -281,6 +281,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
             if driver is not None:
                 keep_lines_if_present(run_dir / "samples.jsonl", start if resumed else None)
                 driver.start(model_dir)
+                driver.engine_stats()  # the engines' busy time counts from here
             sync_weights(cfg, trainer, driver, start)  # the engines serve the trainer's (the checkpoint's) weights
         step = start
         while step < cfg.steps and not stop.agreed():
@@ -314,10 +315,11 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
                     "driver/step": float(step),
                 }
             )
+            if driver is not None:
+                metrics.update(driver.engine_stats())
+                write_samples_log(run_dir / "samples.jsonl", step, batch)
             history.append(metrics)
             logger.log(trainer.step, metrics)
-            if driver is not None:
-                write_samples_log(run_dir / "samples.jsonl", step, batch)
         if ckpt and step > start and (not cfg.checkpoint.interval or step % cfg.checkpoint.interval):
             save(ckpt, trainer, driver, step)
         if stop.received is not None and rank == 0:

@@ -145,6 +145,9 @@ class Completion:
     # [(version, start, end)] over output tokens, when the engine reports versions per span
     version_spans: list[tuple[str, int, int]] = field(default_factory=list)
     prompt_tokens: int = 0
+    error: str | None = None
+    """An abort the engine reports as a failure (finish_reason with a status_code of 500 or more, as
+    SGLang and the embedded engine report an internal error): its message. None: no failure."""
 
     def token_versions(self) -> list[str | None]:
         """The weight version each output token was sampled under."""
@@ -193,6 +196,10 @@ def parse_generate_response(body: Any, rid: str) -> Completion:
         except (KeyError, TypeError, ValueError):
             raise MalformedResponse(f"{where}.meta_info.weight_versions: bad span {span!r}") from None
     version = meta.get("weight_version")
+    status = finish.get("status_code")
+    error = None
+    if kind == "abort" and isinstance(status, int) and status >= 500:
+        error = f"{finish.get('err_type') or 'error'} (HTTP {status}): {finish.get('message', '')}"
     return Completion(
         rid=str(meta.get("id", rid)),
         output_ids=[int(t) for t in output_ids],
@@ -201,6 +208,7 @@ def parse_generate_response(body: Any, rid: str) -> Completion:
         weight_version=None if version is None else str(version),
         version_spans=spans,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        error=error,
     )
 
 

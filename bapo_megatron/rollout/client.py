@@ -67,8 +67,10 @@ class EngineClient:
         key = (self.admin_key or self.api_key) if path in protocol.ADMIN_ENDPOINTS else self.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    async def request(self, path: str, body: dict | None = None, method: str = "POST", retry: bool = True) -> Any:
-        """One call; JSON (or None for an empty body) back. Retries as the module says."""
+    async def request(
+        self, path: str, body: dict | None = None, method: str = "POST", retry: bool = True, raw: bool = False
+    ) -> Any:
+        """One call; JSON (or None for an empty body) back, or the text when raw. Retries as the module says."""
         import aiohttp
 
         url = self.base_url + path
@@ -85,6 +87,8 @@ class EngineClient:
                         continue
                     if resp.status >= 400:
                         raise EngineError(url, resp.status, text[:500])
+                    if raw:
+                        return text
                     if not text:
                         return None
                     try:
@@ -138,6 +142,23 @@ class EngineClient:
             return True
         except (EngineUnavailable, EngineError):
             return False
+
+    async def metrics(self) -> dict[str, float]:
+        """The engine's /metrics (Prometheus text) as {name: value}; labelled series keep their labels
+        in the name. Empty when the engine exports none (SGLang without --enable-metrics answers 404)."""
+        try:
+            text = await self.request("/metrics", method="GET", retry=False, raw=True)
+        except EngineError:
+            return {}
+        values = {}
+        for line in str(text or "").splitlines():
+            name, _, value = line.rpartition(" ")
+            if name and not line.startswith("#"):
+                try:
+                    values[name] = float(value)
+                except ValueError:
+                    continue
+        return values
 
     async def model_info(self) -> dict:
         return await self.request("/model_info", method="GET")

@@ -42,6 +42,8 @@ from bapo_megatron.common.weight_group import join_group, leave_group
 from bapo_megatron.rollout.engine_core import EngineCore, Request, one_line
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+METRIC_PREFIX = "bapo_engine_"
+"""/metrics names: bapo_engine_busy_seconds_total (time in model steps), the core's counters, the queue."""
 CONTROL_BODY_LIMIT = 64 << 20  # weight updates carry names and handles, never the tensors themselves
 
 
@@ -115,6 +117,7 @@ class EmbeddedServer:
             "/ready": self.health,
             "/model_info": self.model_info,
             "/get_model_info": self.model_info,
+            "/metrics": self.metrics,
         }
         post = {
             "/generate": self.generate,
@@ -304,6 +307,19 @@ class EmbeddedServer:
         from aiohttp import web
 
         return web.Response(status=200)
+
+    async def metrics(self, request):
+        """Prometheus text: seconds spent computing, the core's running totals, the queue."""
+        from aiohttp import web
+
+        values = {
+            "busy_seconds_total": self._busy_s,
+            **{f"{name}_total": value for name, value in self.core.counters.items()},
+            "running_requests": len(self.core.running),
+            "waiting_requests": len(self.core.waiting) + len(self.core.incoming),
+        }
+        lines = [f"{METRIC_PREFIX}{name} {float(value)!r}" for name, value in values.items()]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def model_info(self, request):
         from aiohttp import web

@@ -10,7 +10,10 @@ mode it keeps generating inside the engines instead, across weight updates (Roll
 
 Faults: a request that fails with EngineUnavailable (after the client's retries) marks its
 engine dead and is resubmitted to another; dead engines are probed and come back when
-they answer /health again. A completion's tokens are recorded exactly once, by the one
+they answer /health again. A request the engine answers with a failure (an abort carrying an
+error status) keeps what it generated and is sent again; the same sample failing
+MAX_SAMPLE_FAILURES times in a row stops the rollout with its error (RolloutError), rather than
+resubmitting it for ever. A completion's tokens are recorded exactly once, by the one
 request that produced them, so no sample is lost or duplicated.
 """
 
@@ -31,6 +34,11 @@ from bapo_megatron.rollout.partial import GroupState, PartialRolloutBuffer, Requ
 from bapo_megatron.rollout.rewards import RewardWorkers
 
 PromptFn = Callable[[], tuple[str, list[int], dict[str, Any]]]
+MAX_SAMPLE_FAILURES = 3
+
+
+class RolloutError(RuntimeError):
+    """A sample the engines failed to generate MAX_SAMPLE_FAILURES times in a row."""
 
 
 class EnginePool:
@@ -115,6 +123,7 @@ class RolloutManager:
         self.deterministic_seed = deterministic_seed
         self._engine_of: dict[str, int] = {}  # request id -> the engine it was last sent to
         self._home: dict[str, int] = {}  # sample uid -> the engine that generated its last tokens
+        self._failures: dict[str, int] = {}  # sample uid -> failed completions in a row
         # generating now: task -> (request, request id, the version live when it was sent)
         self._running: dict[asyncio.Task, tuple[Request, str, int]] = {}
         self.stats: dict[str, float] = {}
@@ -178,9 +187,10 @@ class RolloutManager:
         self.rounds = max(rounds.values(), default=0)
         if not self.retract:
             tokens += await self._cut(list(self._running), version, keep=self.partial)
+        waited = time.monotonic()
         for task in pending_rewards:
             await task
-        return self._finish(start, tokens)
+        return self._finish(start, tokens, time.monotonic() - waited)
 
     async def _step_in_rounds(self, version: int, start: float) -> list[GroupState]:
         """The deterministic step: synchronous rounds in which every unfinished sample generates up
@@ -188,7 +198,7 @@ class RolloutManager:
         length so far, as SGLang's sampling_seed), until prompts_per_step groups are complete. What
         a step trains on then depends on nothing but the seed and the weights: never on timing."""
         self.buffer.drop_stale(version)
-        tokens, self.rounds = 0, 0
+        tokens, self.rounds, reward_wait = 0, 0, 0.0
         while sum(g.finished for g in self.buffer.groups.values()) < self.prompts_per_step:
             requests = self.buffer.requests()
             if not requests:
@@ -202,13 +212,15 @@ class RolloutManager:
             for req, completion in zip(requests, completions, strict=True):  # in the buffer's order
                 self.buffer.record(req, completion, version)
                 tokens += len(completion.output_ids)
+            waited = time.monotonic()
             await asyncio.gather(*(self._score(req) for req in requests if req.sample.finished))
+            reward_wait += time.monotonic() - waited
         if not self.partial:
             for group in self.buffer.groups.values():
                 for s in group.samples:
                     if not s.finished:
                         s.reset()
-        return self._finish(start, tokens)
+        return self._finish(start, tokens, reward_wait)
 
     def _seed_of(self, req: Request) -> int | None:
         if self.deterministic_seed is None:
@@ -216,11 +228,14 @@ class RolloutManager:
         key = f"{self.deterministic_seed}/{req.sample.uid}/{len(req.sample.response_ids)}/{req.sample.regenerated}"
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
-    def _finish(self, start: float, tokens: int) -> list[GroupState]:
+    def _finish(self, start: float, tokens: int, reward_wait: float) -> list[GroupState]:
+        """The step's complete groups, oldest first, and its stats; reward_wait: seconds spent waiting
+        for rewards after generation had finished (scoring beside generation hides the rest)."""
         groups = self.buffer.pop_finished(self.prompts_per_step)
         elapsed = time.monotonic() - start
         self.stats = {
             "rollout/seconds": elapsed,
+            "rollout/reward_wait": reward_wait,
             "rollout/tokens": tokens,
             "rollout/rounds": self.rounds,
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
@@ -318,6 +333,7 @@ class RolloutManager:
                 try:
                     completion = await self.pool.clients[index].generate(req.input_ids, sampling, rid)
                     self._home[uid] = index
+                    self._count_failure(uid, completion)
                     return completion
                 except EngineUnavailable:
                     self.pool.mark_dead(index)  # resubmitted elsewhere (or here, once it answers again)
@@ -325,6 +341,16 @@ class RolloutManager:
                     self.pool.load[index] -= 1
         finally:
             del self._engine_of[rid]  # only requests still generating are looked up (to abort them)
+
+    def _count_failure(self, uid: str, completion) -> None:
+        if completion.error is None:
+            self._failures.pop(uid, None)
+            return
+        self._failures[uid] = self._failures.get(uid, 0) + 1
+        if self._failures[uid] >= MAX_SAMPLE_FAILURES:
+            raise RolloutError(
+                f"sample {uid}: the engine failed it {self._failures[uid]} times in a row, last: {completion.error}"
+            )
 
     async def _score(self, req: Request) -> None:
         s = req.sample

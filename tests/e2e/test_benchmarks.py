@@ -26,7 +26,11 @@ def _table(script: str, *args: str) -> list[list[str]]:
     assert done.returncode == 0, f"{script} failed:\n{done.stderr[-3000:]}"
     lines = done.stdout.splitlines()
     rule = next(i for i, line in enumerate(lines) if line.startswith("---"))
-    rows = [line.split() for line in lines[rule + 1 :] if line.strip() and not line.startswith(("vs ", "fp8 "))]
+    rows = [
+        line.split()
+        for line in lines[rule + 1 :]
+        if line.strip() and not line.startswith(("vs ", "fp8 ", "---", "mode ", "CPU: ", "MODELLED GPU"))
+    ]
     assert rows, done.stdout
     assert "nan" not in done.stdout.lower(), done.stdout
     return rows
@@ -48,6 +52,7 @@ def test_train_step_benchmark():
 
 
 def test_rollout_benchmark():
+    """Both engines, each in a table of its own under its label: full-length first, then partial."""
     rows = _table(
         "bench_rollout.py",
         "--steps",
@@ -65,11 +70,45 @@ def test_rollout_benchmark():
         "--oversample",
         "2",
         "3",
+        "--engine",
+        "both",
     )
-    full, *partial = rows
-    assert full[0] == "full-length" and full[4] == "1.00x" and float(full[2]) > 0
-    assert [r[:3] for r in partial] == [["partial,", "oversample", "2"], ["partial,", "oversample", "3"]]
-    assert all(float(r[4]) > 0 and r[6].endswith("x") for r in partial)
+    tables = [rows[i : i + 3] for i, r in enumerate(rows) if r[0] == "full-length"]
+    assert len(tables) == 2, rows
+    for full, *partial in tables:
+        assert full[4] == "1.00x" and float(full[2]) > 0
+        assert [r[:3] for r in partial] == [["partial,", "oversample", "2"], ["partial,", "oversample", "3"]]
+        assert all(float(r[4]) > 0 and r[6].endswith("x") for r in partial)
+
+
+def test_loop_benchmark():
+    """The real bapo-train loop: per mode, each phase's seconds and the two waiting shares."""
+    rows = _table(
+        "bench_loop.py",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--modes",
+        "full",
+        "abort",
+        "--prompts",
+        "2",
+        "--samples",
+        "2",
+        "--max-new",
+        "16",
+        "--budget",
+        "8",
+    )
+    assert [r[0] for r in rows] == ["full", "abort"]
+    for row in rows:
+        assert len(row) == 10 and row[1] == "2", row  # mode, steps, 6 phases, 2 shares
+        step, rollout, reward_wait, train, sync, ckpt, trainer_waits, engines_wait = (
+            float(c.split("(")[0]) for c in row[2:]
+        )
+        assert step > 0 and rollout > 0 and train > 0 and sync > 0 and ckpt > 0 and reward_wait >= 0
+        assert 0 < trainer_waits < 1 and 0 <= engines_wait <= 1
 
 
 def test_weights_benchmark(tmp_path):

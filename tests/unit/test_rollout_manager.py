@@ -99,3 +99,76 @@ def test_budgeted_requests_continue_at_once_and_the_rest_is_kept_for_next_step()
     sent = [done for done, _, _ in engine.requests("p1/0")]
     assert len(kept) in sent and sent == sorted(set(sent))  # resumed where it stopped, nothing resent
     assert engine.requests("p2/0") and set(buffer.groups) == {"p2"}
+
+
+class FailingEngine:
+    """Answers every request with one token and an abort carrying an error status, `fail` times per
+    sample, then generates the sample to its end (two tokens, then STOP)."""
+
+    def __init__(self, fail: int) -> None:
+        self.fail, self.calls, self.seeds = fail, {}, []
+
+    async def generate(self, input_ids, sampling, rid):
+        uid = rid.partition("#")[0]
+        self.calls[uid] = self.calls.get(uid, 0) + 1
+        self.seeds.append((uid, len(input_ids), sampling.sampling_seed))
+        if self.calls[uid] <= self.fail:
+            return Completion(rid, [5], [-0.1], "abort", error="InternalError (HTTP 500): sampling failed")
+        return Completion(rid, [1, 2, STOP], [-0.1] * 3, "stop")
+
+    async def abort(self, rid=None):
+        pass
+
+    async def health(self):
+        return True
+
+
+def _manager(engine, deterministic_seed=None):
+    counter = iter(range(10))
+
+    def prompts():
+        i = next(counter)
+        return f"p{i}", [7, 8, 9], {"answer_ids": [1, 2]}
+
+    buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12)
+    return RolloutManager(
+        EnginePool([engine]),
+        buffer,
+        prompts,
+        RewardWorkers("exact_ids", inline=True),
+        SamplingParams(max_new_tokens=12, stop_token_ids=(STOP,)),
+        prompts_per_step=1,
+        deterministic_seed=deterministic_seed,
+    )
+
+
+def test_a_sample_the_engine_keeps_failing_stops_the_rollout_with_its_error():
+    import pytest
+
+    from bapo_megatron.rollout.manager import MAX_SAMPLE_FAILURES, RolloutError
+
+    engine = FailingEngine(fail=100)
+    with pytest.raises(RolloutError, match="failed it 3 times in a row, last: InternalError .HTTP 500.: sampling"):
+        asyncio.run(_manager(engine).step(0))
+    assert max(engine.calls.values()) == MAX_SAMPLE_FAILURES  # never resubmitted for ever
+
+
+def test_failures_short_of_the_limit_are_resubmitted_and_keep_their_tokens():
+    engine = FailingEngine(fail=2)
+    groups = asyncio.run(_manager(engine).step(0))
+    for s in groups[0].samples:  # two failed answers kept a token each, then the sample finished
+        assert s.response_ids == [5, 5, 1, 2, STOP] and s.finish == "stop" and s.reward == 0.0
+
+
+def test_deterministic_mode_seeds_each_request_from_the_run_seed_and_the_sample():
+    runs = []
+    for seed in (7, 7, 8):
+        engine = FailingEngine(fail=1)
+        asyncio.run(_manager(engine, deterministic_seed=seed).step(0))
+        runs.append(sorted(engine.seeds))
+    assert runs[0] == runs[1] and runs[0] != runs[2]  # the run's seed decides them
+    seeds = [seed for _, _, seed in runs[0]]
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds) and len(set(seeds)) == len(seeds)
+    engine = FailingEngine(fail=0)
+    asyncio.run(_manager(engine).step(0))  # the default: the engine seeds each request itself
+    assert engine.seeds and all(seed is None for _, _, seed in engine.seeds)
