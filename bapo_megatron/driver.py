@@ -33,7 +33,7 @@ from bapo_megatron.common.batch import RolloutBatch, Sample
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import JobConfig
-from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
 from bapo_megatron.rollout.data import PromptSource
 from bapo_megatron.rollout.launcher import ServerProcess, embedded_server, free_port
@@ -46,17 +46,30 @@ BUSY_METRIC = "bapo_engine_busy_seconds_total"
 
 
 def load_tokenizer(model_dir: str | Path | None):
-    """The model directory's tokenizer (transformers), or None when it has none."""
+    """The model directory's tokenizer, or None when it has none. tokenizer.json is read as it is
+    (transformers' PreTrainedTokenizerFast), with the chat template and special tokens that
+    tokenizer_config.json (or chat_template.jinja) names: AutoTokenizer would pick a class from
+    config.json's model type and may rebuild the tokenizer its own way."""
     if model_dir is None:
         return None
     root = Path(model_dir)
     import transformers
 
-    if (root / "tokenizer_config.json").is_file():
-        return transformers.AutoTokenizer.from_pretrained(str(root))
     if (root / "tokenizer.json").is_file():
-        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json"))
+        config_file = root / "tokenizer_config.json"
+        extra = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        kwargs = {k: v for k, v in extra.items() if k in SPECIAL_TOKENS and isinstance(v, str)}
+        if isinstance(extra.get("chat_template"), str):
+            kwargs["chat_template"] = extra["chat_template"]
+        elif (root / "chat_template.jinja").is_file():
+            kwargs["chat_template"] = (root / "chat_template.jinja").read_text()
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json"), **kwargs)
+    if (root / "tokenizer_config.json").is_file():  # a tokenizer of vocabulary files only
+        return transformers.AutoTokenizer.from_pretrained(str(root))
     return None
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def check_port(host: str, port: int, field: str) -> None:
@@ -143,10 +156,9 @@ class RolloutDriver:
 
     def _tokenize(self, text: str) -> list[int]:
         if self.cfg.data.chat_template:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )  # the template writes any special tokens itself: encoded as they are
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _decode(self, ids: list[int]) -> str:
@@ -276,7 +288,7 @@ class RolloutDriver:
             for client in self.clients:
                 served = (await client.model_info()).get("weight_version")
                 if str(served) != str(version):
-                    raise RuntimeError(
+                    raise RunStopped(
                         f"weight sync: {client.base_url} reports weight version {served!r} after the sync of "
                         f"version {version}: its weights are not the trainer's"
                     )

@@ -28,6 +28,11 @@ class BadInputError(ValueError):
     the file and what is wrong with it; entry points report it as one `error:` line."""
 
 
+class RunStopped(RuntimeError):
+    """The run stopped itself rather than train on something wrong (engines not serving the trainer's
+    weights, a sample the engines keep failing): entry points report it as one `error:` line, exit 1."""
+
+
 class NonFiniteInputError(ValueError):
     """Non-finite values where a finite number is required (a step to skip, not a config bug)."""
 

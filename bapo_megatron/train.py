@@ -26,7 +26,7 @@ import torch.distributed as dist
 from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.common.model_spec import ModelSpec, check_layout, tiny_spec
 from bapo_megatron.config import JobConfig, dump_config, load_config, to_dict
-from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.fsutil import write_text_atomic
 from bapo_megatron.logger import MetricLogger, keep_lines
 
@@ -362,7 +362,7 @@ def sync_weights(cfg: JobConfig, trainer, driver, version: int) -> dict[str, flo
         gap = trainer.logprob_gap(batch)
         metrics["sync/probe_logprob_gap"] = gap
         if gap > cfg.rollout.sync_check_max_gap:
-            raise RuntimeError(
+            raise RunStopped(
                 f"weight sync check: the engines' log-probs of the probe differ from the trainer's by {gap:.3g} "
                 f"(> rollout.sync_check_max_gap={cfg.rollout.sync_check_max_gap}) after the sync of version "
                 f"{version}: the engines are not serving the trainer's weights; stopping rather than training on them"
@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted: engines stopped; resume from the last checkpoint with the same command", file=sys.stderr)
         raise SystemExit(130) from None
+    except RunStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     except (ConfigError, BadInputError) as err:
         # A config mistake or an unusable file is the user's to fix: say what, without a traceback.
         print(f"error: {err}", file=sys.stderr)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bapo_megatron.common.protocol import SamplingParams
+from bapo_megatron.errors import RunStopped
 from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
 from bapo_megatron.rollout.partial import GroupState, PartialRolloutBuffer, Request
 from bapo_megatron.rollout.rewards import RewardWorkers
@@ -37,7 +38,7 @@ PromptFn = Callable[[], tuple[str, list[int], dict[str, Any]]]
 MAX_SAMPLE_FAILURES = 3
 
 
-class RolloutError(RuntimeError):
+class RolloutError(RunStopped):
     """A sample the engines failed to generate MAX_SAMPLE_FAILURES times in a row."""
 
 

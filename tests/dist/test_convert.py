@@ -153,7 +153,7 @@ def _layout_logprobs(
     mbs, _ = trainer.microbatches(batch)
 
     def collect(mb, logits):
-        logp, _ = trainer._logprobs(mb, logits)
+        logp, _ = trainer._logprobs(mb, logits, batch.temperature)
         return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), (mb.sample_index, logp, mb.loss_mask)
 
     with torch.no_grad():

@@ -265,3 +265,25 @@ def test_parallel_trainers_sync_their_engines_and_match_one_process(task, tmp_pa
         )
     assert trained_groups(parallel) == trained_groups(single)
     no_engine_left(tmp_path)
+
+
+def test_a_failed_sync_check_stops_the_run_and_ctrl_c_leaves_nothing_running(task, tmp_path):
+    """The probe's bound (here below float32's reach) stops the run with one error line, exit 1; an
+    interrupt (SIGINT, as Ctrl-C sends) during a run stops its engines and exits 130."""
+    run = tmp_path / "strict"
+    proc = start(args(task, run, 3, "rollout.sync_check_every=1", "rollout.sync_check_max_gap=1e-12"))
+    out, _ = proc.communicate(timeout=600)
+    last = out.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert last.startswith("error: weight sync check: ") and "rollout.sync_check_max_gap=1e-12" in last, last
+    no_engine_left(run)
+
+    run = tmp_path / "interrupted"
+    proc = start(args(task, run, 50))
+    log = run / "metrics.jsonl"
+    wait_for(lambda: log.is_file() and log.read_text().count("\n") >= 1, proc, "the first step")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130, out[-3000:]
+    assert out.strip().splitlines()[-1].startswith("interrupted: engines stopped")
+    no_engine_left(run)

@@ -1,0 +1,91 @@
+"""The rollout driver's input, checked before any engine or model: text prompts through the model
+directory's tokenizer (with its chat template when asked), and reward functions by name, module
+path or file path, whose failures score 0 and are counted."""
+
+import asyncio
+import json
+
+import pytest
+import tokenizers
+
+from bapo_megatron.common.model_spec import tiny_spec
+from bapo_megatron.config import load_config
+from bapo_megatron.driver import RolloutDriver
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.rollout.launcher import free_port
+from bapo_megatron.rollout.rewards import RewardWorkers, load_reward
+
+TEMPLATE = "{% for m in messages %}t1 {{ m['content'] }} t2{% endfor %}{% if add_generation_prompt %} t3{% endif %}"
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(tiny_spec().to_hf_config()))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+def _driver(tmp_path, model_dir, *overrides):
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "t5 t6 t7", "answer": "t9"}) + "\n")
+    cfg = load_config(
+        None,
+        [
+            f"model.hf_path={model_dir}",
+            f"data.path={tmp_path / 'data.jsonl'}",
+            "data.reward=exact",
+            f"rollout.port={free_port()}",
+            *overrides,
+        ],
+    )
+    driver = RolloutDriver(cfg, tiny_spec(), tmp_path / "run")
+    driver.close()
+    return driver
+
+
+def test_text_prompts_are_tokenised_with_the_models_tokenizer(tmp_path, model_dir):
+    driver = _driver(tmp_path, model_dir)
+    assert driver.prompts.items[0][0] == [5, 6, 7]
+    assert driver._decode([9, 10]) == "t9 t10"
+    assert not (tmp_path / "run").exists()  # nothing written before the run starts
+
+
+def test_the_chat_template_wraps_text_prompts(tmp_path, model_dir):
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "unk_token": "t0"})
+    )
+    assert _driver(tmp_path, model_dir, "data.chat_template=true").prompts.items[0][0] == [1, 5, 6, 7, 2, 3]
+    assert _driver(tmp_path, model_dir).prompts.items[0][0] == [5, 6, 7]
+
+
+def test_reward_functions_by_module_or_file(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def length(text, ids, record):\n    return float(len(ids))\n"
+        "def broken(text, ids, record):\n    raise KeyError(record['missing'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_reward("my_rewards:length")("", [1, 2, 3], {}) == 3.0
+    assert load_reward(f"{tmp_path / 'my_rewards.py'}:length")("", [1], {}) == 1.0
+    workers = RewardWorkers(f"{tmp_path / 'my_rewards.py'}:broken", inline=True)
+    assert asyncio.run(workers("x", [1], {})) == 0.0 and workers.failures == 1
+    assert workers.state_dict() == {"failures": 1}
+    for name, message in [
+        ("nope", "unknown reward 'nope'"),
+        ("no_such_module_here:fn", "does not import: ModuleNotFoundError"),
+        ("my_rewards:absent", "has no function 'absent'"),
+        (f"{tmp_path / 'missing.py'}:fn", "no such file"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_reward(name)
+
+
+def test_a_prompt_beyond_the_context_is_refused(tmp_path, model_dir):
+    with pytest.raises(ConfigError, match="data.reward='nope'"):
+        _driver(tmp_path, model_dir, "data.reward=nope")
+    from bapo_megatron.errors import BadInputError
+
+    with pytest.raises(BadInputError, match="exceed the model's context of 4096 tokens"):
+        _driver(tmp_path, model_dir, "rollout.max_new_tokens=4094")
