@@ -23,7 +23,9 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -165,7 +167,28 @@ class RolloutDriver:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def _run(self, coro):
-        return self.loop.run_until_complete(coro)
+        """Run `coro` on the driver's loop. Ctrl-C meanwhile cancels it (so every request task unwinds
+        at an await, never mid-call) and is raised as KeyboardInterrupt once it has."""
+        task = self.loop.create_task(coro)
+        interrupted = False
+
+        def interrupt() -> None:
+            nonlocal interrupted
+            interrupted = True
+            task.cancel()
+
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            self.loop.add_signal_handler(signal.SIGINT, interrupt)
+        try:
+            return self.loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            if interrupted:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            if main:
+                self.loop.remove_signal_handler(signal.SIGINT)
 
     # ------------------------------------------------------------------------------------------
     # Engines.
@@ -353,18 +376,20 @@ class RolloutDriver:
 
     def close(self) -> None:
         """Stop what this driver started; safe to call more than once and after a failed start."""
+        if self.loop.is_closed():
+            return
         try:
+            pending = asyncio.all_tasks(self.loop)  # requests of a step cut short (an error, Ctrl-C)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self._run(asyncio.gather(*pending, return_exceptions=True))
             if self.sender is not None and hasattr(self.sender, "close"):
                 self._run(asyncio.wait_for(self.sender.close(), 30))
         except Exception:  # the engines may be gone already: their end of the group is gone too
             pass
         finally:
             self.sender = None
-            pending = asyncio.all_tasks(self.loop)
-            for task in pending:
-                task.cancel()
-            if pending:
-                self._run(asyncio.gather(*pending, return_exceptions=True))
             for client in self.clients:
                 self._run(client.close())
             self.clients = []

@@ -14,8 +14,10 @@ partial rollout, a reward function from a file, the weight sync every step, chec
 import json
 import math
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +46,22 @@ def task(tmp_path_factory):
     return root
 
 
+def engine_port() -> int:
+    """A free port below the kernel's ephemeral range: one from inside it (free_port) can be handed to
+    the trainer's own gloo connections between the driver's check and the engine's bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def args(task: Path, run: Path, steps: int, *extra: str) -> list[str]:
     return [
         f"model.hf_path={task / 'm'}",
@@ -55,7 +73,7 @@ def args(task: Path, run: Path, steps: int, *extra: str) -> list[str]:
         "rollout.max_new_tokens=16",
         "rollout.partial=true",
         "rollout.token_budget=8",
-        f"rollout.port={free_port()}",
+        f"rollout.port={engine_port()}",
         f"checkpoint.dir={run / 'ckpt'}",
         f"run_dir={run}",
         "optimizer.lr=1e-3",
@@ -285,5 +303,5 @@ def test_a_failed_sync_check_stops_the_run_and_ctrl_c_leaves_nothing_running(tas
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 130, out[-3000:]
-    assert out.strip().splitlines()[-1].startswith("interrupted: engines stopped")
+    assert out.strip().splitlines()[-1].startswith("interrupted: engines stopped"), out[-3000:]
     no_engine_left(run)
