@@ -15,6 +15,7 @@ from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.rollout.client import EngineClient, EngineError
 from bapo_megatron.rollout.launcher import embedded_server
 from tests.dist.test_convert import make_hf_model
+from tests.engine_state import generating, until
 
 pytestmark = pytest.mark.e2e
 NAME = "qwen2-gqa2"
@@ -80,12 +81,12 @@ def test_abort_returns_partial_output_and_pause_holds_requests(server):
             long = asyncio.create_task(
                 client.generate([1, 2, 3], SamplingParams(max_new_tokens=4000, ignore_eos=True), "long")
             )
-            await asyncio.sleep(1.0)
+            await generating(client, at_least=2)
             await client.abort("long")
             partial = await long
             await client.pause("in_place")
             held = asyncio.create_task(client.generate([4, 5], SamplingParams(max_new_tokens=4), "held"))
-            await asyncio.sleep(0.5)
+            await until(client, lambda m: m["waiting_requests"] + m["running_requests"] >= 1, "the held request queued")
             was_done = held.done()
             await client.resume()
             return partial, was_done, await held
@@ -178,7 +179,7 @@ def test_memory_released_and_resumed_as_a_colocated_trainer_does(server, model_d
             busy = asyncio.create_task(
                 client.generate([1, 2, 3], SamplingParams(max_new_tokens=4000, ignore_eos=True), "busy")
             )
-            await asyncio.sleep(0.5)
+            await generating(client)
             with pytest.raises(EngineError, match="only when the engine is idle"):
                 await client.release_memory()
             await client.abort("busy")

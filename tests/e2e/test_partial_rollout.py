@@ -13,11 +13,12 @@ from bapo_megatron.rollout.manager import EnginePool, RolloutManager
 from bapo_megatron.rollout.partial import PartialRolloutBuffer
 from bapo_megatron.rollout.rewards import RewardWorkers
 from tests.dist.test_convert import make_hf_model
+from tests.engine_state import generating
 
 pytestmark = pytest.mark.e2e
 MODELS = ("model-a", "model-bb", "model-ccc")  # same shape, different weights (the seed is the name's length)
-LONG = 600  # tokens per sample in the kill test: the step must outlast the first half second
-RETRACT_LONG = 800  # the retract test: a group must outlast two weight updates 0.3 s apart
+LONG = 600  # tokens per sample in the kill test: the engine is killed once 8 are decoded
+RETRACT_LONG = 800  # the retract test: a group must outlast two weight updates, each after 4 more tokens
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +98,9 @@ def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
                 prompts_per_step=2,
             )
             step = asyncio.create_task(manager.step(0))
-            await asyncio.sleep(0.5)
+            await generating(client, at_least=8)  # the step's requests are in the engine, part-way
             assert not step.done(), "the step finished before the engine could be killed: make it longer"
             server.kill()
-            await asyncio.sleep(0.5)
             restarted = ServerProcess(server.command, server.url, tmp_path / "engine2.log").start()
             await asyncio.to_thread(restarted.wait_ready, 120)
             try:
@@ -154,7 +154,7 @@ def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_pa
             )
 
             async def update(version):
-                await asyncio.sleep(0.3)  # some tokens under the version before
+                await generating(client, at_least=4)  # some tokens under the version before
                 async with manager.weight_update():
                     colocated = version % 2  # as a colocated trainer: the engine's memory is free meanwhile
                     if colocated:
