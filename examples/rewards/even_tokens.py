@@ -1,7 +1,9 @@
 """A toy reward for the tiny online example: the share of even token ids in the response.
 
-A random tiny model emits about half even ids; RL raises the share, which shows the whole loop
-(generation, reward, BAPO update, weight sync) learning in a minute on a CPU. A reward function
+A random tiny model emits about half even ids; the share rises slowly under RL (measured on
+2 CPU cores: from about 0.49 in the first steps to about 0.54 at step 20), enough to see the
+whole loop (generation, reward, BAPO update, weight sync) at work in a minute. The demo that
+learns a real task is issue 16's. A reward function
 takes (response text, response token ids, the prompt's data record) and returns a float.
 """
 
