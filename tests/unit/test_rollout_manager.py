@@ -179,3 +179,28 @@ def test_deterministic_mode_seeds_each_request_from_the_run_seed_and_the_sample(
     engine = FailingEngine(fail=0)
     asyncio.run(_manager(engine).step(0))  # the default: the engine seeds each request itself
     assert engine.seeds and all(seed is None for _, _, seed in engine.seeds)
+
+
+def test_a_continued_sample_goes_back_to_the_engine_holding_its_prefix():
+    """Prefix-cache affinity: each of a sample's later requests goes to the engine that generated its
+    earlier tokens (two engines, equally loaded, so the least-loaded choice alone would not)."""
+    engines = [ScriptedEngine(prompt_len=3), ScriptedEngine(prompt_len=3)]
+    counter = iter(range(10))
+
+    def prompts():
+        i = next(counter)
+        return f"p{i}", [7, 8, 9], {"answer_ids": [STOP]}
+
+    manager = RolloutManager(
+        EnginePool(engines),
+        PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=3),
+        prompts,
+        RewardWorkers("exact_ids", inline=True),
+        SamplingParams(max_new_tokens=12, stop_token_ids=(STOP,)),
+        prompts_per_step=1,
+    )
+    asyncio.run(manager.step(1))
+    for uid in ("p0/0", "p0/1"):
+        served = [i for i, e in enumerate(engines) if e.requests(uid)]
+        assert len(served) == 1, (uid, served)  # every request of the sample on one engine
+    assert len(engines[0].requests("p0/1")) + len(engines[1].requests("p0/1")) == 3  # 9 tokens: 3 requests
