@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from bapo_megatron.config import RolloutConfig
+from bapo_megatron.config import SGLANG_LAUNCHER_ARGS, RolloutConfig
 from bapo_megatron.rollout.embedded import is_loopback
 from bapo_megatron.rollout.launcher import ServerProcess
 
@@ -92,12 +92,16 @@ def server_args(
         "random-seed": seed + index,
         "skip-tokenizer-init": True,  # we send and read token ids
     }
-    # validated by the config; None: SGLang's default (its --config merger would pass the string "None")
-    args.update({k.replace("_", "-"): v for k, v in cfg.sglang_args.items() if v is not None})
     if cfg.colocate:
         args["enable-memory-saver"] = True
     if key is not None:
         args["admin-api-key"] = key
+    # the one list of the launcher's options is config.SGLANG_LAUNCHER_ARGS (the config refuses them
+    # in sglang_args, --help-config shows them): an option set here and not there is a bug
+    unlisted = set(args) - set(SGLANG_LAUNCHER_ARGS)
+    assert not unlisted, f"SGLang options missing from config.SGLANG_LAUNCHER_ARGS: {sorted(unlisted)}"
+    # validated by the config; None: SGLang's default (its --config merger would pass the string "None")
+    args.update({k.replace("_", "-"): v for k, v in cfg.sglang_args.items() if v is not None})
     return args
 
 

@@ -109,3 +109,22 @@ def test_the_memory_fraction_is_the_configs_or_derived_when_colocated():
     assert mem_fraction(colocated, 0.42) == 0.42
     chosen = load_config(None, ["rollout.colocate=true", "rollout.mem_fraction_static=0.3"]).rollout
     assert mem_fraction(chosen, 0.42) == 0.3
+
+
+def test_the_launcher_sets_exactly_the_options_the_config_lists():
+    """config.SGLANG_LAUNCHER_ARGS is the one list of the options the launcher derives (the config
+    refuses them in sglang_args): a server with every feature on sets all of them but the API key,
+    which is never set, and nothing else beyond the user's sglang_args."""
+    from bapo_megatron.config import SGLANG_LAUNCHER_ARGS
+
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.colocate=true",
+            "rollout.mem_fraction_static=0.5",
+            "rollout.sglang_args.attention-backend=fa3",
+        ],
+    ).rollout
+    args = server_args(cfg, "/models/m", 0, "k" * 32)
+    assert set(args) - {"attention-backend"} == set(SGLANG_LAUNCHER_ARGS) - {"api-key"}
