@@ -77,6 +77,7 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 def check_port(host: str, port: int, field: str) -> None:
     """ConfigError when (host, port) cannot be listened on (in use, or not this machine's)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
         try:
             s.bind((host, port))
         except OSError as err:
@@ -144,6 +145,7 @@ class RolloutDriver:
         self.manager: RolloutManager | None = None
         self.sender = None
         self._busy: tuple[float, list[float]] | None = None
+        self._released = False
         if ro.engine_urls:  # engines of another job: they answer and serve this shape, or nothing starts
             from bapo_megatron.rollout.sglang_launcher import KEY_ENV, admin_key
 
@@ -295,18 +297,19 @@ class RolloutDriver:
         """Colocated engines free their memory while the trainer runs (abort mode: nothing generates)."""
         if self.cfg.rollout.colocate:
             self._run(self.manager.release_memory())
+            self._released = True
 
     def sync(self, buckets: Iterable, version: int) -> dict[str, float]:
         """Every bucket to every engine as weight version `version`; then each engine's version checked."""
-        colocate = self.cfg.rollout.colocate
+        released = self._released  # colocated, after a rollout: the engines hold no memory now
         start = time.monotonic()
 
         async def go() -> int:
             async with self.manager.weight_update():
-                if colocate:
+                if released:
                     await self.manager.resume_memory(["weights"])
                 sent = await self.sender.send(buckets, str(version))
-                if colocate:
+                if released:
                     await self.manager.resume_memory(["kv_cache", "cuda_graph"])
             for client in self.clients:
                 served = (await client.model_info()).get("weight_version")
@@ -318,6 +321,7 @@ class RolloutDriver:
             return sent
 
         sent = self._run(go())
+        self._released = False
         return {"time/weight_sync": time.monotonic() - start, "sync/bytes": float(sent)}
 
     def probe(self) -> Sample:

@@ -186,13 +186,14 @@ def _broadcast(obj=None):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
-def engine_model_dir(cfg: JobConfig, trainer, starting_weights: bool, run_dir: Path) -> Path | None:
-    """A directory the engines can load: model.hf_path when its safetensors are the starting
-    weights, else the trainer's weights written once to run_dir/engine_model (on rank 0; every
-    data-parallel rank 0 helps gather them). The first sync sends the trainer's weights anyway."""
+def engine_model_dir(cfg: JobConfig, trainer, run_dir: Path) -> Path | None:
+    """A directory the engines can start from: model.hf_path when it has weights (whatever they are:
+    the first sync sends the trainer's, a resumed run's included), else the trainer's weights
+    written once to run_dir/engine_model (on rank 0, every data-parallel rank 0 helping gather
+    them; a random or mcore_path start of a model without HF weights)."""
     from bapo_megatron.weights.gather import hf_buckets_to_rank0
 
-    if starting_weights:
+    if cfg.model.hf_path and any(Path(cfg.model.hf_path).glob("*.safetensors")):
         return Path(cfg.model.hf_path)
     tensors = {name: t.cpu() for bucket in hf_buckets_to_rank0(trainer, 512 << 20) for name, t in bucket}
     if dist.get_rank() != 0:
@@ -277,7 +278,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
             resume_step=trainer.step if resumed else None,
         )
         if online:
-            model_dir = engine_model_dir(cfg, trainer, starting_weights and not resumed, run_dir)
+            model_dir = engine_model_dir(cfg, trainer, run_dir)
             if driver is not None:
                 keep_lines_if_present(run_dir / "samples.jsonl", start if resumed else None)
                 driver.start(model_dir)
