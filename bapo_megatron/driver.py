@@ -220,7 +220,10 @@ class RolloutDriver:
         else:
             from bapo_megatron.rollout.sglang_launcher import start_sglang
 
-            self.servers, key = start_sglang(ro, str(model_dir), self.run_dir, ro.startup_timeout_s, seed=self.cfg.seed)
+            fraction = self._colocated_fraction() if ro.colocate and ro.mem_fraction_static is None else None
+            self.servers, key = start_sglang(
+                ro, str(model_dir), self.run_dir, ro.startup_timeout_s, seed=self.cfg.seed, colocated_fraction=fraction
+            )
             urls = [s.url for s in self.servers]
         for server in self.servers:
             server.wait_ready(ro.startup_timeout_s)
@@ -240,6 +243,16 @@ class RolloutDriver:
             deterministic_seed=self.cfg.seed if ro.deterministic else None,
         )
         self.sender = self._weight_sender()
+
+    def _colocated_fraction(self) -> float:
+        """What a colocated SGLang server may take of this GPU beside a trainer rank (cli.rollout_mem_fraction)."""
+        import torch
+
+        from bapo_megatron.cli import rollout_mem_fraction
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dp = self.cfg.parallel.data_parallel_size(world)
+        return rollout_mem_fraction(self.cfg, self.spec, torch.cuda.get_device_properties(0).total_memory, dp)
 
     async def _check_engines(self) -> None:
         """Engines that are already running answer, and serve a model of the trainer's shape."""
