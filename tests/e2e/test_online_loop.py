@@ -63,7 +63,13 @@ def engine_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+PORTS: dict[Path, list[int]] = {}
+"""The engine ports each run directory was given (no_engine_left looks for those)."""
+
+
 def args(task: Path, run: Path, steps: int, *extra: str) -> list[str]:
+    port = engine_port()
+    PORTS.setdefault(run, []).append(port)
     return [
         f"model.hf_path={task / 'm'}",
         f"data.path={task / 'prompts.jsonl'}",
@@ -74,7 +80,7 @@ def args(task: Path, run: Path, steps: int, *extra: str) -> list[str]:
         "rollout.max_new_tokens=16",
         "rollout.partial=true",
         "rollout.token_budget=8",
-        f"rollout.port={engine_port()}",
+        f"rollout.port={port}",
         f"checkpoint.dir={run / 'ckpt'}",
         f"run_dir={run}",
         "optimizer.lr=1e-3",
@@ -133,15 +139,19 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 60
         time.sleep(0.01)
 
 
-def no_engine_left(run: Path) -> None:
-    """No embedded engine of this run is alive (they die with their driver)."""
+def no_engine_left(path: Path) -> None:
+    """No embedded engine of the runs under `path` is alive (they die with their driver); engines are
+    told apart by the ports those runs were given (PORTS), not by name: other runs are not this test's."""
+    mine = [f"--port {port} " for run, ports in PORTS.items() if run == path or path in run.parents for port in ports]
+    assert mine, f"no run under {path}"
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    while True:
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-        if str(run) not in ps and "rollout.embedded" not in ps:
+        left = [line for line in ps.splitlines() if "rollout.embedded" in line and any(m in line + " " for m in mine)]
+        if not left:
             return
+        assert time.monotonic() < deadline, f"engine processes still running: {left}"
         time.sleep(0.2)
-    raise AssertionError(f"engine processes still running: {[line for line in ps.splitlines() if 'embedded' in line]}")
 
 
 def test_online_run_syncs_every_step_and_resumes(task, tmp_path):
