@@ -37,9 +37,9 @@ class EngineStartError(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the process that started it dies (Linux), so that a
-    killed driver leaves no engine behind holding its port and memory."""
+def die_with_parent() -> None:
+    """In a child (before exec, or as a worker pool's initializer): SIGTERM it when the process that
+    started it dies (Linux), so that a killed driver leaves no engine or worker behind."""
     import contextlib
     import ctypes
     import signal
@@ -67,7 +67,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
         self.process = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent
         )
         log.close()
         return self

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bapo_megatron.rollout.launcher import die_with_parent
+
 RewardFn = Callable[[str, list[int], dict[str, Any]], float]
 
 
@@ -117,7 +119,11 @@ class RewardWorkers:
         self.failures = 0
         # spawned, never forked: the caller may hold threads (torch, process groups) a fork would copy mid-state
         context = multiprocessing.get_context("spawn")
-        self._pool = None if inline else concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+        self._pool = (
+            None
+            if inline
+            else concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=die_with_parent)
+        )
 
     async def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> float:
         if self._pool is None:
