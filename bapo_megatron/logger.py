@@ -47,8 +47,7 @@ class MetricLogger:
         if "jsonl" in cfg.backends:
             path = Path(cfg.jsonl_path) if cfg.jsonl_path else Path(run_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
-            if path.is_file():
-                keep_lines(path, lambda record: resume_step is not None and record.get("step", 0) <= resume_step)
+            truncate_after(path, resume_step)
             self._jsonl = path.open("a")
         if "wandb" in cfg.backends:
             import wandb
@@ -74,6 +73,13 @@ class MetricLogger:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def truncate_after(path: Path, step: int | None) -> None:
+    """A resumed run's jsonl log keeps its records up to `step` (None, a new run: none), so that it
+    holds one timeline; nothing to do when the file does not exist."""
+    if path.is_file():
+        keep_lines(path, lambda record: step is not None and record.get("step", 0) <= step)
 
 
 def keep_lines(path: Path, keep) -> None:

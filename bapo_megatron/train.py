@@ -28,7 +28,7 @@ from bapo_megatron.common.model_spec import ModelSpec, check_layout, tiny_spec
 from bapo_megatron.config import JobConfig, dump_config, load_config, to_dict
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.fsutil import write_text_atomic
-from bapo_megatron.logger import MetricLogger, keep_lines
+from bapo_megatron.logger import MetricLogger, truncate_after
 
 
 class ReplaySource:
@@ -280,7 +280,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
         if online:
             model_dir = engine_model_dir(cfg, trainer, run_dir)
             if driver is not None:
-                keep_lines_if_present(run_dir / "samples.jsonl", start if resumed else None)
+                truncate_after(run_dir / "samples.jsonl", start if resumed else None)
                 driver.start(model_dir)
                 driver.engine_stats()  # the engines' busy time counts from here
             sync_weights(cfg, trainer, driver, start)  # the engines serve the trainer's (the checkpoint's) weights
@@ -378,12 +378,6 @@ def save(ckpt, trainer, driver, step: int) -> float:
         driver.drain(step)
     ckpt.save(trainer, step)
     return time.monotonic() - start
-
-
-def keep_lines_if_present(path: Path, step: int | None) -> None:
-    """A resumed run's samples log keeps the steps up to its checkpoint; a new run's starts empty."""
-    if path.is_file():
-        keep_lines(path, lambda record: step is not None and record.get("step", 0) <= step)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,19 +15,14 @@ import pytest
 
 from bapo_megatron.rollout.launcher import embedded_server
 from tests.dist.test_convert import make_hf_model
-from tests.e2e.test_online_loop import REWARD, args, start
+from tests.e2e.test_online_loop import args, start, write_task
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad")
-    make_hf_model(root, "m", ("qwen2", 2, False))
-    with open(root / "prompts.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"prompt": [3 + i, 7, 11], "answer": str(i)}) + "\n")
-    (root / "reward.py").write_text(REWARD)
+    root = write_task(tmp_path_factory.mktemp("bad"), 8)
     (root / "broken_reward.py").write_text("import a_module_that_is_not_there\n")
     (root / "empty.jsonl").write_text("\n")
     (root / "no_prompt.jsonl").write_text(json.dumps({"question": [1, 2]}) + "\n")

@@ -36,15 +36,19 @@ VOLATILE = ("time/", "perf/", "engine/", "rollout/seconds", "rollout/tokens_per_
 REWARD = "def even(text, ids, record):\n    return sum(t % 2 == 0 for t in ids) / max(1, len(ids))\n"
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("online")
+def write_task(root: Path, prompts: int) -> Path:
+    """Under root: a tiny Qwen2 with weights (m/), `prompts` token-id prompts, the reward file."""
     make_hf_model(root, "m", ("qwen2", 2, False))
     with open(root / "prompts.jsonl", "w") as f:
-        for i in range(64):
+        for i in range(prompts):
             f.write(json.dumps({"prompt": [3 + i % 50, 7 + i % 13, 11], "answer": str(i)}) + "\n")
     (root / "reward.py").write_text(REWARD)
     return root
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return write_task(tmp_path_factory.mktemp("online"), 64)
 
 
 def engine_port() -> int:

@@ -60,24 +60,30 @@ class ScriptedEngine:
         return [(done, max_new, start) for rid, done, max_new, start in self.sent if rid.startswith(uid + "#")]
 
 
-def test_budgeted_requests_continue_at_once_and_the_rest_is_kept_for_next_step():
-    engine = ScriptedEngine(prompt_len=3)
+def make_manager(engines, answer_ids, budget=None, **options) -> RolloutManager:
+    """A manager of two-sample groups of the prompt [7, 8, 9] (uids p0, p1, ...), 12 new tokens at most,
+    one group per step, scored inline by exact_ids against `answer_ids`."""
     counter = iter(range(10))
 
     def prompts():
         i = next(counter)
-        return f"p{i}", [7, 8, 9], {"answer_ids": [STOP]}
+        return f"p{i}", [7, 8, 9], {"answer_ids": answer_ids}
 
-    buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=3)
-    manager = RolloutManager(
-        EnginePool([engine]),
-        buffer,
+    return RolloutManager(
+        EnginePool(engines),
+        PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=budget, max_staleness=3),
         prompts,
         RewardWorkers("exact_ids", inline=True),
         SamplingParams(max_new_tokens=12, stop_token_ids=(STOP,)),
         prompts_per_step=1,
-        oversample=2,
+        **options,
     )
+
+
+def test_budgeted_requests_continue_at_once_and_the_rest_is_kept_for_next_step():
+    engine = ScriptedEngine(prompt_len=3)
+    manager = make_manager([engine], [STOP], budget=4, oversample=2)
+    buffer = manager.buffer
 
     async def run():
         first = await manager.step(1)
@@ -131,22 +137,7 @@ class FailingEngine:
 
 
 def _manager(engine, deterministic_seed=None):
-    counter = iter(range(10))
-
-    def prompts():
-        i = next(counter)
-        return f"p{i}", [7, 8, 9], {"answer_ids": [1, 2]}
-
-    buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12)
-    return RolloutManager(
-        EnginePool([engine]),
-        buffer,
-        prompts,
-        RewardWorkers("exact_ids", inline=True),
-        SamplingParams(max_new_tokens=12, stop_token_ids=(STOP,)),
-        prompts_per_step=1,
-        deterministic_seed=deterministic_seed,
-    )
+    return make_manager([engine], [1, 2], deterministic_seed=deterministic_seed)
 
 
 def test_a_sample_the_engine_keeps_failing_stops_the_rollout_with_its_error():
@@ -185,20 +176,7 @@ def test_a_continued_sample_goes_back_to_the_engine_holding_its_prefix():
     """Prefix-cache affinity: each of a sample's later requests goes to the engine that generated its
     earlier tokens (two engines, equally loaded, so the least-loaded choice alone would not)."""
     engines = [ScriptedEngine(prompt_len=3), ScriptedEngine(prompt_len=3)]
-    counter = iter(range(10))
-
-    def prompts():
-        i = next(counter)
-        return f"p{i}", [7, 8, 9], {"answer_ids": [STOP]}
-
-    manager = RolloutManager(
-        EnginePool(engines),
-        PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=3),
-        prompts,
-        RewardWorkers("exact_ids", inline=True),
-        SamplingParams(max_new_tokens=12, stop_token_ids=(STOP,)),
-        prompts_per_step=1,
-    )
+    manager = make_manager(engines, [STOP], budget=4)
     asyncio.run(manager.step(1))
     for uid in ("p0/0", "p0/1"):
         served = [i for i, e in enumerate(engines) if e.requests(uid)]
