@@ -1,7 +1,11 @@
 """Throughput of one BAPO training step: tokens/s, TFLOP/s and MFU, per precision.
 
-    python benchmarks/bench_train_step.py --shape qwen2.5-1.5b --precision bf16 fp8   # one H100/H200
-    python benchmarks/bench_train_step.py --shape tiny --precision fp32              # CPU smoke run
+    python benchmarks/bench_train_step.py --shape qwen2.5-1.5b --impl local transformer_engine \
+        --precision bf16 fp8 --fp8-recipe tensorwise blockwise         # one H100/H200
+    python benchmarks/bench_train_step.py --shape tiny --precision fp32   # CPU smoke run
+
+One row per (layer spec, precision, fp8 recipe): fp8 rows use Transformer Engine's spec only,
+and fp32 rows the local one. Peak memory is that row's own (the allocator's peak is reset).
 
 A step is what the trainer does: a forward-only pass (BAPO's step-scope bound search),
 then forward and backward through Megatron's schedule, then the optimizer. FLOPs count
@@ -13,9 +17,12 @@ forward (half of the full s x s score matrix), three times that with backward.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import statistics
 import time
+import traceback
 
 import torch
 
@@ -79,17 +86,19 @@ def synthetic_batch(spec: ModelSpec, prompts: int, n: int, seq: int, seed: int =
     return RolloutBatch(samples=samples)
 
 
-def bench(shape: str, precision: str, seq: int, prompts: int, n: int, steps: int, mb_tokens: int) -> dict:
+def bench(
+    shape: str, impl: str, precision: str, recipe: str, seq: int, prompts: int, n: int, steps: int, mb_tokens: int
+) -> dict:
     from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     spec = SHAPES[shape]
-    impl = "transformer_engine" if precision in ("bf16", "fp8") else "local"
     cfg = load_config(
         None,
         [
             f"model.precision={precision}",
             f"model.transformer_impl={impl}",
+            f"model.fp8_recipe={recipe}",
             f"parallel.max_tokens_per_microbatch={mb_tokens}",
             f"rollout.prompts_per_step={prompts}",
             f"rollout.samples_per_prompt={n}",
@@ -108,12 +117,14 @@ def bench(shape: str, precision: str, seq: int, prompts: int, n: int, steps: int
     tokens = sum(s.length for s in batch.samples)
     trainer.train_step(batch)  # warm-up (allocations, fp8 scales)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        sync()
+        start = time.perf_counter()
         trainer.train_step(batch)
-    sync()
-    seconds = (time.perf_counter() - start) / steps
+        sync()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     tflops = step_flops(spec, tokens, seq) / seconds / 1e12
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     peak = next((v for (name, p), v in PEAK_TFLOPS.items() if name in device and p == precision), None)
@@ -123,9 +134,14 @@ def bench(shape: str, precision: str, seq: int, prompts: int, n: int, steps: int
         import resource
 
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    del trainer
     return {
+        "impl": impl,
+        "precision": precision,
+        "recipe": recipe if precision == "fp8" else "-",
         "tokens": tokens,
         "seconds": seconds,
+        "spread": (min(times), max(times)),
         "tokens_per_s": tokens / seconds,
         "tflops": tflops,
         "mfu": tflops / peak if peak else None,
@@ -138,10 +154,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp8"])
+    parser.add_argument(
+        "--impl",
+        nargs="+",
+        default=None,
+        choices=["local", "transformer_engine"],
+        help="layer specs (default: by device)",
+    )
+    parser.add_argument(
+        "--fp8-recipe", nargs="+", default=["tensorwise"], choices=["delayed", "tensorwise", "blockwise"]
+    )
+    parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sample (default 4096 GPU, 128 CPU)")
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--samples-per-prompt", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up (median reported)")
     parser.add_argument("--microbatch-tokens", type=int, default=None, help="token budget (default 2 samples)")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
@@ -156,25 +183,54 @@ def main() -> None:
     seq = args.seq or (4096 if gpu else 128)
     prompts = args.prompts or (8 if gpu else 2)
     mb_tokens = args.microbatch_tokens or 2 * seq
-    rows = [
-        (p, bench(args.shape, p, seq, prompts, args.samples_per_prompt, args.steps, mb_tokens)) for p in args.precision
-    ]
+    impls = args.impl or (["transformer_engine"] if gpu else ["local"])
+    plan = []
+    for impl in impls:
+        for precision in args.precision:
+            if precision == "fp8" and impl != "transformer_engine":
+                continue  # fp8 needs Transformer Engine's layers
+            if precision == "fp32" and gpu:
+                continue  # not a training precision on a GPU
+            for recipe in args.fp8_recipe if precision == "fp8" else ["tensorwise"]:
+                plan.append((impl, precision, recipe))
+    rows, failed = [], []
+    for impl, precision, recipe in plan:
+        try:
+            rows.append(
+                bench(args.shape, impl, precision, recipe, seq, prompts, args.samples_per_prompt, args.steps, mb_tokens)
+            )
+        except Exception as err:  # one row's failure (an unsupported recipe, say) leaves the others standing
+            traceback.print_exc()
+            failed.append(f"{impl} {precision} {recipe}: {type(err).__name__}: {err}")
+    if not rows:
+        raise SystemExit("every row failed:\n" + "\n".join(failed))
     print(
         f"shape={args.shape} ({matmul_params(SHAPES[args.shape]) / 1e6:,.1f}M matmul params), seq={seq}, "
-        f"{prompts}x{args.samples_per_prompt} samples per step, device={rows[0][1]['device']}"
+        f"{prompts}x{args.samples_per_prompt} samples per step, {mb_tokens} tokens per micro-batch, "
+        f"device={rows[0]['device']}, torch {torch.__version__}, median of {args.steps} steps"
     )
-    header = f"{'precision':>9} {'tokens':>8} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
+    header = (
+        f"{'spec':>18} {'precision':>9} {'recipe':>10} {'tokens':>8} {'step s':>8} {'min-max s':>13} "
+        f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
+    )
     print(header)
     print("-" * len(header))
-    for precision, r in rows:
+    for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"  # no peak figure for this device
+        spread = f"{r['spread'][0]:.3f}-{r['spread'][1]:.3f}"
         print(
-            f"{precision:>9} {r['tokens']:>8} {r['seconds']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} "
-            f"{mfu:>6} {r['memory_gib']:>8.2f}"
+            f"{r['impl']:>18} {r['precision']:>9} {r['recipe']:>10} {r['tokens']:>8} {r['seconds']:>8.3f} "
+            f"{spread:>13} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} {mfu:>6} {r['memory_gib']:>8.2f}"
         )
-    if len(rows) == 2 and {p for p, _ in rows} == {"bf16", "fp8"}:
-        speed = {p: r["tokens_per_s"] for p, r in rows}
-        print(f"fp8 / bf16 step throughput: {speed['fp8'] / speed['bf16']:.2f}x")
+    bf16 = next((r for r in rows if r["precision"] == "bf16" and r["impl"] == "transformer_engine"), None)
+    for r in rows:
+        if bf16 and r["precision"] == "fp8":
+            print(f"fp8 ({r['recipe']}) / bf16 step throughput: {r['tokens_per_s'] / bf16['tokens_per_s']:.2f}x")
+    for line in failed:
+        print(f"failed: {line}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "seq": seq, "prompts": prompts, "rows": rows, "failed": failed}, f, indent=1)
 
 
 if __name__ == "__main__":

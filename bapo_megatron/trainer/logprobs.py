@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 LIVE_TEMPORARIES = 5
-"""[chunk, V_local] tensors alive at once at the peak of a chunk (backward: z, log p, p, the
-gradient and a masked copy; forward: fewer)."""
+"""[chunk, V_local] tensors alive at once at the peak of a chunk when the work runs op by op
+(backward: z, log p, p, the gradient and a masked copy; forward: fewer). Fused kernels keep
+fewer, so the budget holds for both."""
 
 
 def chunk_tokens_for(v_local: int, itemsize: int, budget_bytes: int) -> int:
@@ -29,11 +30,63 @@ def _all_reduce(t: torch.Tensor, op, group) -> None:
         dist.all_reduce(t, op=op, group=group)
 
 
+# The per-chunk work, as pure functions of whole chunks: run op by op (CPU, or fused=False) or
+# compiled by torch.compile into a few fused kernels on CUDA, where op by op they are a dozen
+# passes over a float32 [chunk, V] tensor each (measured: 37% of a Qwen2.5-1.5B step's GPU time).
+
+
+def _scaled(logits: torch.Tensor, inv_temperature: float, valid_cols: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.where(valid_cols, logits.to(dtype) * inv_temperature, float("-inf"))
+
+
+def _chunk_max(logits, inv_temperature: float, valid_cols, dtype: torch.dtype):
+    return _scaled(logits, inv_temperature, valid_cols, dtype).amax(dim=-1)
+
+
+def _chunk_stats(logits, inv_temperature: float, valid_cols, zmax, local_target, on_rank, dtype: torch.dtype):
+    """(sum exp(z - max), sum exp(z - max) * z, the target's z where this rank holds it), stacked."""
+    z = _scaled(logits, inv_temperature, valid_cols, dtype)
+    e = torch.exp(z - zmax.unsqueeze(-1))
+    cols = torch.arange(z.shape[-1], device=z.device)
+    is_target = (cols == local_target.unsqueeze(-1)) & on_rank.unsqueeze(-1)
+    return torch.stack([e.sum(-1), torch.where(valid_cols, e * z, 0.0).sum(-1), torch.where(is_target, z, 0.0).sum(-1)])
+
+
+def _chunk_grad(logits, inv_temperature: float, valid_cols, lse, entropy, g_lp, g_h, local_target, on_rank):
+    """d(sum g_lp * logp + g_h * H)/d logits of one chunk, in the logits' dtype:
+    d logp_target / dz = onehot - p;  d H / dz = -p (log p + H);  dz/dlogits = 1/T."""
+    dtype = lse.dtype
+    z = _scaled(logits, inv_temperature, valid_cols, dtype)
+    log_p = z - lse.unsqueeze(-1)
+    p = torch.exp(log_p)
+    g_lp, g_h = g_lp.to(dtype).unsqueeze(-1), g_h.to(dtype).unsqueeze(-1)
+    log_p = torch.where(valid_cols, log_p, 0.0)  # padding columns: p = 0, and 0 * -inf is not 0
+    cols = torch.arange(z.shape[-1], device=z.device)
+    is_target = (cols == local_target.unsqueeze(-1)) & on_rank.unsqueeze(-1)
+    dz = torch.where(is_target, g_lp, 0.0) - g_lp * p - g_h * p * (log_p + entropy.unsqueeze(-1))
+    return (dz * inv_temperature).to(logits.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _kernels(fused: bool):
+    """(max, stats, grad) chunk functions: compiled once per process when fused, else as written."""
+    if not fused:
+        return _chunk_max, _chunk_stats, _chunk_grad
+    if not _COMPILED:
+        for name, fn in (("max", _chunk_max), ("stats", _chunk_stats), ("grad", _chunk_grad)):
+            _COMPILED[name] = torch.compile(fn, dynamic=True)  # the last chunk is shorter
+    return _COMPILED["max"], _COMPILED["stats"], _COMPILED["grad"]
+
+
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, temperature, vocab_start, vocab_size, chunk):
+    def forward(ctx, logits, targets, group, temperature, vocab_start, vocab_size, chunk, fused):
         n, v_local = logits.shape
         dtype = torch.promote_types(logits.dtype, torch.float32)
+        chunk_max, chunk_stats, _ = _kernels(fused)
+        inv_t = 1.0 / temperature
         logp = torch.empty(n, dtype=dtype, device=logits.device)
         entropy = torch.empty_like(logp)
         lse_all = torch.empty_like(logp)
@@ -41,17 +94,11 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         local_target = targets - vocab_start
         on_rank = (local_target >= 0) & (local_target < v_local)
         for s in range(0, n, chunk):
-            z = _scaled(logits[s : s + chunk], temperature, valid_cols, dtype)
-            zmax = z.max(dim=-1).values
+            part = logits[s : s + chunk]
+            zmax = chunk_max(part, inv_t, valid_cols, dtype)
             _all_reduce(zmax, dist.ReduceOp.MAX, group)
-            e = torch.exp(z - zmax.unsqueeze(-1))
-            zt = z.gather(1, local_target[s : s + chunk].clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
-            stats = torch.stack(
-                [
-                    e.sum(-1),
-                    torch.where(valid_cols, e * z, 0.0).sum(-1),
-                    torch.where(on_rank[s : s + chunk], zt, 0.0),
-                ]
+            stats = chunk_stats(
+                part, inv_t, valid_cols, zmax, local_target[s : s + chunk], on_rank[s : s + chunk], dtype
             )
             _all_reduce(stats, dist.ReduceOp.SUM, group)
             sum_e, sum_ez, z_target = stats
@@ -60,37 +107,32 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             entropy[s : s + chunk] = lse - sum_ez / sum_e
             lse_all[s : s + chunk] = lse
         ctx.save_for_backward(logits, local_target, on_rank, lse_all, entropy, valid_cols)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.inv_t, ctx.chunk, ctx.fused = inv_t, chunk, fused
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, local_target, on_rank, lse_all, entropy, valid_cols = ctx.saved_tensors
+        _, _, chunk_grad = _kernels(ctx.fused)
         grad = torch.empty_like(logits)
-        n, v_local = logits.shape
-        dtype = lse_all.dtype
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse_all)
         if grad_entropy is None:
             grad_entropy = torch.zeros_like(lse_all)
-        for s in range(0, n, ctx.chunk):
-            z = _scaled(logits[s : s + ctx.chunk], ctx.temperature, valid_cols, dtype)
-            log_p = z - lse_all[s : s + ctx.chunk].unsqueeze(-1)
-            p = torch.exp(log_p)
-            g_lp = grad_logp[s : s + ctx.chunk].unsqueeze(-1).to(dtype)
-            g_h = grad_entropy[s : s + ctx.chunk].unsqueeze(-1).to(dtype)
-            # d logp_target / dz = onehot - p;  d H / dz = -p (log p + H)
-            log_p = torch.where(valid_cols, log_p, 0.0)
-            dz = -g_lp * p - g_h * p * (log_p + entropy[s : s + ctx.chunk].unsqueeze(-1))
-            cols = local_target[s : s + ctx.chunk].clamp(0, v_local - 1).unsqueeze(1)
-            dz.scatter_add_(1, cols, torch.where(on_rank[s : s + ctx.chunk].unsqueeze(1), g_lp, 0.0))
-            grad[s : s + ctx.chunk] = (dz / ctx.temperature).to(grad.dtype)
-        return grad, None, None, None, None, None, None
-
-
-def _scaled(logits: torch.Tensor, temperature: float, valid_cols: torch.Tensor, dtype) -> torch.Tensor:
-    z = logits.to(dtype) / temperature
-    return torch.where(valid_cols, z, float("-inf"))
+        c = ctx.chunk
+        for s in range(0, logits.shape[0], c):
+            grad[s : s + c] = chunk_grad(
+                logits[s : s + c],
+                ctx.inv_t,
+                valid_cols,
+                lse_all[s : s + c],
+                entropy[s : s + c],
+                grad_logp[s : s + c],
+                grad_entropy[s : s + c],
+                local_target[s : s + c],
+                on_rank[s : s + c],
+            )
+        return grad, None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -103,6 +145,7 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
     memory_budget_bytes: int = 1 << 30,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(target) and the entropy of pi for every token, from this rank's vocabulary slice.
 
@@ -115,6 +158,7 @@ def vocab_parallel_logprobs(
         chunk_tokens: tokens per chunk (None: as many as memory_budget_bytes holds); the float32
             (or wider) temporaries are chunk x V_local each.
         memory_budget_bytes: what the temporaries of one chunk may take, when chunk_tokens is None.
+        fused: run each chunk's work as torch.compile'd kernels (None: on CUDA only).
     Returns:
         (logprobs, entropy), each of targets' shape, float32 or wider, differentiable in logits.
     """
@@ -137,5 +181,6 @@ def vocab_parallel_logprobs(
         int(vocab_start),
         int(vocab_size),
         max(1, int(chunk_tokens)),
+        logits.is_cuda if fused is None else bool(fused),
     )
     return logp.view(lead), entropy.view(lead)

@@ -158,6 +158,7 @@ class PolicyTrainer:
             vocab_size=self.spec.vocab_size,
             temperature=temperature,
             memory_budget_bytes=self.cfg.model.logprob_memory_mb << 20,
+            fused=self.cfg.model.fused_logprobs and logits.is_cuda,
         )
 
     def _is_weight(self, mb: MicroBatch, prox: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ def test_cuda_loss_matches_cpu():
     cfg = PolicyLossConfig(loss="bapo")
     outs = []
     for device in ("cpu", "cuda"):
-        x = lp.to(device).requires_grad_()
+        x = lp.clone().to(device).requires_grad_()  # a leaf on each device
         out = policy_loss(
             PolicyBatch(logprobs=x, old_logprobs=old.to(device), advantages=adv.to(device), mask=mask.to(device)), cfg
         )

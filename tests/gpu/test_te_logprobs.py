@@ -1,0 +1,81 @@
+"""On a GPU with Transformer Engine: TE's layer spec in bf16 gives the log-probs of the local spec
+in bf16, within bf16's precision. Both load the same HF weights; each is compared with the local
+spec in float32 (the reference), and TE's error must be no larger than bf16's own."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.launch import run_workers
+from tests.dist.test_convert import CASES, make_hf_model
+from tests.e2e.test_train_resume import make_batch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
+    reason="needs CUDA and Transformer Engine",
+)
+NAME = "qwen2-gqa2"
+
+
+def token_logprobs(trainer, batch) -> torch.Tensor:
+    """Every response token's log-prob under `trainer` (one process: no pipeline), flattened."""
+    mbs, _ = trainer.microbatches(batch)
+
+    def record(mb, logits):
+        logp, _ = trainer._logprobs(mb, logits, batch.temperature)
+        kept = logp.detach().float()[mb.loss_mask.bool()]
+        return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), kept
+
+    with torch.no_grad():
+        found = trainer._run(mbs, record, forward_only=True)
+    return torch.cat([f.cpu() for f in found])
+
+
+def _worker(rank: int, world: int, root: str) -> None:
+    import dataclasses
+
+    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.config import load_config
+    from bapo_megatron.trainer.parallel import init_model_parallel
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+    from bapo_megatron.weights.hf_load import load_hf_into_trainer
+
+    arch, kv, tied = CASES[NAME]
+    spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
+    make_hf_model(Path(root), NAME)
+    batch = make_batch(5, groups=4, n=4, max_len=40)
+    out = {}
+    for impl, precision in (("local", "fp32"), ("local", "bf16"), ("transformer_engine", "bf16")):
+        cfg = load_config(
+            None,
+            [
+                f"model.transformer_impl={impl}",
+                f"model.precision={precision}",
+                "parallel.max_tokens_per_microbatch=512",
+            ],
+        )
+        trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
+        load_hf_into_trainer(trainer, Path(root) / NAME)
+        out[f"{impl}-{precision}"] = token_logprobs(trainer, batch).tolist()
+        del trainer
+    (Path(root) / "logprobs.json").write_text(json.dumps(out))
+
+
+def test_te_bf16_logprobs_match_the_local_spec(tmp_path):
+    run_workers(_worker, 1, str(tmp_path), device="cuda")
+    got = {k: torch.tensor(v) for k, v in json.loads((tmp_path / "logprobs.json").read_text()).items()}
+    ref = got["local-fp32"]
+    local_err = (got["local-bf16"] - ref).abs()
+    te_err = (got["transformer_engine-bf16"] - ref).abs()
+    between = (got["transformer_engine-bf16"] - got["local-bf16"]).abs()
+    print(
+        f"max |error| vs fp32: local bf16 {local_err.max():.4f}, TE bf16 {te_err.max():.4f}; "
+        f"TE vs local bf16: max {between.max():.4f}, mean {between.mean():.5f} over {ref.numel()} tokens"
+    )
+    assert ref.numel() > 100
+    # bf16 keeps 8 bits of mantissa: log-probs around -5.5 carry errors of a few hundredths
+    assert between.max() <= 0.1
+    assert te_err.mean() <= 2 * local_err.mean() + 1e-3

@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# Turns a bare GPU machine (CUDA 13, Python 3.12 with torch, no package registry, at most
+# 64 MiB carried per command) into a test bed for this project, and runs the GPU tests and
+# benchmarks there. Steps, in this order:
+#
+#   here:   tools/gpu_check.sh prepare        wheels into .gpu/ (ignored): base/ (megatron-core,
+#                                             pydantic for TE, TE's python wheel and
+#                                             its torch-extension sdist) and te1..teN/ (TE's
+#                                             CUDA-13 core wheel, cut into parts of 57 MiB)
+#   there:  tools/gpu_check.sh install        base wheels into /tmp/site (carry .gpu/base)
+#   there:  tools/gpu_check.sh stash K        keep part K in /tmp/te-parts (carry .gpu/teK); the
+#                                             machine must stay up between these commands
+#   there:  tools/gpu_check.sh install-te     join the parts (sha256 checked), install TE's core
+#                                             and python wheels, build its torch extension against
+#                                             the machine's torch (C++ only, about 28 files)
+#   there:  tools/gpu_check.sh tests          pytest tests/gpu (TE tests skip without TE)
+#   there:  tools/gpu_check.sh bench          bench_train_step (Qwen2.5-1.5B shape) and bench_export
+#
+# Logs and result tables go to $OUT when it is set (the device tool brings them back), else to
+# ./gpu-results. Every step prints its own wall time; the figures of a run are in
+# benchmarks/RESULTS.md.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WHEELS=$ROOT/.gpu
+SITE=/tmp/site
+PARTS=/tmp/te-parts
+RESULTS=${OUT:-$ROOT/gpu-results}
+PART_BYTES=$((57 * 1024 * 1024))
+MCORE=megatron-core==0.16.1
+TE=2.11.0
+PY=${PYTHON:-python3}
+
+step() { echo "== $* ($(date -u +%H:%M:%S))"; }
+timed() {
+  local start=$SECONDS
+  "$@"
+  echo "-- $1 ${2:-}: $((SECONDS - start)) s"
+}
+env_there() {
+  export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONUNBUFFERED=1
+  mkdir -p "$RESULTS"
+}
+
+prepare() {
+  # Wheels for the GPU machine's interpreter (cp312, manylinux x86-64), never its dependencies:
+  # torch, numpy, transformers, safetensors, tokenizers, yaml and aiohttp are in its image.
+  local platforms=(--only-binary=:all: --python-version 3.12 --implementation cp)
+  local p
+  for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+    platforms+=(--platform "$p")
+  done
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS/base"
+  step "download wheels"
+  $PY -m pip download -q --no-deps "${platforms[@]}" -d "$WHEELS/base" \
+    "$MCORE" "transformer-engine==$TE" pydantic pydantic-core annotated-types typing-inspection \
+    "typing-extensions>=4.16"
+  # pydantic pins its pydantic-core exactly: fetch the pinned one if the newest differs
+  local core
+  core=$(unzip -p "$WHEELS"/base/pydantic-[0-9]*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==//p')
+  rm -f "$WHEELS"/base/pydantic_core-*.whl
+  $PY -m pip download -q --no-deps "${platforms[@]}" -d "$WHEELS/base" "pydantic-core==$core"
+  # TE's torch extension exists only as an sdist (pip download would try to build it here)
+  $PY - "$WHEELS/base" "$TE" <<'EOF'
+import re, sys, urllib.request
+dest, version = sys.argv[1], sys.argv[2]
+page = urllib.request.urlopen("https://pypi.org/simple/transformer-engine-torch/").read().decode()
+url = re.search(rf'href="([^"#]*/transformer_engine_torch-{re.escape(version)}\.tar\.gz)', page).group(1)
+urllib.request.urlretrieve(url, f"{dest}/{url.rsplit('/', 1)[1]}")
+EOF
+  step "TE core wheel, in parts"
+  local tmp
+  tmp=$(mktemp -d)
+  $PY -m pip download -q --no-deps "${platforms[@]}" -d "$tmp" "transformer-engine-cu13==$TE"
+  local wheel
+  wheel=$(ls "$tmp"/transformer_engine_cu13-*.whl)
+  (cd "$tmp" && sha256sum "$(basename "$wheel")") > "$WHEELS/base/te-core.sha256"
+  split -b "$PART_BYTES" -d -a 1 "$wheel" "$tmp/part-"
+  local i=1 part
+  for part in "$tmp"/part-*; do
+    mkdir -p "$WHEELS/te$i" && mv "$part" "$WHEELS/te$i/"
+    i=$((i + 1))
+  done
+  rm -rf "$tmp"
+  du -sh "$WHEELS"/*
+  echo "carry .gpu/base with install; .gpu/te1 .. .gpu/te$((i - 1)) with one stash each"
+}
+
+install() {
+  env_there
+  step "install base wheels into $SITE"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELS"/base/megatron_core-*.whl "$WHEELS"/base/pydantic*.whl "$WHEELS"/base/annotated_types-*.whl \
+    "$WHEELS"/base/typing_inspection-*.whl "$WHEELS"/base/typing_extensions-*.whl
+  mkdir -p "$PARTS"
+  cp "$WHEELS"/base/transformer_engine-*.whl "$WHEELS"/base/transformer_engine_torch-*.tar.gz \
+    "$WHEELS"/base/te-core.sha256 "$PARTS"/
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'mcore', m.__version__, torch.cuda.get_device_name())"
+}
+
+stash() {
+  mkdir -p "$PARTS"
+  cp "$WHEELS/te$1"/part-* "$PARTS"/
+  ls -la "$PARTS"
+}
+
+install_te() {
+  env_there
+  step "join the TE core wheel"
+  local name
+  name=$(awk '{print $2}' "$PARTS/te-core.sha256")
+  cat "$PARTS"/part-* > "$PARTS/$name"
+  (cd "$PARTS" && sha256sum -c te-core.sha256)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$PARTS/$name" "$PARTS"/transformer_engine-*.whl
+  step "build TE's torch extension against $($PY -c 'import torch; print(torch.__version__)')"
+  local src=/tmp/te-src  # kept: a second build reuses its objects
+  mkdir -p "$src" && tar xzf "$PARTS"/transformer_engine_torch-*.tar.gz -C "$src" --skip-old-files
+  # cudnn.h and nccl.h come from the image's nvidia-* wheels, not the toolkit's include folder
+  local includes
+  includes=$($PY -c "import nvidia, pathlib; print(':'.join(str(p) for p in sorted(pathlib.Path(list(nvidia.__path__)[0]).glob('**/include')) if p.is_dir()))")
+  (
+    cd "$src"/transformer_engine_torch-*
+    CPATH=$includes${CPATH:+:$CPATH} NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS:-16} \
+      $PY -m pip wheel -q --no-index --no-deps --no-build-isolation --no-cache-dir -w "$src/wheel" .
+  ) 2>&1 | tail -40
+  # unpacked, not pip-installed: --target would skip (or, with --upgrade, replace) the core's folder
+  $PY -m zipfile -e "$src"/wheel/transformer_engine_torch-*.whl "$SITE"
+  $PY -c "import transformer_engine.pytorch as te, transformer_engine as t; print('transformer_engine', t.__version__)"
+}
+
+tests() {
+  env_there
+  step "pytest tests/gpu"
+  set +e
+  $PY -m pytest -q -ra -p no:cacheprovider tests/gpu "$@" 2>&1 | tee "$RESULTS/tests-gpu.log"
+  local rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
+}
+
+bench() {
+  env_there
+  local impls=(local)
+  local precisions=(bf16)
+  if $PY -c "import transformer_engine.pytorch" 2>/dev/null; then
+    impls+=(transformer_engine)
+    precisions+=(fp8)
+  fi
+  step "bench_train_step, Qwen2.5-1.5B shape"
+  $PY benchmarks/bench_train_step.py --shape qwen2.5-1.5b --impl "${impls[@]}" --precision "${precisions[@]}" \
+    --fp8-recipe tensorwise blockwise --json "$RESULTS/train_step.json" 2>&1 | tee "$RESULTS/train_step.txt"
+  step "bench_export, Qwen2.5-7B shape"
+  $PY benchmarks/bench_export.py --shape qwen2.5-7b --json "$RESULTS/export.json" 2>&1 | tee "$RESULTS/export.txt"
+}
+
+case "${1:-}" in
+  prepare) timed prepare ;;
+  install) timed install ;;
+  stash) timed stash "$2" ;;
+  install-te) timed install_te ;;
+  tests) shift; timed tests "$@" ;;
+  bench) timed bench ;;
+  *)
+    sed -n '2,24p' "$0"
+    exit 2
+    ;;
+esac
