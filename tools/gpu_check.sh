@@ -13,8 +13,16 @@
 #   there:  tools/gpu_check.sh install-te     join the parts (sha256 checked), install TE's core
 #                                             and python wheels, build its torch extension against
 #                                             the machine's torch (C++ only, about 28 files)
-#   there:  tools/gpu_check.sh tests          pytest tests/gpu (TE tests skip without TE)
-#   there:  tools/gpu_check.sh bench          bench_train_step (Qwen2.5-1.5B shape) and bench_export
+#   there:  tools/gpu_check.sh tests [PATHS]  pytest tests/gpu or PATHS (TE tests skip without TE)
+#   there:  tools/gpu_check.sh bench          bench_logprobs, bench_train_step (Qwen2.5-1.5B shape,
+#                                             TE spec, 8k and 16k-token micro-batches), bench_export
+#
+# What each step cost on an H100 machine (2026-11-23): machine start about 30 s; install 18 s;
+# each stash well under a second once its 57 MiB arrived (the call, transfer included, about
+# 5-8 s); install-te 104 s (the extension's 28 C++ files, 16 jobs); tests 130 s with TE; bench
+# about 4 minutes. The whole bring-up fits one 30-minute lease with room for a profile.
+# The local (non-TE) spec is not benchmarked at this size: its unfused attention keeps
+# [heads, s, s] scores per layer and runs out of memory at 4096 tokens on 80 GB.
 #
 # Logs and result tables go to $OUT when it is set (the device tool brings them back), else to
 # ./gpu-results. Every step prints its own wall time; the figures of a run are in
@@ -134,9 +142,9 @@ install_te() {
 
 tests() {
   env_there
-  step "pytest tests/gpu"
+  step "pytest ${*:-tests/gpu}"
   set +e
-  $PY -m pytest -q -ra -p no:cacheprovider tests/gpu "$@" 2>&1 | tee "$RESULTS/tests-gpu.log"
+  $PY -m pytest -q -ra -p no:cacheprovider "${@:-tests/gpu}" 2>&1 | tee "$RESULTS/tests-gpu.log"
   local rc=${PIPESTATUS[0]}
   set -e
   return "$rc"
@@ -144,15 +152,21 @@ tests() {
 
 bench() {
   env_there
-  local impls=(local)
-  local precisions=(bf16)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  step "bench_logprobs (8192 tokens x 151,936)"
+  $PY benchmarks/bench_logprobs.py 2>&1 | tee "$RESULTS/logprobs.txt"
+  local precisions=(bf16) impl=local
   if $PY -c "import transformer_engine.pytorch" 2>/dev/null; then
-    impls+=(transformer_engine)
     precisions+=(fp8)
+    impl=transformer_engine
   fi
-  step "bench_train_step, Qwen2.5-1.5B shape"
-  $PY benchmarks/bench_train_step.py --shape qwen2.5-1.5b --impl "${impls[@]}" --precision "${precisions[@]}" \
-    --fp8-recipe tensorwise blockwise --json "$RESULTS/train_step.json" 2>&1 | tee "$RESULTS/train_step.txt"
+  local tokens
+  for tokens in 8192 16384; do
+    step "bench_train_step, Qwen2.5-1.5B shape, $tokens tokens per micro-batch"
+    $PY benchmarks/bench_train_step.py --shape qwen2.5-1.5b --impl "$impl" --precision "${precisions[@]}" \
+      --fp8-recipe tensorwise blockwise --microbatch-tokens "$tokens" --json "$RESULTS/train_step_$tokens.json" \
+      2>&1 | tee "$RESULTS/train_step_$tokens.txt"
+  done
   step "bench_export, Qwen2.5-7B shape"
   $PY benchmarks/bench_export.py --shape qwen2.5-7b --json "$RESULTS/export.json" 2>&1 | tee "$RESULTS/export.txt"
 }
@@ -165,7 +179,7 @@ case "${1:-}" in
   tests) shift; timed tests "$@" ;;
   bench) timed bench ;;
   *)
-    sed -n '2,24p' "$0"
+    sed -n '2,31p' "$0"
     exit 2
     ;;
 esac

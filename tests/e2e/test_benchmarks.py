@@ -45,10 +45,27 @@ def test_train_step_benchmark():
     rows = _table(
         "bench_train_step.py", "--shape", "tiny", "--precision", "fp32", "--seq", "32", "--prompts", "2", "--steps", "1"
     )
-    ((precision, tokens, seconds, per_s, tflops, mfu, memory),) = rows
+    ((spec, precision, recipe, tokens, seconds, spread, per_s, tflops, mfu, memory),) = rows
     assert float(tflops) >= 0 and float(memory) > 0
-    assert precision == "fp32" and int(tokens) == 2 * 4 * 32 and float(seconds) > 0 and float(per_s) > 0
+    assert (spec, precision, recipe) == ("local", "fp32", "-")
+    assert int(tokens) == 2 * 4 * 32 and float(seconds) > 0 and float(per_s) > 0
+    low, high = map(float, spread.split("-"))
+    assert low <= float(seconds) <= high
     assert mfu == "-"  # no peak figure for a CPU
+
+
+def test_export_benchmark():
+    """The live export against plain copies of the same bytes (the GPU figure comes from here)."""
+    rows = _table("bench_export.py", "--shape", "tiny", "--repeat", "2")
+    assert [" ".join(r[:-4]) for r in rows] == ["copy, one buffer", "copy, per tensor", "live export"]
+    assert all(float(r[-2]) > 0 and r[-1].endswith("x") for r in rows)
+
+
+def test_logprob_benchmark():
+    """Op by op against the compiled kernels (compiled for the CPU here)."""
+    rows = _table("bench_logprobs.py", "--tokens", "64", "--vocab", "512", "--dtype", "float32", "--repeat", "2")
+    assert [" ".join(r[:-3]) for r in rows] == ["op by op", "fused (torch.compile)"]
+    assert all(float(r[-3]) > 0 for r in rows)
 
 
 def test_rollout_benchmark():

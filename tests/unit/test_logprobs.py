@@ -45,11 +45,12 @@ def test_bad_inputs():
 
 
 def test_chunks_are_sized_from_the_memory_budget():
-    from bapo_megatron.trainer.logprobs import LIVE_TEMPORARIES, chunk_tokens_for
+    from bapo_megatron.trainer.logprobs import FUSED_TEMPORARIES, LIVE_TEMPORARIES, chunk_tokens_for
 
-    # Qwen2.5's 152,064-token vocabulary in float32: ~3 MB a token at TP=1, ~0.4 MB at TP=8
-    assert chunk_tokens_for(152064, 4, 1 << 30) == (1 << 30) // (LIVE_TEMPORARIES * 4 * 152064) == 353
-    assert chunk_tokens_for(152064 // 8, 4, 1 << 30) == 2824
+    # Qwen2.5's 152,064-token vocabulary in float32: ~5 MB a token op by op at TP=1, ~0.6 MB at TP=8
+    assert chunk_tokens_for(152064, 4, 1 << 30) == (1 << 30) // (LIVE_TEMPORARIES * 4 * 152064) == 220
+    assert chunk_tokens_for(152064 // 8, 4, 1 << 30) == 1765
+    assert chunk_tokens_for(152064, 4, 1 << 30, FUSED_TEMPORARIES) == 1765  # fused kernels keep one chunk
     assert chunk_tokens_for(152064, 4, 1) == 1  # never zero
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(40, 256, generator=g, dtype=torch.float64)
