@@ -384,6 +384,31 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Held-out evaluation through the engines (no gradient): greedy accuracy, avg@k and pass@k,
+    logged as eval/*; scored with data.reward and read with data's field map."""
+
+    path: str | None = None
+    """Held-out prompts (jsonl or parquet, as data.format); None: no evaluation."""
+    interval: int = 0
+    """Evaluate before the first step, every this many steps and after the last (0: only before
+    the first and after the last, when path is set)."""
+    samples: int = 4
+    """k of avg@k (mean correctness of k samples at rollout.temperature) and pass@k (any of k correct)."""
+    greedy: bool = True
+    """Also one greedy answer a prompt: eval/greedy_acc."""
+    max_prompts: int | None = None
+    """Evaluate on the first this many records (None: all)."""
+
+    def __post_init__(self) -> None:
+        check(self.interval >= 0, "interval", self.interval, "must be >= 0")
+        check(self.samples >= 0, "samples", self.samples, "must be >= 0")
+        check(self.samples > 0 or self.greedy, "samples", self.samples, "0 samples and greedy off evaluate nothing")
+        if self.max_prompts is not None:
+            check(self.max_prompts >= 1, "max_prompts", self.max_prompts, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     """Where metrics go: one logger, several backends."""
 
@@ -436,6 +461,7 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

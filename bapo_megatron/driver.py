@@ -20,6 +20,7 @@ requests in flight across steps, so the loop outlives each call).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -114,19 +115,16 @@ class RolloutDriver:
             self.prompts = PromptSource(data, self._tokenize if self.tokenizer is not None else None)
         except ValueError as err:
             raise ConfigError("data.path", data.path, str(err)) from None
-        context = spec.max_position_embeddings
-        too_long = [i for i, (ids, _) in enumerate(self.prompts.items) if len(ids) + ro.max_new_tokens > context]
-        if too_long:
-            raise BadInputError(
-                f"data.path={data.path} record {too_long[0] + 1}: prompt + rollout.max_new_tokens exceed the "
-                f"model's context of {spec.max_position_embeddings} tokens"
-            )
-        bad_ids = [i for i, (ids, _) in enumerate(self.prompts.items) if any(not 0 <= t < spec.vocab_size for t in ids)]
-        if bad_ids:
-            raise BadInputError(
-                f"data.path={data.path} record {bad_ids[0] + 1}: a token id outside the model's vocabulary "
-                f"[0, {spec.vocab_size})"
-            )
+        self._check_prompts("data.path", data.path, self.prompts.items)
+        self.eval_items: list[tuple[list[int], dict[str, Any]]] = []
+        if cfg.eval.path is not None:
+            held = dataclasses.replace(data, path=cfg.eval.path, shuffle=False)
+            try:
+                self.eval_items = PromptSource(held, self._tokenize if self.tokenizer is not None else None).items
+            except ValueError as err:
+                raise ConfigError("eval.path", cfg.eval.path, str(err)) from None
+            self.eval_items = self.eval_items[: cfg.eval.max_prompts]
+            self._check_prompts("eval.path", cfg.eval.path, self.eval_items)
         if not ro.engine_urls:
             host = "127.0.0.1" if ro.engine == "embedded" else ro.host
             for i in range(ro.servers):
@@ -157,6 +155,22 @@ class RolloutDriver:
             except BaseException:
                 self.close()
                 raise
+
+    def _check_prompts(self, name: str, path: str, items: list[tuple[list[int], dict[str, Any]]]) -> None:
+        """Every prompt leaves room for rollout.max_new_tokens and holds only the model's token ids."""
+        spec, new = self.spec, self.cfg.rollout.max_new_tokens
+        too_long = [i for i, (ids, _) in enumerate(items) if len(ids) + new > spec.max_position_embeddings]
+        if too_long:
+            raise BadInputError(
+                f"{name}={path} record {too_long[0] + 1}: prompt + rollout.max_new_tokens exceed the "
+                f"model's context of {spec.max_position_embeddings} tokens"
+            )
+        bad_ids = [i for i, (ids, _) in enumerate(items) if any(not 0 <= t < spec.vocab_size for t in ids)]
+        if bad_ids:
+            raise BadInputError(
+                f"{name}={path} record {bad_ids[0] + 1}: a token id outside the model's vocabulary "
+                f"[0, {spec.vocab_size})"
+            )
 
     def _tokenize(self, text: str) -> list[int]:
         if self.cfg.data.chat_template:
@@ -355,6 +369,57 @@ class RolloutDriver:
             reward=0.0,
             group=0,
         )
+
+    def evaluate(self) -> dict[str, float]:
+        """The engines' current policy on eval.path, no gradient: eval/greedy_acc (mean reward of one
+        greedy answer a prompt), eval/avg@k (mean reward of k samples at rollout.temperature) and
+        eval/pass@k (mean over prompts of the best of the k; the share solved for 0/1 rewards).
+        Sampling seeds depend on the prompt and sample only, so evaluations differ by the weights."""
+        ev, ro = self.cfg.eval, self.cfg.rollout
+        if not self.eval_items:
+            return {}
+        if self._released:
+            raise RuntimeError("evaluate() while the engines' memory is released (sync first)")
+        start = time.monotonic()
+        slots = asyncio.Semaphore(ro.engine_max_batch * len(self.clients))
+
+        async def one(i: int, j: int, sampling: SamplingParams) -> tuple[int, int, float, int]:
+            ids, meta = self.eval_items[i]
+            async with slots:
+                done = await self.clients[i % len(self.clients)].generate(
+                    list(ids), sampling, f"eval-{i}-{j}-{secrets.token_hex(4)}"
+                )
+            reward = await self.rewards(self._decode(done.output_ids), done.output_ids, meta)
+            return i, j, reward, len(done.output_ids)
+
+        async def go():
+            jobs = []
+            for i in range(len(self.eval_items)):
+                if ev.greedy:
+                    jobs.append(one(i, -1, SamplingParams(ro.max_new_tokens, temperature=0.0)))
+                for j in range(ev.samples):
+                    seed = (self.cfg.seed * 1_000_003 + i * 1_009 + j) % 2**31
+                    sampling = SamplingParams(
+                        ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k
+                    )
+                    sampling = dataclasses.replace(sampling, sampling_seed=seed)
+                    jobs.append(one(i, j, sampling))
+            return await asyncio.gather(*jobs)
+
+        results = self._run(go())
+        n, k = len(self.eval_items), ev.samples
+        out = {"eval/prompts": float(n), "eval/response_length": sum(r[3] for r in results) / len(results)}
+        if ev.greedy:
+            out["eval/greedy_acc"] = sum(r[2] for r in results if r[1] < 0) / n
+        if k:
+            sampled: dict[int, list[float]] = {}
+            for i, j, reward, _ in results:
+                if j >= 0:
+                    sampled.setdefault(i, []).append(reward)
+            out[f"eval/avg@{k}"] = sum(sum(v) / k for v in sampled.values()) / n
+            out[f"eval/pass@{k}"] = sum(max(v) for v in sampled.values()) / n
+        out["time/eval"] = time.monotonic() - start
+        return out
 
     def engine_stats(self) -> dict[str, float]:
         """engine/busy_share: the share of the wall time since the last call that the engines spent

@@ -13,6 +13,7 @@ from bapo_megatron.config import LoggingConfig
 CONSOLE_KEYS = (
     "rollout/reward_mean",
     "loss/pg",
+    "loss/sft",
     "bapo/clip_low",
     "bapo/clip_high",
     "bapo/rho",
@@ -20,6 +21,8 @@ CONSOLE_KEYS = (
     "train/grad_norm",
     "train/skipped",
 )
+
+EVAL_SHOWN = ("eval/greedy_acc", "eval/avg@", "eval/pass@")
 
 
 class MetricLogger:
@@ -59,7 +62,8 @@ class MetricLogger:
         if not self.enabled or step % self.cfg.interval:
             return
         if "console" in self.cfg.backends:
-            shown = " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+            keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if k.startswith(EVAL_SHOWN))
+            shown = " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in keys)
             print(f"step {step:>5} {shown} ({time.monotonic() - self._start:.1f}s)", file=sys.stdout, flush=True)
         if self._jsonl is not None:
             clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}

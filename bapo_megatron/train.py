@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from bapo_megatron.common.batch import RolloutBatch
+from bapo_megatron.common.batch import RolloutBatch, Sample
 from bapo_megatron.common.model_spec import ModelSpec, check_layout, tiny_spec
 from bapo_megatron.config import JobConfig, dump_config, load_config, to_dict
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
@@ -61,6 +61,68 @@ class ReplaySource:
         self.index = state["index"]
 
 
+class SFTSource:
+    """Supervised batches for `algo.loss: sft`: data.path's records in the PromptSource order, each
+    a sample whose response is its answer followed by the tokenizer's end token. Every record is
+    tokenized and checked against the model's context when the source is made. The cursor is
+    checkpointed. A step takes prompts_per_step x samples_per_prompt records."""
+
+    def __init__(self, cfg: JobConfig, spec: ModelSpec) -> None:
+        from bapo_megatron.driver import load_tokenizer
+        from bapo_megatron.rollout.data import PromptSource
+
+        tokenizer = load_tokenizer(cfg.model.hf_path)
+        if tokenizer is None or tokenizer.eos_token_id is None:
+            raise ConfigError(
+                "model.hf_path", cfg.model.hf_path, "algo.loss=sft needs a tokenizer with an end token there"
+            )
+
+        def tokenize(text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        try:
+            self.prompts = PromptSource(cfg.data, tokenize)
+        except ValueError as err:
+            raise BadInputError(str(err)) from None
+        self.answers: dict[int, list[int]] = {}
+        for ids, meta in self.prompts.items:
+            where = f"{cfg.data.path} record {meta['index'] + 1}"
+            if "answer" not in meta:
+                raise BadInputError(f"{where}: no field {cfg.data.answer_field!r} (data.answer_field) to train on")
+            answer = [*tokenize(str(meta["answer"])), tokenizer.eos_token_id]
+            if len(ids) + len(answer) > spec.max_position_embeddings:
+                raise BadInputError(
+                    f"{where}: prompt and answer take {len(ids) + len(answer)} tokens, more than the model's "
+                    f"{spec.max_position_embeddings} positions"
+                )
+            self.answers[meta["index"]] = answer
+        self.per_group = cfg.rollout.samples_per_prompt
+        self.size = cfg.rollout.prompts_per_step * self.per_group
+
+    def next_batch(self) -> RolloutBatch:
+        samples = []
+        for i in range(self.size):
+            _, ids, meta = self.prompts.next()
+            answer = self.answers[meta["index"]]
+            samples.append(
+                Sample(
+                    prompt_ids=ids,
+                    response_ids=list(answer),
+                    behaviour_logprobs=[0.0] * len(answer),
+                    versions=[0] * len(answer),
+                    reward=0.0,
+                    group=i // self.per_group,
+                )
+            )
+        return RolloutBatch(samples=samples)
+
+    def state_dict(self) -> dict:
+        return self.prompts.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompts.load_state_dict(state)
+
+
 def model_spec(cfg: JobConfig) -> ModelSpec:
     return ModelSpec.from_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else tiny_spec()
 
@@ -87,10 +149,11 @@ def check_starting_weights(cfg: JobConfig, spec: ModelSpec) -> bool:
     import warnings
 
     from bapo_megatron.common.hf_io import HFCheckpoint
+    from bapo_megatron.trainer.checkpoint import weights_dir
     from bapo_megatron.trainer.integrity import verify
 
     if cfg.model.mcore_path:
-        verify(cfg.model.mcore_path, check_contents=False)
+        verify(weights_dir(cfg.model.mcore_path), check_contents=False)
         return False
     if not cfg.model.hf_path:
         return False
@@ -224,7 +287,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     import torch
 
     from bapo_megatron.driver import RolloutDriver, write_samples_log
-    from bapo_megatron.trainer.checkpoint import CheckpointManager
+    from bapo_megatron.trainer.checkpoint import CheckpointManager, weights_dir
     from bapo_megatron.trainer.integrity import verify
     from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel, single_process_env
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
@@ -234,8 +297,14 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     single_process_env()
     validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
     rank, run_dir = int(os.environ["RANK"]), cfg.run_path
-    online = cfg.rollout.replay is None
-    source = None if online else ReplaySource(cfg.rollout.replay, spec.vocab_size)
+    sft = cfg.algo.loss == "sft"
+    if sft and cfg.rollout.replay is not None:
+        raise ConfigError("rollout.replay", cfg.rollout.replay, "algo.loss=sft trains on data.path; unset one")
+    online = cfg.rollout.replay is None and not sft
+    if cfg.rollout.replay is not None:
+        source = ReplaySource(cfg.rollout.replay, spec.vocab_size)
+    else:
+        source = SFTSource(cfg, spec) if sft else None
     own_group = not dist.is_initialized()
     stop = StopSignal(cfg.checkpoint.save_on_signal)
     driver = logger = None
@@ -257,13 +326,14 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
             activate_cpu_shim()
         trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
         if ckpt is not None:
-            ckpt.register("replay" if source else "rollout", source or driver or _NoState())
+            name = "sft" if sft else "replay" if source else "rollout"
+            ckpt.register(name, source or driver or _NoState())
         start = ckpt.load(trainer) if ckpt and cfg.checkpoint.resume else None
         resumed = start is not None
         if not resumed:  # a new run: its starting weights
             start = 0
             if cfg.model.mcore_path:
-                trainer.load_weights(cfg.model.mcore_path)
+                trainer.load_weights(weights_dir(cfg.model.mcore_path))
             elif starting_weights:
                 load_hf_into_trainer(trainer, cfg.model.hf_path)
         if rank == 0:
@@ -284,6 +354,8 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
                 driver.start(model_dir)
                 driver.engine_stats()  # the engines' busy time counts from here
             sync_weights(cfg, trainer, driver, start)  # the engines serve the trainer's (the checkpoint's) weights
+            if driver is not None and not resumed and cfg.eval.path:  # the starting policy's score
+                logger.log(trainer.step, driver.evaluate())
         step = start
         while step < cfg.steps and not stop.agreed():
             t0 = time.monotonic()
@@ -303,6 +375,8 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
             t2 = time.monotonic()
             step += 1
             metrics.update(sync_weights(cfg, trainer, driver, step) if online else {})
+            if driver is not None and ((cfg.eval.interval and step % cfg.eval.interval == 0) or step == cfg.steps):
+                metrics.update(driver.evaluate())
             if ckpt is not None and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
                 metrics["time/checkpoint"] = save(ckpt, trainer, driver, step)
             elapsed = time.monotonic() - t0

@@ -22,7 +22,7 @@ from bapo_megatron.errors import check
 LOG_RATIO_CLAMP = 20.0
 """r_t = exp(clamp(log pi - log mu, -20, 20)), as the spec defines it."""
 
-LossName = Literal["bapo", "ppo", "clip_higher", "dual_clip", "gspo", "cispo"]
+LossName = Literal["bapo", "ppo", "clip_higher", "dual_clip", "gspo", "cispo", "sft"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,8 @@ class PolicyLossConfig:
     """Which policy loss to use, and the parameters of each."""
 
     loss: LossName = "bapo"
-    """One of POLICY_LOSSES: bapo, ppo, clip_higher, dual_clip, gspo, cispo."""
+    """One of POLICY_LOSSES: bapo, ppo, clip_higher, dual_clip, gspo, cispo; or sft, the supervised
+    warm start (cross-entropy of the given responses; a run with it trains on data.path's answers)."""
     bapo: BAPOConfig = field(default_factory=BAPOConfig)
     """BAPO's bound search; its contribution measure also gives the baselines' bapo/rho metric."""
     ppo_eps: float = 0.2
@@ -288,6 +289,20 @@ def cispo_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=Non
     return _output(t, loss, batch, cfg, 0.0, c_high, None)
 
 
+def sft_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=None) -> LossOutput:
+    """Supervised fine-tuning: -log pi of every counted token of the given responses (no ratio,
+    no advantage), summed like the policy losses, so the step divides it by the token count."""
+    counted = batch.mask != 0
+    w = torch.where(counted, batch.mask.to(batch.logprobs.dtype), 0.0)
+    nll = torch.where(counted, -w * torch.where(counted, batch.logprobs, 0.0), 0.0)
+    count = w.sum()
+    out = LossOutput(loss_sum=nll.sum(), token_count=count.detach())
+    out.add_mean("loss/sft", nll.detach().sum(), count)
+    if batch.entropy is not None:
+        out.add_mean("policy/entropy", torch.where(counted, w * batch.entropy.detach(), 0.0).sum(), count)
+    return out
+
+
 PolicyLossFn = Callable[..., LossOutput]
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
@@ -297,6 +312,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "dual_clip": dual_clip_loss,
     "gspo": gspo_loss,
     "cispo": cispo_loss,
+    "sft": sft_loss,
 }
 
 

@@ -248,6 +248,16 @@ def _set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
+def weights_dir(path: str | Path) -> Path:
+    """The dist checkpoint that model.mcore_path names: a run's checkpoint directory (the step its
+    `latest` names, read only) or a step / converted directory as it is."""
+    root = Path(path)
+    if (root / LATEST).exists() or (root / LATEST).is_symlink():
+        name = CheckpointManager(CheckpointConfig(dir=str(root)))._pointer()
+        return root / name if name else root
+    return root
+
+
 class CheckpointManager:
     """Save and resume a trainer: model, optimizer, LR schedule, RNG, step and registered extras.
 

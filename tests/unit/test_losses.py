@@ -107,6 +107,7 @@ def _bapo_bounds(batch: PolicyBatch, cfg: PolicyLossConfig) -> ClipBounds:
 CONFIGS = [
     PolicyLossConfig(loss=name, tis_cap=tis, bapo=BAPOConfig(target_rho=0.5, dual_clip=dual))
     for name in POLICY_LOSSES
+    if name != "sft"  # no ratio and no advantage: test_sft_loss_is_the_token_cross_entropy
     for tis in (None, 2.0)
     for dual in ((None, 2.5) if name == "bapo" else (None,))
 ]
@@ -254,3 +255,21 @@ def test_gspo_segment_ids_match_rows():
         segment_ids=segments,
     )
     torch.testing.assert_close(policy_loss(packed, cfg).loss_sum, by_rows.loss_sum)
+
+
+def test_sft_loss_is_the_token_cross_entropy():
+    g = torch.Generator().manual_seed(3)
+    logprobs = (-torch.rand(4, 9, generator=g) * 3).requires_grad_()
+    mask = (torch.rand(4, 9, generator=g) < 0.7).float()
+    batch = PolicyBatch(
+        logprobs=logprobs,
+        old_logprobs=torch.full((4, 9), float("nan")),  # never read
+        advantages=torch.full((4, 9), float("nan")),
+        mask=mask,
+    )
+    out = policy_loss(batch, PolicyLossConfig(loss="sft"))
+    (out.loss_sum / out.token_count).backward()
+    want = -(logprobs.detach() * mask).sum() / mask.sum()
+    torch.testing.assert_close(out.loss_sum / out.token_count, want)
+    torch.testing.assert_close(logprobs.grad, -mask / mask.sum())
+    assert reduce_metrics([out])["loss/sft"] == pytest.approx(want.item())

@@ -1,0 +1,163 @@
+"""Built-in toy tasks that a tiny model learns on two CPU cores: verifiable answers, a
+character-level tokenizer and a tiny Qwen2 model made from a config (nothing downloaded).
+
+    python -m bapo_megatron.tasks addition runs/tasks/addition      # data + model directory
+
+writes, under the output directory:
+  train.jsonl    {"prompt": "123+456=", "answer": "579"} records (data.path of SFT and RL)
+  heldout.jsonl  prompts never in train.jsonl, for evaluation
+  model/         config.json, model.safetensors (seeded random weights), tokenizer.json and
+                 tokenizer_config.json: model.hf_path of the first run
+A response is the answer's characters followed by <eos>; the "exact" reward compares the
+decoded text with the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL = ("<pad>", "<eos>")
+SYMBOLS = tuple("0123456789+=s,")
+"""Every task's characters: 16 tokens with the two special ones."""
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    make: Callable[[random.Random], tuple[str, str]]
+    """One (prompt, answer) pair from the generator."""
+    max_answer_chars: int
+    doc: str
+
+
+def _addition(digits: int) -> Callable[[random.Random], tuple[str, str]]:
+    def make(rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randrange(10**digits), rng.randrange(10**digits)
+        return f"{a}+{b}=", str(a + b)
+
+    return make
+
+
+def _sort(length: int) -> Callable[[random.Random], tuple[str, str]]:
+    def make(rng: random.Random) -> tuple[str, str]:
+        chars = [str(rng.randrange(10)) for _ in range(length)]
+        return f"s{''.join(chars)}=", "".join(sorted(chars))
+
+    return make
+
+
+TASKS = {
+    "addition": Task("addition", _addition(3), 4, "3-digit addition: '123+456=' -> '579'"),
+    "sort": Task("sort", _sort(6), 6, "sort 6 digits: 's315024=' -> '012345'"),
+}
+
+
+def split(task: Task, train: int, heldout: int, seed: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """`train` and `heldout` (prompt, answer) pairs; no held-out prompt appears in the training set
+    (training pairs may repeat, as draws from the task do)."""
+    rng = random.Random(seed)
+    held: dict[str, str] = {}
+    tries = 0
+    while len(held) < heldout:
+        prompt, answer = task.make(rng)
+        held.setdefault(prompt, answer)
+        tries += 1
+        if tries > 100 * heldout + 1000:
+            raise ValueError(f"task {task.name}: cannot draw {heldout} distinct held-out prompts")
+    pairs: list[tuple[str, str]] = []
+    while len(pairs) < train:
+        prompt, answer = task.make(rng)
+        if prompt not in held:
+            pairs.append((prompt, answer))
+    return pairs, list(held.items())
+
+
+def char_tokenizer():
+    """A character-level `tokenizers` tokenizer over SPECIAL + SYMBOLS (ids in that order)."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + SYMBOLS)}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join without spaces
+    tok.add_special_tokens(list(SPECIAL))
+    return tok
+
+
+def tiny_qwen2_config(max_positions: int = 64) -> dict:
+    """About 1M parameters: hidden 128 x 4 layers, 4 heads (2 KV), vocabulary 16, tied embeddings."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": len(SPECIAL) + len(SYMBOLS),
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": max_positions,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": SPECIAL.index("<eos>"),
+        "eos_token_id": SPECIAL.index("<eos>"),
+        "pad_token_id": SPECIAL.index("<pad>"),
+        "torch_dtype": "float32",
+    }
+
+
+def write_model(directory: str | Path, seed: int = 0) -> Path:
+    """A tiny Qwen2 with seeded random weights and the character tokenizer, in HF format."""
+    import torch
+    import transformers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = transformers.AutoConfig.for_model(**tiny_qwen2_config())
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    char_tokenizer().save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<eos>", "pad_token": "<pad>", "model_max_length": config.max_position_embeddings})
+    )
+    return directory
+
+
+def write_task(name: str, out: str | Path, train: int = 20000, heldout: int = 1000, seed: int = 0) -> dict[str, Path]:
+    """train.jsonl, heldout.jsonl and model/ for task `name` under `out`; returns their paths."""
+    if name not in TASKS:
+        raise ValueError(f"data.task={name!r}: expected one of {sorted(TASKS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs, held = split(TASKS[name], train, heldout, seed)
+    paths = {"train": out / "train.jsonl", "heldout": out / "heldout.jsonl", "model": out / "model"}
+    for key, rows in (("train", pairs), ("heldout", held)):
+        paths[key].write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    write_model(paths["model"], seed)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("task", choices=sorted(TASKS))
+    parser.add_argument("out")
+    parser.add_argument("--train", type=int, default=20000)
+    parser.add_argument("--heldout", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for key, path in write_task(args.task, args.out, args.train, args.heldout, args.seed).items():
+        print(f"{key}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
