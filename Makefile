@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -c constraints-cpu.txt -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)  ## The main job on the embedded CPU default (for now: BAPO vs fixed clipping, synthetic)
-	$(PY) examples/clip_comparison.py
+demo: $(STAMP)  ## The main job on the CPU: task, SFT warm start, BAPO with the embedded engine, export, eval, plots
+	$(PY) examples/demo.py
 
 test: $(STAMP) lint  ## Lint, then every test tier; GPU tests skip without CUDA (pytest exit 5, no tests, is not a failure)
 	$(PY) -m pytest $(TESTS) || [ $$? -eq 5 ]

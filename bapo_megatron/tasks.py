@@ -4,7 +4,7 @@ character-level tokenizer and a tiny Qwen2 model made from a config (nothing dow
     python -m bapo_megatron.tasks addition runs/tasks/addition      # data + model directory
 
 writes, under the output directory:
-  train.jsonl    {"prompt": "123+456=", "answer": "579"} records (data.path of SFT and RL)
+  train.jsonl    {"prompt": "123+045=", "answer": "0168"} records (data.path of SFT and RL)
   heldout.jsonl  prompts never in train.jsonl, for evaluation
   model/         config.json, model.safetensors (seeded random weights), tokenizer.json and
                  tokenizer_config.json: model.hf_path of the first run
@@ -38,7 +38,7 @@ class Task:
 def _addition(digits: int) -> Callable[[random.Random], tuple[str, str]]:
     def make(rng: random.Random) -> tuple[str, str]:
         a, b = rng.randrange(10**digits), rng.randrange(10**digits)
-        return f"{a}+{b}=", str(a + b)
+        return f"{a:0{digits}d}+{b:0{digits}d}=", f"{a + b:0{digits + 1}d}"  # fixed width: digits line up
 
     return make
 
@@ -52,7 +52,7 @@ def _sort(length: int) -> Callable[[random.Random], tuple[str, str]]:
 
 
 TASKS = {
-    "addition": Task("addition", _addition(3), 4, "3-digit addition: '123+456=' -> '579'"),
+    "addition": Task("addition", _addition(3), 4, "3-digit addition, zero-padded: '123+045=' -> '0168'"),
     "sort": Task("sort", _sort(6), 6, "sort 6 digits: 's315024=' -> '012345'"),
 }
 
@@ -62,18 +62,24 @@ def split(task: Task, train: int, heldout: int, seed: int) -> tuple[list[tuple[s
     (training pairs may repeat, as draws from the task do)."""
     rng = random.Random(seed)
     held: dict[str, str] = {}
-    tries = 0
+    misses = 0  # draws in a row that gave no new prompt
     while len(held) < heldout:
         prompt, answer = task.make(rng)
+        misses = misses + 1 if prompt in held else 0
         held.setdefault(prompt, answer)
-        tries += 1
-        if tries > 100 * heldout + 1000:
+        if misses > 10_000:
             raise ValueError(f"task {task.name}: cannot draw {heldout} distinct held-out prompts")
     pairs: list[tuple[str, str]] = []
+    misses = 0
     while len(pairs) < train:
         prompt, answer = task.make(rng)
-        if prompt not in held:
+        if prompt in held:
+            misses += 1
+            if misses > 10_000:
+                raise ValueError(f"task {task.name}: {heldout} held-out prompts leave none to train on")
+        else:
             pairs.append((prompt, answer))
+            misses = 0
     return pairs, list(held.items())
 
 

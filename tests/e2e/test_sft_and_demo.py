@@ -1,0 +1,106 @@
+"""The supervised warm start and the demo end to end.
+
+- `algo.loss=sft` lowers the answers' cross-entropy on the addition task, and its checkpoint
+  is where an RL run at another layout (TP=2 under torchrun) starts: with a negligible learning
+  rate the RL run's exported weights are the warm start's, and the engine it syncs agrees with it.
+- `examples/demo.py --quick`: task, SFT, BAPO, export, transformers evaluation, plots and
+  summary.json, as `make demo` runs them (fewer steps and prompts).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo_megatron.tasks import write_task
+from tests.e2e.test_online_loop import PORTS, engine_port, metrics, no_engine_left, torchrun, train
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def export(checkpoint: Path, template: Path, out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from bapo_megatron.trainer.checkpoint import weights_dir
+
+    command = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "mcore-to-hf"]
+    command += ["--mcore", str(weights_dir(checkpoint)), "--out", str(out), "--hf-template", str(template)]
+    done = subprocess.run([*command, "--no-progress"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_sft_warm_start_learns_and_an_rl_run_at_tp2_starts_from_it(tmp_path):
+    task = write_task("addition", tmp_path / "task", train=2000, heldout=50)
+    sft, rl = tmp_path / "sft", tmp_path / "rl"
+    port = engine_port()
+    PORTS.setdefault(rl, []).append(port)
+    common = [f"model.hf_path={task['model']}", f"data.path={task['train']}", "logging.backends=[jsonl]"]
+    train(
+        [
+            str(ROOT / "examples" / "demo" / "sft.yaml"),
+            *common,
+            "steps=16",
+            "optimizer.warmup_steps=0",
+            "logging.interval=1",
+            f"run_dir={sft}",
+            f"checkpoint.dir={sft / 'ckpt'}",
+        ]
+    )
+    losses = [m["loss/sft"] for m in metrics(sft)]
+    assert len(losses) == 16 and sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
+    train(
+        [
+            str(ROOT / "examples" / "demo" / "rl.yaml"),
+            *common,
+            f"model.mcore_path={sft / 'ckpt'}",
+            f"eval.path={task['heldout']}",
+            "eval.max_prompts=8",
+            "steps=1",
+            "optimizer.lr=1e-12",
+            "parallel.tensor=2",
+            "rollout.prompts_per_step=4",
+            "rollout.sync_check_every=1",
+            f"rollout.port={port}",
+            f"run_dir={rl}",
+            f"checkpoint.dir={rl / 'ckpt'}",
+        ],
+        launcher=torchrun(2),
+    )
+    (record,) = [m for m in metrics(rl) if "train/grad_norm" in m][-1:]
+    assert record["sync/probe_logprob_gap"] <= 1e-5  # the engine serves what the TP=2 trainer loaded
+    assert {"eval/greedy_acc", "eval/avg@4", "eval/pass@4"} <= metrics(rl)[0].keys()  # before the first step
+    before = export(sft / "ckpt", task["model"], tmp_path / "sft-hf")
+    after = export(rl / "ckpt", task["model"], tmp_path / "rl-hf")
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=1e-6, msg=name)
+    no_engine_left(tmp_path)
+
+
+def test_quick_demo_runs_end_to_end(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--runs", str(tmp_path), "--name", "d"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "d"
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("accuracy_before_rl", "accuracy_after_rl", "steps", "wall_seconds", "hf_export_dir"):
+        assert key in summary, key
+    assert 0 <= summary["accuracy_before_rl"] <= 1 and 0 <= summary["accuracy_after_rl"] <= 1
+    assert summary["steps"] == 3 and summary["heldout_prompts"] == 100
+    assert (Path(summary["hf_export_dir"]) / "config.json").is_file()
+    assert any(Path(summary["hf_export_dir"]).glob("*.safetensors"))
+    for png in summary["plots"]:
+        assert Path(png).read_bytes()[:4] == b"\x89PNG" and Path(png).stat().st_size > 10_000
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl"):
+        assert (run / "rl" / name).stat().st_size > 0, name
+    assert "held-out greedy accuracy" in done.stdout

@@ -1,0 +1,88 @@
+"""The held-out evaluator against transformers' own generate(), and plot_run on recorded metrics."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_greedy_answers_are_what_transformers_generates(tmp_path):
+    """Records whose answers are transformers' greedy continuations score 1.0 greedy; answers
+    that are wrong score 0 (the evaluator's KV-cached, left-padded loop against upstream)."""
+    import transformers
+
+    from bapo_megatron.driver import load_tokenizer
+    from bapo_megatron.evaluate import evaluate_hf
+    from bapo_megatron.tasks import write_task
+
+    paths = write_task("addition", tmp_path, train=10, heldout=40, seed=1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(paths["model"]).eval()
+    tok = load_tokenizer(paths["model"])
+    records = []
+    for line in paths["heldout"].read_text().splitlines():
+        prompt = json.loads(line)["prompt"]
+        ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+        out = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=0)
+        records.append({"prompt": prompt, "answer": tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)})
+    right = tmp_path / "right.jsonl"
+    right.write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = evaluate_hf(paths["model"], right, samples=2, max_new_tokens=6, batch_size=16)
+    assert got["greedy_acc"] == 1.0 and got["prompts"] == 40
+    assert 0 <= got["avg@2"] <= got["pass@2"] <= 1
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text("".join(json.dumps({**r, "answer": r["answer"] + "9"}) + "\n" for r in records))
+    assert evaluate_hf(paths["model"], wrong, samples=0, max_new_tokens=6)["greedy_acc"] == 0.0
+
+
+def _metrics(run: Path, steps: int, with_bapo: bool) -> None:
+    run.mkdir(parents=True)
+    lines = []
+    for step in range(1, steps + 1):
+        record = {"step": step, "rollout/reward_mean": step / steps, "policy/entropy": 2 - step / steps}
+        if with_bapo:
+            record.update(
+                {
+                    "bapo/rho": 0.5,
+                    "bapo/clip_low": 0.8,
+                    "bapo/clip_high": 1.2 + step / 10,
+                    "train/grad_norm": 1.0,
+                    "rollout/response_length": 5.0,
+                    "rollout/token_staleness": 0.5,
+                    "rollout/token_staleness_max": 2.0,
+                }
+            )
+        if step % 5 == 0:
+            record.update({"eval/greedy_acc": 0.1 * step, "eval/avg@4": 0.05 * step, "eval/pass@4": 0.2})
+        lines.append(json.dumps(record))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_plot_run_draws_every_panel(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import plot_run
+
+    _metrics(tmp_path / "a", 20, with_bapo=True)
+    _metrics(tmp_path / "b", 10, with_bapo=False)
+    out = tmp_path / "plots.png"
+    drawn = plot_run.plot([tmp_path / "a", tmp_path / "b"], out)
+    assert drawn == [title for title, _ in plot_run.PANELS]  # every panel had data from run a
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    assert plot_run.main([str(tmp_path / "b"), "--out", str(tmp_path / "b.png")]) == 0
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    assert plot_run.main([str(tmp_path / "bad")]) == 2
+
+
+def test_plot_run_names_a_bad_file(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import plot_run
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": "one"}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: a record needs an integer step"):
+        plot_run.read_metrics(tmp_path)
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        plot_run.read_metrics(tmp_path / "missing")

@@ -1,0 +1,67 @@
+"""The built-in toy tasks: correct answers, held-out prompts never trained on, a character
+tokenizer that round-trips, and a model directory that both Megatron's spec reader and
+transformers load."""
+
+import json
+import random
+
+import pytest
+
+from bapo_megatron.tasks import SPECIAL, SYMBOLS, TASKS, char_tokenizer, split, write_task
+
+
+def test_answers_are_right():
+    rng = random.Random(0)
+    for _ in range(200):
+        prompt, answer = TASKS["addition"].make(rng)
+        a, b = prompt.rstrip("=").split("+")
+        assert len(a) == len(b) == 3 and int(answer) == int(a) + int(b) and len(answer) == 4
+        prompt, answer = TASKS["sort"].make(rng)
+        assert prompt[0] == "s" and answer == "".join(sorted(prompt[1:-1]))
+        assert set(prompt + answer) <= set(SYMBOLS)
+
+
+def test_heldout_prompts_are_never_trained_on():
+    train, held = split(TASKS["addition"], 5000, 500, seed=3)
+    assert len(held) == len({p for p, _ in held}) == 500
+    assert not {p for p, _ in train} & {p for p, _ in held}
+    assert split(TASKS["addition"], 5000, 500, seed=3) == (train, held)  # seeded
+
+
+def test_too_many_heldout_prompts_is_an_error():
+    from bapo_megatron.tasks import Task
+
+    five = Task("five", lambda rng: (str(rng.randrange(5)), "x"), 1, "five prompts in all")
+    assert len(split(five, 3, 4, seed=0)[1]) == 4
+    with pytest.raises(ValueError, match="5 held-out prompts leave none to train on"):
+        split(five, 3, 5, seed=0)
+    with pytest.raises(ValueError, match="cannot draw 6 distinct held-out prompts"):
+        split(five, 3, 6, seed=0)
+
+
+def test_tokenizer_round_trips_characters():
+    tok = char_tokenizer()
+    text = "123+045=0168"
+    ids = tok.encode(text).ids
+    assert ids == [len(SPECIAL) + SYMBOLS.index(c) for c in text]
+    assert tok.decode([*ids, SPECIAL.index("<eos>")], skip_special_tokens=True) == text
+
+
+def test_task_directory_loads(tmp_path):
+    import transformers
+
+    from bapo_megatron.common.model_spec import ModelSpec
+    from bapo_megatron.driver import load_tokenizer
+
+    paths = write_task("addition", tmp_path, train=100, heldout=50)
+    records = [json.loads(line) for line in paths["train"].read_text().splitlines()]
+    assert len(records) == 100 and set(records[0]) == {"prompt", "answer"}
+    spec = ModelSpec.from_hf_dir(paths["model"])
+    assert (spec.vocab_size, spec.hidden_size, spec.num_layers, spec.tie_embeddings) == (16, 128, 4, True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(paths["model"])
+    assert 0.5e6 < sum(p.numel() for p in model.parameters()) < 2e6
+    tok = load_tokenizer(paths["model"])
+    assert tok.eos_token_id == SPECIAL.index("<eos>") == model.config.eos_token_id
+    assert tok.decode(tok.encode(records[0]["prompt"], add_special_tokens=False)) == records[0]["prompt"]
+    with pytest.raises(ValueError, match="data.task='nope'"):
+        write_task("nope", tmp_path)

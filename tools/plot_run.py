@@ -1,0 +1,119 @@
+"""Training-dynamics panels of one or more runs, from their metrics.jsonl, overlaid, to PNG.
+
+    python tools/plot_run.py runs/demo/rl [runs/other ...] --out runs/demo/plots.png
+
+Panels (the BAPO paper's Figure 9, then what this stack adds): reward, policy entropy, the
+positive contribution rho, gradient norm, the clip bounds (low dashed), response length,
+token staleness and held-out accuracy (eval/*). A panel whose metric no run logged says so.
+Each run is labelled with its directory name (or --labels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PANELS = [
+    ("reward", ["rollout/reward_mean"]),
+    ("policy entropy", ["policy/entropy"]),
+    ("positive contribution rho", ["bapo/rho"]),
+    ("gradient norm", ["train/grad_norm"]),
+    ("clip bounds (low dashed)", ["bapo/clip_high", "bapo/clip_low"]),
+    ("response length", ["rollout/response_length"]),
+    ("token staleness", ["rollout/token_staleness", "rollout/token_staleness_max"]),
+    ("held-out accuracy", ["eval/greedy_acc", "eval/avg@*", "eval/pass@*"]),
+]
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """The records of run/metrics.jsonl (or run itself, a jsonl file); ValueError naming a bad line."""
+    path = run / "metrics.jsonl" if run.is_dir() else run
+    if not path.is_file():
+        raise ValueError(f"{run}: no metrics.jsonl")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{n}: a record needs an integer step")
+        records.append(record)
+    return records
+
+
+def series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[float]]]:
+    """key -> (steps, values) for `key`, or every key it matches when it ends with '*'."""
+    names = sorted({k for r in records for k in r if k.startswith(key[:-1])}) if key.endswith("*") else [key]
+    out = {}
+    for name in names:
+        points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), int | float)]
+        if points:
+            out[name] = ([s for s, _ in points], [float(v) for _, v in points])
+    return out
+
+
+def plot(runs: list[Path], out: Path, labels: list[str] | None = None) -> list[str]:
+    """Draw every panel into `out`; returns the titles of panels that had data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = [read_metrics(run) for run in runs]
+    labels = labels or [run.name if run.is_dir() else run.stem for run in runs]
+    cols = 4
+    rows = (len(PANELS) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = []
+    for ax, (title, keys) in zip(axes.flat, PANELS, strict=False):
+        any_data = False
+        for i, (records, label) in enumerate(zip(data, labels, strict=True)):
+            for k, key in enumerate(keys):
+                for name, (steps, values) in series(records, key).items():
+                    style = ("-", "--", ":")[k % 3]  # one colour a run, one line style a metric
+                    suffix = f" {name.split('/')[-1]}" if len(keys) > 1 else ""
+                    ax.plot(steps, values, style, color=colours[i % len(colours)], label=label + suffix, lw=1.4)
+                    any_data = True
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if any_data:
+            drawn.append(title)
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+    for ax in list(axes.flat)[len(PANELS) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (or metrics.jsonl files)")
+    parser.add_argument("--out", type=Path, default=None, help="PNG file (default: FIRST_RUN/plots.png)")
+    parser.add_argument("--labels", nargs="+", default=None, help="one legend label per run")
+    args = parser.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.runs):
+        parser.error(f"{len(args.labels)} labels for {len(args.runs)} runs")
+    first = args.runs[0]
+    out = args.out or ((first if first.is_dir() else first.parent) / "plots.png")
+    try:
+        drawn = plot(args.runs, out, args.labels)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(drawn)} of {len(PANELS)} panels with data)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
