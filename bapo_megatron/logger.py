@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,7 +56,15 @@ class MetricLogger:
         if "wandb" in cfg.backends:
             import wandb
 
-            self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or job_name, config=config)
+            # offline (a run directory under run_dir/wandb, `wandb sync` later) unless a key is set
+            mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self._wandb = wandb.init(
+                project=cfg.wandb_project,
+                name=cfg.wandb_run_name or job_name,
+                config=config,
+                mode=mode,
+                dir=str(Path(run_dir)),
+            )
         self._start = time.monotonic()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

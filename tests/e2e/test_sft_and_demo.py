@@ -4,7 +4,8 @@
   is where an RL run at another layout (TP=2 under torchrun) starts: with a negligible learning
   rate the RL run's exported weights are the warm start's, and the engine it syncs agrees with it.
 - `examples/demo.py --quick`: task, SFT, BAPO, export, transformers evaluation, plots and
-  summary.json, as `make demo` runs them (fewer steps and prompts).
+  summary.json, as `make demo` runs them (fewer steps and prompts); then the clipping study
+  (`examples/compare_clipping/run.py`) from that warm start, two methods, one seed.
 """
 
 import json
@@ -84,14 +85,14 @@ def test_sft_warm_start_learns_and_an_rl_run_at_tp2_starts_from_it(tmp_path):
 
 def test_quick_demo_runs_end_to_end(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--runs", str(tmp_path), "--name", "d"],
+        [sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--runs", str(tmp_path), "--name", "demo"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=1200,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = tmp_path / "d"
+    run = tmp_path / "demo"
     summary = json.loads((run / "summary.json").read_text())
     for key in ("accuracy_before_rl", "accuracy_after_rl", "steps", "wall_seconds", "hf_export_dir"):
         assert key in summary, key
@@ -104,3 +105,14 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl"):
         assert (run / "rl" / name).stat().st_size > 0, name
     assert "held-out greedy accuracy" in done.stdout
+
+    # the clipping study starts from this warm start: two methods, one seed, a few steps
+    study = [sys.executable, str(ROOT / "examples" / "compare_clipping" / "run.py"), "--runs", str(tmp_path)]
+    study += ["--methods", "bapo-loss", "ppo", "--seeds", "0", "--steps", "2", "--eval-prompts", "10"]
+    done = subprocess.run(study, capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = (tmp_path / "compare_clipping" / "results.md").read_text()
+    assert "| bapo-loss |" in table and "| ppo |" in table
+    results = json.loads((tmp_path / "compare_clipping" / "results.json").read_text())
+    assert [r["seed"] for r in results["ppo"]] == [0] and results["ppo"][0]["top_bounds"] == "[0.8, 1.2]"
+    assert (tmp_path / "compare_clipping" / "plots.png").stat().st_size > 10_000
