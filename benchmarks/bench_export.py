@@ -19,43 +19,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-
-from bapo_megatron.common.model_spec import ModelSpec, tiny_spec
-
-SHAPES = {
-    "tiny": tiny_spec(),
-    "qwen2.5-7b": ModelSpec(
-        architecture="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        num_layers=28,
-        num_heads=28,
-        num_kv_heads=4,
-        ffn_hidden_size=18944,
-        head_dim=128,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        qkv_bias=True,
-        tie_embeddings=False,
-    ),
-}
-
-
-def timed(fn, repeat: int, sync) -> list[float]:
-    fn()  # warm-up: the allocator's blocks, lazy CUDA modules
-    times = []
-    for _ in range(repeat):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return times
+from benchutil import SHAPES, timed
 
 
 def main() -> None:

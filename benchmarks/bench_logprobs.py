@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from benchutil import timed
 
 from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
 
@@ -41,20 +41,12 @@ def main() -> None:
         )
         (logp.sum() + entropy.sum()).backward()
 
-    def timed(fn) -> list[float]:
-        fn()  # warm-up (compilation)
-        times = []
-        for _ in range(args.repeat):
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - start)
-        return times
-
-    copy = timed(lambda: logits.detach().clone())
+    copy = timed(lambda: logits.detach().clone(), args.repeat, sync)
     floor = 1.5 * statistics.median(copy)  # a copy reads and writes the logits' size once each
-    rows = [("op by op", timed(lambda: run(False))), ("fused (torch.compile)", timed(lambda: run(True)))]
+    rows = [
+        ("op by op", timed(lambda: run(False), args.repeat, sync)),
+        ("fused (torch.compile)", timed(lambda: run(True), args.repeat, sync)),
+    ]
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"{args.tokens} tokens x {args.vocab} vocab, {args.dtype}, device={name}, median of {args.repeat}")
     header = f"{'forward + backward':<22} {'ms':>9} {'min-max ms':>17} {'x floor':>8}"

@@ -17,37 +17,20 @@ forward (half of the full s x s score matrix), three times that with backward.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
 import statistics
-import time
 import traceback
 
 import torch
+from benchutil import SHAPES, timed
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
-from bapo_megatron.common.model_spec import ModelSpec, tiny_spec
+from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import load_config
 
-SHAPES = {
-    "tiny": tiny_spec(),
-    "qwen2.5-1.5b": ModelSpec(
-        architecture="qwen2",
-        vocab_size=151936,
-        hidden_size=1536,
-        num_layers=28,
-        num_heads=12,
-        num_kv_heads=2,
-        ffn_hidden_size=8960,
-        head_dim=128,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        qkv_bias=True,
-        tie_embeddings=True,
-    ),
-}
 PEAK_TFLOPS = {("H100", "bf16"): 989.0, ("H100", "fp8"): 1979.0, ("H200", "bf16"): 989.0, ("H200", "fp8"): 1979.0}
 """Dense peak of the SXM parts (NVIDIA's datasheet figures, without sparsity)."""
 
@@ -115,15 +98,8 @@ def bench(
     trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
     batch = synthetic_batch(spec, prompts, n, seq)
     tokens = sum(s.length for s in batch.samples)
-    trainer.train_step(batch)  # warm-up (allocations, fp8 scales)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        trainer.train_step(batch)
-        sync()
-        times.append(time.perf_counter() - start)
+    times = timed(functools.partial(trainer.train_step, batch), steps, sync)
     seconds = statistics.median(times)
     tflops = step_flops(spec, tokens, seq) / seconds / 1e12
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
