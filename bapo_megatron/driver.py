@@ -400,9 +400,12 @@ class RolloutDriver:
                 for j in range(ev.samples):
                     seed = (self.cfg.seed * 1_000_003 + i * 1_009 + j) % 2**31
                     sampling = SamplingParams(
-                        ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k
+                        ro.max_new_tokens,
+                        temperature=ro.temperature,
+                        top_p=ro.top_p,
+                        top_k=ro.top_k,
+                        sampling_seed=seed,
                     )
-                    sampling = dataclasses.replace(sampling, sampling_seed=seed)
                     jobs.append(one(i, j, sampling))
             return await asyncio.gather(*jobs)
 

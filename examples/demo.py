@@ -168,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
 
     phase("6/6 plots and summary")
     sys.path.insert(0, str(TOOLS))
-    from plot_run import plot
+    from plot_run import plot, read_metrics
 
     plot([rl], run / "plots.png", labels=["bapo"])
     plot([sft], run / "sft_plots.png", labels=["sft"])
-    rl_records = [json.loads(line) for line in (rl / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rl_records = read_metrics(rl)
     summary = {
         "task": args.task,
         "accuracy_before_rl": scores["before_rl"]["greedy_acc"],

@@ -44,12 +44,10 @@ PRESSURE = [
 ]
 
 
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def summarise(run: Path) -> dict[str, float]:
-    rows = records(run)
+    from plot_run import read_metrics
+
+    rows = read_metrics(run)
     trained = [r for r in rows if "policy/entropy" in r]
     last = trained[-10:]
     final = [r for r in rows if "eval/greedy_acc" in r][-1]
@@ -84,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode:
             raise SystemExit("compare_clipping: the demo (warm start) failed")
     task = demo / "task"
+    sys.path.insert(0, str(ROOT / "tools"))
     results: dict[str, list[dict]] = {m: [] for m in args.methods}
     for seed in args.seeds:
         for method in args.methods:  # interleaved: a slow spell of the machine hits every method alike
@@ -113,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
             if done.returncode:
                 raise SystemExit(f"compare_clipping: {method} seed {seed} failed (exit {done.returncode})")
             results[method].append({"seed": seed, **summarise(run)})
-    sys.path.insert(0, str(ROOT / "tools"))
     from plot_run import plot
 
     runs = [out / f"{m}-s{s}" for m in args.methods for s in args.seeds]
