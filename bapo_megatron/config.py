@@ -418,6 +418,9 @@ class LoggingConfig:
     wandb_project: str | None = None
     wandb_run_name: str | None = None
     interval: int = 1
+    progress: bool | None = None
+    """Progress bars on stderr for each step's rollout (groups complete, tokens/s) and updates
+    (micro-batches); None: only where stderr is a terminal."""
 
     def __post_init__(self) -> None:
         check(self.interval >= 1, "interval", self.interval, "must be >= 1")

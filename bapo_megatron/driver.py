@@ -34,6 +34,7 @@ from typing import Any
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
 from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.progress import Progress, on_terminal
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
@@ -141,6 +142,7 @@ class RolloutDriver:
         self.clients: list[EngineClient] = []
         self.key: str | None = None
         self.manager: RolloutManager | None = None
+        self.progress = on_terminal() if cfg.logging.progress is None else cfg.logging.progress
         self.sender = None
         self._busy: tuple[float, list[float]] | None = None
         self._released = False
@@ -301,7 +303,10 @@ class RolloutDriver:
 
     def rollout(self, version: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate until rollout.prompts_per_step groups are complete; the batch and its metrics."""
-        groups = self._run(self.manager.step(version))
+        groups_wanted = self.cfg.rollout.prompts_per_step
+        with Progress(groups_wanted, f"rollout {version}", unit="group", enabled=self.progress) as bar:
+            self.manager.on_progress = lambda groups, tokens: bar.reach(groups, f"{tokens / bar.seconds:,.0f} tok/s")
+            groups = self._run(self.manager.step(version))
         batch = RolloutBatch.from_groups(
             groups, self.cfg.rollout.temperature, self.cfg.rollout.mask_stale_prefix, {"version": str(version)}
         )

@@ -140,6 +140,13 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
             cfg.rollout.prompts_per_step,
             f"{per_update} samples per optimizer step do not split over {dp} data-parallel ranks",
         )
+    if cfg.parallel.virtual_pipeline and per_update // dp < cfg.parallel.pipeline:
+        raise ConfigError(
+            "rollout.prompts_per_step",
+            cfg.rollout.prompts_per_step,
+            f"{per_update // dp} samples per data-parallel rank and optimizer step cannot fill the interleaved "
+            f"schedule's groups of {cfg.parallel.pipeline} micro-batches (parallel.virtual_pipeline)",
+        )
     check_precision_support(cfg.model)
 
 

@@ -13,12 +13,13 @@ import json
 import math
 import os
 import struct
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from bapo_megatron.common.progress import Progress
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -58,7 +59,7 @@ class StreamingWriter:
         directory: Path,
         files: list[tuple[str, list[TensorEntry]]],
         metadata: dict[str, str] | None = None,
-        progress: ByteProgress | None = None,
+        progress: Progress | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.progress = progress
@@ -122,36 +123,3 @@ class StreamingWriter:
     @property
     def total_bytes(self) -> int:
         return sum(e.nbytes for _, _, e in self._slots.values())
-
-
-class ByteProgress:
-    """A progress bar over bytes (with bytes/s) on stderr; silent when disabled."""
-
-    def __init__(self, total: int, desc: str, enabled: bool = True) -> None:
-        self._bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self._bar = tqdm(
-                total=total,
-                desc=desc,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
-
-    def update(self, nbytes: int) -> None:
-        if self._bar is not None:
-            self._bar.update(nbytes)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-    def __enter__(self) -> ByteProgress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -128,6 +128,8 @@ class RolloutManager:
         # generating now: task -> (request, request id, the version live when it was sent)
         self._running: dict[asyncio.Task, tuple[Request, str, int]] = {}
         self.stats: dict[str, float] = {}
+        # called as on_progress(complete groups, tokens generated) as a step goes (a progress bar)
+        self.on_progress: Callable[[int, int], None] | None = None
 
     async def step(self, version: int) -> list[GroupState]:
         """Generate until prompts_per_step groups are complete (and rewarded); return them, oldest first.
@@ -185,6 +187,7 @@ class RolloutManager:
                 tokens += len(completion.output_ids)
                 if req.sample.finished:
                     pending_rewards.add(asyncio.create_task(self._score(req)))
+            self._report(complete(), tokens)
         self.rounds = max(rounds.values(), default=0)
         if not self.retract:
             tokens += await self._cut(list(self._running), version, keep=self.partial)
@@ -213,6 +216,7 @@ class RolloutManager:
             for req, completion in zip(requests, completions, strict=True):  # in the buffer's order
                 self.buffer.record(req, completion, version)
                 tokens += len(completion.output_ids)
+            self._report(sum(g.finished for g in self.buffer.groups.values()), tokens)
             waited = time.monotonic()
             await asyncio.gather(*(self._score(req) for req in requests if req.sample.finished))
             reward_wait += time.monotonic() - waited
@@ -222,6 +226,10 @@ class RolloutManager:
                     if not s.finished:
                         s.reset()
         return self._finish(start, tokens, reward_wait)
+
+    def _report(self, groups: int, tokens: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(min(groups, self.prompts_per_step), tokens)
 
     def _seed_of(self, req: Request) -> int | None:
         if self.deterministic_seed is None:

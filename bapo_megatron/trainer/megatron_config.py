@@ -133,6 +133,12 @@ def transformer_config(
         # The loss returns (sum, token count): Megatron must not average per micro-batch.
         calculate_per_token_loss=True,
         variable_seq_lengths=True,
+        # Batched p2p (Megatron's default) posts a step's sends and receives to a peer in one list;
+        # with two pipeline stages the previous and next stage are the same peer, and the
+        # interleaved schedule's activation and gradient then meet the wrong receive (measured on
+        # gloo: a gradient of another micro-batch's shape). Megatron's unbatched p2p splits the two
+        # directions over two process groups for exactly this case.
+        batch_p2p_comm=parallel.pipeline != 2,
         # Unused by dense models, but 0.16.1 rejects its default ("allgather") with variable lengths.
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=cpu_init or not torch.cuda.is_available(),

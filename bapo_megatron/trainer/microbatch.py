@@ -17,8 +17,10 @@ import torch
 from bapo_megatron.common.batch import Sample
 
 
-def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
-    """plan[dp_rank][microbatch] = sample indices, every rank with the same number of micro-batches."""
+def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int, multiple_of: int = 1) -> list[list[list[int]]]:
+    """plan[dp_rank][microbatch] = sample indices, every rank with the same number of micro-batches,
+    a multiple of `multiple_of` (Megatron's interleaved schedule runs micro-batches in groups of
+    the pipeline size)."""
     n = len(lengths)
     if n == 0 or n % dp_size:
         raise ValueError(f"{n} samples cannot be split evenly over {dp_size} data-parallel ranks")
@@ -35,7 +37,12 @@ def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list
         lap, pos = divmod(k, dp_size)
         per_rank[pos if lap % 2 == 0 else dp_size - 1 - pos].append(i)
     plans = [_pack(indices, lengths, max_tokens) for indices in per_rank]
-    target = max(len(p) for p in plans)
+    target = math.ceil(max(len(p) for p in plans) / multiple_of) * multiple_of
+    if target > n // dp_size:
+        raise ValueError(
+            f"{n // dp_size} samples per data-parallel rank cannot make {target} micro-batches (the "
+            f"interleaved pipeline schedule runs them in groups of {multiple_of}): use more samples a step"
+        )
     for plan in plans:
         while len(plan) < target:
             fullest = max(range(len(plan)), key=lambda j: len(plan[j]))
@@ -53,6 +60,14 @@ def _pack(indices: list[int], lengths: list[int], max_tokens: int) -> list[list[
         else:
             batches.append([i])
     return batches
+
+
+def uniform_shape(samples: list[Sample], plan: list[list[int]], sequence_multiple: int = 1) -> tuple[int, int]:
+    """(rows, seq) that holds every micro-batch of `plan` (one rank's): the interleaved pipeline
+    schedule needs one activation shape for all micro-batches of a step."""
+    rows = max(len(indices) for indices in plan)
+    longest = max(samples[i].length for indices in plan for i in indices)
+    return rows, math.ceil(longest / sequence_multiple) * sequence_multiple
 
 
 @dataclass
@@ -83,12 +98,22 @@ class MicroBatch:
 
 
 def pack_microbatch(
-    samples: list[Sample], indices: list[int], advantages: list[float], sequence_multiple: int = 1, pad_id: int = 0
+    samples: list[Sample],
+    indices: list[int],
+    advantages: list[float],
+    sequence_multiple: int = 1,
+    pad_id: int = 0,
+    shape: tuple[int, int] | None = None,
 ) -> MicroBatch:
-    """Right-padded tensors for samples[indices]; advantages[i] is sample i's advantage."""
+    """Right-padded tensors for samples[indices]; advantages[i] is sample i's advantage. shape:
+    (rows, seq) to pad to, at least what the samples need (rows past the samples count nothing)."""
     chosen = [samples[i] for i in indices]
     seq = math.ceil(max(s.length for s in chosen) / sequence_multiple) * sequence_multiple
     b = len(chosen)
+    if shape is not None:
+        if shape[0] < b or shape[1] < seq:
+            raise ValueError(f"shape {shape} is smaller than the micro-batch's ({b}, {seq})")
+        b, seq = shape
     input_ids = torch.full((b, seq), pad_id, dtype=torch.long)
     targets = torch.full((b, seq), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(b, seq)

@@ -29,11 +29,12 @@ from bapo_megatron.algo.losses import PolicyBatch, importance_ratio, policy_loss
 from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
 from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.progress import Progress, on_terminal
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import NonFiniteInputError
 from bapo_megatron.trainer import megatron_config as mc
 from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
-from bapo_megatron.trainer.microbatch import MicroBatch, pack_microbatch, plan_microbatches
+from bapo_megatron.trainer.microbatch import MicroBatch, pack_microbatch, plan_microbatches, uniform_shape
 from bapo_megatron.trainer.parallel import ParallelInfo
 
 
@@ -81,6 +82,8 @@ class PolicyTrainer:
         self.seq_multiple = mc.sequence_multiple(cfg.model, cfg.parallel)
         self.vocab_local = mc.padded_vocab(spec, cfg.model, cfg.parallel) // info.tp_size
         self.step = 0
+        shown = on_terminal() if cfg.logging.progress is None else cfg.logging.progress
+        self.progress = shown and dist.get_rank() == 0  # micro-batch bars, on the rank that logs
 
     def _build_chunks(self) -> list[torch.nn.Module]:
         from megatron.core import parallel_state as ps
@@ -121,33 +124,47 @@ class PolicyTrainer:
         for i, a in zip(order, adv.reshape(-1).tolist(), strict=True):
             advantages[i] = a
         plan = plan_microbatches(
-            [s.length for s in batch.samples], self.info.dp_size, self.cfg.parallel.max_tokens_per_microbatch
+            [s.length for s in batch.samples],
+            self.info.dp_size,
+            self.cfg.parallel.max_tokens_per_microbatch,
+            multiple_of=self.info.pp_size if len(self.model) > 1 else 1,
         )
         mine = plan[self.info.dp_rank]
-        mbs = [pack_microbatch(batch.samples, idx, advantages, self.seq_multiple).to(self.device) for idx in mine]
+        # Megatron's interleaved (virtual pipeline) schedule does not carry micro-batches of different
+        # shapes (gloo: "Received data size doesn't match expected size"): there all have one shape
+        shape = uniform_shape(batch.samples, mine, self.seq_multiple) if len(self.model) > 1 else None
+        mbs = [
+            pack_microbatch(batch.samples, idx, advantages, self.seq_multiple, shape=shape).to(self.device)
+            for idx in mine
+        ]
         return mbs, metrics
 
     # ------------------------------------------------------------------------------------------
     # The schedule and the loss.
 
-    def _forward_step(self, loss_fn, data_iterator, model):
+    def _forward_step(self, loss_fn, bar: Progress, data_iterator, model):
         mb = next(data_iterator)
+        bar.update()
         output = model(mb.input_ids, mb.position_ids, attention_mask=None)
         return output, partial(loss_fn, mb)
 
-    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool) -> list:
+    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, label: str = "") -> list:
+        """The schedule over `mbs`; with self.progress and a label, a bar over its micro-batches
+        (forward steps: one a micro-batch and virtual stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iterator = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn),
-            data_iterator=iterator,
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(mbs),
-            seq_length=max(mb.input_ids.shape[1] for mb in mbs),
-            micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
-            forward_only=forward_only,
-        )
+        total = len(mbs) * len(self.model)
+        with Progress(total, label, unit="mb", enabled=self.progress and bool(label)) as bar:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn, bar),
+                data_iterator=iterator,
+                model=self.model if len(self.model) > 1 else self.model[0],
+                num_microbatches=len(mbs),
+                seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
+                forward_only=forward_only,
+            )
 
     def _logprobs(self, mb: MicroBatch, logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_parallel_logprobs(
@@ -211,7 +228,7 @@ class PolicyTrainer:
     def _step_bounds(self, step: StepState, mbs: list[MicroBatch]) -> ClipBounds | None:
         """BAPO's bounds over the whole step, at the start-of-step parameters (None: not searched here)."""
         with torch.no_grad():
-            tables = self._run(mbs, partial(self._stats_loss, step), forward_only=True)
+            tables = self._run(mbs, partial(self._stats_loss, step), forward_only=True, label="bounds")
         if self.cfg.algo.loss != "bapo" or self.cfg.algo.bapo.bound_scope != "step":
             return None
         if not self.info.is_last_stage:
@@ -233,7 +250,7 @@ class PolicyTrainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         step.bounds = self._step_bounds(step, mbs) if self._needs_prepass() else None
-        outputs: list[LossOutput] = self._run(mbs, partial(self._policy_loss, step), forward_only=False)
+        outputs: list[LossOutput] = self._run(mbs, partial(self._policy_loss, step), forward_only=False, label="update")
         skipped = self._nonfinite(step, outputs)
         grad_norm = float("nan")
         if not skipped:

@@ -21,7 +21,8 @@ from bapo_megatron.common.hf_io import (
     hf_writer,
 )
 from bapo_megatron.common.model_spec import ModelSpec, check_layout
-from bapo_megatron.common.safetensors_stream import ByteProgress, StreamingWriter, plan_files
+from bapo_megatron.common.progress import byte_progress
+from bapo_megatron.common.safetensors_stream import StreamingWriter, plan_files
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.fsutil import atomic_directory
 from bapo_megatron.trainer.megatron_config import EXTRA_STATE
@@ -100,7 +101,7 @@ def hf_to_mcore(
         return recipe_region(recipes[name_of[id(data)]], hf, start, tuple(sharded.local_shape), tuple(data.shape))
 
     size = sum(p.numel() for p in params.values()) * torch_dtype.itemsize
-    with ByteProgress(size, "hf-to-mcore", progress) as bar:
+    with byte_progress(size, "hf-to-mcore", progress) as bar:
         save_sharded(
             model_sharded_state_dict([model]),
             out,
@@ -160,7 +161,7 @@ def mcore_to_hf(
 
     with atomic_directory(out) as tmp:
         writers = layout(tmp)
-        with ByteProgress(sum(w.total_bytes for w in writers), "mcore-to-hf", progress) as bar:
+        with byte_progress(sum(w.total_bytes for w in writers), "mcore-to-hf", progress) as bar:
             for w in writers:
                 w.progress = bar
             for group in source.hf_groups():

@@ -1,4 +1,4 @@
-"""TP=2, PP=2, DP=2 and TP=2 x PP=2 train exactly as one process does (gloo, CPU).
+"""TP=2, PP=2, DP=2, TP=2 x PP=2 and PP=2 x VPP=2 train exactly as one process does (gloo, CPU).
 
 The weights are made once at TP=1 and saved as a dist checkpoint; every layout loads them,
 takes one optimizer step on the same replayed rollout batch with BAPO (bound_scope "step")
@@ -17,7 +17,16 @@ from tests.dist.launch import run_workers
 from tests.e2e.test_train_resume import make_batch
 
 LOSSES = ("bapo", "ppo")
-LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (1, 2, 2), "dp2": (1, 1, 2), "tp2pp2": (2, 2, 4)}
+# name: (tensor, pipeline, virtual pipeline, processes)
+LAYOUTS = {
+    "tp1": (1, 1, None, 1),
+    "tp2": (2, 1, None, 2),
+    "pp2": (1, 2, None, 2),
+    "dp2": (1, 1, None, 2),
+    "tp2pp2": (2, 2, None, 4),
+    # the interleaved schedule, with micro-batches of unequal lengths in the batch
+    "pp2vpp2": (1, 2, 2, 2),
+}
 COMPARED = (
     "loss/pg",
     "bapo/clip_low",
@@ -31,8 +40,9 @@ COMPARED = (
 )
 
 
-def _overrides(loss: str, tp: int, pp: int) -> list[str]:
+def _overrides(loss: str, tp: int, pp: int, vpp: int | None = None) -> list[str]:
     return [
+        f"parallel.virtual_pipeline={'null' if vpp is None else vpp}",
         f"algo.loss={loss}",
         "algo.bapo.target_rho=0.45",
         f"parallel.tensor={tp}",
@@ -51,14 +61,14 @@ def _batch() -> RolloutBatch:
     return make_batch(0, max_len=14, temperature=0.9)
 
 
-def _setup(tp: int, pp: int, loss: str = "bapo"):
+def _setup(tp: int, pp: int, loss: str = "bapo", vpp: int | None = None):
     from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
 
     activate_cpu_shim()
-    cfg = load_config(None, _overrides(loss, tp, pp))
+    cfg = load_config(None, _overrides(loss, tp, pp, vpp))
     return tiny_spec(), cfg, init_model_parallel(cfg.parallel, cfg.seed)
 
 
@@ -76,11 +86,11 @@ def _train_layout(rank: int, world: int, root: str, name: str) -> None:
     from bapo_megatron.trainer.checkpoint import CheckpointManager, save_model
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
-    tp, pp, _ = LAYOUTS[name]
+    tp, pp, vpp, _ = LAYOUTS[name]
     batch = RolloutBatch.load(Path(root) / "batch.safetensors")
     results = {}
     for loss in LOSSES:
-        spec, cfg, info = _setup(tp, pp, loss)
+        spec, cfg, info = _setup(tp, pp, loss, vpp)
         trainer = PolicyTrainer(spec, cfg, info)
         trainer.load_weights(Path(root) / "init")
         result = trainer.train_step(batch)
@@ -133,7 +143,7 @@ def _compare(rank: int, world: int, root: str) -> None:
 def test_layouts_match_single_process(tmp_path):
     root = str(tmp_path)
     run_workers(_make_weights, 1, root)
-    for name, (_, _, world) in LAYOUTS.items():
+    for name, (*_, world) in LAYOUTS.items():
         run_workers(_train_layout, world, root, name)
     metrics = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in LAYOUTS}
     for loss in LOSSES:

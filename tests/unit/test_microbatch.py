@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
-from bapo_megatron.trainer.microbatch import pack_microbatch, plan_microbatches
+from bapo_megatron.trainer.microbatch import pack_microbatch, plan_microbatches, uniform_shape
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -16,9 +16,11 @@ def test_plan_covers_every_sample_once_within_budget(seed):
     n = dp * rng.randint(1, 12)
     lengths = [rng.randint(1, 100) for _ in range(n)]
     budget = rng.randint(100, 400)
-    plan = plan_microbatches(lengths, dp, budget)
+    multiple = rng.choice([1, 2, 4]) if n // dp >= 4 else 1  # a virtual pipeline's group of micro-batches
+    plan = plan_microbatches(lengths, dp, budget, multiple_of=multiple)
     assert len(plan) == dp
     assert len({len(rank) for rank in plan}) == 1  # same micro-batch count on every rank
+    assert len(plan[0]) % multiple == 0
     flat = sorted(i for rank in plan for mb in rank for i in mb)
     assert flat == list(range(n))
     assert {len([i for mb in rank for i in mb]) for rank in plan} == {n // dp}
@@ -32,6 +34,20 @@ def test_plan_errors():
         plan_microbatches([1] * 5, 2, 10)
     with pytest.raises(ValueError, match="sample 1 has 30 tokens, more than parallel.max_tokens_per_microbatch=20"):
         plan_microbatches([5, 30], 1, 20)
+    with pytest.raises(ValueError, match="3 samples per data-parallel rank cannot make 4 micro-batches"):
+        plan_microbatches([1] * 6, 2, 100, multiple_of=4)
+
+
+def test_uniform_shape_pads_every_micro_batch_to_one_shape():
+    samples = [_sample([5, 6], [7, 8, 9]), _sample([1], [2]), _sample([1, 2, 3], [4])]
+    plan = [[0, 1], [2]]
+    shape = uniform_shape(samples, plan, sequence_multiple=4)
+    assert shape == (2, 8)
+    mbs = [pack_microbatch(samples, idx, [1.0, 1.0, 1.0], 4, shape=shape) for idx in plan]
+    assert {mb.input_ids.shape for mb in mbs} == {(2, 8)}
+    assert mbs[1].loss_mask[1].sum() == 0 and mbs[1].num_tokens == 1  # the padding row counts nothing
+    with pytest.raises(ValueError, match="smaller than the micro-batch"):
+        pack_microbatch(samples, [0, 1], [1.0] * 3, 4, shape=(1, 8))
 
 
 def _sample(prompt, response, group=0, mask=None):

@@ -114,6 +114,18 @@ def test_budgeted_requests_continue_at_once_and_the_rest_is_kept_for_next_step()
     assert engine.requests("p2/0") and set(buffer.groups) == {"p2"}
 
 
+def test_progress_reports_complete_groups_and_tokens_as_the_step_goes():
+    engine = ScriptedEngine(prompt_len=3)
+    manager = make_manager([engine], [STOP], budget=4, oversample=2)
+    manager.prompts_per_step = 2
+    seen: list[tuple[int, int]] = []
+    manager.on_progress = lambda groups, tokens: seen.append((groups, tokens))
+    asyncio.run(manager.step(1))
+    groups, tokens = zip(*seen, strict=True)
+    assert list(groups) == sorted(groups) and groups[0] == 0 and groups[-1] == 2  # never past the step's groups
+    assert list(tokens) == sorted(tokens) and tokens[-1] <= manager.stats["rollout/tokens"]
+
+
 class FailingEngine:
     """Answers every request with one token and an abort carrying an error status, `fail` times per
     sample, then generates the sample to its end (two tokens, then STOP)."""

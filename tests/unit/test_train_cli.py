@@ -32,6 +32,17 @@ def _cfg(*overrides):
             "9 samples per optimizer step do not split over 2 data-parallel ranks",
         ),
         (["model.precision=fp8", "model.transformer_impl=transformer_engine"], 1, "model.transformer_impl"),
+        (
+            [
+                "parallel.pipeline=2",
+                "parallel.virtual_pipeline=2",
+                "rollout.prompts_per_step=2",
+                "rollout.samples_per_prompt=2",
+                "algo.updates_per_batch=2",
+            ],
+            4,
+            "1 samples per data-parallel rank and optimizer step cannot fill the interleaved schedule's groups of 2",
+        ),
     ],
 )
 def test_validate_names_the_problem(overrides, world, message):
