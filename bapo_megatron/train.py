@@ -14,6 +14,7 @@ a second source, for debugging the trainer without generation.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -404,6 +405,10 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
             logger.log(trainer.step, metrics)
         if ckpt and step > start and (not cfg.checkpoint.interval or step % cfg.checkpoint.interval):
             save(ckpt, trainer, driver, step)
+        if rank == 0:  # for job scripts: requeue a stopped run (slurm/*.sh), export a finished one
+            state = "finished" if step >= cfg.steps else "stopped"
+            status = {"state": state, "step": step, "steps": cfg.steps, "signal": stop.received}
+            write_text_atomic(run_dir / "status.json", json.dumps(status) + "\n")
         if stop.received is not None and rank == 0:
             print(
                 f"signal {stop.received}: saved step {step} of {cfg.steps}; the same command resumes", file=sys.stderr

@@ -2,6 +2,7 @@
 
     python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp N --pp M --dtype float32]
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype DTYPE]
+        (MCORE_DIR: a converted checkpoint, a run's step directory, or a run's checkpoint.dir: its latest step)
     python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4]
 
 Conversions hold about one decoder layer beyond their inputs (hf-to-mcore: beyond the
@@ -47,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-mcore":
             print(f"wrote {hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.dtype, progress=show)}")
         elif args.command == "mcore-to-hf":
-            print(f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, progress=show)}")
+            from bapo_megatron.trainer.checkpoint import weights_dir
+
+            mcore = weights_dir(args.mcore)
+            print(f"wrote {mcore_to_hf(mcore, args.out, args.hf_template, args.dtype, progress=show)}")
         else:
             result = verify(args.hf, args.mcore)
             ok = result["max_rel"] <= args.tolerance

@@ -6,7 +6,9 @@ caller, and the trainer and engine may use different Python environments.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,13 +41,26 @@ class EngineStartError(RuntimeError):
 
 def die_with_parent() -> None:
     """In a child (before exec, or as a worker pool's initializer): SIGTERM it when the process that
-    started it dies (Linux), so that a killed driver leaves no engine or worker behind."""
-    import contextlib
+    started it dies (Linux), so that a killed driver leaves no engine or worker behind. SIGUSR1 is
+    ignored: it asks the driver to checkpoint, and Slurm sends it to every process of a job step."""
     import ctypes
-    import signal
 
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # kept across exec
     with contextlib.suppress(OSError):  # not Linux: the driver's own teardown is all there is
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def usr1_shielded():
+    """SIGUSR1 blocked in this thread meanwhile (held pending, delivered after). Children started
+    inside inherit the blocked mask: multiprocessing's spawned workers and its resource tracker,
+    which set no disposition of their own for it, then outlive the checkpoint signal that Slurm
+    sends to every process of a job step (one killed tracker or worker breaks the reward pool)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bapo_megatron.rollout.launcher import die_with_parent
+from bapo_megatron.rollout.launcher import die_with_parent, usr1_shielded
 
 RewardFn = Callable[[str, list[int], dict[str, Any]], float]
 
@@ -119,19 +119,20 @@ class RewardWorkers:
         self.failures = 0
         # spawned, never forked: the caller may hold threads (torch, process groups) a fork would copy mid-state
         context = multiprocessing.get_context("spawn")
-        self._pool = (
-            None
-            if inline
-            else concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=die_with_parent)
-        )
+        self._pool = None
+        if not inline:
+            with usr1_shielded():  # its queues' semaphores start multiprocessing's resource tracker
+                self._pool = concurrent.futures.ProcessPoolExecutor(
+                    workers, mp_context=context, initializer=die_with_parent
+                )
 
     async def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> float:
         if self._pool is None:
             value, error = score(self.name, text, ids, meta)
         else:
-            value, error = await asyncio.get_running_loop().run_in_executor(
-                self._pool, score, self.name, text, ids, meta
-            )
+            with usr1_shielded():  # a worker (and the resource tracker) may start here
+                pending = asyncio.get_running_loop().run_in_executor(self._pool, score, self.name, text, ids, meta)
+            value, error = await pending
         if error is not None:
             self.failures += 1
         return value

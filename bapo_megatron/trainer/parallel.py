@@ -37,9 +37,26 @@ class ParallelInfo:
 
 
 def single_process_env() -> None:
-    """Outside torchrun/srun: the environment of a world of one on this machine (free loopback port)."""
+    """The rendezvous environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): torchrun's
+    as it is; in a Slurm job step (`srun bapo-train ...`, one task per GPU), from Slurm's variables,
+    with MASTER_ADDR and MASTER_PORT from the job script (the first node, a port of the job's);
+    elsewhere a world of one on this machine (a free loopback port)."""
     if "RANK" in os.environ:
         return
+    if "SLURM_STEP_NUM_TASKS" in os.environ and "SLURM_PROCID" in os.environ:  # inside srun, not the batch script
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing and int(os.environ["SLURM_STEP_NUM_TASKS"]) > 1:
+            raise RuntimeError(
+                f"srun with {os.environ['SLURM_STEP_NUM_TASKS']} tasks: export {' and '.join(missing)} in the "
+                "job script (the first node of the job and a free port, as slurm/bapo_32b.sh does)"
+            )
+        os.environ.update(
+            RANK=os.environ["SLURM_PROCID"],
+            WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
+            LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+        )
+        if not missing:
+            return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -1,0 +1,95 @@
+"""The 7B and 32B presets: the paper's settings, and `bapo-train PRESET --dry-run` memory figures
+checked against the same quantities worked out by hand here (within 5%), on 8 x 80 GiB nodes."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bapo_megatron.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+# name: (world size of its Slurm script's trainer, published parameter count of the model card)
+PRESETS = {"qwen2.5-7b": (8, 7.61e9), "qwen2.5-32b": (32, 32.76e9)}
+
+
+def _shape(name: str) -> dict:
+    import json
+
+    return json.loads((ROOT / "examples" / name / "shape" / "config.json").read_text())
+
+
+def _by_hand(name: str) -> dict[str, float]:
+    """Parameters of the most loaded GPU and the bytes of each kind of state, in GiB."""
+    cfg = load_config(ROOT / "examples" / name / "config.yaml")
+    hf, world = _shape(name), PRESETS[name][0]
+    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    dp = world // (tp * pp)
+    d, layers, ffn = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"]
+    heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head = d // heads
+    attention = d * heads * head + 2 * d * kv * head + (heads + 2 * kv) * head + heads * head * d  # + biases, o
+    mlp = 3 * d * ffn
+    norms = 2 * d
+    # first stage: its layers and the embedding; the last: its layers, the final norm and the output layer
+    vocab = hf["vocab_size"]  # 152064 = 297 x 512: already a multiple of 128 x TP, no padding
+    stage = (layers // pp) * ((attention + mlp) / tp + norms) + vocab * d / tp
+    if pp == 1:
+        stage += vocab * d / tp + d
+    return {
+        "total": layers * (attention + mlp + norms) + 2 * vocab * d + d,
+        "parameters": stage * 2 / GIB,  # bf16
+        "gradients": stage * 4 / GIB,  # Megatron's fp32 gradient buffer
+        "optimizer, distributed": stage * 12 / dp / GIB,  # fp32 main copy + Adam's two moments, sharded
+        "optimizer, replicated": stage * 12 / GIB,
+    }
+
+
+def _dry_run(name: str) -> str:
+    world = PRESETS[name][0]
+    command = [sys.executable, "-m", "bapo_megatron.train", f"examples/{name}/config.yaml", "--dry-run"]
+    done = subprocess.run(
+        [*command, f"--world-size={world}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_hold_the_papers_settings(name):
+    cfg = load_config(ROOT / "examples" / name / "config.yaml")
+    bapo = cfg.algo.bapo
+    assert cfg.algo.loss == "bapo" and bapo.target_rho == 0.5
+    assert (bapo.low_start, bapo.low_max, bapo.high_start, bapo.high_max) == (0.6, 0.9, 1.2, 3.0)
+    assert cfg.rollout.samples_per_prompt == 16 and cfg.optimizer.lr == 1e-6
+    assert cfg.rollout.partial and cfg.rollout.engine == "sglang" and cfg.model.precision == "bf16"
+    world = PRESETS[name][0]
+    assert world % 8 == 0 and world % (cfg.parallel.tensor * cfg.parallel.pipeline) == 0  # whole 8-GPU nodes
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_shape_is_the_published_model(name):
+    total = _by_hand(name)["total"]
+    assert total == pytest.approx(PRESETS[name][1], rel=0.01)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_dry_run_memory_matches_the_hand_count(name):
+    out = _dry_run(name)
+    want = _by_hand(name)
+    for optimizer in ("distributed", "replicated"):
+        line = next(line for line in out.splitlines() if line.startswith(f"trainer, {optimizer} optimizer:"))
+        got = {k: float(v) for k, v in re.findall(r"(parameters|gradients|optimizer|peak) ([\d.]+) GiB", line)}
+        assert got["parameters"] == pytest.approx(want["parameters"], rel=0.05), line
+        assert got["gradients"] == pytest.approx(want["gradients"], rel=0.05), line
+        assert got["optimizer"] == pytest.approx(want[f"optimizer, {optimizer}"], rel=0.05), line
+    distributed = next(line for line in out.splitlines() if line.startswith("trainer, distributed optimizer:"))
+    assert float(re.search(r"peak ([\d.]+) GiB", distributed).group(1)) < 80  # the layout fits an H100
+    assert "sglang server(s)" in out and "KV cache" in out
