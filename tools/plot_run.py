@@ -57,39 +57,58 @@ def series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[flo
     return out
 
 
-def plot(runs: list[Path], out: Path, labels: list[str] | None = None) -> list[str]:
-    """Draw every panel into `out`; returns the titles of panels that had data."""
+LEGEND_IN_PANELS = 3
+"""More runs than this: one figure legend, not one in each panel."""
+
+
+def plot(runs: list[Path], out: Path, labels: list[str] | None = None, groups: list[str] | None = None) -> list[str]:
+    """Draw every panel into `out`; returns the titles of panels that had data. groups: one name per
+    run; runs of a group share a colour and one legend entry (several seeds of a method). Up to
+    LEGEND_IN_PANELS lines get a legend in each panel, more one legend for the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     data = [read_metrics(run) for run in runs]
     labels = labels or [run.name if run.is_dir() else run.stem for run in runs]
+    groups = groups or labels
+    if len(groups) != len(runs):
+        raise ValueError(f"{len(groups)} groups for {len(runs)} runs")
+    names = list(dict.fromkeys(groups))  # in first-seen order
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {name: colours[i % len(colours)] for i, name in enumerate(names)}
+    in_panels = len(runs) <= LEGEND_IN_PANELS
     cols = 4
     rows = (len(PANELS) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows + (0 if in_panels else 0.6)), squeeze=False)
     drawn = []
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=False):
         any_data = False
-        for i, (records, label) in enumerate(zip(data, labels, strict=True)):
+        for records, label, group in zip(data, labels, groups, strict=True):
             for k, key in enumerate(keys):
                 for name, (steps, values) in series(records, key).items():
-                    style = ("-", "--", ":")[k % 3]  # one colour a run, one line style a metric
+                    style = ("-", "--", ":")[k % 3]  # one colour a run (or group), one line style a metric
                     suffix = f" {name.split('/')[-1]}" if len(keys) > 1 else ""
-                    ax.plot(steps, values, style, color=colours[i % len(colours)], label=label + suffix, lw=1.4)
+                    ax.plot(steps, values, style, color=colour[group], label=label + suffix, lw=1.2, alpha=0.85)
                     any_data = True
         ax.set_title(title)
         ax.set_xlabel("step")
         if any_data:
             drawn.append(title)
-            ax.legend(fontsize=7)
+            if in_panels:
+                ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
     for ax in list(axes.flat)[len(PANELS) :]:
         ax.axis("off")
-    fig.tight_layout()
+    if not in_panels:
+        handles = [Line2D([], [], color=colour[name], lw=2) for name in names]
+        fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
+    else:
+        fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -115,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     from plot_run import plot
 
     runs = [out / f"{m}-s{s}" for m in args.methods for s in args.seeds]
-    plot(runs, out / "plots.png", labels=[f"{m} s{s}" for m in args.methods for s in args.seeds])
+    plot(
+        runs,
+        out / "plots.png",
+        labels=[f"{m} s{s}" for m in args.methods for s in args.seeds],
+        groups=[m for m in args.methods for _ in args.seeds],
+    )
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     lines = [
         f"{len(args.seeds)} seeds, {args.steps} steps each, {args.eval_prompts} held-out prompts; "

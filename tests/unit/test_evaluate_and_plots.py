@@ -86,3 +86,27 @@ def test_plot_run_names_a_bad_file(tmp_path):
         plot_run.read_metrics(tmp_path)
     with pytest.raises(ValueError, match="no metrics.jsonl"):
         plot_run.read_metrics(tmp_path / "missing")
+
+
+def test_plot_run_groups_seeds_of_a_method_under_one_colour_and_legend(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import matplotlib.figure
+    import plot_run
+
+    runs = []
+    for method in ("bapo", "ppo"):
+        for seed in range(3):
+            _metrics(tmp_path / f"{method}-s{seed}", 10, with_bapo=method == "bapo")
+            runs.append(tmp_path / f"{method}-s{seed}")
+    legends = []
+    original = matplotlib.figure.Figure.legend
+    monkeypatch.setattr(
+        matplotlib.figure.Figure,
+        "legend",
+        lambda self, *a, **k: legends.append([t.get_text() for t in original(self, *a, **k).get_texts()]),
+    )
+    groups = ["bapo"] * 3 + ["ppo"] * 3
+    plot_run.plot(runs, tmp_path / "six.png", groups=groups)
+    assert legends == [["bapo", "ppo"]]  # one figure legend, one entry a group, not 6 x 8 panel legends
+    with pytest.raises(ValueError, match="5 groups for 6 runs"):
+        plot_run.plot(runs, tmp_path / "bad.png", groups=groups[:5])
