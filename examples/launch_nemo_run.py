@@ -93,6 +93,7 @@ def executor(kind: str, opts: argparse.Namespace):
             container_mounts=opts.mount,
             setup_lines="\n".join(SLURM_RENDEZVOUS),
             env_vars={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+            packager=run.Packager(),  # nothing to ship: the image (or the shared checkout) has the code
             tunnel=tunnel,
         )
     if kind == "docker":
@@ -107,6 +108,7 @@ def executor(kind: str, opts: argparse.Namespace):
             ntasks_per_node=GPUS_PER_NODE,
             volumes=opts.mount,
             env_vars={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+            packager=run.Packager(),
             launcher="torchrun",
         )
     raise SystemExit(f"--executor {kind}: expected local, slurm or docker")

@@ -17,7 +17,7 @@ SCRIPT = ROOT / "examples" / "launch_nemo_run.py"
 
 
 def _launch(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "400", "NEMORUN_HOME": str(tmp_path / "nemo_run_home")}
+    env = {**os.environ, "COLUMNS": "4000", "NEMORUN_HOME": str(tmp_path / "nemo_run_home")}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # NeMo-Run's `python`: this one
     command = [sys.executable, str(SCRIPT), "--job-dir", str(tmp_path / "jobs"), *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
