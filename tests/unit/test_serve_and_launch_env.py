@@ -64,6 +64,13 @@ def test_cli_errors_are_one_line():
 SLURM_TASK = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1"}
 
 
+@pytest.fixture(autouse=True)
+def private_environ(monkeypatch):
+    """single_process_env writes os.environ itself: a copy, so that RANK=5 of 16 never reaches the
+    processes later tests start."""
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+
+
 def test_srun_tasks_map_to_ranks(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
