@@ -34,7 +34,7 @@ from typing import Any
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
 from bapo_megatron.common.model_spec import ModelSpec
-from bapo_megatron.common.progress import Progress, on_terminal
+from bapo_megatron.common.progress import Progress, bars_on
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
@@ -142,7 +142,7 @@ class RolloutDriver:
         self.clients: list[EngineClient] = []
         self.key: str | None = None
         self.manager: RolloutManager | None = None
-        self.progress = on_terminal() if cfg.logging.progress is None else cfg.logging.progress
+        self.progress = bars_on(cfg.logging.progress)
         self.sender = None
         self._busy: tuple[float, list[float]] | None = None
         self._released = False

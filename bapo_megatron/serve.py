@@ -49,8 +49,8 @@ def engine_server(cfg, index: int, run_dir: Path):
 def wait_for_engines(urls: tuple[str, ...], timeout_s: float, poll_s: float = 2.0) -> int:
     """0 once every URL's /health answers 200; 2, naming those that never did, after timeout_s."""
     import time
-    import urllib.error
-    import urllib.request
+
+    from bapo_megatron.rollout.launcher import answers
 
     if not urls:
         raise ValueError("--wait: rollout.engine_urls is empty")
@@ -58,13 +58,9 @@ def wait_for_engines(urls: tuple[str, ...], timeout_s: float, poll_s: float = 2.
     deadline = time.monotonic() + timeout_s
     while waiting:
         for url in list(waiting):
-            try:
-                with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as answer:
-                    if answer.status == 200:
-                        waiting.remove(url)
-                        print(f"bapo-serve: {url} answers", file=sys.stderr, flush=True)
-            except (urllib.error.URLError, OSError):
-                pass
+            if answers(url, timeout_s=5):
+                waiting.remove(url)
+                print(f"bapo-serve: {url} answers", file=sys.stderr, flush=True)
         if waiting and time.monotonic() > deadline:
             print(f"error: no answer from {', '.join(waiting)} within {timeout_s:.0f} s", file=sys.stderr)
             return 2

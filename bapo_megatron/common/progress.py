@@ -7,10 +7,10 @@ import sys
 import time
 
 
-def on_terminal() -> bool:
-    """Whether bars should draw by default: stderr is a terminal (a log file or CI gets only the
-    one line of metrics a step)."""
-    return sys.stderr.isatty()
+def bars_on(setting: bool | None) -> bool:
+    """Whether bars draw, from logging.progress: as set, or (None) where stderr is a terminal (a
+    log file or CI gets only the one line of metrics a step)."""
+    return sys.stderr.isatty() if setting is None else setting
 
 
 class Progress:

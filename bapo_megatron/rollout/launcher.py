@@ -63,6 +63,15 @@ def usr1_shielded():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def answers(url: str, path: str = "/health", timeout_s: float = 2.0) -> bool:
+    """Whether the server at `url` answers `path` with 200 now (no answer, an error: False)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -102,12 +111,8 @@ class ServerProcess:
                     f"engine server exited with code {self.process.returncode} before it was "
                     f"ready ({' '.join(self.command[:4])} ...); log tail:\n{self.log_tail()}"
                 )
-            try:
-                with urllib.request.urlopen(self.url + path, timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
+            if answers(self.url, path):
+                return self
             if time.monotonic() > deadline:
                 self.stop()
                 raise EngineStartError(

@@ -29,7 +29,7 @@ from bapo_megatron.algo.losses import PolicyBatch, importance_ratio, policy_loss
 from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
 from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.common.model_spec import ModelSpec
-from bapo_megatron.common.progress import Progress, on_terminal
+from bapo_megatron.common.progress import Progress, bars_on
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import NonFiniteInputError
 from bapo_megatron.trainer import megatron_config as mc
@@ -82,8 +82,7 @@ class PolicyTrainer:
         self.seq_multiple = mc.sequence_multiple(cfg.model, cfg.parallel)
         self.vocab_local = mc.padded_vocab(spec, cfg.model, cfg.parallel) // info.tp_size
         self.step = 0
-        shown = on_terminal() if cfg.logging.progress is None else cfg.logging.progress
-        self.progress = shown and dist.get_rank() == 0  # micro-batch bars, on the rank that logs
+        self.progress = bars_on(cfg.logging.progress) and dist.get_rank() == 0  # on the rank that logs
 
     def _build_chunks(self) -> list[torch.nn.Module]:
         from megatron.core import parallel_state as ps
@@ -123,16 +122,17 @@ class PolicyTrainer:
         advantages = [0.0] * len(batch)
         for i, a in zip(order, adv.reshape(-1).tolist(), strict=True):
             advantages[i] = a
+        interleaved = len(self.model) > 1  # virtual pipeline stages
         plan = plan_microbatches(
             [s.length for s in batch.samples],
             self.info.dp_size,
             self.cfg.parallel.max_tokens_per_microbatch,
-            multiple_of=self.info.pp_size if len(self.model) > 1 else 1,
+            multiple_of=self.info.pp_size if interleaved else 1,
         )
         mine = plan[self.info.dp_rank]
         # Megatron's interleaved (virtual pipeline) schedule does not carry micro-batches of different
         # shapes (gloo: "Received data size doesn't match expected size"): there all have one shape
-        shape = uniform_shape(batch.samples, mine, self.seq_multiple) if len(self.model) > 1 else None
+        shape = uniform_shape(batch.samples, mine, self.seq_multiple) if interleaved else None
         mbs = [
             pack_microbatch(batch.samples, idx, advantages, self.seq_multiple, shape=shape).to(self.device)
             for idx in mine

@@ -135,8 +135,9 @@ def test_gpu_scripts_fit_8_gpu_h100_nodes(slurm, tmp_path, script, nodes):
 
 def test_the_daemons_are_ours_and_stop(tmp_path):
     """Everything LocalSlurm starts is stopped by PID (checked on a cluster of its own)."""
-    if install_packages() is not None:
-        pytest.skip(install_packages())
+    why = install_packages()
+    if why is not None:
+        pytest.skip(why)
     cluster = LocalSlurm(tmp_path, fake_gpu_nodes=0)
     with cluster:
         pids = dict(cluster.pids)
