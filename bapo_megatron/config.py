@@ -467,9 +467,18 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    stop_when: str | None = None
+    """End the run early, as finished (checkpoint saved), once the mean of a metric over its last
+    stop_window steps crosses a value: "METRIC>=VALUE" or "METRIC<=VALUE", e.g.
+    "sft/answer_acc>=0.2" (the warm start answers 20% of its batches greedily) or "loss/sft<=0.5"."""
+    stop_window: int = 10
+    """Steps whose values of stop_when's metric are averaged."""
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        check(self.stop_window >= 1, "stop_window", self.stop_window, "must be >= 1")
+        if self.stop_when is not None:
+            parse_stop_when(self.stop_when)
         check(
             self.rollout.samples_per_prompt >= 2,
             "rollout.samples_per_prompt",
@@ -486,6 +495,21 @@ class JobConfig:
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+
+def parse_stop_when(rule: str) -> tuple[str, str, float]:
+    """The rule METRIC>=VALUE or METRIC<=VALUE as (metric, ">=" or "<=", value); ConfigError otherwise."""
+    for op in (">=", "<="):
+        metric, found, value = rule.partition(op)
+        if found:
+            metric = metric.strip()
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if metric and math.isfinite(number):
+                return metric, op, number
+    raise ConfigError("stop_when", rule, 'must be "METRIC>=VALUE" or "METRIC<=VALUE", e.g. "sft/answer_acc>=0.2"')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,11 +663,15 @@ def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """'a.b=value' -> ('a.b', value), the value read as YAML (0.4, true, null, [1, 2], text)."""
+    """'a.b=value' -> ('a.b', value), the value read as YAML (0.4, true, null, [1, 2], text); a
+    value that is not YAML (">=0.2") is its text."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError("override", text, "must look like section.field=value")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return key.strip(), raw.strip()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
@@ -653,7 +681,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise ConfigError("config", str(path), "no such file")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError("config", str(path), f"not valid YAML: {' '.join(str(err).split())}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError("config", str(path), "the YAML file must hold a mapping at its top level")
         data = loaded or {}

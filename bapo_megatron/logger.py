@@ -15,6 +15,7 @@ CONSOLE_KEYS = (
     "rollout/reward_mean",
     "loss/pg",
     "loss/sft",
+    "sft/answer_acc",
     "bapo/clip_low",
     "bapo/clip_high",
     "bapo/rho",

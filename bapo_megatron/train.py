@@ -220,15 +220,61 @@ class StopSignal:
 
     def agreed(self) -> bool:
         """Whether any rank has been signalled (a collective: every rank calls it at the same point)."""
-        import torch
-
-        flag = torch.tensor([float(self.received is not None)], device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return _any_rank(self.received is not None)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class StopWhen:
+    """`stop_when`: whether the mean of a metric over its last stop_window values (one an optimizer
+    step) has crossed a value. Only ranks that compute the metric (the last pipeline stage) can
+    decide; `reached` is a collective that tells every rank."""
+
+    def __init__(self, rule: str | None, window: int) -> None:
+        from collections import deque
+
+        from bapo_megatron.config import parse_stop_when
+
+        self.rule = parse_stop_when(rule) if rule else None
+        self.values: deque[float] = deque(maxlen=window)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        if self.rule is not None and self.rule[0] in metrics:
+            self.values.append(float(metrics[self.rule[0]]))
+
+    def local(self) -> bool:
+        if self.rule is None or len(self.values) < (self.values.maxlen or 1):
+            return False
+        _, op, value = self.rule
+        mean = sum(self.values) / len(self.values)
+        return mean >= value if op == ">=" else mean <= value
+
+    def reached(self) -> bool:
+        return self.rule is not None and _any_rank(self.local())
+
+    def describe(self) -> str:
+        name, op, value = self.rule
+        return f"stop_when: the mean {name} of the last {len(self.values)} steps {op} {value:g}"
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank (a collective: every rank calls it at the same point)."""
+    import torch
+
+    t = torch.tensor([float(flag)], device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def stopped_early_at(run_dir: Path, rule: str | None) -> int | None:
+    """The step at which this run's stop_when ended it (status.json), if the same rule did."""
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return status.get("step") if status.get("reason") == "stop_when" and status.get("stop_when") == rule else None
 
 
 class _NoState:
@@ -364,8 +410,10 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
             sync_weights(cfg, trainer, driver, start)  # the engines serve the trainer's (the checkpoint's) weights
             if driver is not None and not resumed and cfg.eval.path:  # the starting policy's score
                 logger.log(trainer.step, driver.evaluate())
-        step = start
-        while step < cfg.steps and not stop.agreed():
+        step, until = start, StopWhen(cfg.stop_when, cfg.stop_window)
+        # a run that stop_when ended, started again: it stays ended (the same command is idempotent)
+        early = until.rule is not None and _any_rank(resumed and stopped_early_at(run_dir, cfg.stop_when) == start)
+        while step < cfg.steps and not early and not stop.agreed():
             t0 = time.monotonic()
             if online:
                 batch, rollout_stats = driver.rollout(step) if driver else (None, {})
@@ -377,6 +425,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
             t1 = time.monotonic()
             for k, part in enumerate(split_groups(batch, cfg.algo.updates_per_batch)):
                 metrics = {**(rollout_stats if k == 0 else {}), **trainer.train_step(part, first_update=k == 0).metrics}
+                until.add(metrics)
                 if k < cfg.algo.updates_per_batch - 1:  # the step's last update is logged with its timings
                     history.append(metrics)
                     logger.log(trainer.step, metrics)
@@ -403,11 +452,17 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
                 write_samples_log(run_dir / "samples.jsonl", step, batch)
             history.append(metrics)
             logger.log(trainer.step, metrics)
+            early = until.reached()
+            if early and rank == 0:
+                print(f"{until.describe()}: the run ends at step {step} of {cfg.steps}", flush=True)
         if ckpt and step > start and (not cfg.checkpoint.interval or step % cfg.checkpoint.interval):
             save(ckpt, trainer, driver, step)
         if rank == 0:  # for job scripts: requeue a stopped run (slurm/*.sh), export a finished one
-            state = "finished" if step >= cfg.steps else "stopped"
-            status = {"state": state, "step": step, "steps": cfg.steps, "signal": stop.received}
+            state = "finished" if step >= cfg.steps or early else "stopped"
+            reason = "steps" if step >= cfg.steps else "stop_when" if early else "signal"
+            status = {"state": state, "reason": reason, "step": step, "steps": cfg.steps, "signal": stop.received}
+            if early:
+                status["stop_when"] = cfg.stop_when
             write_text_atomic(run_dir / "status.json", json.dumps(status) + "\n")
         if stop.received is not None and rank == 0:
             print(

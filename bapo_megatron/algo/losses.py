@@ -90,12 +90,16 @@ class PolicyBatch:
     """Per-token entropy of pi_theta, reported as policy/entropy when given."""
     segment_ids: torch.Tensor | None = None
     """gspo: which response each token belongs to; default: each row of a 2-D batch is one."""
+    top_logprobs: torch.Tensor | None = None
+    """log pi_theta of each position's most likely token, from the same floats as logprobs, so
+    logprobs == top_logprobs exactly where the given token is the greedy choice (sft reports
+    sft/token_acc and sft/answer_acc from it)."""
     first_update: bool = True
     """Report rollout/logprob_mismatch (this is the first update on a fresh rollout batch)."""
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
-        for name in ("old_logprobs", "advantages", "mask", "prox_logprobs", "entropy", "segment_ids"):
+        for name in ("old_logprobs", "advantages", "mask", "prox_logprobs", "entropy", "segment_ids", "top_logprobs"):
             t = getattr(self, name)
             if t is not None and t.shape != shape:
                 raise ValueError(f"PolicyBatch.{name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
@@ -300,6 +304,16 @@ def sft_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=None)
     out.add_mean("loss/sft", nll.detach().sum(), count)
     if batch.entropy is not None:
         out.add_mean("policy/entropy", torch.where(counted, w * batch.entropy.detach(), 0.0).sum(), count)
+    if batch.top_logprobs is not None:
+        # Teacher-forced argmax accuracy. A response whose every token is the argmax given the
+        # true prefix is exactly what greedy decoding answers: answer_acc is the batch's greedy
+        # exact-match accuracy (each row of a [batch, seq] layout is one response).
+        greedy = batch.logprobs.detach() == batch.top_logprobs
+        out.add_mean("sft/token_acc", (w * greedy).sum(), count)
+        if batch.logprobs.dim() == 2:
+            answered = counted.any(-1)
+            right = answered & (greedy | ~counted).all(-1)
+            out.add_mean("sft/answer_acc", right.sum().to(w.dtype), answered.sum().to(w.dtype))
     return out
 
 

@@ -93,6 +93,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         logp = torch.empty(n, dtype=dtype, device=logits.device)
         entropy = torch.empty_like(logp)
         lse_all = torch.empty_like(logp)
+        top = torch.empty_like(logp)
         valid_cols = (torch.arange(v_local, device=logits.device) + vocab_start) < vocab_size
         local_target = targets - vocab_start
         on_rank = (local_target >= 0) & (local_target < v_local)
@@ -109,12 +110,14 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             logp[s : s + chunk] = z_target - lse
             entropy[s : s + chunk] = lse - sum_ez / sum_e
             lse_all[s : s + chunk] = lse
+            top[s : s + chunk] = zmax - lse  # the same floats as logp where the target is the argmax
         ctx.save_for_backward(logits, local_target, on_rank, lse_all, entropy, valid_cols)
         ctx.inv_t, ctx.chunk, ctx.fused = inv_t, chunk, fused
-        return logp, entropy
+        ctx.mark_non_differentiable(top)
+        return logp, entropy, top
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, grad_top):
         logits, local_target, on_rank, lse_all, entropy, valid_cols = ctx.saved_tensors
         _, _, chunk_grad = _kernels(ctx.fused)
         grad = torch.empty_like(logits)
@@ -149,7 +152,8 @@ def vocab_parallel_logprobs(
     chunk_tokens: int | None = None,
     memory_budget_bytes: int = 1 << 30,
     fused: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_top: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """log pi(target) and the entropy of pi for every token, from this rank's vocabulary slice.
 
     Args:
@@ -162,8 +166,12 @@ def vocab_parallel_logprobs(
             (or wider) temporaries are chunk x V_local each.
         memory_budget_bytes: what the temporaries of one chunk may take, when chunk_tokens is None.
         fused: run each chunk's work as torch.compile'd kernels (None: on CUDA only).
+        with_top: also return the log-prob of each position's most likely token (no gradient).
+            It is computed from the same floats as log pi(target), so `logprobs == top` holds
+            exactly where the target is the argmax: the token greedy decoding would pick.
     Returns:
-        (logprobs, entropy), each of targets' shape, float32 or wider, differentiable in logits.
+        (logprobs, entropy), or (logprobs, entropy, top) with with_top, each of targets' shape,
+        float32 or wider; logprobs and entropy are differentiable in logits.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature!r}: must be > 0")
@@ -178,7 +186,7 @@ def vocab_parallel_logprobs(
         itemsize = torch.promote_types(logits.dtype, torch.float32).itemsize
         live = FUSED_TEMPORARIES if fused else LIVE_TEMPORARIES
         chunk_tokens = chunk_tokens_for(v_local, itemsize, memory_budget_bytes, live)
-    logp, entropy = _VocabParallelLogprobEntropy.apply(
+    logp, entropy, top = _VocabParallelLogprobEntropy.apply(
         logits.reshape(-1, v_local),
         targets.reshape(-1),
         group,
@@ -188,4 +196,6 @@ def vocab_parallel_logprobs(
         max(1, int(chunk_tokens)),
         fused,
     )
+    if with_top:
+        return logp.view(lead), entropy.view(lead), top.view(lead)
     return logp.view(lead), entropy.view(lead)

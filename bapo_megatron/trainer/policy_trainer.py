@@ -166,7 +166,8 @@ class PolicyTrainer:
                 forward_only=forward_only,
             )
 
-    def _logprobs(self, mb: MicroBatch, logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, mb: MicroBatch, logits: torch.Tensor, temperature: float, with_top: bool = False):
+        """(log-probs, entropy) of mb's targets, and with_top each position's greedy log-prob."""
         return vocab_parallel_logprobs(
             logits,
             mb.targets,
@@ -176,6 +177,7 @@ class PolicyTrainer:
             temperature=temperature,
             memory_budget_bytes=self.cfg.model.logprob_memory_mb << 20,
             fused=self.cfg.model.fused_logprobs and logits.is_cuda,
+            with_top=with_top,
         )
 
     def _is_weight(self, mb: MicroBatch, prox: torch.Tensor) -> torch.Tensor:
@@ -192,7 +194,8 @@ class PolicyTrainer:
         return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), table
 
     def _policy_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
-        logp, entropy = self._logprobs(mb, logits, step.temperature)
+        sft = self.cfg.algo.loss == "sft"
+        logp, entropy, *top = self._logprobs(mb, logits, step.temperature, with_top=sft)
         batch = PolicyBatch(
             logprobs=logp,
             old_logprobs=mb.old_logprobs,
@@ -200,6 +203,7 @@ class PolicyTrainer:
             mask=mb.loss_mask,
             prox_logprobs=mb.prox_logprobs,
             entropy=entropy,
+            top_logprobs=top[0] if top else None,
             first_update=step.first_update,
         )
         scope_group = self.info.dp_cp_group if step.bounds is None else None

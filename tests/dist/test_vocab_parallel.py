@@ -15,12 +15,15 @@ def _worker(rank: int, world: int) -> None:
     vocab, padded = 250, 256  # the last rank's slice ends in 6 padding rows
     full = torch.randn(37, padded, generator=g, dtype=torch.float64) * 4
     targets = torch.randint(vocab, (37,), generator=g)
+    greedy = full[:, :vocab].argmax(-1)
+    targets[::2] = greedy[::2]  # every other target is the argmax, held by either rank
+    assert {int(t) // (padded // world) for t in greedy[::2]} == set(range(world))
     upstream = torch.randn(2, 37, generator=g, dtype=torch.float64)
     width = padded // world
     for dtype, tol, chunk in ((torch.float64, 1e-12, 8), (torch.float32, 1e-5, 4096)):
         local = full[:, rank * width : (rank + 1) * width].to(dtype).clone().requires_grad_()
         with count_collectives() as calls:
-            logp, ent = vocab_parallel_logprobs(
+            logp, ent, top = vocab_parallel_logprobs(
                 local,
                 targets,
                 group=dist.group.WORLD,
@@ -28,6 +31,7 @@ def _worker(rank: int, world: int) -> None:
                 vocab_size=vocab,
                 temperature=0.8,
                 chunk_tokens=chunk,
+                with_top=True,
             )
         assert len(calls) == 2 * math.ceil(37 / chunk), calls  # one MAX and one SUM per chunk
         with count_collectives() as calls:
@@ -39,6 +43,7 @@ def _worker(rank: int, world: int) -> None:
         ((ref_logp * upstream[0]).sum() + (ref_ent * upstream[1]).sum()).backward()
         torch.testing.assert_close(logp.double(), ref_logp, rtol=tol, atol=tol)
         torch.testing.assert_close(ent.double(), ref_ent, rtol=tol, atol=tol)
+        assert torch.equal(logp == top, targets == greedy)  # exactly where the target is the argmax
         want = ref_logits.grad[:, rank * width : (rank + 1) * width]
         torch.testing.assert_close(local.grad.double(), want, rtol=tol, atol=tol)
 

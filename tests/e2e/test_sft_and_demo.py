@@ -35,6 +35,65 @@ def export(checkpoint: Path, template: Path, out: Path) -> dict[str, torch.Tenso
     return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+def teacher_forced_accuracy(model_dir: Path, records: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """With transformers: whether each answer token (and the end token) is the argmax given the
+    true prefix, and whether all of a record's are (what greedy decoding answers exactly)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    per_token, per_answer = [], []
+    for line in records.read_text().splitlines():
+        rec = json.loads(line)
+        prompt = tok(rec["prompt"], add_special_tokens=False)["input_ids"]
+        answer = [*tok(rec["answer"], add_special_tokens=False)["input_ids"], tok.eos_token_id]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + answer])).logits[0]
+        right = logits[len(prompt) - 1 : -1].argmax(-1) == torch.tensor(answer)
+        per_token.append(right)
+        per_answer.append(bool(right.all()))
+    return torch.cat(per_token), torch.tensor(per_answer)
+
+
+def test_stop_when_ends_a_run_as_finished_and_it_stays_ended(tmp_path):
+    """The mean of train/step over the last 2 steps reaches 4 after step 5 (4.5; 3.5 after step 4):
+    the run ends there, saved and "finished"; the same command again trains nothing more; another
+    rule resumes it (its window refills from the resumed steps)."""
+    task = write_task("addition", tmp_path / "task", train=600, heldout=10)
+    run = tmp_path / "sft"
+    argv = [
+        str(ROOT / "examples" / "demo" / "sft.yaml"),
+        f"model.hf_path={task['model']}",
+        f"data.path={task['train']}",
+        "logging.backends=[jsonl]",
+        "logging.interval=1",
+        "rollout.prompts_per_step=8",
+        "steps=50",
+        "stop_when=train/step>=4",
+        "stop_window=2",
+        f"run_dir={run}",
+        f"checkpoint.dir={run / 'ckpt'}",
+    ]
+    out = train(argv)
+    assert "stop_when: the mean train/step of the last 2 steps >= 4: the run ends at step 5 of 50" in out
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4, 5]
+    status = json.loads((run / "status.json").read_text())
+    assert status == {
+        "state": "finished",
+        "reason": "stop_when",
+        "step": 5,
+        "steps": 50,
+        "signal": None,
+        "stop_when": "train/step>=4",
+    }
+    assert (run / "ckpt" / "step_00000005").is_dir()
+    train(argv)  # resumes at step 5, and stays ended
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4, 5]
+    assert json.loads((run / "status.json").read_text()) == status
+    train([*argv, "stop_when=train/step>=6"])  # another rule: it goes on (6.5 after step 7)
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4, 5, 6, 7]
+
+
 def test_sft_warm_start_learns_and_an_rl_run_at_tp2_starts_from_it(tmp_path):
     task = write_task("addition", tmp_path / "task", train=2000, heldout=50)
     sft, rl = tmp_path / "sft", tmp_path / "rl"
@@ -54,6 +113,32 @@ def test_sft_warm_start_learns_and_an_rl_run_at_tp2_starts_from_it(tmp_path):
     )
     losses = [m["loss/sft"] for m in metrics(sft)]
     assert len(losses) == 16 and sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
+    before = export(sft / "ckpt", task["model"], tmp_path / "sft-hf")
+
+    # sft/token_acc and sft/answer_acc are transformers' teacher-forced argmax accuracies of the
+    # same weights on the same records: one step on the 50 held-out records, learning rate ~0
+    probe = tmp_path / "probe"
+    train(
+        [
+            str(ROOT / "examples" / "demo" / "sft.yaml"),
+            *common[:1],
+            f"data.path={task['heldout']}",
+            "data.shuffle=false",
+            "logging.backends=[jsonl]",
+            "logging.interval=1",
+            f"model.mcore_path={sft / 'ckpt'}",
+            "rollout.prompts_per_step=25",
+            "rollout.samples_per_prompt=2",
+            "optimizer.lr=1e-12",
+            "steps=1",
+            f"run_dir={probe}",
+        ]
+    )
+    (record,) = metrics(probe)
+    tokens, answers = teacher_forced_accuracy(tmp_path / "sft-hf", task["heldout"])
+    assert 0.2 < tokens.float().mean() < 1  # neither trivial nor saturated
+    assert abs(record["sft/token_acc"] - tokens.float().mean().item()) <= 1 / tokens.numel() + 1e-9
+    assert abs(record["sft/answer_acc"] - answers.float().mean().item()) <= 1 / answers.numel() + 1e-9
     train(
         [
             str(ROOT / "examples" / "demo" / "rl.yaml"),
@@ -75,7 +160,6 @@ def test_sft_warm_start_learns_and_an_rl_run_at_tp2_starts_from_it(tmp_path):
     (record,) = [m for m in metrics(rl) if "train/grad_norm" in m][-1:]
     assert record["sync/probe_logprob_gap"] <= 1e-5  # the engine serves what the TP=2 trainer loaded
     assert {"eval/greedy_acc", "eval/avg@4", "eval/pass@4"} <= metrics(rl)[0].keys()  # before the first step
-    before = export(sft / "ckpt", task["model"], tmp_path / "sft-hf")
     after = export(rl / "ckpt", task["model"], tmp_path / "rl-hf")
     assert before.keys() == after.keys()
     for name, tensor in before.items():

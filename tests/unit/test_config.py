@@ -3,7 +3,7 @@
 import pytest
 
 from bapo_megatron.algo.bapo import PRESETS
-from bapo_megatron.config import JobConfig, build, dump_config, load_config, parse_override
+from bapo_megatron.config import JobConfig, build, dump_config, load_config, parse_override, parse_stop_when
 from bapo_megatron.errors import ConfigError
 
 
@@ -130,3 +130,21 @@ def test_sglang_args_pass_through_and_never_override_the_launcher(tmp_path):
         load_config(None, ["rollout.sglang_args=3"])
     with pytest.raises(ConfigError, match=r"rollout.sglang_args.json-model-override-args=.*: must be a scalar"):
         load_config(None, ["rollout.sglang_args.json-model-override-args={rope_theta: 1}"])
+
+
+def test_stop_when_rules():
+    assert parse_stop_when("sft/answer_acc>=0.2") == ("sft/answer_acc", ">=", 0.2)
+    assert parse_stop_when(" loss/sft <= 5e-1 ") == ("loss/sft", "<=", 0.5)
+    assert load_config(None, ["stop_when=loss/sft<=0.5", "stop_window=3"]).stop_when == "loss/sft<=0.5"
+    for bad in ("loss/sft<0.5", ">=0.2", "acc>=high", "acc>=nan", "acc>=inf"):
+        with pytest.raises(ConfigError, match=r'stop_when=.*must be "METRIC>=VALUE" or "METRIC<=VALUE"'):
+            load_config(None, [f"stop_when={bad}"])
+    with pytest.raises(ConfigError, match="stop_window=0: must be >= 1"):
+        load_config(None, ["stop_window=0"])
+
+
+def test_a_file_that_is_not_yaml_is_named(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("steps: 5\nrollout: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"config=.*job.yaml'?: not valid YAML: .*line 3"):
+        load_config(path)

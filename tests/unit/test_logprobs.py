@@ -37,6 +37,26 @@ def test_matches_full_vocab_reference(dtype, temperature, chunk):
     assert logits.grad[..., vocab:].abs().sum() == 0  # padding rows get no gradient
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_marks_exactly_the_greedy_tokens(dtype):
+    """`logprobs == top` where the target is the argmax of the (unpadded) vocabulary, whatever the
+    chunking and temperature, and top is the largest log-prob."""
+    g = torch.Generator().manual_seed(3)
+    vocab, padded = 250, 256
+    logits = (torch.randn(4, 9, padded, generator=g) * 3).to(dtype)
+    logits[..., vocab:] = 100.0  # padding columns never count as the argmax
+    greedy = logits[..., :vocab].float().argmax(-1)
+    targets = torch.where(torch.rand(4, 9, generator=g) < 0.5, greedy, torch.randint(vocab, (4, 9), generator=g))
+    for temperature, chunk in ((1.0, 4096), (0.6, 5)):
+        logp, _, top = vocab_parallel_logprobs(
+            logits, targets, group=None, vocab_size=vocab, temperature=temperature, chunk_tokens=chunk, with_top=True
+        )
+        assert torch.equal(logp == top, targets == greedy)
+        want = torch.log_softmax(logits[..., :vocab].double() / temperature, -1).amax(-1)
+        torch.testing.assert_close(top.double(), want, rtol=1e-5, atol=1e-5)
+        assert not top.requires_grad
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="temperature=0"):
         vocab_parallel_logprobs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), group=None, temperature=0)

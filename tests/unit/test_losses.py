@@ -273,3 +273,23 @@ def test_sft_loss_is_the_token_cross_entropy():
     torch.testing.assert_close(out.loss_sum / out.token_count, want)
     torch.testing.assert_close(logprobs.grad, -mask / mask.sum())
     assert reduce_metrics([out])["loss/sft"] == pytest.approx(want.item())
+
+
+def test_sft_reports_greedy_token_and_answer_accuracy():
+    """answer_acc counts the rows whose every counted token is the greedy one; a row without
+    counted tokens is no answer; a wrong token outside the mask does not count."""
+    logprobs = torch.full((4, 5), -0.1)
+    top = logprobs.clone()
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]).float()
+    top[1, 2] = -0.05  # row 1: one counted token is not the argmax
+    top[2, 0] = -0.01  # row 2: only a prompt position differs
+    batch = PolicyBatch(
+        logprobs=logprobs,
+        old_logprobs=torch.zeros(4, 5),
+        advantages=torch.zeros(4, 5),
+        mask=mask,
+        top_logprobs=top,
+    )
+    metrics = reduce_metrics([policy_loss(batch, PolicyLossConfig(loss="sft"))])
+    assert metrics["sft/answer_acc"] == pytest.approx(2 / 3)
+    assert metrics["sft/token_acc"] == pytest.approx(7 / 8)
