@@ -185,6 +185,7 @@ SGLANG_LAUNCHER_ARGS = {
     "random-seed": "set from the job seed + the server's index",
     "skip-tokenizer-init": "always true: token ids in and out",
     "enable-memory-saver": "set from rollout.colocate",
+    "enable-deterministic-inference": "set from rollout.deterministic (batch-invariant kernels)",
     "admin-api-key": "set from rollout.admin_key_file or $BAPO_ADMIN_API_KEY",
     "api-key": "never set: the rollout client sends only the admin key, so /generate would answer 401",
 }
@@ -261,8 +262,10 @@ class RolloutConfig:
     them (and starts none). Empty: the driver starts rollout.servers engines of rollout.engine."""
     deterministic: bool = False
     """One request order and per-request sampling seeds (from the job seed, the sample's id and its
-    length so far): two runs, or a run and its resumption, generate the same samples. Synchronous
-    rounds instead of the asynchronous step, so slower; abort mode only."""
+    length so far), and batch-invariant engines (the embedded one runs each request alone; SGLang
+    gets --enable-deterministic-inference): two runs, or a run and its resumption, generate the
+    same samples with the same log-probs. Synchronous rounds instead of the asynchronous step, so
+    slower; abort mode only."""
     sync_host: str | None = None
     """Address the engines reach this trainer's rank 0 at for the weight-update group (None:
     127.0.0.1 when the engines are local, else this host's name)."""

@@ -227,6 +227,7 @@ class RolloutDriver:
                     seed=self.cfg.seed + i,
                     admin_key=key,
                     max_batch=ro.engine_max_batch,
+                    batch_invariant=ro.deterministic,
                 )
                 for i in range(ro.servers)
             ]

@@ -43,6 +43,7 @@ def engine_server(cfg, index: int, run_dir: Path):
         seed=cfg.seed + index,
         admin_key=admin_key(ro, run_dir),  # beyond loopback: the job's shared key, or a refusal
         max_batch=ro.engine_max_batch,
+        batch_invariant=ro.deterministic,
     )
 
 

@@ -6,10 +6,10 @@
 1. the task: 3-digit addition data (train and 1,000 held-out prompts), a character tokenizer
    and a tiny Qwen2 made from a config (bapo_megatron/tasks.py; nothing is downloaded)
 2. supervised warm start through the Megatron trainer (`bapo-train examples/demo/sft.yaml`,
-   algo.loss=sft) until it answers 20% of its batches greedily (stop_when=sft/answer_acc>=0.2,
+   algo.loss=sft) until it answers 40% of its batches greedily (stop_when=sft/answer_acc>=0.4,
    at most sft.yaml's steps); a finished warm start is reused on a second run
 3. BAPO through `bapo-train examples/demo/rl.yaml`: the embedded engine, partial rollout,
-   stale behaviour policies, weight sync every step, held-out eval/* every 20 steps
+   stale behaviour policies, weight sync every step, held-out eval/* every 25 steps
 4. the final checkpoint exported to Hugging Face format (tools/convert_checkpoint.py)
 5. the exported model (and the warm start's) evaluated with transformers on the held-out set
 6. plots (tools/plot_run.py) and runs/NAME/summary.json
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sft-target",
         type=float,
-        default=0.2,
+        default=0.4,
         help="warm start until the mean greedy accuracy of its last 10 batches reaches this (0: all its steps)",
     )
     parser.add_argument("--rl-steps", type=int, default=None, help="default: examples/demo/rl.yaml's")

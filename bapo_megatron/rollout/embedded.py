@@ -553,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every request alone in its forwards: its output never depends on what else runs (deterministic runs)",
+    )
+    parser.add_argument(
         "--log-interval",
         type=float,
         default=30.0,
@@ -583,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     # Slurm's warning signal (SIGUSR1) is for the driver, which saves and then stops its engines
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     engine_thread = concurrent.futures.ThreadPoolExecutor(1, "engine")  # the model is built where it will run
-    core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch).result()
+    core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch, args.batch_invariant).result()
     server = EmbeddedServer(core, api_key, admin_key, engine_thread, args.log_interval)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)

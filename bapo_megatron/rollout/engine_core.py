@@ -136,7 +136,14 @@ def _eos_ids(model) -> set[int]:
 class EngineCore:
     """Requests in, tokens out, one `step()` at a time (the caller owns the loop and the locking)."""
 
-    def __init__(self, model_dir: str | Path, seed: int = 0, max_batch: int = 64) -> None:
+    def __init__(
+        self, model_dir: str | Path, seed: int = 0, max_batch: int = 64, batch_invariant: bool = False
+    ) -> None:
+        """batch_invariant: every request runs alone in its forwards (its prefill, then one decode
+        forward a token, over a cache of its own), and the prefix store is off, so a request's
+        tokens and log-probs depend on nothing but its input, its sampling seed and the weights:
+        never on what else runs or arrives when (SGLang's --enable-deterministic-inference). It
+        is for deterministic runs and costs the batching."""
         import transformers
 
         self.model_dir = str(model_dir)
@@ -146,6 +153,8 @@ class EngineCore:
         self.eos = _eos_ids(self.model)
         self.seed = seed
         self.max_batch = max_batch
+        self.batch_invariant = batch_invariant
+        self._alone: dict[str, Cache] = {}  # batch_invariant: request id -> its own cache
         self.version = "0"
         self.incoming: collections.deque[Request] = collections.deque()  # added by other threads
         self.generator = torch.Generator().manual_seed(seed)
@@ -208,6 +217,7 @@ class EngineCore:
         """Forget every running request's KV cache (retract): they re-prefill. The prefix store stays."""
         self.waiting = self.running + self.waiting
         self.running = []
+        self._alone.clear()
 
     def flush(self) -> None:
         """Forget every cached key and value (the weights changed): running requests re-prefill."""
@@ -335,8 +345,12 @@ class EngineCore:
 
     def _prefill(self, batch: list[Request]) -> list[Request]:
         """Prefill the requests in forwards of similar lengths (see prefill_chunks); each unfinished
-        one takes the next free slot."""
+        one takes the next free slot. Batch-invariant: each alone."""
         finished = []
+        if self.batch_invariant:
+            for request in batch:
+                finished += self._forward_alone(request, request.input_ids + request.output_ids)
+            return finished
         for chunk in prefill_chunks([r.length for r in batch], PREFILL_OVERHEAD_POSITIONS):
             finished += self._prefill_chunk([batch[i] for i in chunk])
         return finished
@@ -371,9 +385,42 @@ class EngineCore:
             self.running.append(request)
         return finished
 
+    def _forward_alone(self, request: Request, ids: list[int]) -> list[Request]:
+        """Batch-invariant mode: one forward of `request` alone over its own cache (none: a prefill
+        of `ids`) and its next token; [request] when it finished."""
+        out = self.model(
+            input_ids=torch.tensor([ids]),
+            past_key_values=self._alone.get(request.rid),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kind = (
+            ("decode_steps", "decode_tokens")
+            if request.rid in self._alone
+            else ("prefill_forwards", "prefill_requests")
+        )
+        for name in kind:
+            self.counters[name] += 1
+        self.counters["prefill_positions"] += len(ids) if kind[0] == "prefill_forwards" else 0
+        (picked,) = self._sample([request], out.logits[:, -1])
+        if isinstance(picked, Exception):
+            self._fail(request, picked)
+            return [request]
+        if self._emit(request, *picked):
+            return [request]
+        if request.rid not in self._alone:
+            self.running.append(request)
+        self._alone[request.rid] = out.past_key_values
+        return []
+
     def _decode(self) -> list[Request]:
         """One token for every running request: each writes its new key/value at its own position,
-        attending to its slot's cached positions and nothing past them."""
+        attending to its slot's cached positions and nothing past them. Batch-invariant: each alone."""
+        if self.batch_invariant:
+            finished = []
+            for request in list(self.running):
+                finished += self._forward_alone(request, [(request.output_ids or request.input_ids)[-1]])
+            return finished
         batch = list(self.running)
         positions = torch.tensor([r.length - 1 for r in batch])  # cached positions; the last token is the input
         span = int(positions.max()) + 1
@@ -459,7 +506,10 @@ class EngineCore:
         request.finish = reason
         self.waiting = [r for r in self.waiting if r is not request]
         slot = next((i for i, r in enumerate(self.running) if r is request), None)
-        if slot is not None and reason["type"] in ("length", "abort") and reason.get("status_code") is None:
+        cut = reason["type"] in ("length", "abort") and reason.get("status_code") is None
+        if self.batch_invariant:
+            self._alone.pop(request.rid, None)  # and no prefix kept: its next round prefills anew
+        elif slot is not None and cut:
             self._keep_prefix(request, slot)  # cut short: it may come back for more
         if slot is not None:  # the last slot's request moves into the freed one
             last = self.running.pop()

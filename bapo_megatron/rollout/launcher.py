@@ -145,6 +145,7 @@ def embedded_server(
     seed: int = 0,
     admin_key: str | None = None,
     max_batch: int | None = None,
+    batch_invariant: bool = False,
 ) -> ServerProcess:
     """A (not yet started) embedded engine serving model_dir; the admin key travels in its environment."""
     port = port or free_port(host)
@@ -163,5 +164,7 @@ def embedded_server(
     ]
     if max_batch is not None:
         command += ["--max-batch", str(max_batch)]
+    if batch_invariant:
+        command.append("--batch-invariant")
     env = {"BAPO_ADMIN_API_KEY": admin_key} if admin_key else {}
     return ServerProcess(command, f"http://{host}:{port}", log_path, env)

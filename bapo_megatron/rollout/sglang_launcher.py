@@ -94,6 +94,8 @@ def server_args(
     }
     if cfg.colocate:
         args["enable-memory-saver"] = True
+    if cfg.deterministic:
+        args["enable-deterministic-inference"] = True
     if key is not None:
         args["admin-api-key"] = key
     # the one list of the launcher's options is config.SGLANG_LAUNCHER_ARGS (the config refuses them

@@ -321,6 +321,60 @@ def test_resubmitted_partial_response_reuses_its_cache_until_weights_change(mode
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+def test_batch_invariant_requests_do_not_depend_on_what_else_runs(model_dir):
+    """batch_invariant (rollout.deterministic): a seeded request's tokens and log-probs are bit for
+    bit the same alone, beside others arriving at other times, and resubmitted after a cut (its
+    continuation prefills anew either way), and still transformers' log-probs; the batched engine
+    gives the same tokens but only close log-probs."""
+    from bapo_megatron.rollout.engine_core import EngineCore, Request
+
+    def request(i, n=9):
+        prompt = [(7 * i + j) % 90 + 1 for j in range(3 + 5 * i)]
+        sampling = SamplingParams(max_new_tokens=n, temperature=0.9, ignore_eos=True, sampling_seed=1000 + i)
+        return Request(f"r{i}", prompt, sampling)
+
+    def run(core, arrivals):
+        """arrivals: {engine step: [requests added then]}; every request to its end."""
+        done, steps = [], 0
+        while core.busy or steps <= max(arrivals):
+            for r in arrivals.get(steps, []):
+                core.add(r)
+                done.append(r)
+            core.step()
+            steps += 1
+        return {r.rid: (r.output_ids, r.logprobs) for r in done}
+
+    alone = {}
+    for i in range(5):
+        alone.update(run(EngineCore(model_dir, batch_invariant=True), {0: [request(i)]}))
+    mixed = run(
+        EngineCore(model_dir, batch_invariant=True, max_batch=3),
+        {0: [request(3), request(0)], 2: [request(4), request(1)], 5: [request(2)]},
+    )
+    assert mixed == alone
+    core = EngineCore(model_dir, batch_invariant=True)
+    first = run(core, {0: [request(2, n=4)]})["r2"]
+    rest = Request(
+        "r2#2",
+        request(2).input_ids + first[0],
+        SamplingParams(max_new_tokens=5, temperature=0.9, ignore_eos=True, sampling_seed=1002),
+    )
+    second = run(core, {0: [rest], 1: [request(0)]})["r2#2"]
+    assert core.counters["prefix_hits"] == 0 and not core.prefixes
+    again = Request("r2#3", request(2).input_ids + first[0], rest.sampling)
+    assert run(EngineCore(model_dir, batch_invariant=True), {0: [again]})["r2#3"] == second
+    for rid, (tokens, logprobs) in alone.items():
+        i = int(rid[1:])
+        want = _reference_logprobs(model_dir, request(i).input_ids, tokens, 0.9)
+        torch.testing.assert_close(torch.tensor(logprobs), want, rtol=0, atol=1e-5)
+    batched = run(
+        EngineCore(model_dir, max_batch=3), {0: [request(3), request(0)], 2: [request(4), request(1)], 5: [request(2)]}
+    )
+    for rid, (tokens, logprobs) in batched.items():
+        assert tokens == alone[rid][0]
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(alone[rid][1]), rtol=0, atol=1e-5)
+
+
 def test_prefix_store_holds_no_more_positions_than_the_slots(model_dir):
     from bapo_megatron.rollout.engine_core import EngineCore, Request
 

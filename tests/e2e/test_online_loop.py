@@ -115,10 +115,11 @@ def trained_groups(run: Path) -> list[list[str]]:
     return [json.loads(line)["groups"] for line in (run / "samples.jsonl").read_text().splitlines()]
 
 
-TOL = 1e-5
-"""The engines' float32 log-probs move by ~1e-6 with the batch a request decodes in (and with a
-prefix taken from the cache or computed afresh, as after a restart); 1e-6 was measured on
-ratio_max between two identical runs, so metrics agree to 1e-5, not bit for bit."""
+TOL = 1e-6
+"""The issue's bound for deterministic runs. Batched, the engines' float32 log-probs move by ~1e-6
+with the batch a request decodes in (1.3e-6 was measured on ratio_max between two identical
+runs); rollout.deterministic makes the engines batch-invariant (each request alone in its
+forwards), which removes that."""
 
 
 def same(a: dict, b: dict, tol: float = TOL) -> list[str]:
@@ -182,8 +183,8 @@ def test_online_run_syncs_every_step_and_resumes(task, tmp_path):
 
 
 def test_deterministic_runs_and_their_resumptions_agree(task, tmp_path):
-    # rho of group-normalised advantages sits at 0.5: a target there would make the bounds flip on the
-    # last bit of an engine log-prob, which batching changes (the engines are deterministic to ~1e-7)
+    # rho of group-normalised advantages sits at 0.5: a target there makes the bounds depend on the last
+    # bit of every log-prob; 0.45 keeps the test about the loop, not about float summation order
     det = (
         "rollout.deterministic=true",
         "rollout.oversample=2",

@@ -136,6 +136,7 @@ def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
     assert not unknown, f"SGLang {VERSION} has no server options {sorted(unknown)}"
     assert args["attention-backend"] == "fa3" and args["disable-decode-cuda-graph"] is True
     assert args["port"] == 30001 and args["enable-memory-saver"] and args["dp-size"] == 1
+    assert args["enable-deterministic-inference"] is True  # rollout.deterministic: batch-invariant kernels
     servers, key = sglang_servers(cfg, "/models/qwen", tmp_path, colocated_fraction=0.5)  # a key is generated
     assert key and (tmp_path / "admin_api_key").read_text().strip() == key
     assert (tmp_path / "admin_api_key").stat().st_mode & 0o777 == 0o600

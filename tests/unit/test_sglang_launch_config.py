@@ -30,12 +30,13 @@ DOCUMENTED = (
 )
 
 
-LAUNCH = [  # two colocated servers beyond loopback (a generated key), with the documented further options
+LAUNCH = [  # two colocated deterministic servers beyond loopback (a generated key), the documented further options
     "rollout.engine=sglang",
     "rollout.colocate=true",
     "rollout.host=10.0.0.5",
     "rollout.servers=2",
     "rollout.tensor_parallel=2",
+    "rollout.deterministic=true",
     DOCUMENTED,
 ]
 
@@ -122,6 +123,7 @@ def test_the_launcher_sets_exactly_the_options_the_config_lists():
         [
             "rollout.engine=sglang",
             "rollout.colocate=true",
+            "rollout.deterministic=true",
             "rollout.mem_fraction_static=0.5",
             "rollout.sglang_args.attention-backend=fa3",
         ],
