@@ -394,14 +394,13 @@ class EngineCore:
             use_cache=True,
             logits_to_keep=1,
         )
-        kind = (
-            ("decode_steps", "decode_tokens")
-            if request.rid in self._alone
-            else ("prefill_forwards", "prefill_requests")
-        )
-        for name in kind:
-            self.counters[name] += 1
-        self.counters["prefill_positions"] += len(ids) if kind[0] == "prefill_forwards" else 0
+        if request.rid in self._alone:  # a decode step of one token
+            self.counters["decode_steps"] += 1
+            self.counters["decode_tokens"] += 1
+        else:
+            self.counters["prefill_forwards"] += 1
+            self.counters["prefill_requests"] += 1
+            self.counters["prefill_positions"] += len(ids)
         (picked,) = self._sample([request], out.logits[:, -1])
         if isinstance(picked, Exception):
             self._fail(request, picked)
