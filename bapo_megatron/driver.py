@@ -40,7 +40,7 @@ from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
 from bapo_megatron.rollout.data import PromptSource
-from bapo_megatron.rollout.launcher import ServerProcess, embedded_server, free_port
+from bapo_megatron.rollout.launcher import ServerProcess, embedded_servers, free_port
 from bapo_megatron.rollout.manager import EnginePool, RolloutManager
 from bapo_megatron.rollout.partial import PartialRolloutBuffer
 from bapo_megatron.rollout.rewards import RewardWorkers, load_reward
@@ -219,18 +219,7 @@ class RolloutDriver:
             urls, key = list(ro.engine_urls), self.key
         elif ro.engine == "embedded":
             key = secrets.token_urlsafe(32)
-            self.servers = [
-                embedded_server(
-                    model_dir,
-                    self.run_dir / f"engine_{i}.log",
-                    port=ro.port + i,
-                    seed=self.cfg.seed + i,
-                    admin_key=key,
-                    max_batch=ro.engine_max_batch,
-                    batch_invariant=ro.deterministic,
-                )
-                for i in range(ro.servers)
-            ]
+            self.servers = embedded_servers(ro, model_dir, self.run_dir, self.cfg.seed, key)
             for server in self.servers:
                 server.start()
             urls = [s.url for s in self.servers]

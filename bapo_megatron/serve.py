@@ -33,18 +33,10 @@ def engine_server(cfg, index: int, run_dir: Path):
     run_dir.mkdir(parents=True, exist_ok=True)
     if ro.engine == "sglang":
         return sglang_servers(ro, cfg.model.hf_path, run_dir, seed=cfg.seed)[0][index]
-    from bapo_megatron.rollout.launcher import embedded_server
+    from bapo_megatron.rollout.launcher import embedded_servers
 
-    return embedded_server(
-        cfg.model.hf_path,
-        run_dir / f"engine_{index}.log",
-        port=ro.port + index,
-        host=ro.host,
-        seed=cfg.seed + index,
-        admin_key=admin_key(ro, run_dir),  # beyond loopback: the job's shared key, or a refusal
-        max_batch=ro.engine_max_batch,
-        batch_invariant=ro.deterministic,
-    )
+    # beyond loopback: the job's shared key, or a refusal
+    return embedded_servers(ro, cfg.model.hf_path, run_dir, cfg.seed, admin_key(ro, run_dir), host=ro.host)[index]
 
 
 def wait_for_engines(urls: tuple[str, ...], timeout_s: float, poll_s: float = 2.0) -> int:

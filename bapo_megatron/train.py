@@ -218,10 +218,6 @@ class StopSignal:
         if signum == signal.SIGTERM:
             raise SystemExit(128 + signum)
 
-    def agreed(self) -> bool:
-        """Whether any rank has been signalled (a collective: every rank calls it at the same point)."""
-        return _any_rank(self.received is not None)
-
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
@@ -230,7 +226,7 @@ class StopSignal:
 class StopWhen:
     """`stop_when`: whether the mean of a metric over its last stop_window values (one an optimizer
     step) has crossed a value. Only ranks that compute the metric (the last pipeline stage) can
-    decide; `reached` is a collective that tells every rank."""
+    decide (`local`); the loop tells every rank with one collective, together with the signal."""
 
     def __init__(self, rule: str | None, window: int) -> None:
         from collections import deque
@@ -251,21 +247,18 @@ class StopWhen:
         mean = sum(self.values) / len(self.values)
         return mean >= value if op == ">=" else mean <= value
 
-    def reached(self) -> bool:
-        return self.rule is not None and _any_rank(self.local())
-
     def describe(self) -> str:
         name, op, value = self.rule
         return f"stop_when: the mean {name} of the last {len(self.values)} steps {op} {value:g}"
 
 
-def _any_rank(flag: bool) -> bool:
-    """Whether `flag` is true on any rank (a collective: every rank calls it at the same point)."""
+def _any_rank(*flags: bool) -> list[bool]:
+    """Whether each flag is true on any rank: one all-reduce, every rank calling it at the same point."""
     import torch
 
-    t = torch.tensor([float(flag)], device=_device())
+    t = torch.tensor([float(f) for f in flags], device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 def stopped_early_at(run_dir: Path, rule: str | None) -> int | None:
@@ -412,8 +405,9 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
                 logger.log(trainer.step, driver.evaluate())
         step, until = start, StopWhen(cfg.stop_when, cfg.stop_window)
         # a run that stop_when ended, started again: it stays ended (the same command is idempotent)
-        early = until.rule is not None and _any_rank(resumed and stopped_early_at(run_dir, cfg.stop_when) == start)
-        while step < cfg.steps and not early and not stop.agreed():
+        ended = until.rule is not None and resumed and stopped_early_at(run_dir, cfg.stop_when) == start
+        early, signalled = _any_rank(ended, stop.received is not None)
+        while step < cfg.steps and not early and not signalled:
             t0 = time.monotonic()
             if online:
                 batch, rollout_stats = driver.rollout(step) if driver else (None, {})
@@ -452,7 +446,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
                 write_samples_log(run_dir / "samples.jsonl", step, batch)
             history.append(metrics)
             logger.log(trainer.step, metrics)
-            early = until.reached()
+            early, signalled = _any_rank(until.local(), stop.received is not None)
             if early and rank == 0:
                 print(f"{until.describe()}: the run ends at step {step} of {cfg.steps}", flush=True)
         if ckpt and step > start and (not cfg.checkpoint.interval or step % cfg.checkpoint.interval):

@@ -16,6 +16,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bapo_megatron.config import RolloutConfig
 
 LAUNCHER_ENV = frozenset(
     {
@@ -168,3 +172,23 @@ def embedded_server(
         command.append("--batch-invariant")
     env = {"BAPO_ADMIN_API_KEY": admin_key} if admin_key else {}
     return ServerProcess(command, f"http://{host}:{port}", log_path, env)
+
+
+def embedded_servers(
+    ro: RolloutConfig, model_dir: str | Path, run_dir: Path, seed: int, admin_key: str | None, host: str = "127.0.0.1"
+) -> list[ServerProcess]:
+    """The job's rollout.servers embedded engines (not started), as the driver and bapo-serve both
+    start them: engine i on port rollout.port + i with seed + i, logging to run_dir/engine_i.log."""
+    return [
+        embedded_server(
+            model_dir,
+            run_dir / f"engine_{i}.log",
+            port=ro.port + i,
+            host=host,
+            seed=seed + i,
+            admin_key=admin_key,
+            max_batch=ro.engine_max_batch,
+            batch_invariant=ro.deterministic,
+        )
+        for i in range(ro.servers)
+    ]

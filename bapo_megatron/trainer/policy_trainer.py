@@ -298,7 +298,8 @@ class PolicyTrainer:
         metrics: dict[str, float] = {}
         if self.info.is_last_stage:
             metrics = reduce_metrics(outputs, group=self.info.dp_cp_group)
-        metrics.update(adv_metrics)
+        if self.cfg.algo.loss != "sft":  # supervised samples carry no reward: no advantage metrics
+            metrics.update(adv_metrics)
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["train/skipped"] = float(skipped)

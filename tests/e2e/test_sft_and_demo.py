@@ -113,6 +113,8 @@ def test_sft_warm_start_learns_and_an_rl_run_at_tp2_starts_from_it(tmp_path):
     )
     losses = [m["loss/sft"] for m in metrics(sft)]
     assert len(losses) == 16 and sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
+    logged = set().union(*metrics(sft))  # supervised samples have no reward: nothing claims one
+    assert not any(k.startswith("advantage/") or k.startswith("rollout/reward") for k in logged), sorted(logged)
     before = export(sft / "ckpt", task["model"], tmp_path / "sft-hf")
 
     # sft/token_acc and sft/answer_acc are transformers' teacher-forced argmax accuracies of the
