@@ -7,6 +7,7 @@ After the rename the parent directory is fsync'd, so the new entry survives a po
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -84,3 +85,20 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         remove(tmp)
         raise
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a jsonl file, one a line (blank lines skipped); ValueError naming the
+    first line that is not JSON or not an object."""
+    records = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n}: a record must be a JSON object")
+        records.append(record)
+    return records

@@ -11,9 +11,10 @@ Each run is labelled with its directory name (or --labels).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from bapo_megatron.fsutil import read_jsonl
 
 PANELS = [
     ("reward", ["rollout/reward_mean"]),
@@ -32,17 +33,10 @@ def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl" if run.is_dir() else run
     if not path.is_file():
         raise ValueError(f"{run}: no metrics.jsonl")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ValueError(f"{path}:{n}: a record needs an integer step")
-        records.append(record)
+    records = read_jsonl(path)
+    for n, record in enumerate(records, 1):
+        if not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}: record {n} has no integer step")
     return records
 
 

@@ -9,7 +9,6 @@ cursor (epoch, position) sees exactly the prompts the uninterrupted run would ha
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from bapo_megatron.config import DataConfig
+from bapo_megatron.fsutil import read_jsonl
 
 
 def read_records(path: str | Path, fmt: str) -> list[dict[str, Any]]:
@@ -24,18 +24,7 @@ def read_records(path: str | Path, fmt: str) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ValueError(f"data.path={path}: no such file")
     if fmt == "jsonl":
-        records = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{n}: a record must be a JSON object")
-            records.append(record)
-        return records
+        return read_jsonl(path)
     if fmt == "parquet":
         import pyarrow.parquet as pq
 

@@ -82,7 +82,7 @@ def test_plot_run_names_a_bad_file(tmp_path):
     import plot_run
 
     (tmp_path / "metrics.jsonl").write_text('{"step": "one"}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:1: a record needs an integer step"):
+    with pytest.raises(ValueError, match=r"metrics.jsonl: record 1 has no integer step"):
         plot_run.read_metrics(tmp_path)
     with pytest.raises(ValueError, match="no metrics.jsonl"):
         plot_run.read_metrics(tmp_path / "missing")
