@@ -380,8 +380,8 @@ class BoundSearch:
         last = len(self.path) - 1
         index = torch.where(meets.any(), meets.to(torch.uint8).argmax(), last)
         bad_ratio, bad_other, chosen, rho_chosen, rho_start = torch.stack(
-            [table[-1, 0], table[-1, 1], index.to(rho), rho[index], rho[0]]
-        ).tolist()  # the search's only host synchronisation
+            [table[-1, 0], table[-1, 1], index.to(rho), rho.gather(0, index.view(1))[0], rho[0]]
+        ).tolist()  # the search's only host synchronisation (rho[index] would read index first)
         if bad_ratio or bad_other:
             raise NonFiniteInputError(
                 f"BAPO bound search: {int(bad_ratio)} counted tokens have a non-finite or negative "

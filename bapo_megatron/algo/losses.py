@@ -256,17 +256,20 @@ def dual_clip_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group
 
 
 def _segment_mean(values: torch.Tensor, weight: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
-    """Per-token weighted mean of `values` over the token's segment (rows when segment_ids is None)."""
+    """Per-token weighted mean of `values` over the token's segment (rows when segment_ids is None:
+    the trainer's layout, computed without reading anything back to the host)."""
+    tiny = torch.finfo(weight.dtype).tiny
     if segment_ids is None:
         if values.dim() != 2:
             raise ValueError(f"gspo needs a [batch, seq] layout or segment_ids; got shape {tuple(values.shape)}")
-        segment_ids = torch.arange(values.shape[0], device=values.device).unsqueeze(1).expand_as(values)
+        means = (weight * values).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True).clamp(min=tiny)
+        return means.expand_as(values)
     _, inverse = torch.unique(segment_ids.reshape(-1), return_inverse=True)
     sums = values.new_zeros(int(inverse.max()) + 1 if inverse.numel() else 0)
     counts = torch.zeros_like(sums)
     sums = sums.index_add(0, inverse, (weight * values).reshape(-1))
     counts = counts.index_add(0, inverse, weight.reshape(-1))
-    means = sums / counts.clamp(min=torch.finfo(counts.dtype).tiny)
+    means = sums / counts.clamp(min=tiny)
     return means[inverse].reshape(values.shape)
 
 

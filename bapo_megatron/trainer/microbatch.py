@@ -85,12 +85,12 @@ class MicroBatch:
     versions: torch.Tensor
     """Policy version that sampled each target (-1 where not a response token)."""
     sample_index: list[int]
+    num_tokens: int
+    """Counted response tokens (loss_mask's sum), counted on the host when packed: the loss
+    callbacks hand it to the schedule, and reading it back from the GPU would stall the host
+    once a micro-batch."""
     prox_logprobs: torch.Tensor | None = None
     """log pi at the start of the step, filled by the trainer's forward-only pass when needed."""
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.loss_mask.sum())
 
     def to(self, device: torch.device | str) -> MicroBatch:
         fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -141,4 +141,5 @@ def pack_microbatch(
         advantages=adv,
         versions=versions,
         sample_index=list(indices),
+        num_tokens=int(sum(len(s.response_ids) if s.loss_mask is None else sum(s.loss_mask) for s in chosen)),
     )

@@ -282,12 +282,14 @@ class PolicyTrainer:
         return float(worst.item())
 
     def _nonfinite(self, step: StepState, outputs: list[LossOutput]) -> bool:
-        """Whether any rank saw a non-finite loss or gradient (one flag all-reduce, outside the loss)."""
-        bad = bool(step.skip_reason) or any(not bool(torch.isfinite(out.loss_sum).all()) for out in outputs)
+        """Whether any rank saw a non-finite loss or gradient: the checks stay on the device and the
+        host reads one flag, after its all-reduce (outside the loss)."""
+        finite = [torch.isfinite(out.loss_sum).all() for out in outputs]
         for chunk in self.model:
-            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
-        flag = torch.tensor([float(bad)], device=self.device)
+            finite += [torch.isfinite(b.grad_data).all() for b in chunk.buffers + chunk.expert_parallel_buffers]
+        flag = torch.tensor([float(bool(step.skip_reason))], device=self.device)
+        if finite:
+            flag = torch.maximum(flag, (~torch.stack(finite).all()).to(flag).view(1))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
