@@ -41,6 +41,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--world-size", type=int, help="trainer processes for --dry-run (default: $WORLD_SIZE, else one)"
     )
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU size for --dry-run (default 80: H100)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=8, help="GPUs of the driver's node for --dry-run (default 8)"
+    )
     args = parser.parse_args(argv)
     args.config = args.args[0] if args.args and "=" not in args.args[0] else None
     args.overrides = args.args[1:] if args.config else args.args
@@ -114,8 +117,9 @@ def help_config() -> str:
 # --dry-run
 
 
-def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int) -> str:
-    """What `bapo-train` would do with `cfg` on `world_size` trainer processes, without doing it."""
+def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int = 8) -> str:
+    """What `bapo-train` would do with `cfg` on `world_size` trainer processes (one a GPU, nodes of
+    gpus_per_node), without doing it."""
     from bapo_megatron.common.model_spec import check_layout
     from bapo_megatron.train import model_spec, validate
     from bapo_megatron.trainer.memory import trainer_memory
@@ -148,6 +152,8 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int) -> str:
             f"rollout: {r.servers} {r.engine} server(s), TP {r.tensor_parallel} each, ports {r.port}.."
             f"{r.port + r.servers - 1}, {where}"
         )
+        if r.engine == "sglang" and not r.engine_urls:
+            out.append(_sglang_placement(r, min(world_size, gpus_per_node), gpus_per_node))
     out += ["", f"# memory per GPU (estimate; GPU of {gpu_bytes / GIB:.0f} GiB)"]
     for label, distributed in (("distributed optimizer", True), ("replicated optimizer", False)):
         m = trainer_memory(spec, cfg.model, p, dp, distributed_optimizer=distributed)
@@ -159,6 +165,21 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int) -> str:
     if r.replay is None and r.engine == "sglang":
         out.append(_sglang_memory(cfg, spec, gpu_bytes, dp))
     return "\n".join(out)
+
+
+def _sglang_placement(r, trainer_gpus: int, node_gpus: int) -> str:
+    from bapo_megatron.rollout.sglang_launcher import gpu_placement
+
+    try:
+        bases = gpu_placement(r, trainer_gpus, node_gpus)
+    except ValueError as err:
+        return f"SGLang servers on the driver's node: cannot place them ({err})"
+    tp = r.tensor_parallel
+    gpus = ", ".join(f"{b}" if tp == 1 else f"{b}-{b + tp - 1}" for b in bases)
+    return (
+        f"SGLang servers on the driver's node ({node_gpus} GPUs, trainer ranks on GPUs 0-{trainer_gpus - 1}): "
+        f"GPUs {gpus}"
+    )
 
 
 def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:

@@ -126,6 +126,7 @@ class RolloutDriver:
                 raise ConfigError("eval.path", cfg.eval.path, str(err)) from None
             self.eval_items = self.eval_items[: cfg.eval.max_prompts]
             self._check_prompts("eval.path", cfg.eval.path, self.eval_items)
+        self.base_gpus = self._sglang_placement() if ro.engine == "sglang" and not ro.engine_urls else None
         if not ro.engine_urls:
             host = "127.0.0.1" if ro.engine == "embedded" else ro.host
             for i in range(ro.servers):
@@ -228,7 +229,13 @@ class RolloutDriver:
 
             fraction = self._colocated_fraction() if ro.colocate and ro.mem_fraction_static is None else None
             self.servers, key = start_sglang(
-                ro, str(model_dir), self.run_dir, ro.startup_timeout_s, seed=self.cfg.seed, colocated_fraction=fraction
+                ro,
+                str(model_dir),
+                self.run_dir,
+                ro.startup_timeout_s,
+                seed=self.cfg.seed,
+                colocated_fraction=fraction,
+                base_gpus=self.base_gpus,
             )
             urls = [s.url for s in self.servers]
         for server in self.servers:
@@ -249,6 +256,29 @@ class RolloutDriver:
             deterministic_seed=self.cfg.seed if ro.deterministic else None,
         )
         self.sender = self._weight_sender()
+
+    def _sglang_placement(self) -> list[int]:
+        """SGLang servers to start here: SGLang installed, GPUs on this node, and each server's
+        first GPU beside the trainer's ranks here (sglang_launcher.gpu_placement); else a
+        ConfigError, before any model is built."""
+        import torch
+
+        from bapo_megatron.rollout.sglang_launcher import check_installed, gpu_placement
+
+        ro = self.cfg.rollout
+        try:
+            check_installed()
+        except ValueError as err:
+            raise ConfigError("rollout.engine", ro.engine, str(err)) from None
+        gpus = torch.cuda.device_count()
+        if not gpus:
+            raise ConfigError(
+                "rollout.engine", ro.engine, "SGLang runs on CUDA GPUs and this machine has none (embedded runs on CPU)"
+            )
+        try:
+            return gpu_placement(ro, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpus)
+        except ValueError as err:
+            raise ConfigError("rollout.servers", ro.servers, str(err)) from None
 
     def _colocated_fraction(self) -> float:
         """What a colocated SGLang server may take of this GPU beside a trainer rank (cli.rollout_mem_fraction)."""

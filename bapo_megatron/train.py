@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
-            print(cli.dry_run(cfg, cli.world_size(args), int(args.gpu_memory_gib * cli.GIB)))
+            print(cli.dry_run(cfg, cli.world_size(args), int(args.gpu_memory_gib * cli.GIB), args.gpus_per_node))
             return
         run(cfg)  # run validates before any process group starts
     except KeyboardInterrupt:

@@ -1,7 +1,9 @@
 """SGLang 0.5.23 servers from our config: one `python -m sglang.launch_server` per rollout replica.
 
-Each server gets its own GPUs (base_gpu_id = i x tensor_parallel on its node), its own
-port (rollout.port + i) and dp_size 1, which weight updates need. Every argument goes in
+Each server gets its own GPUs, its own port (rollout.port + i) and dp_size 1, which weight
+updates need. Where its GPUs are (`gpu_placement`): started by the driver, on the driver's
+node, colocated on the GPUs of the trainer's ranks there, else on the GPUs after theirs;
+started by bapo-serve, GPUs i x tensor_parallel of its node. Every argument goes in
 a YAML file (mode 0600) passed with --config, so the admin key never shows in `ps`.
 Servers listen on rollout.host: beyond loopback an admin key is required, read from
 rollout.admin_key_file or $BAPO_ADMIN_API_KEY, or generated into the run directory; the
@@ -78,15 +80,17 @@ def server_args(
     weight_version: str = "0",
     seed: int = 0,
     colocated_fraction: float | None = None,
+    base_gpu: int | None = None,
 ) -> dict[str, Any]:
-    """SGLang's options (its CLI names) for server `index`."""
+    """SGLang's options (its CLI names) for server `index`; base_gpu: its first GPU (None:
+    index x tensor_parallel on a node of its own, as bapo-serve starts them)."""
     args: dict[str, Any] = {
         "model-path": model_path,
         "host": cfg.host,
         "port": cfg.port + index,
         "tp-size": cfg.tensor_parallel,
         "dp-size": 1,
-        "base-gpu-id": (index * cfg.tensor_parallel) % max(1, _gpus_per_node()),
+        "base-gpu-id": (index * cfg.tensor_parallel) % max(1, _gpus_per_node()) if base_gpu is None else base_gpu,
         "mem-fraction-static": mem_fraction(cfg, colocated_fraction),
         "weight-version": weight_version,
         "random-seed": seed + index,
@@ -113,6 +117,45 @@ def _gpus_per_node() -> int:
     return torch.cuda.device_count() or 1
 
 
+def gpu_placement(cfg: RolloutConfig, trainer_gpus: int, node_gpus: int) -> list[int]:
+    """The first GPU of each server the driver starts on its node, whose first `trainer_gpus`
+    GPUs run the trainer's ranks there (one a rank, by LOCAL_RANK) out of `node_gpus`.
+
+    Colocated, server i takes the GPUs of trainer ranks [i x TP, (i + 1) x TP): each engine
+    rank shares a GPU with one trainer rank, whose memory it takes while the trainer's is
+    released. On GPUs of their own, the servers follow the trainer's: trainer_gpus + i x TP.
+    ValueError, naming the counts, when they do not fit (never two servers on one GPU, never a
+    server beside a trainer rank that does not release its memory)."""
+    tp, n = cfg.tensor_parallel, cfg.servers
+    need = n * tp
+    if cfg.colocate:
+        if need > trainer_gpus:
+            raise ValueError(
+                f"colocated, {n} server(s) x TP {tp} need the GPUs of {need} trainer ranks on the driver's node, "
+                f"which runs {trainer_gpus}: use fewer or smaller servers, or engines on GPUs of their own"
+            )
+        return [i * tp for i in range(n)]
+    if trainer_gpus + need > node_gpus:
+        raise ValueError(
+            f"{n} server(s) x TP {tp} on GPUs of their own need {need} GPUs beside the trainer's {trainer_gpus} "
+            f"on the driver's node, which has {node_gpus}: run fewer trainer ranks there (torchrun "
+            f"--nproc-per-node), set rollout.colocate=true, or start the engines elsewhere (bapo-serve) "
+            f"and pass rollout.engine_urls"
+        )
+    return [trainer_gpus + i * tp for i in range(n)]
+
+
+def check_installed() -> None:
+    """SGLang importable here (without importing it), before any model or process starts."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise ValueError(
+            "SGLang 0.5.23 is not installed here: pip install -e '.[sglang]' (CUDA only; use "
+            "rollout.engine=embedded on CPU, or rollout.engine_urls for engines that run elsewhere)"
+        )
+
+
 def sglang_servers(
     cfg: RolloutConfig,
     model_path: str,
@@ -120,8 +163,10 @@ def sglang_servers(
     weight_version: str = "0",
     seed: int = 0,
     colocated_fraction: float | None = None,
+    base_gpus: list[int] | None = None,
 ) -> tuple[list[ServerProcess], str | None]:
-    """Not yet started server processes (one per rollout.servers) and the admin key they use."""
+    """Not yet started server processes (one per rollout.servers) and the admin key they use;
+    base_gpus: each one's first GPU (gpu_placement; None: as bapo-serve places them)."""
     key = admin_key(cfg, run_dir)
     run_dir = Path(run_dir)
     servers = []
@@ -129,7 +174,8 @@ def sglang_servers(
         config = run_dir / f"sglang_{i}.yaml"
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(server_args(cfg, model_path, i, key, weight_version, seed, colocated_fraction), f)
+            base = None if base_gpus is None else base_gpus[i]
+            yaml.safe_dump(server_args(cfg, model_path, i, key, weight_version, seed, colocated_fraction, base), f)
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         servers.append(
             ServerProcess(
@@ -149,6 +195,7 @@ def start_sglang(
     weight_version: str = "0",
     seed: int = 0,
     colocated_fraction: float | None = None,
+    base_gpus: list[int] | None = None,
 ) -> tuple[list[ServerProcess], str | None]:
     """Start every server and wait until each generates; on any failure all are stopped."""
     try:
@@ -158,7 +205,7 @@ def start_sglang(
             "rollout.engine=sglang needs SGLang 0.5.23: pip install -e '.[sglang]' "
             "(CUDA only; use rollout.engine=embedded on CPU)"
         ) from None
-    servers, key = sglang_servers(cfg, model_path, run_dir, weight_version, seed, colocated_fraction)
+    servers, key = sglang_servers(cfg, model_path, run_dir, weight_version, seed, colocated_fraction, base_gpus)
     try:
         for s in servers:
             s.start()

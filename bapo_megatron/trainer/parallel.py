@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -37,10 +38,10 @@ class ParallelInfo:
 
 
 def single_process_env() -> None:
-    """The rendezvous environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): torchrun's
-    as it is; in a Slurm job step (`srun bapo-train ...`, one task per GPU), from Slurm's variables,
-    with MASTER_ADDR and MASTER_PORT from the job script (the first node, a port of the job's);
-    elsewhere a world of one on this machine (a free loopback port)."""
+    """The rendezvous environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT): torchrun's as it is; in a Slurm job step (`srun bapo-train ...`, one task per
+    GPU), from Slurm's variables, with MASTER_ADDR and MASTER_PORT from the job script (the first
+    node, a port of the job's); elsewhere a world of one on this machine (a free loopback port)."""
     if "RANK" in os.environ:
         return
     if "SLURM_STEP_NUM_TASKS" in os.environ and "SLURM_PROCID" in os.environ:  # inside srun, not the batch script
@@ -54,13 +55,35 @@ def single_process_env() -> None:
             RANK=os.environ["SLURM_PROCID"],
             WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
             LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+            LOCAL_WORLD_SIZE=str(
+                tasks_on_node(
+                    os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1"), int(os.environ.get("SLURM_NODEID", "0"))
+                )
+            ),
         )
         if not missing:
             return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"
+    )
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """Slurm's SLURM_STEP_TASKS_PER_NODE ("8(x2),4": 8 tasks on each of two nodes, then 4) at `node`."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise RuntimeError(f"SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}: not Slurm's N or N(xK) list")
+        counts += [int(match[1])] * int(match[2] or 1)
+    if not 0 <= node < len(counts):
+        raise RuntimeError(
+            f"SLURM_NODEID={node}: SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r} names {len(counts)} nodes"
+        )
+    return counts[node]
 
 
 def init_distributed() -> None:

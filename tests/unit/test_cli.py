@@ -85,9 +85,22 @@ def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
     out = proc.stdout
     assert "trainer: 8 processes = TP 4 x PP 1 x VPP 1 (virtual stages) x CP 1 x DP 2" in out
     assert "rollout: 2 sglang server(s), TP 4 each" in out and "colocated with the trainer" in out
+    assert "SGLang servers on the driver's node (8 GPUs, trainer ranks on GPUs 0-7): GPUs 0-3, 4-7" in out
     assert "trainer, distributed optimizer: parameters 3.55 GiB" in out  # 7.6 B bf16 over TP 4
     assert "each SGLang server GPU: mem_fraction_static" in out and "KV cache" in out
     assert out.strip().endswith("MEGATRON False")  # nothing was built: Megatron never imported
+
+
+def test_dry_run_says_where_sglang_servers_go_or_why_they_cannot(capsys):
+    from bapo_megatron.train import main
+
+    sglang = ["rollout.engine=sglang", "rollout.servers=2", "rollout.tensor_parallel=2", "--dry-run"]
+    main([*sglang, "--world-size", "4"])
+    assert "trainer ranks on GPUs 0-3): GPUs 4-5, 6-7" in capsys.readouterr().out
+    main([*sglang, "--world-size", "8"])  # every GPU of the node trains: no room beside them
+    assert "cannot place them (2 server(s) x TP 2 on GPUs of their own need 4 GPUs" in capsys.readouterr().out
+    main([*sglang, "--world-size", "4", "--gpus-per-node", "4"])
+    assert "which has 4" in capsys.readouterr().out
 
 
 def test_dry_run_refuses_a_layout_that_cannot_split(tmp_path, capsys):

@@ -81,6 +81,24 @@ def test_srun_tasks_map_to_ranks(monkeypatch):
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("node001", "23456")
 
 
+def test_srun_tasks_know_how_many_trainer_ranks_share_their_node(monkeypatch):
+    from bapo_megatron.trainer.parallel import tasks_on_node
+
+    assert [tasks_on_node("8(x2),4", node) for node in range(3)] == [8, 8, 4]
+    assert tasks_on_node("2", 0) == 2
+    with pytest.raises(RuntimeError, match="names 3 nodes"):
+        tasks_on_node("8(x2),4", 3)
+    with pytest.raises(RuntimeError, match="not Slurm's"):
+        tasks_on_node("8x2", 0)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    task = {**SLURM_TASK, "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "0"}
+    for name, value in {**task, "MASTER_ADDR": "node001", "MASTER_PORT": "23456"}.items():
+        monkeypatch.setenv(name, value)
+    single_process_env()
+    assert os.environ["LOCAL_WORLD_SIZE"] == "8"  # the driver places its SGLang servers beside them
+
+
 def test_srun_tasks_without_a_rendezvous_are_refused(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

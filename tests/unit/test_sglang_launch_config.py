@@ -130,3 +130,29 @@ def test_the_launcher_sets_exactly_the_options_the_config_lists():
     ).rollout
     args = server_args(cfg, "/models/m", 0, "k" * 32)
     assert set(args) - {"attention-backend"} == set(SGLANG_LAUNCHER_ARGS) - {"api-key"}
+
+
+def _placement(trainer_gpus: int, node_gpus: int, *overrides: str) -> list[int]:
+    from bapo_megatron.rollout.sglang_launcher import gpu_placement
+
+    return gpu_placement(load_config(None, ["rollout.engine=sglang", *overrides]).rollout, trainer_gpus, node_gpus)
+
+
+def test_servers_started_by_the_driver_never_share_a_gpu_with_a_trainer_that_keeps_its_memory():
+    # colocated: each engine rank on the GPU of one trainer rank, which releases its memory
+    assert _placement(8, 8, "rollout.colocate=true", "rollout.servers=2", "rollout.tensor_parallel=4") == [0, 4]
+    assert _placement(8, 8, "rollout.colocate=true", "rollout.servers=8") == list(range(8))
+    with pytest.raises(ValueError, match=r"need the GPUs of 12 trainer ranks on the driver's node, which runs 8"):
+        _placement(8, 8, "rollout.colocate=true", "rollout.servers=3", "rollout.tensor_parallel=4")
+    # on GPUs of their own: after the trainer's ranks on the node
+    assert _placement(4, 8, "rollout.servers=2", "rollout.tensor_parallel=2") == [4, 6]
+    assert _placement(6, 8, "rollout.servers=1", "rollout.tensor_parallel=2") == [6]
+    with pytest.raises(ValueError, match=r"need 2 GPUs beside the trainer's 8 on the driver's node, which has 8"):
+        _placement(8, 8, "rollout.servers=1", "rollout.tensor_parallel=2")  # `torchrun --nproc-per-node 8`
+
+
+def test_each_server_config_names_its_placed_gpu(tmp_path):
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.servers=2", "rollout.tensor_parallel=2"]).rollout
+    servers, _ = sglang_servers(cfg, "/models/m", tmp_path, base_gpus=[4, 6])
+    assert [yaml.safe_load((tmp_path / f"sglang_{i}.yaml").read_text())["base-gpu-id"] for i in range(2)] == [4, 6]
+    assert len(servers) == 2
