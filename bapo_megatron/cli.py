@@ -20,7 +20,7 @@ import os
 import textwrap
 import typing
 
-from bapo_megatron.config import JobConfig, dump_config
+from bapo_megatron.config import JobConfig, RolloutConfig, dump_config
 
 USAGE = "bapo-train [CONFIG.yaml] [key=value ...] [--dry-run] [--world-size N] [--gpu-memory-gib G]"
 GIB = 2**30
@@ -167,7 +167,7 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int 
     return "\n".join(out)
 
 
-def _sglang_placement(r, trainer_gpus: int, node_gpus: int) -> str:
+def _sglang_placement(r: RolloutConfig, trainer_gpus: int, node_gpus: int) -> str:
     from bapo_megatron.rollout.sglang_launcher import gpu_placement
 
     try:

@@ -264,6 +264,7 @@ class RolloutDriver:
         import torch
 
         from bapo_megatron.rollout.sglang_launcher import check_installed, gpu_placement
+        from bapo_megatron.trainer.parallel import local_world_size
 
         ro = self.cfg.rollout
         try:
@@ -276,7 +277,7 @@ class RolloutDriver:
                 "rollout.engine", ro.engine, "SGLang runs on CUDA GPUs and this machine has none (embedded runs on CPU)"
             )
         try:
-            return gpu_placement(ro, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpus)
+            return gpu_placement(ro, local_world_size(), gpus)
         except ValueError as err:
             raise ConfigError("rollout.servers", ro.servers, str(err)) from None
 

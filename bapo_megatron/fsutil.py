@@ -1,4 +1,5 @@
-"""Durable, atomic file and directory writes: a fresh temporary sibling, fsync'd, renamed into place.
+"""Durable, atomic file and directory writes: a fresh temporary sibling, fsync'd, renamed into place;
+and the one jsonl reader (read_jsonl).
 
 A temporary name is always new (never a fixed OUT.tmp that may be a user's file), lives beside
 the target (same filesystem, so the rename is atomic), and is removed when the write fails.
@@ -11,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -87,9 +88,9 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, problem: Callable[[dict], str | None] | None = None) -> list[dict]:
     """The JSON objects of a jsonl file, one a line (blank lines skipped); ValueError naming the
-    first line that is not JSON or not an object."""
+    first line that is not JSON, not an object, or (with `problem`) whose record it finds wanting."""
     records = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -100,5 +101,8 @@ def read_jsonl(path: Path) -> list[dict]:
             raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{n}: a record must be a JSON object")
+        wrong = problem(record) if problem is not None else None
+        if wrong:
+            raise ValueError(f"{path}:{n}: {wrong}")
         records.append(record)
     return records

@@ -33,11 +33,7 @@ def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl" if run.is_dir() else run
     if not path.is_file():
         raise ValueError(f"{run}: no metrics.jsonl")
-    records = read_jsonl(path)
-    for n, record in enumerate(records, 1):
-        if not isinstance(record.get("step"), int):
-            raise ValueError(f"{path}: record {n} has no integer step")
-    return records
+    return read_jsonl(path, lambda r: None if isinstance(r.get("step"), int) else "a record needs an integer step")
 
 
 def series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[float]]]:

@@ -197,18 +197,17 @@ def _output(
         out.add_mean("policy/tis_weight_mean", (w * tokens.is_weight).sum(), count)
     if bounds is None:
         # Fixed bounds: report the positive share there, reduced as sum(P) / sum(P + N).
-        grid = (
-            torch.tensor([c_low], dtype=torch.float64, device=r.device),
-            torch.tensor([c_high], dtype=torch.float64, device=r.device),
-        )
+        # filled on the device (a tensor from host data would be a blocking copy in every micro-batch)
+        grid = (r.new_full((1,), c_low, dtype=torch.float64), r.new_full((1,), c_high, dtype=torch.float64))
         p, n, _ = contribution_sums(r, a, w * tokens.is_weight, *grid, cfg.bapo.contribution, dual_clip)
         for name in ("bapo/rho", "bapo/rho_start"):  # no search: the start is the end
             out.add_mean(name, p.sum(), (p + n).sum())
         bounds_metrics = {"bapo/clip_low": c_low, "bapo/clip_high": c_high, "bapo/search_steps": 0.0}
     else:
         bounds_metrics = bounds.metrics()
+    one = r.new_ones((), dtype=torch.float64)
     for name, value in bounds_metrics.items():
-        out.add_mean(name, torch.tensor(value, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+        out.add_mean(name, r.new_full((), value, dtype=torch.float64), one)
     return out
 
 

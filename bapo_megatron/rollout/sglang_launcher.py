@@ -3,7 +3,7 @@
 Each server gets its own GPUs, its own port (rollout.port + i) and dp_size 1, which weight
 updates need. Where its GPUs are (`gpu_placement`): started by the driver, on the driver's
 node, colocated on the GPUs of the trainer's ranks there, else on the GPUs after theirs;
-started by bapo-serve, GPUs i x tensor_parallel of its node. Every argument goes in
+started by bapo-serve, GPUs (i x tensor_parallel) modulo the GPUs it sees on its node. Every argument goes in
 a YAML file (mode 0600) passed with --config, so the admin key never shows in `ps`.
 Servers listen on rollout.host: beyond loopback an admin key is required, read from
 rollout.admin_key_file or $BAPO_ADMIN_API_KEY, or generated into the run directory; the

@@ -38,8 +38,8 @@ class ParallelInfo:
 
 
 def single_process_env() -> None:
-    """The rendezvous environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT): torchrun's as it is; in a Slurm job step (`srun bapo-train ...`, one task per
+    """The rendezvous environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; for a
+    world of one also LOCAL_WORLD_SIZE): torchrun's as it is; in a Slurm job step (`srun bapo-train ...`, one task per
     GPU), from Slurm's variables, with MASTER_ADDR and MASTER_PORT from the job script (the first
     node, a port of the job's); elsewhere a world of one on this machine (a free loopback port)."""
     if "RANK" in os.environ:
@@ -55,11 +55,6 @@ def single_process_env() -> None:
             RANK=os.environ["SLURM_PROCID"],
             WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
             LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
-            LOCAL_WORLD_SIZE=str(
-                tasks_on_node(
-                    os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1"), int(os.environ.get("SLURM_NODEID", "0"))
-                )
-            ),
         )
         if not missing:
             return
@@ -71,16 +66,28 @@ def single_process_env() -> None:
     )
 
 
+def local_world_size() -> int:
+    """The trainer's ranks on this node (one a GPU, by LOCAL_RANK): torchrun's LOCAL_WORLD_SIZE; in
+    an srun step, this node's entry of SLURM_STEP_TASKS_PER_NODE; else (RANK set by some other
+    launcher) as many as the world and this node's GPUs allow. ValueError for a Slurm list that
+    does not parse."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if "SLURM_STEP_TASKS_PER_NODE" in os.environ:
+        return tasks_on_node(os.environ["SLURM_STEP_TASKS_PER_NODE"], int(os.environ.get("SLURM_NODEID", "0")))
+    return min(int(os.environ.get("WORLD_SIZE", "1")), max(1, torch.cuda.device_count()))
+
+
 def tasks_on_node(tasks_per_node: str, node: int) -> int:
     """Slurm's SLURM_STEP_TASKS_PER_NODE ("8(x2),4": 8 tasks on each of two nodes, then 4) at `node`."""
     counts: list[int] = []
     for part in tasks_per_node.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if match is None:
-            raise RuntimeError(f"SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}: not Slurm's N or N(xK) list")
+            raise ValueError(f"SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}: not Slurm's N or N(xK) list")
         counts += [int(match[1])] * int(match[2] or 1)
     if not 0 <= node < len(counts):
-        raise RuntimeError(
+        raise ValueError(
             f"SLURM_NODEID={node}: SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r} names {len(counts)} nodes"
         )
     return counts[node]

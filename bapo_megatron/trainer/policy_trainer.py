@@ -116,12 +116,14 @@ class PolicyTrainer:
     # Data.
 
     def microbatches(self, batch: RolloutBatch) -> tuple[list[MicroBatch], dict[str, float]]:
-        """This rank's micro-batches of `batch`, with group-normalised advantages."""
-        order, rewards = batch.rewards_by_group()
-        adv, metrics = group_advantages(rewards, self.cfg.algo.advantage)
-        advantages = [0.0] * len(batch)
-        for i, a in zip(order, adv.reshape(-1).tolist(), strict=True):
-            advantages[i] = a
+        """This rank's micro-batches of `batch`, with group-normalised advantages (none for
+        supervised samples, which carry no reward), and the advantages' metrics."""
+        advantages, metrics = [0.0] * len(batch), {}
+        if self.cfg.algo.loss != "sft":
+            order, rewards = batch.rewards_by_group()
+            adv, metrics = group_advantages(rewards, self.cfg.algo.advantage)
+            for i, a in zip(order, adv.reshape(-1).tolist(), strict=True):
+                advantages[i] = a
         interleaved = len(self.model) > 1  # virtual pipeline stages
         plan = plan_microbatches(
             [s.length for s in batch.samples],
@@ -287,7 +289,7 @@ class PolicyTrainer:
         finite = [torch.isfinite(out.loss_sum).all() for out in outputs]
         for chunk in self.model:
             finite += [torch.isfinite(b.grad_data).all() for b in chunk.buffers + chunk.expert_parallel_buffers]
-        flag = torch.tensor([float(bool(step.skip_reason))], device=self.device)
+        flag = torch.full((1,), float(bool(step.skip_reason)), device=self.device)
         if finite:
             flag = torch.maximum(flag, (~torch.stack(finite).all()).to(flag).view(1))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -300,8 +302,7 @@ class PolicyTrainer:
         metrics: dict[str, float] = {}
         if self.info.is_last_stage:
             metrics = reduce_metrics(outputs, group=self.info.dp_cp_group)
-        if self.cfg.algo.loss != "sft":  # supervised samples carry no reward: no advantage metrics
-            metrics.update(adv_metrics)
+        metrics.update(adv_metrics)
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["train/skipped"] = float(skipped)

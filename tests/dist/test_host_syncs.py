@@ -4,9 +4,12 @@ caught up, so one inside the micro-batch schedule would keep the host from queue
 forward or backward while the GPU runs this one.
 
 On the CPU the same aten ops run, so they can be counted: a TorchDispatchMode sees every
-`_local_scalar_dense` (item, bool, float, int of a tensor), `nonzero`, `masked_select` and
-boolean index, and a wrapper every `Tensor.tolist`, each attributed to the innermost frame of
-this package (Megatron's own reads are Megatron's). Checked: none while the schedule runs (the
+`_local_scalar_dense` (item, bool, float, int of a tensor), `nonzero`, `masked_select`, the
+unique family, `repeat_interleave` by tensor, `bincount`, `equal` and boolean index, and a
+wrapper every `Tensor.tolist`, each attributed to the innermost frame of this package
+(Megatron's own reads are Megatron's). A tensor made from host data on the device (a
+blocking copy on CUDA) looks like any CPU tensor here: tests/gpu/test_host_syncs_cuda.py
+checks the same on a GPU with CUDA's own sync detection. Checked: none while the schedule runs (the
 loss callbacks of the bound pre-pass and of the update), and the step's count does not grow with
 its number of micro-batches, also with two pipeline stages."""
 
@@ -45,7 +48,17 @@ def _count_reads(trainer, batch) -> tuple[collections.Counter, collections.Count
     from torch.utils._python_dispatch import TorchDispatchMode
 
     aten = torch.ops.aten
-    reads = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+    reads = {  # ops whose output size or value the host must know: CUDA makes it wait
+        aten._local_scalar_dense.default,
+        aten.nonzero.default,
+        aten.masked_select.default,
+        aten._unique2.default,
+        aten.unique_dim.default,
+        aten.unique_consecutive.default,
+        aten.repeat_interleave.Tensor,
+        aten.bincount.default,
+        aten.equal.default,
+    }
     indexing = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
     step, scheduled = collections.Counter(), collections.Counter()
     in_schedule = [False]
@@ -122,6 +135,7 @@ def _worker(rank: int, world: int, pipeline: int, overrides: list[str]) -> None:
     assert one == 1 and many >= 4, counts.keys()
     assert per_step == few, f"{one} micro-batch: {dict(few)}; {many}: {dict(per_step)}"
     assert set(per_step) <= STEP_READS.keys(), f"new host reads in the step: {set(per_step) - STEP_READS.keys()}"
+    assert per_step["trainer/policy_trainer.py:_nonfinite"] == 1  # the count sees this package's reads
 
 
 STEP_READS = {

@@ -81,8 +81,8 @@ def test_plot_run_names_a_bad_file(tmp_path):
     sys.path.insert(0, str(ROOT / "tools"))
     import plot_run
 
-    (tmp_path / "metrics.jsonl").write_text('{"step": "one"}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl: record 1 has no integer step"):
+    (tmp_path / "metrics.jsonl").write_text('\n{"step": "one"}\n')  # line 2: blank lines count
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: a record needs an integer step"):
         plot_run.read_metrics(tmp_path)
     with pytest.raises(ValueError, match="no metrics.jsonl"):
         plot_run.read_metrics(tmp_path / "missing")

@@ -82,13 +82,15 @@ def test_srun_tasks_map_to_ranks(monkeypatch):
 
 
 def test_srun_tasks_know_how_many_trainer_ranks_share_their_node(monkeypatch):
-    from bapo_megatron.trainer.parallel import tasks_on_node
+    import torch
+
+    from bapo_megatron.trainer.parallel import local_world_size, tasks_on_node
 
     assert [tasks_on_node("8(x2),4", node) for node in range(3)] == [8, 8, 4]
     assert tasks_on_node("2", 0) == 2
-    with pytest.raises(RuntimeError, match="names 3 nodes"):
+    with pytest.raises(ValueError, match="names 3 nodes"):
         tasks_on_node("8(x2),4", 3)
-    with pytest.raises(RuntimeError, match="not Slurm's"):
+    with pytest.raises(ValueError, match="not Slurm's"):
         tasks_on_node("8x2", 0)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -96,7 +98,14 @@ def test_srun_tasks_know_how_many_trainer_ranks_share_their_node(monkeypatch):
     for name, value in {**task, "MASTER_ADDR": "node001", "MASTER_PORT": "23456"}.items():
         monkeypatch.setenv(name, value)
     single_process_env()
-    assert os.environ["LOCAL_WORLD_SIZE"] == "8"  # the driver places its SGLang servers beside them
+    assert local_world_size() == 8  # the driver places its SGLang servers beside them
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's, when it is there
+    assert local_world_size() == 4
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WORLD_SIZE", "16")  # another launcher: the world, at most this node's GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert local_world_size() == 8
 
 
 def test_srun_tasks_without_a_rendezvous_are_refused(monkeypatch):
