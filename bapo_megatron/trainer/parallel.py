@@ -87,9 +87,7 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int:
             raise ValueError(f"SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}: not Slurm's N or N(xK) list")
         counts += [int(match[1])] * int(match[2] or 1)
     if not 0 <= node < len(counts):
-        raise ValueError(
-            f"SLURM_NODEID={node}: SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r} names {len(counts)} nodes"
-        )
+        raise ValueError(f"SLURM_NODEID={node}: SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r} names {len(counts)} nodes")
     return counts[node]
 
 

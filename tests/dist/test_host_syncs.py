@@ -16,8 +16,10 @@ its number of micro-batches, also with two pipeline stages."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,7 +63,6 @@ def _count_reads(trainer, batch) -> tuple[collections.Counter, collections.Count
     }
     indexing = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
     step, scheduled = collections.Counter(), collections.Counter()
-    in_schedule = [False]
 
     def record() -> None:
         site = _site()
@@ -91,25 +92,33 @@ def _count_reads(trainer, batch) -> tuple[collections.Counter, collections.Count
         finally:
             inside_tolist[0] = False
 
-    run = trainer._run
-
-    @functools.wraps(run)
-    def schedule(*args, **kwargs):
-        in_schedule[0] = True
-        try:
-            return run(*args, **kwargs)
-        finally:
-            in_schedule[0] = False
-
-    trainer._run = schedule
     torch.Tensor.tolist = counted_tolist
     try:
-        with Reads():
+        with watching_schedule(trainer) as in_schedule, Reads():
             trainer.train_step(batch)
     finally:
         torch.Tensor.tolist = tolist
-        del trainer._run
     return scheduled, step
+
+
+@contextlib.contextmanager
+def watching_schedule(trainer) -> Iterator[list[bool]]:
+    """A flag whose [0] is true while the trainer runs a schedule (its _run, wrapped meanwhile)."""
+    flag, run = [False], trainer._run
+
+    @functools.wraps(run)
+    def schedule(*args, **kwargs):
+        flag[0] = True
+        try:
+            return run(*args, **kwargs)
+        finally:
+            flag[0] = False
+
+    trainer._run = schedule
+    try:
+        yield flag
+    finally:
+        del trainer._run
 
 
 def _worker(rank: int, world: int, pipeline: int, overrides: list[str]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.dist.launch import run_workers
-from tests.dist.test_host_syncs import PACKAGE, STEP_READS
+from tests.dist.test_host_syncs import PACKAGE, STEP_READS, watching_schedule
 from tests.e2e.test_train_resume import make_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -40,23 +40,15 @@ def _worker(rank: int, world: int, loss: str) -> None:
     trainer = PolicyTrainer(tiny_spec(), cfg, init_model_parallel(cfg.parallel, cfg.seed))
     batch = make_batch(3)
     trainer.train_step(batch)  # compilation, first allocations
-    step, scheduled, in_schedule = [], [], [False]
-    run = trainer._run
-
-    def schedule(*args, **kwargs):
-        in_schedule[0] = True
-        try:
-            return run(*args, **kwargs)
-        finally:
-            in_schedule[0] = False
+    step, scheduled = [], []
 
     def seen(message, category, filename, lineno, file=None, line=None):
         site = _site()
         if site is not None and "synchronizing" in str(message):
             (scheduled if in_schedule[0] else step).append(site)
 
-    trainer._run = schedule
-    with warnings.catch_warnings():  # restores showwarning and the filters afterwards
+    # catch_warnings restores showwarning and the filters afterwards
+    with watching_schedule(trainer) as in_schedule, warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = seen
         torch.cuda.set_sync_debug_mode("warn")
