@@ -212,9 +212,10 @@ class RolloutDriver:
     # ------------------------------------------------------------------------------------------
     # Engines.
 
-    def start(self, model_dir: str | Path) -> None:
+    def start(self, model_dir: str | Path, holders=None) -> None:
         """Start the engines on `model_dir` (or connect to rollout.engine_urls) and wait until every one
-        answers; then build the rollout manager and the weight sender."""
+        answers; then build the rollout manager and the weight sender (colocated on several GPUs,
+        `holders`: weights/sync.HandleHolders)."""
         ro = self.cfg.rollout
         if ro.engine_urls:
             urls, key = list(ro.engine_urls), self.key
@@ -255,7 +256,7 @@ class RolloutDriver:
             mode=ro.partial_mode if ro.partial else "abort",
             deterministic_seed=self.cfg.seed if ro.deterministic else None,
         )
-        self.sender = self._weight_sender()
+        self.sender = self._weight_sender(holders)
 
     def _sglang_placement(self) -> list[int]:
         """SGLang servers to start here: SGLang installed, GPUs on this node, and each server's
@@ -307,12 +308,12 @@ class RolloutDriver:
                         "rollout.engine_urls", client.base_url, f"serves {served}, whose shape differs: {problem}"
                     )
 
-    def _weight_sender(self):
+    def _weight_sender(self, holders=None):
         from bapo_megatron.weights.sync import DistributedWeightSender, TensorWeightSender
 
         ro = self.cfg.rollout
         if ro.colocate:
-            return TensorWeightSender(self.clients, engine_tp=ro.tensor_parallel)
+            return TensorWeightSender(self.clients, engine_tp=ro.tensor_parallel, holders=holders)
         host = ro.sync_host or ("127.0.0.1" if not ro.engine_urls else socket.getfqdn())
         ranks = [ro.tensor_parallel] * len(self.clients)
         sender = DistributedWeightSender(self.clients, ranks, host, free_port(host), timeout_s=ro.startup_timeout_s)

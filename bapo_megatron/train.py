@@ -394,13 +394,14 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
             run_dir=run_dir,
             resume_step=trainer.step if resumed else None,
         )
+        holders = handle_holders(cfg, trainer) if online else None  # a collective: every rank, here
         if online:
             model_dir = engine_model_dir(cfg, trainer, run_dir)
             if driver is not None:
                 truncate_after(run_dir / "samples.jsonl", start if resumed else None)
-                driver.start(model_dir)
+                driver.start(model_dir, holders)
                 driver.engine_stats()  # the engines' busy time counts from here
-            sync_weights(cfg, trainer, driver, start)  # the engines serve the trainer's (the checkpoint's) weights
+            sync_weights(cfg, trainer, driver, start, holders)  # the engines serve the checkpoint's weights
             if driver is not None and not resumed and cfg.eval.path:  # the starting policy's score
                 logger.log(trainer.step, driver.evaluate())
         step, until = start, StopWhen(cfg.stop_when, cfg.stop_window)
@@ -425,7 +426,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
                     logger.log(trainer.step, metrics)
             t2 = time.monotonic()
             step += 1
-            metrics.update(sync_weights(cfg, trainer, driver, step) if online else {})
+            metrics.update(sync_weights(cfg, trainer, driver, step, holders) if online else {})
             if driver is not None and ((cfg.eval.interval and step % cfg.eval.interval == 0) or step == cfg.steps):
                 metrics.update(driver.evaluate())
             if ckpt is not None and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
@@ -476,17 +477,38 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     return history
 
 
-def sync_weights(cfg: JobConfig, trainer, driver, version: int) -> dict[str, float]:
+def handle_holders(cfg: JobConfig, trainer):
+    """weights/sync.HandleHolders when engines the driver starts are colocated on several GPUs
+    (each engine rank then loads the copy of the trainer rank on its GPU); else None: rank 0's
+    copy serves every engine rank (one engine GPU, or pipeline stages, which only rank 0 joins)."""
+    from bapo_megatron.weights.sync import HandleHolders
+
+    ro = cfg.rollout
+    n = ro.servers * ro.tensor_parallel
+    if not ro.colocate or ro.engine_urls or trainer.info.pp_size > 1 or not 1 < n <= dist.get_world_size():
+        return None
+    return HandleHolders(n)
+
+
+def sync_weights(cfg: JobConfig, trainer, driver, version: int, holders=None) -> dict[str, float]:
     """The trainer's weights to the engines as policy `version` (rank 0 sends, every data-parallel rank
-    0 helps gather); every rollout.sync_check_every versions, the probe: the engine's log-probs of
-    a fixed response against the trainer's, all ranks together."""
+    0 helps gather; with `holders`, every rank makes its own copy and ranks 0..n-1 hand theirs to
+    the colocated engine ranks on their GPUs); every rollout.sync_check_every versions, the probe:
+    the engine's log-probs of a fixed response against the trainer's, all ranks together."""
+    from bapo_megatron.weights.export import stream_hf_buckets
     from bapo_megatron.weights.gather import hf_buckets_to_rank0
 
-    buckets = hf_buckets_to_rank0(trainer, cfg.rollout.sync_bucket_mb << 20)
+    size = cfg.rollout.sync_bucket_mb << 20
+    if holders is not None:
+        buckets = stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size)
+    else:
+        buckets = hf_buckets_to_rank0(trainer, size)
+    metrics = {}
     if driver is not None:
         metrics = driver.sync(buckets, version)
+    elif holders is not None:
+        holders.hold(buckets)
     else:
-        metrics = {}
         for _ in buckets:
             pass
     every = cfg.rollout.sync_check_every

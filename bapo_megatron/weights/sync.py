@@ -10,9 +10,10 @@ tensor), then collect the answers. After an engine restart, `connect()` again: t
 is left on both ends first.
 
 TensorWeightSender (update_weights_from_tensor, colocated engines): each bucket travels as
-handles to memory this process holds (CUDA IPC, or shared memory on CPU; common/ipc.py),
+handles to memory the trainer holds (CUDA IPC, or shared memory on CPU; common/ipc.py),
 one payload per engine TP rank, by default one flattened tensor per bucket. The bucket stays
-alive until every engine has answered, by which time the engines have copied it.
+alive until every engine has answered, by which time the engines have copied it. With
+HandleHolders, engine rank g's payload is trainer rank g's own copy, on its own GPU.
 
 Both run the whole sync inside one begin/end weight-update session (SGLang >= 0.5.21) and
 set the new weight version on every engine; a failed update still ends the session, and so
@@ -132,27 +133,86 @@ class DistributedWeightSender:
             dist.broadcast(tensor.contiguous(), src=0, group=self.group)
 
 
+def _payload(bucket: Bucket, flatten: bool):
+    return ipc.flattened_bucket(bucket) if flatten else list(bucket)
+
+
+class HandleHolders:
+    """Colocated engines on n > 1 GPUs of the driver's node: engine GPU g is trainer rank g's
+    (rollout/sglang_launcher.gpu_placement), and each engine rank loads handles to its own GPU's
+    memory (else every engine rank would open rank 0's, with a CUDA context on GPU 0 each).
+
+    Every rank of the job makes the model's HF buckets itself (its own tensor-parallel gathers;
+    pipeline_parallel 1). For each bucket, ranks 0..n-1 serialize their copy and gather the
+    payloads on rank 0, which hands engine i those of ranks [i x TP, (i + 1) x TP), then lets
+    them drop their copies once the engines have answered. Made on every rank of the job at the
+    same point (a process group of the n)."""
+
+    def __init__(self, n: int, flatten: bool = True) -> None:
+        import torch.distributed as dist
+
+        if not 1 < n <= dist.get_world_size():
+            raise ValueError(f"{n} engine GPUs for a job of {dist.get_world_size()} ranks")
+        self.n, self.flatten, self.rank = n, flatten, dist.get_rank()
+        self.group = dist.new_group(list(range(n)))
+
+    @contextlib.contextmanager
+    def payloads(self, bucket: Bucket) -> Iterator[list[str]]:
+        """(rank 0) Every holder's payload of `bucket`, by rank: valid until the block ends."""
+        import torch.distributed as dist
+
+        with ipc.serialized(_payload(bucket, self.flatten)) as (mine,):
+            gathered: list = [None] * self.n
+            dist.gather_object(mine, gathered, dst=0, group=self.group)
+            yield gathered
+            dist.barrier(group=self.group)  # the engines have answered: the holders may let go
+
+    def hold(self, buckets: Iterable[Bucket]) -> None:
+        """(every other rank) This rank's buckets: a holder's part of `payloads` for each."""
+        import torch.distributed as dist
+
+        # the sender looks one bucket ahead (_mark_last): the next bucket's gathers come before this
+        # one's payloads on rank 0, so they must here too
+        for bucket, _ in _mark_last(buckets):
+            if self.rank < self.n:
+                with ipc.serialized(_payload(bucket, self.flatten)) as (mine,):
+                    dist.gather_object(mine, None, dst=0, group=self.group)
+                    dist.barrier(group=self.group)
+
+
 class TensorWeightSender:
-    """Colocated engines (each of `engine_tp` ranks) loading this process's tensors by handle.
+    """Colocated engines (each of `engine_tp` ranks) loading the trainer's tensors by handle.
 
     The sending process must hold every bucket (with PP > 1, gather the stages to it first,
-    or use DistributedWeightSender)."""
+    or use DistributedWeightSender). Without `holders`, every engine rank gets handles to this
+    process's copy; with them, engine rank g gets trainer rank g's."""
 
-    def __init__(self, clients: list[EngineClient], engine_tp: int = 1, flatten: bool = True) -> None:
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        engine_tp: int = 1,
+        flatten: bool = True,
+        holders: HandleHolders | None = None,
+    ) -> None:
         if not clients:
             raise ValueError("no engines")
         if engine_tp < 1:
             raise ValueError(f"engine_tp must be >= 1, got {engine_tp}")
-        self.clients, self.engine_tp, self.flatten = clients, engine_tp, flatten
+        if holders is not None and (holders.n != engine_tp * len(clients) or holders.flatten != flatten):
+            raise ValueError(f"{holders.n} holders for {len(clients)} engines of TP {engine_tp}")
+        self.clients, self.engine_tp, self.flatten, self.holders = clients, engine_tp, flatten, holders
 
     async def send(self, buckets: Iterable[Bucket], version: str) -> int:
         """Every bucket to every engine; the engines' weight version becomes `version`. Returns bytes sent."""
         sent = 0
         async with _session(self.clients):
             for bucket, last in _mark_last(buckets):
-                payload = ipc.flattened_bucket(bucket) if self.flatten else list(bucket)
                 # one pickle per receiving rank (a CUDA IPC reference each), kept valid until all answered
-                with ipc.serialized(payload, self.engine_tp * len(self.clients)) as serialized:
+                if self.holders is not None:
+                    held = self.holders.payloads(bucket)
+                else:
+                    held = ipc.serialized(_payload(bucket, self.flatten), self.engine_tp * len(self.clients))
+                with held as serialized:
                     await asyncio.gather(
                         *(
                             c.update_weights_from_tensor(

@@ -323,12 +323,17 @@ def test_a_failed_sync_check_stops_the_run_and_ctrl_c_leaves_nothing_running(tas
     no_engine_left(run)
 
 
-def test_colocated_engines_take_the_weights_by_handle_between_releases(task, tmp_path):
+@pytest.mark.parametrize("world", [1, 2], ids=["one-engine", "dp2-two-engines"])
+def test_colocated_engines_take_the_weights_by_handle_between_releases(task, tmp_path, world):
     """rollout.colocate: the engines give their memory back after each rollout, take the weights back
     by shared-memory handle (update_weights_from_tensor, as colocated SGLang takes CUDA IPC handles)
-    and serve exactly the trainer's weights after every sync."""
+    and serve exactly the trainer's weights after every sync. With two trainer ranks and two
+    engines, engine g loads rank g's copy (weights/sync.HandleHolders; whose copy is checked in
+    tests/dist/test_handle_holders.py): both serve the trainer's weights (the first update's
+    mismatch covers the samples of both)."""
     run = tmp_path / "colocated"
-    train(args(task, run, 2, "rollout.colocate=true", "rollout.sync_check_every=1"))
+    extra = ("rollout.colocate=true", "rollout.sync_check_every=1", f"rollout.servers={world}")
+    train(args(task, run, 2, *extra), launcher=torchrun(world) if world > 1 else None)
     got = metrics(run)
     assert [m["step"] for m in got] == [1, 2]
     for m in got:
