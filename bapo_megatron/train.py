@@ -499,8 +499,9 @@ def sync_weights(cfg: JobConfig, trainer, driver, version: int, holders=None) ->
     from bapo_megatron.weights.gather import hf_buckets_to_rank0
 
     size = cfg.rollout.sync_bucket_mb << 20
-    if holders is not None:
-        buckets = stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size)
+    if holders is not None:  # the tensor-parallel groups with a holder make the buckets; others wait
+        mine = min(dist.get_process_group_ranks(trainer.info.tp_group)) < holders.n
+        buckets = stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size) if mine else iter(())
     else:
         buckets = hf_buckets_to_rank0(trainer, size)
     metrics = {}

@@ -146,7 +146,8 @@ class HandleHolders:
     pipeline_parallel 1). For each bucket, ranks 0..n-1 serialize their copy and gather the
     payloads on rank 0, which hands engine i those of ranks [i x TP, (i + 1) x TP), then lets
     them drop their copies once the engines have answered. Made on every rank of the job at the
-    same point (a process group of the n)."""
+    same point (a process group of the n). Global ranks 0..n-1 must be the driver's node's first
+    n (torchrun; srun's default block distribution), as the placement puts the engines there."""
 
     def __init__(self, n: int, flatten: bool = True) -> None:
         import torch.distributed as dist
@@ -198,8 +199,10 @@ class TensorWeightSender:
             raise ValueError("no engines")
         if engine_tp < 1:
             raise ValueError(f"engine_tp must be >= 1, got {engine_tp}")
-        if holders is not None and (holders.n != engine_tp * len(clients) or holders.flatten != flatten):
+        if holders is not None and holders.n != engine_tp * len(clients):
             raise ValueError(f"{holders.n} holders for {len(clients)} engines of TP {engine_tp}")
+        if holders is not None and holders.flatten != flatten:
+            raise ValueError(f"the holders make {'flattened' if holders.flatten else 'per-tensor'} payloads")
         self.clients, self.engine_tp, self.flatten, self.holders = clients, engine_tp, flatten, holders
 
     async def send(self, buckets: Iterable[Bucket], version: str) -> int:
