@@ -487,7 +487,10 @@ def handle_holders(cfg: JobConfig, trainer):
     n = ro.servers * ro.tensor_parallel
     if not ro.colocate or ro.engine_urls or trainer.info.pp_size > 1 or not 1 < n <= dist.get_world_size():
         return None
-    return HandleHolders(n)
+    try:
+        return HandleHolders(n)
+    except ValueError as err:
+        raise ConfigError("rollout.colocate", ro.colocate, str(err)) from None
 
 
 def sync_weights(cfg: JobConfig, trainer, driver, version: int, holders=None) -> dict[str, float]:

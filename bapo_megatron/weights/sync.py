@@ -146,14 +146,28 @@ class HandleHolders:
     pipeline_parallel 1). For each bucket, ranks 0..n-1 serialize their copy and gather the
     payloads on rank 0, which hands engine i those of ranks [i x TP, (i + 1) x TP), then lets
     them drop their copies once the engines have answered. Made on every rank of the job at the
-    same point (a process group of the n). Global ranks 0..n-1 must be the driver's node's first
-    n (torchrun; srun's default block distribution), as the placement puts the engines there."""
+    same point (a process group of the n). Global ranks 0..n-1 must be local ranks 0..n-1 of the
+    driver's node (torchrun; srun's default block distribution), as the placement puts the
+    engines there: checked here, ValueError on every rank otherwise."""
 
     def __init__(self, n: int, flatten: bool = True) -> None:
+        import os
+        import socket
+
         import torch.distributed as dist
 
         if not 1 < n <= dist.get_world_size():
             raise ValueError(f"{n} engine GPUs for a job of {dist.get_world_size()} ranks")
+        where: list = [None] * dist.get_world_size()
+        dist.all_gather_object(where, (socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0"))))
+        away = [r for r in range(n) if where[r] != (where[0][0], r)]
+        if away:
+            host, local = where[away[0]]
+            raise ValueError(
+                f"the colocated engines' GPUs 0..{n - 1} are those of trainer ranks 0..{n - 1} on the driver's node "
+                f"{where[0][0]}, but rank {away[0]} is local rank {local} on {host}: start the trainer with "
+                f"torchrun, or srun's block distribution"
+            )
         self.n, self.flatten, self.rank = n, flatten, dist.get_rank()
         self.group = dist.new_group(list(range(n)))
 

@@ -94,3 +94,20 @@ def _buckets_local():
 
 def test_each_engine_rank_loads_the_copy_of_the_trainer_rank_on_its_gpu():
     run_workers(_worker, 3, 2)  # rank 2 holds no engine but joins every bucket's collective
+
+
+def _elsewhere_worker(rank: int, world: int) -> None:
+    import socket
+
+    import pytest
+
+    from bapo_megatron.weights.sync import HandleHolders
+
+    if rank == 1:
+        socket.gethostname = lambda: "node002"  # a cyclic srun distribution: rank 1 on another node
+    with pytest.raises(ValueError, match=r"rank 1 is local rank 1 on node002: start the trainer with torchrun"):
+        HandleHolders(2)
+
+
+def test_engine_gpus_on_another_node_are_refused_on_every_rank():
+    run_workers(_elsewhere_worker, 2)
