@@ -3,8 +3,9 @@
 Each server gets its own GPUs, its own port (rollout.port + i) and dp_size 1, which weight
 updates need. Where its GPUs are (`gpu_placement`): started by the driver, on the driver's
 node, colocated on the GPUs of the trainer's ranks there, else on the GPUs after theirs;
-started by bapo-serve, GPUs (i x tensor_parallel) modulo the GPUs it sees on its node. Every argument goes in
-a YAML file (mode 0600) passed with --config, so the admin key never shows in `ps`.
+started by bapo-serve, GPUs (i x tensor_parallel) modulo the GPUs it sees on its node.
+Every argument goes in a YAML file (mode 0600) passed with --config, so the admin key never
+shows in `ps`.
 Servers listen on rollout.host: beyond loopback an admin key is required, read from
 rollout.admin_key_file or $BAPO_ADMIN_API_KEY, or generated into the run directory; the
 client sends it (rollout/client.py). Colocated with the trainer, the memory saver is on

@@ -38,10 +38,10 @@ class ParallelInfo:
 
 
 def single_process_env() -> None:
-    """The rendezvous environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; for a
-    world of one also LOCAL_WORLD_SIZE): torchrun's as it is; in a Slurm job step (`srun bapo-train ...`, one task per
-    GPU), from Slurm's variables, with MASTER_ADDR and MASTER_PORT from the job script (the first
-    node, a port of the job's); elsewhere a world of one on this machine (a free loopback port)."""
+    """The rendezvous environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): torchrun's
+    as it is; in a Slurm job step (`srun bapo-train ...`, one task per GPU), from Slurm's variables,
+    with MASTER_ADDR and MASTER_PORT from the job script (the first node, a port of the job's);
+    elsewhere a world of one on this machine (a free loopback port)."""
     if "RANK" in os.environ:
         return
     if "SLURM_STEP_NUM_TASKS" in os.environ and "SLURM_PROCID" in os.environ:  # inside srun, not the batch script
@@ -61,9 +61,7 @@ def single_process_env() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"
-    )
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
 def local_world_size() -> int:

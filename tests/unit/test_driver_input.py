@@ -100,14 +100,14 @@ def test_sglang_engines_are_checked_before_any_model(tmp_path, model_dir, monkey
 
     sglang = ["rollout.engine=sglang", "rollout.servers=2", "rollout.tensor_parallel=2"]
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real_find_spec(name)
-    )
+
+    def installed(present: bool):
+        return lambda name, *a: (object() if present else None) if name == "sglang" else real_find_spec(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", installed(False))
     with pytest.raises(ConfigError, match=r"rollout.engine='sglang': SGLang 0.5.23 is not installed here"):
         _driver(tmp_path, model_dir, *sglang)
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real_find_spec(name)
-    )
+    monkeypatch.setattr(importlib.util, "find_spec", installed(True))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match="SGLang runs on CUDA GPUs and this machine has none"):
         _driver(tmp_path, model_dir, *sglang)
