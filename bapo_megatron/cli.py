@@ -1,4 +1,4 @@
-"""The `bapo-train` command line: arguments, --help-config (from the config dataclasses) and --dry-run.
+"""The `bapo-train` command: arguments, --help-config (from the config dataclasses), --dry-run, the run.
 
     bapo-train CONFIG.yaml [key=value ...]          # same as python -m bapo_megatron.train
     bapo-train --help-config                        # every field: type, default, what it does
@@ -17,10 +17,12 @@ import dataclasses
 import inspect
 import math
 import os
+import sys
 import textwrap
 import typing
 
-from bapo_megatron.config import JobConfig, RolloutConfig, dump_config
+from bapo_megatron.config import JobConfig, RolloutConfig, dump_config, load_config
+from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 
 USAGE = "bapo-train [CONFIG.yaml] [key=value ...] [--dry-run] [--world-size N] [--gpu-memory-gib G]"
 GIB = 2**30
@@ -121,7 +123,7 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int 
     """What `bapo-train` would do with `cfg` on `world_size` trainer processes (one a GPU, nodes of
     gpus_per_node), without doing it."""
     from bapo_megatron.common.model_spec import check_layout
-    from bapo_megatron.train import model_spec, validate
+    from bapo_megatron.preflight import model_spec, validate
     from bapo_megatron.trainer.memory import trainer_memory
 
     spec = model_spec(cfg)
@@ -130,8 +132,9 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int 
     dp = p.data_parallel_size(world_size)
     if cfg.rollout.replay is not None:
         validate(cfg, spec, world_size)
-    samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.algo.updates_per_batch
-    longest = cfg.rollout.max_new_tokens + 512  # a prompt of up to 512 tokens: micro-batches to expect
+    r = cfg.rollout
+    samples = r.prompts_per_step * r.samples_per_prompt // cfg.algo.updates_per_batch
+    longest = r.sampling.max_new_tokens + 512  # a prompt of up to 512 tokens: micro-batches to expect
     per_mb = max(1, p.max_tokens_per_microbatch // longest)
     out = ["# resolved config", dump_config(cfg).rstrip(), "", "# layout"]
     out.append(
@@ -141,18 +144,22 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int 
     out.append(
         f"per optimizer step: {samples} samples, {math.ceil(samples / dp)} per data-parallel rank, about "
         f"{math.ceil(samples / dp / per_mb)} micro-batches of <= {p.max_tokens_per_microbatch} tokens "
-        f"(responses up to {cfg.rollout.max_new_tokens} tokens); {cfg.algo.updates_per_batch} steps per batch"
+        f"(responses up to {r.sampling.max_new_tokens} tokens); {cfg.algo.updates_per_batch} steps per batch"
     )
-    r = cfg.rollout
     if r.replay is not None:
         out.append(f"rollout: replayed batches from {r.replay} (no engine)")
     else:
-        where = "colocated with the trainer" if r.colocate else f"on GPUs of their own, listening on {r.host}"
-        out.append(
-            f"rollout: {r.servers} {r.engine} server(s), TP {r.tensor_parallel} each, ports {r.port}.."
-            f"{r.port + r.servers - 1}, {where}"
-        )
-        if r.engine == "sglang" and not r.engine_urls:
+        out.append(_schedule(r))
+        e = r.engines
+        where = "colocated with the trainer" if e.colocate else f"on GPUs of their own, listening on {e.host}"
+        if e.urls:
+            out.append(f"engines: {len(e.urls)} running elsewhere: {', '.join(e.urls)}")
+        else:
+            out.append(
+                f"engines: {e.servers} {e.kind} server(s), TP {e.tensor_parallel} each, ports {e.port}.."
+                f"{e.port + e.servers - 1}, {where}"
+            )
+        if e.kind == "sglang" and not e.urls:
             out.append(_sglang_placement(r, min(world_size, gpus_per_node), gpus_per_node))
     out += ["", f"# memory per GPU (estimate; GPU of {gpu_bytes / GIB:.0f} GiB)"]
     for label, distributed in (("distributed optimizer", True), ("replicated optimizer", False)):
@@ -162,9 +169,34 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int 
             f"optimizer {m.optimizer / GIB:.2f} GiB, activations of one micro-batch {m.activations / GIB:.2f} "
             f"GiB; peak {m.peak / GIB:.2f} GiB"
         )
-    if r.replay is None and r.engine == "sglang":
+    if r.replay is None and r.engines.kind == "sglang":
         out.append(_sglang_memory(cfg, spec, gpu_bytes, dp))
     return "\n".join(out)
+
+
+def _schedule(r: RolloutConfig) -> str:
+    """How generation runs against training, in one line."""
+    k = r.max_staleness
+    bound = f"no token more than {k} version(s) older than the policy it trains" + (
+        " (older ones masked out of the loss)" if r.mask_stale_prefix else " (older samples generated again)"
+    )
+    if r.mode == "async":
+        queued, generating = (k + 1) * r.prompts_per_step, math.ceil(r.prompts_per_step * r.oversample)
+        return (
+            f"rollout: mode async, max_staleness K={k}: the engines generate while the trainer trains; at most "
+            f"{queued} groups queued or generating, {generating} generating; weight updates pause them "
+            f"({r.pause_mode}); {bound}"
+        )
+    how = (
+        "deterministic rounds"
+        if r.deterministic
+        else (
+            f"partial rollout ({r.partial.mode}, {r.token_budget} tokens a request)"
+            if r.partial.enabled
+            else "whole responses"
+        )
+    )
+    return f"rollout: mode sync, max_staleness K={k}: each step generates, then trains; {how}; {bound}"
 
 
 def _sglang_placement(r: RolloutConfig, trainer_gpus: int, node_gpus: int) -> str:
@@ -174,7 +206,7 @@ def _sglang_placement(r: RolloutConfig, trainer_gpus: int, node_gpus: int) -> st
         bases = gpu_placement(r, trainer_gpus, node_gpus)
     except ValueError as err:
         return f"SGLang servers on the driver's node: cannot place them ({err})"
-    tp = r.tensor_parallel
+    tp = r.engines.tensor_parallel
     gpus = ", ".join(f"{b}" if tp == 1 else f"{b}-{b + tp - 1}" for b in bases)
     return (
         f"SGLang servers on the driver's node ({node_gpus} GPUs, trainer ranks on GPUs 0-{trainer_gpus - 1}): "
@@ -184,17 +216,18 @@ def _sglang_placement(r: RolloutConfig, trainer_gpus: int, node_gpus: int) -> st
 
 def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:
     from bapo_megatron.rollout.sglang_launcher import mem_fraction
-    from bapo_megatron.trainer.memory import stage_params
+    from bapo_megatron.trainer.memory import rollout_mem_fraction, stage_params
 
-    r = cfg.rollout
+    e = cfg.rollout.engines
     # bf16 weights of one server rank: the whole model at TP = the server's, one stage, no vocabulary padding
-    weights = stage_params(spec, spec.vocab_size, r.tensor_parallel, 1, 0) * 2
+    weights = stage_params(spec, spec.vocab_size, e.tensor_parallel, 1, 0) * 2
     try:
-        fraction = mem_fraction(r, rollout_mem_fraction(cfg, spec, gpu_bytes, dp) if r.colocate else None)
+        colocated = rollout_mem_fraction(cfg, spec, gpu_bytes, dp) if e.colocate else None
+        fraction = mem_fraction(cfg.rollout, colocated)
     except ValueError as err:
         return f"each SGLang server GPU: cannot fit ({err})"
     kv_budget = max(0, int(fraction * gpu_bytes) - weights)
-    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 // r.tensor_parallel  # keys+values, bf16
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 // e.tensor_parallel  # keys+values, bf16
     return (
         f"each SGLang server GPU: mem_fraction_static {fraction:.2f}: weights {weights / GIB:.2f} GiB, "
         f"KV cache {kv_budget / GIB:.2f} GiB = {kv_budget // max(per_token, 1):,} tokens"
@@ -205,11 +238,31 @@ def world_size(args: argparse.Namespace) -> int:
     return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def rollout_mem_fraction(job: JobConfig, spec, gpu_bytes: int, data_parallel: int) -> float:
-    """What a colocated SGLang server may take of a GPU of gpu_bytes beside a trainer rank of `job`."""
-    from bapo_megatron.trainer.memory import colocated_mem_fraction, trainer_memory
+# ----------------------------------------------------------------------------------------------
+# The command
 
-    estimate = trainer_memory(
-        spec, job.model, job.parallel, data_parallel, distributed_optimizer=True
-    )  # GPU runs use Megatron's distributed optimizer
-    return colocated_mem_fraction(gpu_bytes, estimate)
+
+def main(argv: list[str] | None = None) -> None:
+    """`bapo-train` (and python -m bapo_megatron.train)."""
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.help_config:
+        print(help_config())
+        return
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            print(dry_run(cfg, world_size(args), int(args.gpu_memory_gib * GIB), args.gpus_per_node))
+            return
+        from bapo_megatron.train import run
+
+        run(cfg)  # run validates before any process group starts
+    except KeyboardInterrupt:
+        print("interrupted: engines stopped; resume from the last checkpoint with the same command", file=sys.stderr)
+        raise SystemExit(130) from None
+    except RunStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except (ConfigError, BadInputError) as err:
+        # A config mistake or an unusable file is the user's to fix: say what, without a traceback.
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

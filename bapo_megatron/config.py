@@ -175,18 +175,18 @@ class OptimizerConfig:
 
 SGLANG_LAUNCHER_ARGS = {
     "model-path": "set to the model being trained",
-    "host": "set from rollout.host",
-    "port": "set from rollout.port + the server's index",
-    "tp-size": "set from rollout.tensor_parallel",
+    "host": "set from rollout.engines.host",
+    "port": "set from rollout.engines.port + the server's index",
+    "tp-size": "set from rollout.engines.tensor_parallel",
     "dp-size": "always 1: one server per replica, as weight updates need",
     "base-gpu-id": "set from the server's index",
-    "mem-fraction-static": "set from rollout.mem_fraction_static",
+    "mem-fraction-static": "set from rollout.engines.mem_fraction_static",
     "weight-version": "set to the policy version",
     "random-seed": "set from the job seed + the server's index",
     "skip-tokenizer-init": "always true: token ids in and out",
-    "enable-memory-saver": "set from rollout.colocate",
+    "enable-memory-saver": "set from rollout.engines.colocate",
     "enable-deterministic-inference": "set from rollout.deterministic (batch-invariant kernels)",
-    "admin-api-key": "set from rollout.admin_key_file or $BAPO_ADMIN_API_KEY",
+    "admin-api-key": "set from rollout.engines.admin_key_file or $BAPO_ADMIN_API_KEY",
     "api-key": "never set: the rollout client sends only the admin key, so /generate would answer 401",
 }
 """SGLang options that rollout/sglang_launcher.py derives from the config: never in sglang_args."""
@@ -205,50 +205,75 @@ checks this list against the options its own parser registers as deprecated."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    """Generation: the engine, sampling, and partial rollout."""
+class SamplingConfig:
+    """rollout.sampling: how responses are sampled (SGLang's sampling_params)."""
 
-    engine: Literal["embedded", "sglang"] = "embedded"
-    """"embedded": the CPU engine of this package; "sglang": SGLang servers."""
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 4
     max_new_tokens: int = 64
     temperature: float = 1.0
+    """The trainer divides its logits by it too, as the engines do."""
     top_p: float = 1.0
     top_k: int = -1
-    partial: bool = False
-    """Cut responses at a per-step token budget and continue them later under newer weights."""
+
+    def __post_init__(self) -> None:
+        check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        check(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+        check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
+        check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartialConfig:
+    """rollout.partial: synchronous partial rollout, responses continued in later steps under newer weights."""
+
+    enabled: bool = False
+    """Keep what a response has generated when its step ends and continue it next step (else it is
+    generated again from the start)."""
     token_budget: int | None = None
-    """Partial rollout: new tokens per request (None: max_new_tokens, no cutting). A response cut
-    there continues at once while fewer than prompts_per_step groups are complete, else next step
-    under newer weights."""
-    partial_mode: Literal["abort", "retract"] = "abort"
-    """Partial rollout: "abort" cuts responses at the token budget and resubmits them next step;
-    "retract" keeps requests inside the engines across weight updates (paused in retract mode,
-    continued under the new weights), with no token budget."""
-    max_staleness: int = 4
-    """Drop and regenerate a sample whose oldest token is more than this many versions behind."""
-    mask_stale_prefix: bool = False
-    """Partial rollout: leave tokens sampled by older policy versions out of the loss."""
-    oversample: float = 1.0
-    """Keep this many times prompts_per_step groups in flight, so slow groups do not stall a step.
-    With partial rollout, 2 to 3 keeps the engines busy (benchmarks/bench_rollout.py, 2 CPU cores:
-    1.4-1.7x the trained tokens per second of full-length rollout at 2, 1.6-1.7x at 3)."""
-    host: str = "127.0.0.1"
-    """Interface the engines listen on; anything beyond loopback requires an admin key."""
+    """mode abort: new tokens per request (None: rollout.sampling.max_new_tokens, no cutting). A
+    response cut there continues at once while fewer than prompts_per_step groups are complete,
+    else next step under newer weights."""
+    mode: Literal["abort", "retract"] = "abort"
+    """"abort" cuts responses at the token budget and at the end of each step and resubmits them;
+    "retract" keeps requests inside the engines across steps and weight updates (paused in retract
+    mode, continued under the new weights), with no token budget."""
+
+    def __post_init__(self) -> None:
+        if self.token_budget is not None:
+            check(self.enabled, "token_budget", self.token_budget, "only applies with enabled=true")
+            check(self.token_budget >= 1, "token_budget", self.token_budget, "must be >= 1")
+            check(
+                self.mode == "abort",
+                "token_budget",
+                self.token_budget,
+                "does not apply with mode=retract (requests are never cut)",
+            )
+        if self.mode == "retract":
+            check(self.enabled, "mode", self.mode, "needs enabled=true")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnginesConfig:
+    """rollout.engines: the inference servers, started by the job or already running elsewhere."""
+
+    kind: Literal["embedded", "sglang"] = "embedded"
+    """"embedded": the CPU engine of this package; "sglang": SGLang servers."""
     servers: int = 1
     """Engine servers (one per inference data-parallel replica)."""
     tensor_parallel: int = 1
     """Tensor-parallel size of each SGLang server."""
-    request_timeout_s: float = 600.0
+    urls: tuple[str, ...] = ()
+    """Engines that are already running (another node, another job): the driver only connects to
+    them (and starts none). Empty: the driver starts `servers` engines of `kind`."""
+    host: str = "127.0.0.1"
+    """Interface the engines listen on; anything beyond loopback requires an admin key."""
     port: int = 30000
     """First server port; server i listens on port + i."""
+    colocate: bool = False
+    """SGLang shares the trainer's GPUs: memory saver on, weights pushed with update_weights_from_tensor."""
     mem_fraction_static: float | None = None
     """SGLang: fraction of GPU memory for weights and KV cache. None: 0.8 on GPUs of their own;
     colocated, what the trainer's resident memory (parameters, gradients, optimizer states:
     trainer/memory.py) leaves, less 10% of the GPU for SGLang's activations and CUDA graphs."""
-    colocate: bool = False
-    """SGLang shares the trainer's GPUs: memory saver on, weights pushed with update_weights_from_tensor."""
     admin_key_file: str | None = None
     """File holding the engines' admin key (else $BAPO_ADMIN_API_KEY; generated when the servers
     listen beyond loopback and none is given)."""
@@ -257,82 +282,19 @@ class RolloutConfig:
     {attention-backend: fa3, chunked-prefill-size: 8192, disable-decode-cuda-graph: true}).
     Underscores read as dashes; a None leaves the option at SGLang's default. The options the
     launcher sets from the fields above, and SGLang's deprecated ones, are refused here."""
-    engine_urls: tuple[str, ...] = ()
-    """Engines that are already running (another node, another job): the driver only connects to
-    them (and starts none). Empty: the driver starts rollout.servers engines of rollout.engine."""
-    deterministic: bool = False
-    """One request order and per-request sampling seeds (from the job seed, the sample's id and its
-    length so far), and batch-invariant engines (the embedded one runs each request alone; SGLang
-    gets --enable-deterministic-inference): two runs, or a run and its resumption, generate the
-    same samples with the same log-probs. Synchronous rounds instead of the asynchronous step, so
-    slower; abort mode only."""
-    sync_host: str | None = None
-    """Address the engines reach this trainer's rank 0 at for the weight-update group (None:
-    127.0.0.1 when the engines are local, else this host's name)."""
-    sync_bucket_mb: int = 512
-    """Weight sync: tensors travel in buckets of at most this many MiB."""
-    sync_check_every: int = 0
-    """Every this many steps (0: never), after the weight sync, the engine's log-probs of a fixed
-    probe response are compared with the trainer's (sync/probe_logprob_gap)."""
-    sync_check_max_gap: float = 1e-3
-    """A probe gap above this stops the run with an error (a broken weight sync) instead of training
-    on what the engines generate. Raise it for bf16/fp8 engines, whose kernels differ."""
-    engine_max_batch: int = 64
+    max_batch: int = 64
     """Embedded engine: requests decoded together."""
+    request_timeout_s: float = 600.0
     startup_timeout_s: float = 600.0
     """Seconds an engine may take to become ready (or an engine URL to answer)."""
-    replay: str | None = None
-    """Train from saved rollout batches instead of generating: a .safetensors file (used every
-    step) or a directory of them (one per step, in name order, cycling)."""
 
     def __post_init__(self) -> None:
-        for name in ("sync_bucket_mb", "engine_max_batch"):
+        for name in ("servers", "tensor_parallel", "max_batch"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        check(self.sync_check_every >= 0, "sync_check_every", self.sync_check_every, "must be >= 0")
-        check(self.sync_check_max_gap > 0, "sync_check_max_gap", self.sync_check_max_gap, "must be > 0")
-        check(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "must be > 0")
-        for i, url in enumerate(self.engine_urls):
-            check(url.startswith(("http://", "https://")), f"engine_urls[{i}]", url, "must be an http(s):// URL")
-        if self.deterministic:
-            check(
-                self.partial_mode == "abort",
-                "deterministic",
-                self.deterministic,
-                "needs partial_mode=abort (in retract mode the engines decide when a request continues)",
-            )
-        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "servers", "tensor_parallel"):
-            check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        check(self.temperature > 0, "temperature", self.temperature, "must be > 0")
-        check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
-        check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
-        if self.token_budget is not None:
-            check(self.partial, "token_budget", self.token_budget, "only applies with partial=true")
-            check(
-                1 <= self.token_budget <= self.max_new_tokens,
-                "token_budget",
-                self.token_budget,
-                f"must lie in [1, max_new_tokens={self.max_new_tokens}]",
-            )
-        check(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
-        if self.partial_mode == "retract":
-            check(self.partial, "partial_mode", self.partial_mode, "needs partial=true")
-            check(
-                self.token_budget is None,
-                "token_budget",
-                self.token_budget,
-                "does not apply with partial_mode=retract (requests are never cut)",
-            )
-        if self.partial and self.token_budget is not None:
-            reach = self.token_budget * (self.max_staleness + 1)
-            check(
-                reach >= self.max_new_tokens,
-                "token_budget",
-                self.token_budget,
-                f"x (max_staleness + 1) = {reach} tokens is all a response can get before it is stale; "
-                f"it must reach max_new_tokens={self.max_new_tokens}, or long responses never finish",
-            )
-        check(self.oversample >= 1.0, "oversample", self.oversample, "must be >= 1")
-        check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+        for name in ("request_timeout_s", "startup_timeout_s"):
+            check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        for i, url in enumerate(self.urls):
+            check(url.startswith(("http://", "https://")), f"urls[{i}]", url, "must be an http(s):// URL")
         check(1 <= self.port <= 65535 - self.servers, "port", self.port, "must leave room for one port per server")
         if self.mem_fraction_static is not None:
             check(
@@ -358,6 +320,113 @@ class RolloutConfig:
                 value,
                 "must be a scalar or a list",
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSyncConfig:
+    """rollout.sync: the trainer's weights to the engines after every step, and the check that they arrived."""
+
+    host: str | None = None
+    """Address the engines reach this trainer's rank 0 at for the weight-update group (None:
+    127.0.0.1 when the engines are local, else this host's name)."""
+    bucket_mb: int = 512
+    """Tensors travel in buckets of at most this many MiB."""
+    check_every: int = 0
+    """Every this many steps (0: never), after the weight sync, the engine's log-probs of a fixed
+    probe response are compared with the trainer's (sync/probe_logprob_gap)."""
+    check_max_gap: float = 1e-3
+    """A probe gap above this stops the run with an error (a broken weight sync) instead of training
+    on what the engines generate. Raise it for bf16/fp8 engines, whose kernels differ."""
+
+    def __post_init__(self) -> None:
+        check(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, "must be >= 1")
+        check(self.check_every >= 0, "check_every", self.check_every, "must be >= 0")
+        check(self.check_max_gap > 0, "check_max_gap", self.check_max_gap, "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Generation: what a step trains on, how it is scheduled against training, and the engines."""
+
+    mode: Literal["sync", "async"] = "sync"
+    """"sync": each step generates its batch, then trains, then syncs the weights (the engines wait
+    while the trainer trains). "async": the engines keep generating while the trainer trains; a
+    step takes the oldest complete groups, within max_staleness versions of the policy it trains."""
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    oversample: float = 1.0
+    """Keep this many times prompts_per_step groups generating, so slow groups do not stall a step
+    (sync: 2 to 3 with partial rollout keeps the engines busy, benchmarks/bench_rollout.py)."""
+    max_staleness: int = 4
+    """K: no token trained by policy version v was sampled by a version older than v - K. A sample
+    that would break it is generated again (or, mask_stale_prefix, its older tokens are left out of
+    the loss). Async: no new group starts while those queued and generating could not all be
+    trained within K versions."""
+    mask_stale_prefix: bool = False
+    """Enforce max_staleness by leaving tokens older than v - K out of the loss (they stay in the
+    context) instead of generating the sample again."""
+    pause_mode: Literal["retract", "abort", "in_place"] = "retract"
+    """Async: how the engines pause for a weight update while requests are in flight (SGLang's
+    /pause_generation). "retract": requests wait inside the engines, their KV cache is dropped and
+    recomputed under the new weights; "abort": requests end and return their tokens, which the
+    driver sends back to continue; "in_place": requests keep their KV cache of the old weights
+    (nothing recomputed; the cache is not flushed, and tokens sampled after the update attend to
+    keys and values of the older policy while counting as the new version)."""
+    deterministic: bool = False
+    """One request order and per-request sampling seeds (from the job seed, the sample's id and its
+    length so far), and batch-invariant engines (the embedded one runs each request alone; SGLang
+    gets --enable-deterministic-inference): two runs, or a run and its resumption, generate the
+    same samples with the same log-probs. Synchronous rounds, so slower; mode sync only."""
+    replay: str | None = None
+    """Train from saved rollout batches instead of generating: a .safetensors file (used every
+    step) or a directory of them (one per step, in name order, cycling)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    partial: PartialConfig = field(default_factory=PartialConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt"):
+            check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        check(self.oversample >= 1.0, "oversample", self.oversample, "must be >= 1")
+        check(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+        budget, new = self.partial.token_budget, self.sampling.max_new_tokens
+        if budget is not None:
+            check(budget <= new, "partial.token_budget", budget, f"must not exceed sampling.max_new_tokens={new}")
+            reach = budget * (self.max_staleness + 1)
+            check(
+                self.mask_stale_prefix or reach >= new,
+                "partial.token_budget",
+                budget,
+                f"x (max_staleness + 1) = {reach} tokens is all a response can get before it is stale; "
+                f"it must reach sampling.max_new_tokens={new}, or long responses never finish",
+            )
+        if self.deterministic:
+            check(self.mode == "sync", "deterministic", True, "needs mode=sync (asynchronous timing decides batches)")
+            check(
+                self.partial.mode == "abort",
+                "deterministic",
+                True,
+                "needs partial.mode=abort (in retract mode the engines decide when a request continues)",
+            )
+        if self.mode == "async":
+            check(
+                not self.partial.enabled,
+                "partial.enabled",
+                True,
+                "applies to mode=sync; mode=async keeps requests going across weight updates (pause_mode)",
+            )
+            check(
+                not self.engines.colocate,
+                "engines.colocate",
+                True,
+                "mode=async generates while the trainer trains: the engines need GPUs of their own",
+            )
+
+    @property
+    def token_budget(self) -> int:
+        """New tokens one request may generate: partial.token_budget where set, else max_new_tokens."""
+        return self.partial.token_budget or self.sampling.max_new_tokens
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -397,7 +466,7 @@ class EvalConfig:
     """Evaluate before the first step, every this many steps and after the last (0: only before
     the first and after the last, when path is set)."""
     samples: int = 4
-    """k of avg@k (mean correctness of k samples at rollout.temperature) and pass@k (any of k correct)."""
+    """k of avg@k (mean correctness of k samples at rollout.sampling.temperature) and pass@k (any of k correct)."""
     greedy: bool = True
     """Also one greedy answer a prompt: eval/greedy_acc."""
     max_prompts: int | None = None
@@ -526,7 +595,38 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+MOVED = {
+    "rollout.max_new_tokens": "rollout.sampling.max_new_tokens",
+    "rollout.temperature": "rollout.sampling.temperature",
+    "rollout.top_p": "rollout.sampling.top_p",
+    "rollout.top_k": "rollout.sampling.top_k",
+    "rollout.token_budget": "rollout.partial.token_budget",
+    "rollout.partial_mode": "rollout.partial.mode",
+    "rollout.engine": "rollout.engines.kind",
+    "rollout.engine_urls": "rollout.engines.urls",
+    "rollout.engine_max_batch": "rollout.engines.max_batch",
+    "rollout.servers": "rollout.engines.servers",
+    "rollout.tensor_parallel": "rollout.engines.tensor_parallel",
+    "rollout.host": "rollout.engines.host",
+    "rollout.port": "rollout.engines.port",
+    "rollout.colocate": "rollout.engines.colocate",
+    "rollout.mem_fraction_static": "rollout.engines.mem_fraction_static",
+    "rollout.admin_key_file": "rollout.engines.admin_key_file",
+    "rollout.sglang_args": "rollout.engines.sglang_args",
+    "rollout.request_timeout_s": "rollout.engines.request_timeout_s",
+    "rollout.startup_timeout_s": "rollout.engines.startup_timeout_s",
+    "rollout.sync_host": "rollout.sync.host",
+    "rollout.sync_bucket_mb": "rollout.sync.bucket_mb",
+    "rollout.sync_check_every": "rollout.sync.check_every",
+    "rollout.sync_check_max_gap": "rollout.sync.check_max_gap",
+}
+"""Fields of an earlier layout and where they are now: a config that still names one is told where."""
+
+
 def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
+    dotted = f"{path}.{key}" if path else key
+    if dotted in MOVED:
+        return ConfigError(dotted, UNKNOWN_KEY, f"moved to {MOVED[dotted]}")
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(valid))}"
     return ConfigError(f"{path}.{key}" if path else key, UNKNOWN_KEY, hint)

@@ -33,8 +33,7 @@ def evaluate_hf(
     (jsonl: prompt text and answer), left-padded batches on the CPU (or the first GPU)."""
     import transformers
 
-    from bapo_megatron.driver import load_tokenizer
-    from bapo_megatron.rollout.data import read_records
+    from bapo_megatron.rollout.data import load_tokenizer, read_records
     from bapo_megatron.rollout.rewards import load_reward
 
     score = load_reward(reward)

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from bapo_megatron.config import LoggingConfig
@@ -109,3 +110,38 @@ def keep_lines(path: Path, keep) -> None:
         if isinstance(record, dict) and keep(record):
             kept.append(line + "\n")
     write_text_atomic(path, "".join(kept))
+
+
+class StepLog:
+    """Each step's line, in step order, written once the held-out evaluation it started (if any) has
+    its figures: an evaluation runs beside the next step and reports in the line of the step whose
+    weights it measured. `flush` waits for whatever is pending (before a checkpoint, at the end)."""
+
+    def __init__(self, logger: MetricLogger) -> None:
+        self.logger = logger
+        self.pending: list[tuple[int, dict[str, float], Future | None]] = []
+        self.history: list[dict[str, float]] = []
+        self._carried: dict[str, float] = {}
+
+    def record(self, step: int, metrics: dict[str, float], evaluation: Future | None = None) -> None:
+        self.pending.append((step, {**self._carried, **metrics}, evaluation))
+        self._carried = {}
+        self._write(wait=False)
+
+    def carry(self, metrics: dict[str, float]) -> None:
+        """Figures for the next line (a checkpoint's time, taken after its step's line was written)."""
+        self._carried.update(metrics)
+
+    def flush(self) -> None:
+        self._write(wait=True)
+
+    def _write(self, wait: bool) -> None:
+        while self.pending:
+            step, metrics, evaluation = self.pending[0]
+            if evaluation is not None:
+                if not (wait or evaluation.done()):
+                    return
+                metrics.update(evaluation.result())
+            self.pending.pop(0)
+            self.history.append(metrics)
+            self.logger.log(step, metrics)

@@ -1,9 +1,9 @@
 """`bapo-serve CONFIG [key=value ...] --index I`: rollout engine I of a job, in the foreground.
 
 For engines on nodes of their own (slurm/bapo_32b.sh): each rollout node runs this with the
-job's config; the trainer then connects with rollout.engine_urls. The engine is the one the
-driver would start itself, with the same options (rollout.engine, host, port + I, tensor
-parallel, memory fraction, sampling seed, admin key from rollout.admin_key_file or
+job's config; the trainer then connects with rollout.engines.urls. The engine is the one the
+driver would start itself, with the same options (rollout.engines.kind, host, port + I, tensor
+parallel, memory fraction, sampling seed, admin key from rollout.engines.admin_key_file or
 $BAPO_ADMIN_API_KEY), serving model.hf_path; the trainer pushes its weights before the first
 request, so a resumed job's engines never generate with the starting weights.
 
@@ -24,19 +24,24 @@ def engine_server(cfg, index: int, run_dir: Path):
     from bapo_megatron.rollout.sglang_launcher import admin_key, sglang_servers
 
     ro = cfg.rollout
-    if not 0 <= index < ro.servers:
-        raise ValueError(f"--index {index}: the job has rollout.servers={ro.servers} engines (0..{ro.servers - 1})")
-    if ro.colocate:
-        raise ValueError("rollout.colocate=true: colocated engines are started by the trainer itself, not bapo-serve")
+    n = ro.engines.servers
+    if not 0 <= index < n:
+        raise ValueError(f"--index {index}: the job has rollout.engines.servers={n} engines (0..{n - 1})")
+    if ro.engines.colocate:
+        raise ValueError(
+            "rollout.engines.colocate=true: colocated engines are started by the trainer itself, not bapo-serve"
+        )
     if not cfg.model.hf_path:
         raise ValueError("model.hf_path: an engine needs the model's Hugging Face directory")
     run_dir.mkdir(parents=True, exist_ok=True)
-    if ro.engine == "sglang":
+    if ro.engines.kind == "sglang":
         return sglang_servers(ro, cfg.model.hf_path, run_dir, seed=cfg.seed)[0][index]
     from bapo_megatron.rollout.launcher import embedded_servers
 
     # beyond loopback: the job's shared key, or a refusal
-    return embedded_servers(ro, cfg.model.hf_path, run_dir, cfg.seed, admin_key(ro, run_dir), host=ro.host)[index]
+    return embedded_servers(ro, cfg.model.hf_path, run_dir, cfg.seed, admin_key(ro, run_dir), host=ro.engines.host)[
+        index
+    ]
 
 
 def wait_for_engines(urls: tuple[str, ...], timeout_s: float, poll_s: float = 2.0) -> int:
@@ -46,7 +51,7 @@ def wait_for_engines(urls: tuple[str, ...], timeout_s: float, poll_s: float = 2.
     from bapo_megatron.rollout.launcher import answers
 
     if not urls:
-        raise ValueError("--wait: rollout.engine_urls is empty")
+        raise ValueError("--wait: rollout.engines.urls is empty")
     waiting = list(urls)
     deadline = time.monotonic() + timeout_s
     while waiting:
@@ -75,14 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wait",
         action="store_true",
-        help="start nothing: wait until every rollout.engine_urls answers (at most rollout.startup_timeout_s)",
+        help="start nothing: wait until every rollout.engines.urls answers (at most rollout.engines.startup_timeout_s)",
     )
     args = parser.parse_args(argv)
     config, overrides = (args.args[0], args.args[1:]) if "=" not in args.args[0] else (None, args.args)
     try:
         cfg = load_config(config, overrides)
         if args.wait:
-            return wait_for_engines(cfg.rollout.engine_urls, cfg.rollout.startup_timeout_s)
+            return wait_for_engines(cfg.rollout.engines.urls, cfg.rollout.engines.startup_timeout_s)
         server = engine_server(cfg, args.index, cfg.run_path / "engines")
     except (ConfigError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -29,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--impl", choices=["local", "transformer_engine"], default=None, help="default: by device")
-    parser.add_argument("--bucket-mb", type=int, default=512, help="bucket size (rollout.sync_bucket_mb)")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="bucket size (rollout.sync.bucket_mb)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()

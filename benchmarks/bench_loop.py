@@ -31,9 +31,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
-    "full": ["rollout.partial=false"],
-    "abort": ["rollout.partial=true", "rollout.token_budget={budget}", "rollout.oversample={oversample}"],
-    "retract": ["rollout.partial=true", "rollout.partial_mode=retract", "rollout.oversample={oversample}"],
+    "full": ["rollout.partial.enabled=false"],
+    "abort": [
+        "rollout.partial.enabled=true",
+        "rollout.partial.token_budget={budget}",
+        "rollout.oversample={oversample}",
+    ],
+    "retract": ["rollout.partial.enabled=true", "rollout.partial.mode=retract", "rollout.oversample={oversample}"],
 }
 COLUMNS = [
     ("step", "time/step"),
@@ -69,8 +73,8 @@ def run(directory: Path, mode: str, index: int, args) -> list[dict]:
         f"steps={args.steps}",
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.samples_per_prompt={args.samples}",
-        f"rollout.max_new_tokens={args.max_new}",
-        f"rollout.temperature={args.temperature}",
+        f"rollout.sampling.max_new_tokens={args.max_new}",
+        f"rollout.sampling.temperature={args.temperature}",
         f"rollout.max_staleness={args.steps}",
         f"run_dir={run_dir}",
         f"checkpoint.dir={run_dir / 'ckpt'}",

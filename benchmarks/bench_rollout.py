@@ -51,10 +51,12 @@ def tiny_model(directory: Path, seed: int = 0, head_scale: float = 1.0) -> None:
 
 async def run_mode(url: str, model: Path, partial: bool, oversample: float, args) -> dict[str, float]:
     from bapo_megatron.common.protocol import SamplingParams
+    from bapo_megatron.rollout.buffer import RolloutBuffer
     from bapo_megatron.rollout.client import EngineClient
-    from bapo_megatron.rollout.manager import EnginePool, RolloutManager
-    from bapo_megatron.rollout.partial import PartialRolloutBuffer
+    from bapo_megatron.rollout.core import RolloutCore
+    from bapo_megatron.rollout.pool import EnginePool
     from bapo_megatron.rollout.rewards import RewardWorkers
+    from bapo_megatron.rollout.strategies import AbortSteps
 
     counter = iter(range(10**6))
 
@@ -64,32 +66,28 @@ async def run_mode(url: str, model: Path, partial: bool, oversample: float, args
 
     stop = tuple(range(args.stop_tokens))
     async with EngineClient(url) as client:
-        buffer = PartialRolloutBuffer(
-            args.samples, args.max_new, args.budget if partial else None, max_staleness=args.max_staleness
-        )
-        manager = RolloutManager(
+        buffer = RolloutBuffer(args.samples, args.max_new, args.budget if partial else None, args.max_staleness)
+        core = RolloutCore(
             EnginePool([client]),
             buffer,
             prompts,
             RewardWorkers("exact_ids", inline=True),
             SamplingParams(max_new_tokens=args.max_new, temperature=args.temperature, stop_token_ids=stop),
-            prompts_per_step=args.prompts,
-            oversample=oversample,
-            partial=partial,
         )
+        steps = AbortSteps(core, args.prompts, oversample, keep=partial)
         await client.update_weight_version("0")
         seconds, trained, generated, lengths, rounds = 0.0, 0, 0, [], 0
         for step in range(args.warmup + args.steps):
             start = time.perf_counter()
-            groups = await manager.step(step)
+            groups, stats = await steps.batch(step)
             elapsed = time.perf_counter() - start
             # a training step's weight update (same weights here): the engine's caches are flushed
             await client.update_weights_from_disk(str(model), str(step + 1))
             if step < args.warmup:
                 continue
             seconds += elapsed
-            generated += manager.stats["rollout/tokens"]
-            rounds += manager.rounds
+            generated += stats["rollout/tokens"]
+            rounds += stats["rollout/rounds"]
             for g in groups:
                 for s in g.samples:
                     trained += len(s.response_ids)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # BAPO on Qwen2.5-32B with the paper's settings (examples/qwen2.5-32b/config.yaml), 8xH100 nodes:
 #   trainer  4 nodes: TP 8 x PP 2 x DP 2 = 32 ranks, one srun task per GPU (no torchrun);
-#   rollout  2 nodes: SGLang servers (2 a node, TP 4 each), reached over rollout.engine_urls,
+#   rollout  2 nodes: SGLang servers (2 a node, TP 4 each), reached over rollout.engines.urls,
 #            weights pushed to them over NCCL after every step;
 #   COLOCATE=1 and --nodes=4: no rollout nodes, the servers share the first trainer node's GPUs.
 # Near the time limit Slurm sends USR1: the trainer saves at the step boundary, the job requeues

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # BAPO on Qwen2.5-7B with the paper's settings (examples/qwen2.5-7b/config.yaml), 8xH100 nodes:
 #   trainer  1 node: TP 4 x DP 2 = 8 ranks, one srun task per GPU (no torchrun);
-#   rollout  1 node: SGLang servers (4 a node, TP 2 each), reached over rollout.engine_urls,
+#   rollout  1 node: SGLang servers (4 a node, TP 2 each), reached over rollout.engines.urls,
 #            weights pushed to them over NCCL after every step;
 #   COLOCATE=1 and --nodes=1: no rollout nodes, the servers share the first trainer node's GPUs.
 # Near the time limit Slurm sends USR1: the trainer saves at the step boundary, the job requeues

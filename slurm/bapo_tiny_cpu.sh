@@ -36,7 +36,7 @@ ARGS=(
     "checkpoint.dir=$RUN_DIR/ckpt"
     "checkpoint.interval=${CHECKPOINT_INTERVAL:-1}"
     # the embedded engine's port: one of this job's, so that jobs sharing a node do not collide
-    "rollout.port=$((30000 + ${SLURM_JOB_ID:-0} % 20000))"
+    "rollout.engines.port=$((30000 + ${SLURM_JOB_ID:-0} % 20000))"
 )
 if [[ -n ${STEPS:-} ]]; then
     ARGS+=("steps=$STEPS")

@@ -80,7 +80,7 @@ ENGINE_PID=""
 ENGINE_SRUN=() # further srun options of the engines' step (the job script: GPUs, CPUs)
 
 # start_engines NODELIST SERVERS_PER_NODE PORT [key=value ...]: one srun step of bapo-serve tasks
-# (one an engine) on the rollout nodes; sets ENGINE_URLS (a YAML list for rollout.engine_urls).
+# (one an engine) on the rollout nodes; sets ENGINE_URLS (a YAML list for rollout.engines.urls).
 start_engines() {
     local nodelist=$1 per_node=$2 port=$3
     shift 3
@@ -98,15 +98,15 @@ start_engines() {
     local command=(
         srun "${SRUN_COMMON[@]}" "${ENGINE_SRUN[@]}" --nodelist="$nodelist" --nodes="${#nodes[@]}"
         --ntasks="$count" --ntasks-per-node="$per_node" --output="$LOG_DIR/engines-%t.log"
-        "$PYTHON" -m bapo_megatron.serve "$CONFIG" "$@" "rollout.servers=$count" "rollout.port=$port"
-        "rollout.host=0.0.0.0"
+        "$PYTHON" -m bapo_megatron.serve "$CONFIG" "$@" "rollout.engines.servers=$count" "rollout.engines.port=$port"
+        "rollout.engines.host=0.0.0.0"
     )
     show "${command[@]}"
     "${command[@]}" &
     ENGINE_PID=$!
     # the trainer connects only to engines that answer: wait for all (a 32B model loads for minutes)
     run srun "${SRUN_COMMON[@]}" --overlap --nodes=1 --ntasks=1 \
-        "$PYTHON" -m bapo_megatron.serve "$CONFIG" "$@" "rollout.engine_urls=$ENGINE_URLS" --wait
+        "$PYTHON" -m bapo_megatron.serve "$CONFIG" "$@" "rollout.engines.urls=$ENGINE_URLS" --wait
 }
 
 stop_engines() {
@@ -213,7 +213,7 @@ export_hf() {
 # bapo_gpu_job TRAIN_NODES ENGINES_PER_NODE ENGINE_TP [key=value ...]: the whole job of
 # slurm/bapo_7b.sh and slurm/bapo_32b.sh: TRAIN_NODES trainer nodes (the environment's TRAIN_NODES
 # wins), ENGINES_PER_NODE SGLang servers on each further node (likewise), ENGINE_TP the preset's
-# rollout.tensor_parallel; MODEL_DIR and DATA from the environment; COLOCATE=1: no rollout nodes.
+# rollout.engines.tensor_parallel; MODEL_DIR and DATA from the environment; COLOCATE=1: no rollout nodes.
 bapo_gpu_job() {
     TRAIN_NODES=${TRAIN_NODES:-$1}
     ENGINES_PER_NODE=${ENGINES_PER_NODE:-$2}
@@ -237,10 +237,10 @@ bapo_gpu_job() {
         "data.path=$DATA"
         "run_dir=$RUN_DIR"
         "checkpoint.dir=$RUN_DIR/ckpt"
-        "rollout.admin_key_file=$(shared_admin_key)"
+        "rollout.engines.admin_key_file=$(shared_admin_key)"
     )
     if [[ $COLOCATE == 1 ]]; then
-        args+=("rollout.colocate=true" "rollout.servers=$((gpus_per_node / engine_tp))")
+        args+=("rollout.engines.colocate=true" "rollout.engines.servers=$((gpus_per_node / engine_tp))")
     else
         if ((${#nodes[@]} == TRAIN_NODES)); then
             echo "error: no rollout nodes: submit with more than TRAIN_NODES=$TRAIN_NODES nodes, or COLOCATE=1" >&2
@@ -250,7 +250,7 @@ bapo_gpu_job() {
         rollout_nodelist=$(IFS=,; echo "${nodes[*]:TRAIN_NODES}")
         ENGINE_SRUN=(--gpus-per-node="$gpus_per_node" --cpus-per-task=$((SLURM_CPUS_ON_NODE / ENGINES_PER_NODE)))
         start_engines "$rollout_nodelist" "$ENGINES_PER_NODE" 30000 "${args[@]}" "$@"
-        args+=("rollout.engine_urls=$ENGINE_URLS" "rollout.sync_host=${nodes[0]}")
+        args+=("rollout.engines.urls=$ENGINE_URLS" "rollout.sync.host=${nodes[0]}")
     fi
     trainer_rendezvous "${nodes[0]}"
     run_trainer --nodelist="$train_nodelist" --nodes="$TRAIN_NODES" --ntasks-per-node="$gpus_per_node" \

@@ -30,15 +30,6 @@ class Group(Protocol):
     finished: bool
 
 
-def stale_mask(versions: list[int], mask_stale_prefix: bool) -> list[int] | None:
-    """Loss mask of one response: with mask_stale_prefix, tokens sampled by an older policy than
-    the sample's newest tokens are left out; else None (every token counts)."""
-    if not mask_stale_prefix or not versions:
-        return None
-    newest = max(versions)
-    return [int(v == newest) for v in versions]
-
-
 @dataclass
 class Sample:
     """One response to one prompt."""
@@ -106,13 +97,13 @@ class RolloutBatch:
         cls,
         groups: Sequence[Group],
         temperature: float,
-        mask_stale_prefix: bool = False,
         metadata: dict[str, str] | None = None,
+        loss_masks: Sequence[Sequence[list[int] | None]] | None = None,
     ) -> RolloutBatch:
         """The batch a rollout step hands to training: every sample of each finished, rewarded group
         (group i of `groups` is group i of the batch), tokens with their behaviour log-probs and
-        versions; with mask_stale_prefix, tokens older than their response's newest version are left
-        out of the loss (stale_mask). The groups' prompt uids go in the metadata."""
+        versions; loss_masks[i][j]: sample j of group i's loss mask (None: every token counts),
+        such as the rollout's staleness bound leaves. The groups' prompt uids go in the metadata."""
         samples = []
         for index, group in enumerate(groups):
             if not group.finished:
@@ -120,7 +111,8 @@ class RolloutBatch:
                     f"group {group.uid!r} is not complete (every sample finished and rewarded): "
                     "only whole groups reach training"
                 )
-            for s in group.samples:
+            masks = loss_masks[index] if loss_masks is not None else [None] * len(group.samples)
+            for s, mask in zip(group.samples, masks, strict=True):
                 samples.append(
                     Sample(
                         prompt_ids=list(s.prompt_ids),
@@ -129,7 +121,7 @@ class RolloutBatch:
                         versions=list(s.versions),
                         reward=float(s.reward),
                         group=index,
-                        loss_mask=stale_mask(s.versions, mask_stale_prefix),
+                        loss_mask=mask,
                     )
                 )
         meta = {"group_uids": json.dumps([g.uid for g in groups]), **(metadata or {})}

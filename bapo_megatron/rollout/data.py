@@ -9,14 +9,60 @@ cursor (epoch, position) sees exactly the prompts the uninterrupted run would ha
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import DataConfig
+from bapo_megatron.errors import BadInputError
 from bapo_megatron.fsutil import read_jsonl
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def load_tokenizer(model_dir: str | Path | None):
+    """The model directory's tokenizer, or None when it has none. tokenizer.json is read as it is
+    (transformers' PreTrainedTokenizerFast), with the chat template and special tokens that
+    tokenizer_config.json (or chat_template.jinja) names: AutoTokenizer would pick a class from
+    config.json's model type and may rebuild the tokenizer its own way."""
+    if model_dir is None:
+        return None
+    root = Path(model_dir)
+    import transformers
+
+    if (root / "tokenizer.json").is_file():
+        config_file = root / "tokenizer_config.json"
+        extra = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        kwargs = {k: v for k, v in extra.items() if k in SPECIAL_TOKENS and isinstance(v, str)}
+        if isinstance(extra.get("chat_template"), str):
+            kwargs["chat_template"] = extra["chat_template"]
+        elif (root / "chat_template.jinja").is_file():
+            kwargs["chat_template"] = (root / "chat_template.jinja").read_text()
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json"), **kwargs)
+    if (root / "tokenizer_config.json").is_file():  # a tokenizer of vocabulary files only
+        return transformers.AutoTokenizer.from_pretrained(str(root))
+    return None
+
+
+def check_prompts(
+    name: str, path: str, items: list[tuple[list[int], dict[str, Any]]], spec: ModelSpec, max_new_tokens: int
+) -> None:
+    """Every prompt leaves room for max_new_tokens and holds only the model's token ids (BadInputError)."""
+    too_long = [i for i, (ids, _) in enumerate(items) if len(ids) + max_new_tokens > spec.max_position_embeddings]
+    if too_long:
+        raise BadInputError(
+            f"{name}={path} record {too_long[0] + 1}: prompt + rollout.sampling.max_new_tokens exceed the "
+            f"model's context of {spec.max_position_embeddings} tokens"
+        )
+    bad_ids = [i for i, (ids, _) in enumerate(items) if any(not 0 <= t < spec.vocab_size for t in ids)]
+    if bad_ids:
+        raise BadInputError(
+            f"{name}={path} record {bad_ids[0] + 1}: a token id outside the model's vocabulary [0, {spec.vocab_size})"
+        )
 
 
 def read_records(path: str | Path, fmt: str) -> list[dict[str, Any]]:

@@ -177,18 +177,19 @@ def embedded_server(
 def embedded_servers(
     ro: RolloutConfig, model_dir: str | Path, run_dir: Path, seed: int, admin_key: str | None, host: str = "127.0.0.1"
 ) -> list[ServerProcess]:
-    """The job's rollout.servers embedded engines (not started), as the driver and bapo-serve both
-    start them: engine i on port rollout.port + i with seed + i, logging to run_dir/engine_i.log."""
+    """The job's rollout.engines.servers embedded engines (not started), as the driver and bapo-serve both
+    start them: engine i on port rollout.engines.port + i with seed + i, logging to run_dir/engine_i.log."""
+    engines = ro.engines
     return [
         embedded_server(
             model_dir,
             run_dir / f"engine_{i}.log",
-            port=ro.port + i,
+            port=engines.port + i,
             host=host,
             seed=seed + i,
             admin_key=admin_key,
-            max_batch=ro.engine_max_batch,
+            max_batch=engines.max_batch,
             batch_invariant=ro.deterministic,
         )
-        for i in range(ro.servers)
+        for i in range(engines.servers)
     ]

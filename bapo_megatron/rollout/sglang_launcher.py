@@ -1,13 +1,13 @@
 """SGLang 0.5.23 servers from our config: one `python -m sglang.launch_server` per rollout replica.
 
-Each server gets its own GPUs, its own port (rollout.port + i) and dp_size 1, which weight
+Each server gets its own GPUs, its own port (rollout.engines.port + i) and dp_size 1, which weight
 updates need. Where its GPUs are (`gpu_placement`): started by the driver, on the driver's
 node, colocated on the GPUs of the trainer's ranks there, else on the GPUs after theirs;
 started by bapo-serve, GPUs (i x tensor_parallel) modulo the GPUs it sees on its node.
 Every argument goes in a YAML file (mode 0600) passed with --config, so the admin key never
 shows in `ps`.
-Servers listen on rollout.host: beyond loopback an admin key is required, read from
-rollout.admin_key_file or $BAPO_ADMIN_API_KEY, or generated into the run directory; the
+Servers listen on rollout.engines.host: beyond loopback an admin key is required, read from
+rollout.engines.admin_key_file or $BAPO_ADMIN_API_KEY, or generated into the run directory; the
 client sends it (rollout/client.py). Colocated with the trainer, the memory saver is on
 (weights and KV cache released while training, pushed again after resume).
 Readiness: /health_generate, with the server's log tail when it fails or times out.
@@ -33,17 +33,17 @@ KEY_ENV = "BAPO_ADMIN_API_KEY"
 def admin_key(cfg: RolloutConfig, run_dir: str | Path) -> str | None:
     """The engines' admin key: from the key file or environment; generated (0600 file in run_dir)
     when the servers listen beyond loopback and none was given; None on loopback without one."""
-    if cfg.admin_key_file:
-        path = Path(cfg.admin_key_file)
+    if cfg.engines.admin_key_file:
+        path = Path(cfg.engines.admin_key_file)
         if not path.is_file():
-            raise ValueError(f"rollout.admin_key_file={path}: no such file")
+            raise ValueError(f"rollout.engines.admin_key_file={path}: no such file")
         key = path.read_text().strip()
         if len(key) < 16:
-            raise ValueError(f"rollout.admin_key_file={path}: the key is shorter than 16 characters")
+            raise ValueError(f"rollout.engines.admin_key_file={path}: the key is shorter than 16 characters")
         return key
     if os.environ.get(KEY_ENV):
         return os.environ[KEY_ENV]
-    if is_loopback(cfg.host):
+    if is_loopback(cfg.engines.host):
         return None
     path = Path(run_dir) / "admin_api_key"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,14 +60,14 @@ SEPARATE_MEM_FRACTION = 0.8
 
 def mem_fraction(cfg: RolloutConfig, colocated_fraction: float | None = None) -> float:
     """The servers' mem_fraction_static: the config's; else, colocated, `colocated_fraction` (the
-    caller's, from the trainer's estimate: cli.rollout_mem_fraction); else SEPARATE_MEM_FRACTION."""
-    if cfg.mem_fraction_static is not None:
-        return cfg.mem_fraction_static
-    if cfg.colocate:
+    caller's, from the trainer's estimate: trainer/memory.rollout_mem_fraction); else SEPARATE_MEM_FRACTION."""
+    if cfg.engines.mem_fraction_static is not None:
+        return cfg.engines.mem_fraction_static
+    if cfg.engines.colocate:
         if colocated_fraction is None:
             raise ValueError(
-                "rollout.colocate: set rollout.mem_fraction_static, or pass the fraction the trainer "
-                "leaves (cli.rollout_mem_fraction)"
+                "rollout.engines.colocate: set rollout.engines.mem_fraction_static, or pass the fraction the trainer "
+                "leaves (trainer/memory.rollout_mem_fraction)"
             )
         return colocated_fraction
     return SEPARATE_MEM_FRACTION
@@ -87,17 +87,19 @@ def server_args(
     index x tensor_parallel on a node of its own, as bapo-serve starts them)."""
     args: dict[str, Any] = {
         "model-path": model_path,
-        "host": cfg.host,
-        "port": cfg.port + index,
-        "tp-size": cfg.tensor_parallel,
+        "host": cfg.engines.host,
+        "port": cfg.engines.port + index,
+        "tp-size": cfg.engines.tensor_parallel,
         "dp-size": 1,
-        "base-gpu-id": (index * cfg.tensor_parallel) % max(1, _gpus_per_node()) if base_gpu is None else base_gpu,
+        "base-gpu-id": (index * cfg.engines.tensor_parallel) % max(1, _gpus_per_node())
+        if base_gpu is None
+        else base_gpu,
         "mem-fraction-static": mem_fraction(cfg, colocated_fraction),
         "weight-version": weight_version,
         "random-seed": seed + index,
         "skip-tokenizer-init": True,  # we send and read token ids
     }
-    if cfg.colocate:
+    if cfg.engines.colocate:
         args["enable-memory-saver"] = True
     if cfg.deterministic:
         args["enable-deterministic-inference"] = True
@@ -108,7 +110,7 @@ def server_args(
     unlisted = set(args) - set(SGLANG_LAUNCHER_ARGS)
     assert not unlisted, f"SGLang options missing from config.SGLANG_LAUNCHER_ARGS: {sorted(unlisted)}"
     # validated by the config; None: SGLang's default (its --config merger would pass the string "None")
-    args.update({k.replace("_", "-"): v for k, v in cfg.sglang_args.items() if v is not None})
+    args.update({k.replace("_", "-"): v for k, v in cfg.engines.sglang_args.items() if v is not None})
     return args
 
 
@@ -127,9 +129,9 @@ def gpu_placement(cfg: RolloutConfig, trainer_gpus: int, node_gpus: int) -> list
     released. On GPUs of their own, the servers follow the trainer's: trainer_gpus + i x TP.
     ValueError, naming the counts, when they do not fit (never two servers on one GPU, never a
     server beside a trainer rank that does not release its memory)."""
-    tp, n = cfg.tensor_parallel, cfg.servers
+    tp, n = cfg.engines.tensor_parallel, cfg.engines.servers
     need = n * tp
-    if cfg.colocate:
+    if cfg.engines.colocate:
         if need > trainer_gpus:
             raise ValueError(
                 f"colocated, {n} server(s) x TP {tp} need the GPUs of {need} trainer ranks on the driver's node, "
@@ -140,8 +142,8 @@ def gpu_placement(cfg: RolloutConfig, trainer_gpus: int, node_gpus: int) -> list
         raise ValueError(
             f"{n} server(s) x TP {tp} on GPUs of their own need {need} GPUs beside the trainer's {trainer_gpus} "
             f"on the driver's node, which has {node_gpus}: run fewer trainer ranks there (torchrun "
-            f"--nproc-per-node), set rollout.colocate=true, or start the engines elsewhere (bapo-serve) "
-            f"and pass rollout.engine_urls"
+            f"--nproc-per-node), set rollout.engines.colocate=true, or start the engines elsewhere (bapo-serve) "
+            f"and pass rollout.engines.urls"
         )
     return [trainer_gpus + i * tp for i in range(n)]
 
@@ -153,7 +155,7 @@ def check_installed() -> None:
     if importlib.util.find_spec("sglang") is None:
         raise ValueError(
             "SGLang 0.5.23 is not installed here: pip install -e '.[sglang]' (CUDA only; use "
-            "rollout.engine=embedded on CPU, or rollout.engine_urls for engines that run elsewhere)"
+            "rollout.engines.kind=embedded on CPU, or rollout.engines.urls for engines that run elsewhere)"
         )
 
 
@@ -166,22 +168,22 @@ def sglang_servers(
     colocated_fraction: float | None = None,
     base_gpus: list[int] | None = None,
 ) -> tuple[list[ServerProcess], str | None]:
-    """Not yet started server processes (one per rollout.servers) and the admin key they use;
+    """Not yet started server processes (one per rollout.engines.servers) and the admin key they use;
     base_gpus: each one's first GPU (gpu_placement; None: as bapo-serve places them)."""
     key = admin_key(cfg, run_dir)
     run_dir = Path(run_dir)
     servers = []
-    for i in range(cfg.servers):
+    for i in range(cfg.engines.servers):
         config = run_dir / f"sglang_{i}.yaml"
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             base = None if base_gpus is None else base_gpus[i]
             yaml.safe_dump(server_args(cfg, model_path, i, key, weight_version, seed, colocated_fraction, base), f)
-        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+        host = "127.0.0.1" if cfg.engines.host in ("0.0.0.0", "::") else cfg.engines.host
         servers.append(
             ServerProcess(
                 [sys.executable, "-m", "sglang.launch_server", "--config", str(config)],
-                f"http://{host}:{cfg.port + i}",
+                f"http://{host}:{cfg.engines.port + i}",
                 run_dir / f"sglang_{i}.log",
             )
         )
@@ -203,8 +205,8 @@ def start_sglang(
         import sglang  # noqa: F401 (a clear error before any process starts)
     except ImportError:
         raise RuntimeError(
-            "rollout.engine=sglang needs SGLang 0.5.23: pip install -e '.[sglang]' "
-            "(CUDA only; use rollout.engine=embedded on CPU)"
+            "rollout.engines.kind=sglang needs SGLang 0.5.23: pip install -e '.[sglang]' "
+            "(CUDA only; use rollout.engines.kind=embedded on CPU)"
         ) from None
     servers, key = sglang_servers(cfg, model_path, run_dir, weight_version, seed, colocated_fraction, base_gpus)
     try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bapo_megatron.common.model_spec import ModelSpec, padded_vocab_size
-from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.config import JobConfig, ModelConfig, ParallelConfig
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 
@@ -119,6 +119,14 @@ def colocated_mem_fraction(gpu_bytes: int, trainer: MemoryEstimate, reserve: flo
         raise ValueError(
             f"colocated: the trainer keeps {trainer.resident / 2**30:.1f} GiB per GPU (parameters, gradients, "
             f"optimizer) of {gpu_bytes / 2**30:.1f} GiB, leaving SGLang {max(fraction, 0.0):.0%}; use more "
-            "GPUs (tensor/pipeline/data parallel), or run the engines on GPUs of their own (rollout.colocate=false)"
+            "GPUs (tensor/pipeline/data parallel), or run the engines on GPUs of their own "
+            "(rollout.engines.colocate=false)"
         )
     return round(fraction, 3)
+
+
+def rollout_mem_fraction(job: JobConfig, spec: ModelSpec, gpu_bytes: int, data_parallel: int) -> float:
+    """What a colocated SGLang server may take of a GPU of gpu_bytes beside a trainer rank of `job`
+    (GPU runs use Megatron's distributed optimizer)."""
+    estimate = trainer_memory(spec, job.model, job.parallel, data_parallel, distributed_optimizer=True)
+    return colocated_mem_fraction(gpu_bytes, estimate)

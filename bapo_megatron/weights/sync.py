@@ -19,6 +19,11 @@ Both run the whole sync inside one begin/end weight-update session (SGLang >= 0.
 set the new weight version on every engine; a failed update still ends the session, and so
 does a begin that failed on another engine. The engines' caches (prefix KV of the old
 weights) are flushed once, with the last bucket, not after every bucket.
+
+`send` runs on the trainer's thread: the buckets' collectives (tensor- and pipeline-parallel
+gathers, the holders' gathers) and the broadcasts to the engines stay where the other ranks
+run theirs, on the trainer's CUDA device and stream, while the HTTP calls go through the
+engines' event loop (rollout/loop.py), which keeps the rollout going meanwhile.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 from bapo_megatron.common import ipc, protocol, weight_group
 from bapo_megatron.rollout.client import EngineClient
+from bapo_megatron.rollout.loop import EngineLoop
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -100,12 +106,15 @@ class DistributedWeightSender:
         weight_group.leave_group(self.group)
         self.group = None
 
-    async def send(self, buckets: Iterable[Bucket], version: str) -> int:
-        """Every bucket to every engine; the engines' weight version becomes `version`. Returns bytes sent."""
+    def send(self, buckets: Iterable[Bucket], version: str, loop: EngineLoop, flush_cache: bool = True) -> int:
+        """Every bucket to every engine; the engines' weight version becomes `version`. The buckets are
+        made (their collectives run) and broadcast on this thread, the HTTP calls go on `loop`.
+        flush_cache: the engines drop their caches after the last bucket (not in an in-place pause,
+        where SGLang refuses it while requests keep theirs). Returns bytes sent."""
         if self.group is None:
             raise RuntimeError("connect() first")
         sent = 0
-        async with _session(self.clients):
+        with _session(self.clients, loop):
             for bucket, last in _mark_last(buckets):
                 tensors = [t for _, t in bucket]
                 if self.flatten:  # before the engines are told: an unaligned bucket fails here, not in them
@@ -113,23 +122,29 @@ class DistributedWeightSender:
                 names = [n for n, _ in bucket]
                 dtypes = [protocol.dtype_name(t.dtype) for _, t in bucket]
                 shapes = [list(t.shape) for _, t in bucket]
-                answers = asyncio.gather(
-                    *(
+                answers = loop.submit(
+                    _all(
                         c.update_weights_from_distributed(
-                            names, dtypes, shapes, version, self.group_name, self.flatten, flush_cache=last
+                            names,
+                            dtypes,
+                            shapes,
+                            version,
+                            self.group_name,
+                            self.flatten,
+                            flush_cache=last and flush_cache,
                         )
                         for c in self.clients
                     )
                 )
-                await asyncio.to_thread(self._broadcast, tensors)
-                await answers
+                self._broadcast(tensors)
+                loop.wait(answers)
                 sent += _nbytes(bucket)
         return sent
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         import torch.distributed as dist
 
-        for tensor in tensors:
+        for tensor in tensors:  # (on the caller's thread: NCCL's device and stream are the trainer's)
             dist.broadcast(tensor.contiguous(), src=0, group=self.group)
 
 
@@ -219,10 +234,12 @@ class TensorWeightSender:
             raise ValueError(f"the holders make {'flattened' if holders.flatten else 'per-tensor'} payloads")
         self.clients, self.engine_tp, self.flatten, self.holders = clients, engine_tp, flatten, holders
 
-    async def send(self, buckets: Iterable[Bucket], version: str) -> int:
-        """Every bucket to every engine; the engines' weight version becomes `version`. Returns bytes sent."""
+    def send(self, buckets: Iterable[Bucket], version: str, loop: EngineLoop, flush_cache: bool = True) -> int:
+        """Every bucket to every engine; the engines' weight version becomes `version`. The buckets and
+        their handles are made on this thread (the holders' collectives), the HTTP calls go on
+        `loop`. Returns bytes sent."""
         sent = 0
-        async with _session(self.clients):
+        with _session(self.clients, loop):
             for bucket, last in _mark_last(buckets):
                 # one pickle per receiving rank (a CUDA IPC reference each), kept valid until all answered
                 if self.holders is not None:
@@ -230,13 +247,13 @@ class TensorWeightSender:
                 else:
                     held = ipc.serialized(_payload(bucket, self.flatten), self.engine_tp * len(self.clients))
                 with held as serialized:
-                    await asyncio.gather(
-                        *(
+                    loop.run(
+                        _all(
                             c.update_weights_from_tensor(
                                 serialized[i * self.engine_tp : (i + 1) * self.engine_tp],
                                 version,
                                 self.flatten,
-                                flush_cache=last,
+                                flush_cache=last and flush_cache,
                             )
                             for i, c in enumerate(self.clients)
                         )
@@ -245,11 +262,19 @@ class TensorWeightSender:
         return sent
 
 
-@contextlib.asynccontextmanager
-async def _session(clients: list[EngineClient]):
+async def _all(calls) -> list:
+    return await asyncio.gather(*calls)
+
+
+@contextlib.contextmanager
+def _session(clients: list[EngineClient], loop: EngineLoop):
     """One begin/end weight-update session on every engine, ended even when the update fails or
     when another engine refused to begin (no engine is left with a session open)."""
-    begun = await asyncio.gather(*(c.begin_weight_update() for c in clients), return_exceptions=True)
+
+    async def begin() -> list:
+        return await asyncio.gather(*(c.begin_weight_update() for c in clients), return_exceptions=True)
+
+    begun = loop.run(begin())
     failed = [r for r in begun if isinstance(r, BaseException)]
     try:
         if failed:
@@ -257,7 +282,11 @@ async def _session(clients: list[EngineClient]):
         yield
     finally:
         opened = [c for c, r in zip(clients, begun, strict=True) if not isinstance(r, BaseException)]
-        await asyncio.gather(*(c.end_weight_update() for c in opened), return_exceptions=True)
+        loop.run(_all_settled(c.end_weight_update() for c in opened))
+
+
+async def _all_settled(calls) -> list:
+    return await asyncio.gather(*calls, return_exceptions=True)
 
 
 def _mark_last(buckets: Iterable[Bucket]) -> Iterator[tuple[Bucket, bool]]:

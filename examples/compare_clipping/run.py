@@ -36,8 +36,8 @@ METHODS = {
     "clip_higher": ["algo.loss=clip_higher", "algo.clip_higher_low=0.8", "algo.clip_higher_high=1.28"],
 }
 PRESSURE = [
-    "rollout.partial=true",
-    "rollout.token_budget=2",
+    "rollout.partial.enabled=true",
+    "rollout.partial.token_budget=2",
     "rollout.max_staleness=4",
     "rollout.oversample=2.0",
     "algo.updates_per_batch=4",

@@ -50,7 +50,7 @@ def _kills(rank: int, world: int, root: str) -> None:
     from bapo_megatron.config import CheckpointConfig
     from bapo_megatron.errors import ConfigError
     from bapo_megatron.trainer import checkpoint
-    from tests.e2e.test_train_resume import make_batch
+    from tests.helpers import make_batch
 
     trainer, _ = _trainer()
     trainer.train_step(make_batch(1))  # optimizer state to save and restore
@@ -145,7 +145,7 @@ def _crafted(rank: int, world: int, root: str) -> None:
     import reshard
 
     from bapo_megatron.weights.convert import hf_to_mcore
-    from tests.dist.test_convert import make_hf_model
+    from tests.helpers import make_hf_model
 
     make_hf_model(root, "hf", ("qwen2", 2, False))
     hf_to_mcore(root / "hf", root / "mcore", progress=False)

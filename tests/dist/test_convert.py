@@ -6,7 +6,6 @@ Megatron checkpoint, loaded by the trainer at TP, PP in {1, 2}, gives transforme
 log-probs through the pipeline schedule.
 """
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -14,34 +13,11 @@ from pathlib import Path
 import torch
 
 from tests.dist.launch import run_workers
+from tests.helpers import CASES, make_hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-CASES = {"qwen2-gqa2": ("qwen2", 2, False), "llama-gqa4-tied": ("llama", 1, True), "qwen2-mha": ("qwen2", 4, False)}
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-
-
-def make_hf_model(root: Path, name: str, case: tuple[str, int, bool] | None = None):
-    """A random HF model saved under root/name; `case` = (architecture, kv heads, tied), default CASES[name]."""
-    import tokenizers
-    import transformers
-
-    from bapo_megatron.common.model_spec import tiny_spec
-
-    arch, kv, tied = case or CASES[name]
-    spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**spec.to_hf_config()), dtype=torch.float32
-    ).eval()
-    g = torch.Generator().manual_seed(len(name))
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in pname else 0.0) + 0.08 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(root / name, max_shard_size="100KB")  # several shards and an index
-    vocab = {f"t{i}": i for i in range(spec.vocab_size)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    tok.save(str(root / name / "tokenizer.json"))
-    return model
 
 
 def _convert_all(rank: int, world: int, root: str) -> None:

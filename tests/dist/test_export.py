@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from tests.dist.launch import run_workers
-from tests.dist.test_convert import make_hf_model
+from tests.helpers import make_hf_model
 
 BUCKET_BYTES = 40_000
 

@@ -4,7 +4,6 @@ shares the buckets' collectives, and when the sender looks one bucket ahead. On 
 are shared-memory files named by the writing process, so the test sees whose copy each engine
 got; every file is gone after the sync."""
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -62,6 +61,7 @@ def _worker(rank: int, world: int, holders_n: int) -> None:
     import torch.distributed as dist
 
     from bapo_megatron.common import ipc
+    from bapo_megatron.rollout.loop import EngineLoop
     from bapo_megatron.weights.sync import HandleHolders, TensorWeightSender
 
     pids: list = [None] * world
@@ -71,7 +71,9 @@ def _worker(rank: int, world: int, holders_n: int) -> None:
     if rank == 0:
         engines = [Engine() for _ in range(holders_n)]
         sender = TensorWeightSender(engines, engine_tp=1, holders=holders)
-        sent = asyncio.run(sender.send(_buckets(), "1"))
+        loop = EngineLoop()
+        sent = sender.send(_buckets(), "1", loop)  # the holders' gathers on this thread, HTTP on the loop
+        loop.close()
         want = [pair for bucket in _buckets_local() for pair in bucket]
         assert sent == sum(t.numel() * t.element_size() for _, t in want)
         for i, engine in enumerate(engines):

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.dist.launch import run_workers
-from tests.e2e.test_train_resume import make_batch
+from tests.helpers import make_batch
 
 PACKAGE = str(Path(__file__).resolve().parents[2] / "bapo_megatron")
 TORCH = str(Path(torch.__file__).parent)

@@ -22,7 +22,7 @@ def load_then_step(root: str, precision: str, tp: int) -> None:
     from bapo_megatron.trainer.checkpoint import save_model
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
-    from tests.e2e.test_train_resume import make_batch
+    from tests.helpers import make_batch
 
     cfg = load_config(
         None,

@@ -5,7 +5,7 @@ import io
 import sys
 
 from tests.dist.launch import run_workers
-from tests.e2e.test_train_resume import make_batch
+from tests.helpers import make_batch
 
 
 def _worker(rank: int, world: int, progress: str) -> None:

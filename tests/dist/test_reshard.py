@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist.launch import run_workers
-from tests.dist.test_convert import make_hf_model
+from tests.helpers import make_hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 

@@ -10,7 +10,6 @@ reconnects under the same group name and port; and once more with both engines a
 leaves the old group first). Skipped only when the wheel cannot be downloaded.
 """
 
-import asyncio
 import json
 import os
 import sys
@@ -53,6 +52,7 @@ def _trainer(rank: int, world: int, control: str) -> None:
     """Rank 0 of the weight-update group; `control` is a directory through which the test
     restarts an engine between phases (the trainer waits for its new URL)."""
     from bapo_megatron.rollout.client import EngineClient
+    from bapo_megatron.rollout.loop import EngineLoop
     from bapo_megatron.weights.sync import DistributedWeightSender
 
     def urls(phase: int) -> list[str]:
@@ -63,31 +63,30 @@ def _trainer(rank: int, world: int, control: str) -> None:
             time.sleep(0.05)
         return json.loads(path.read_text())
 
-    async def run() -> None:
-        port = free_port()
-        clients = [EngineClient(u) for u in urls(0)]
-        sender = DistributedWeightSender(clients, [1, 1], "127.0.0.1", port, group_name=GROUP, timeout_s=120)
-        assert sender.backend == "gloo"  # no CUDA here
-        await sender.connect()
-        await sender.send([_bucket(1), _bucket(2)], "flat")
-        sender.flatten = False
-        await sender.send([_bucket(3)], "per-tensor")
-        (Path(control) / "done-0").touch()
-        # engine 1 is killed and restarted: same group name, same port, a new group on both ends
-        new = urls(1)
-        await clients[1].close()
-        clients[1] = EngineClient(new[1])
-        sender.clients = clients
-        await sender.connect()
-        sender.flatten = True
-        await sender.send([_bucket(4)], "after-restart")
-        await sender.connect()  # both alive: each leaves the old group, then all join the new one
-        await sender.send([_bucket(5)], "reconnected")
-        await sender.close()
-        for c in clients:
-            await c.close()
-
-    asyncio.run(run())
+    loop = EngineLoop()
+    port = free_port()
+    clients = [EngineClient(u) for u in urls(0)]
+    sender = DistributedWeightSender(clients, [1, 1], "127.0.0.1", port, group_name=GROUP, timeout_s=120)
+    assert sender.backend == "gloo"  # no CUDA here
+    loop.run(sender.connect())
+    sender.send([_bucket(1), _bucket(2)], "flat", loop)
+    sender.flatten = False
+    sender.send([_bucket(3)], "per-tensor", loop)
+    (Path(control) / "done-0").touch()
+    # engine 1 is killed and restarted: same group name, same port, a new group on both ends
+    new = urls(1)
+    loop.run(clients[1].close())
+    clients[1] = EngineClient(new[1])
+    sender.clients = clients
+    loop.run(sender.connect())
+    sender.flatten = True
+    sender.send([_bucket(4)], "after-restart", loop)
+    loop.run(sender.connect())  # both alive: each leaves the old group, then all join the new one
+    sender.send([_bucket(5)], "reconnected", loop)
+    loop.run(sender.close())
+    for c in clients:
+        loop.run(c.close())
+    loop.close()
     (Path(control) / "done-1").touch()
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist.launch import run_workers
-from tests.dist.test_convert import make_hf_model
+from tests.helpers import make_hf_model
 
 TE_MODULES = ("final_layernorm", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.dist.launch import run_workers
-from tests.e2e.test_train_resume import make_batch
+from tests.helpers import make_batch
 
 
 def _worker(rank: int, world: int, loss: str, scope: str, tp: int, pp: int) -> None:

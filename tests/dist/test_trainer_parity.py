@@ -14,7 +14,7 @@ import torch
 
 from bapo_megatron.common.batch import RolloutBatch
 from tests.dist.launch import run_workers
-from tests.e2e.test_train_resume import make_batch
+from tests.helpers import make_batch
 
 LOSSES = ("bapo", "ppo")
 # name: (tensor, pipeline, virtual pipeline, processes)

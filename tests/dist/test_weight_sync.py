@@ -4,7 +4,6 @@ flattened buckets, and colocated by shared-memory handle (update_weights_from_te
 flattened buckets and tensor by tensor. After each, the engine's log-probs for the sequence
 it samples equal the trainer's own (float32, <= 1e-5), and no shared memory is left behind."""
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 
 from bapo_megatron.rollout.launcher import embedded_server, free_port
 from tests.dist.launch import run_workers
-from tests.dist.test_convert import make_hf_model
+from tests.helpers import make_hf_model
 
 ENGINE, TRAINED = "qwen2-gqa2", "qwen2-gqa2-trained"  # same shape, different random weights
 WAYS = [("distributed", False), ("distributed", True), ("tensor", True), ("tensor", False)]
@@ -33,6 +32,7 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
     from bapo_megatron.common.protocol import SamplingParams
     from bapo_megatron.config import load_config
     from bapo_megatron.rollout.client import EngineClient
+    from bapo_megatron.rollout.loop import EngineLoop
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
@@ -53,30 +53,24 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
         return stream_hf_buckets(trainer.model, spec, trainer.info, bucket_bytes=50_000)
 
     if rank == 0:
-
-        async def drive():
-            async with EngineClient(url) as client:
-                results = []
-                for i, (transport, flatten) in enumerate(WAYS):
-                    version = str(i + 1)
-                    if transport == "distributed":
-                        sender = DistributedWeightSender(
-                            [client], [1], "127.0.0.1", free_port(), group_name=f"sync-{version}", flatten=flatten
-                        )
-                        await sender.connect()
-                    else:
-                        sender = TensorWeightSender([client], flatten=flatten)
-                    assert await sender.send(stream(), version) > 0
-                    results.append(
-                        await client.generate(
-                            prompt,
-                            SamplingParams(max_new_tokens=20, temperature=0.9, ignore_eos=True),
-                            f"after-{version}",
-                        )
-                    )
-                return results
-
-        for i, result in enumerate(asyncio.run(drive())):
+        loop = EngineLoop()
+        client = EngineClient(url)
+        results = []
+        for i, (transport, flatten) in enumerate(WAYS):
+            version = str(i + 1)
+            if transport == "distributed":
+                sender = DistributedWeightSender(
+                    [client], [1], "127.0.0.1", free_port(), group_name=f"sync-{version}", flatten=flatten
+                )
+                loop.run(sender.connect())
+            else:
+                sender = TensorWeightSender([client], flatten=flatten)
+            assert sender.send(stream(), version, loop) > 0  # the stream's gathers on this thread
+            sampling = SamplingParams(max_new_tokens=20, temperature=0.9, ignore_eos=True)
+            results.append(loop.run(client.generate(prompt, sampling, f"after-{version}")))
+        loop.run(client.close())
+        loop.close()
+        for i, result in enumerate(results):
             assert result.weight_version == str(i + 1) and len(result.output_ids) == 20
             tokens[i] = torch.tensor(prompt + result.output_ids)
             engine_logprobs[i] = torch.tensor(result.logprobs)

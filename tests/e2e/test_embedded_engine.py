@@ -14,8 +14,8 @@ import torch
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.rollout.client import EngineClient, EngineError
 from bapo_megatron.rollout.launcher import embedded_server
-from tests.dist.test_convert import make_hf_model
 from tests.engine_state import generating, until
+from tests.helpers import make_hf_model
 
 pytestmark = pytest.mark.e2e
 NAME = "qwen2-gqa2"

@@ -16,7 +16,7 @@ import pytest
 from bapo_megatron.rollout import embedded
 from bapo_megatron.rollout.embedded import EmbeddedServer
 from bapo_megatron.rollout.engine_core import EngineCore
-from tests.dist.test_convert import make_hf_model
+from tests.helpers import make_hf_model
 
 pytestmark = pytest.mark.e2e
 GOOD_TOKENS = 40

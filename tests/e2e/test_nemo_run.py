@@ -32,7 +32,7 @@ def test_local_executor_runs_the_tiny_job(tmp_path):
         "steps=2",
         f"run_dir={run_dir}",
         f"checkpoint.dir={run_dir / 'ckpt'}",
-        f"rollout.port={free_port()}",
+        f"rollout.engines.port={free_port()}",
         "logging.progress=false",
         timeout=600,
     )
@@ -72,8 +72,8 @@ def test_slurm_executor_builds_the_sbatch_script(tmp_path):
     assert command[3:] == [
         "/opt/bapo-megatron/examples/qwen2.5-32b/config.yaml",
         "model.hf_path=/opt/bapo-megatron/examples/qwen2.5-32b/shape",  # the image's checkout
-        "rollout.colocate=true",
-        "rollout.servers=2",  # 8 GPUs / the preset's engine TP 4
+        "rollout.engines.colocate=true",
+        "rollout.engines.servers=2",  # 8 GPUs / the preset's engine TP 4
         "model.hf_path=/data/Qwen2.5-32B",  # the last word: the user's model
         "data.path=/data/math.jsonl",
     ]
@@ -98,8 +98,8 @@ def test_docker_executor_builds_the_container(tmp_path):
         "bapo_megatron.train",
         "/opt/bapo-megatron/examples/qwen2.5-7b/config.yaml",
         "model.hf_path=/opt/bapo-megatron/examples/qwen2.5-7b/shape",
-        "rollout.colocate=true",
-        "rollout.servers=4",  # 8 GPUs / the preset's engine TP 2
+        "rollout.engines.colocate=true",
+        "rollout.engines.servers=4",  # 8 GPUs / the preset's engine TP 2
     ]
     for setting in ("container_image: bapo-megatron:0.1", "runtime: nvidia", "ipc_mode: host", "- /data:/data"):
         assert setting in out, setting

@@ -14,8 +14,8 @@ import socket
 import pytest
 
 from bapo_megatron.rollout.launcher import embedded_server
-from tests.dist.test_convert import make_hf_model
-from tests.e2e.test_online_loop import args, start, write_task
+from tests.helpers import make_hf_model
+from tests.online import args, start, write_task
 
 pytestmark = pytest.mark.e2e
 
@@ -71,7 +71,7 @@ def test_a_port_in_use(task, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        fails(task, tmp_path, f"rollout.port={port}", phrases=(f"rollout.port={port}", "cannot listen"))
+        fails(task, tmp_path, f"rollout.engines.port={port}", phrases=(f"rollout.engines.port={port}", "cannot listen"))
 
 
 def test_engine_urls_that_do_not_answer(task, tmp_path):
@@ -79,7 +79,7 @@ def test_engine_urls_that_do_not_answer(task, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there once the socket is closed
     url = f"http://127.0.0.1:{port}"
-    fails(task, tmp_path, f"rollout.engine_urls=[{url}]", phrases=("rollout.engine_urls", url, "does not answer"))
+    fails(task, tmp_path, f"rollout.engines.urls=[{url}]", phrases=("rollout.engines.urls", url, "does not answer"))
 
 
 def test_an_engine_serving_another_shape(task, tmp_path):
@@ -88,8 +88,8 @@ def test_an_engine_serving_another_shape(task, tmp_path):
         fails(
             task,
             tmp_path,
-            f"rollout.engine_urls=[{server.url}]",
-            phrases=("rollout.engine_urls", server.url, "num_kv_heads 1 (the trainer's is 2)"),
+            f"rollout.engines.urls=[{server.url}]",
+            phrases=("rollout.engines.urls", server.url, "num_kv_heads 1 (the trainer's is 2)"),
         )
     finally:
         server.stop()

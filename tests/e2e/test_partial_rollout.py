@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from bapo_megatron.common.protocol import SamplingParams
+from bapo_megatron.rollout.buffer import RolloutBuffer
 from bapo_megatron.rollout.client import EngineClient
+from bapo_megatron.rollout.core import RolloutCore
 from bapo_megatron.rollout.launcher import ServerProcess, embedded_server
-from bapo_megatron.rollout.manager import EnginePool, RolloutManager
-from bapo_megatron.rollout.partial import PartialRolloutBuffer
+from bapo_megatron.rollout.pool import EnginePool
 from bapo_megatron.rollout.rewards import RewardWorkers
-from tests.dist.test_convert import make_hf_model
+from bapo_megatron.rollout.strategies import AbortSteps, RetractSteps
 from tests.engine_state import generating
+from tests.helpers import make_hf_model
 
 pytestmark = pytest.mark.e2e
 MODELS = ("model-a", "model-bb", "model-ccc")  # same shape, different weights (the seed is the name's length)
@@ -46,7 +48,7 @@ def test_tokens_keep_the_version_and_logprob_they_were_sampled_with(models, tmp_
 
         async def run():
             async with EngineClient(server.url) as client:
-                buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=2)
+                buffer = RolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=2)
                 for i in range(2):
                     buffer.add_group(f"p{i}", [10 + i, 20 + i, 30 + i])
                 for version, name in enumerate(MODELS, start=1):
@@ -54,7 +56,7 @@ def test_tokens_keep_the_version_and_logprob_they_were_sampled_with(models, tmp_
                     await _round(client, buffer, version)
                 kept = [s for g in buffer.groups.values() for s in g.samples]
                 drops_before = buffer.counters["dropped_stale"]
-                stale = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=1)
+                stale = RolloutBuffer(samples_per_prompt=2, max_new_tokens=12, token_budget=4, max_staleness=1)
                 stale.add_group("q", [5, 6, 7])
                 for version in (1, 2):
                     await client.update_weight_version(str(version))
@@ -88,26 +90,25 @@ def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
     async def run():
         async with EngineClient(server.url, retries=1, backoff_s=0.2) as client:
             pool = EnginePool([client], timeout_s=120, probe_s=0.2)
-            buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=LONG)
-            manager = RolloutManager(
+            buffer = RolloutBuffer(samples_per_prompt=2, max_new_tokens=LONG)
+            core = RolloutCore(
                 pool,
                 buffer,
                 prompts,
                 RewardWorkers("exact_ids", inline=True),
                 SamplingParams(max_new_tokens=LONG, ignore_eos=True),
-                prompts_per_step=2,
             )
-            step = asyncio.create_task(manager.step(0))
+            step = asyncio.create_task(AbortSteps(core, prompts_per_step=2).batch(0))
             await generating(client, at_least=8)  # the step's requests are in the engine, part-way
             assert not step.done(), "the step finished before the engine could be killed: make it longer"
             server.kill()
             restarted = ServerProcess(server.command, server.url, tmp_path / "engine2.log").start()
             await asyncio.to_thread(restarted.wait_ready, 120)
             try:
-                groups = await step
+                groups, stats = await step
             finally:
                 restarted.stop()
-            return groups, pool.failures, manager.stats
+            return groups, pool.failures, stats
 
     groups, failures, stats = asyncio.run(run())  # the engine's restart is awaited: no wall-time bound here
     assert failures >= 1 and stats["rollout/engine_failures"] >= 1
@@ -141,45 +142,46 @@ def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_pa
 
     async def run():
         async with EngineClient(server.url) as client:
-            buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=RETRACT_LONG, max_staleness=2)
-            manager = RolloutManager(
-                EnginePool([client]),
+            buffer = RolloutBuffer(samples_per_prompt=2, max_new_tokens=RETRACT_LONG, max_staleness=2)
+            pool = EnginePool([client])
+            core = RolloutCore(
+                pool,
                 buffer,
                 prompts,
                 RewardWorkers("exact_ids", inline=True),
                 SamplingParams(max_new_tokens=RETRACT_LONG, ignore_eos=True),
-                prompts_per_step=1,
-                oversample=2,
-                mode="retract",
             )
+            steps = RetractSteps(core, prompts_per_step=1, oversample=2)
 
             async def update(version):
                 await generating(client, at_least=4)  # some tokens under the version before
-                async with manager.weight_update():
+                async with steps.paused(version):
                     colocated = version % 2  # as a colocated trainer: the engine's memory is free meanwhile
                     if colocated:
-                        await manager.release_memory()
-                        await manager.resume_memory(["weights"])
+                        await pool.each(lambda c: c.release_memory())
+                        await pool.each(lambda c: c.resume_memory(["weights"]))
                     await client.update_weights_from_disk(model_dir(version), str(version))
                     if colocated:
-                        await manager.resume_memory(["kv_cache", "cuda_graph"])
+                        await pool.each(lambda c: c.resume_memory(["kv_cache", "cuda_graph"]))
 
             await client.update_weight_version("1")
-            first = await manager.step(1)  # p0 done; p1 sent under version 1, generating
-            in_engines = manager.stats["rollout/in_engines"]
+            first, stats = await steps.batch(1)  # p0 done; p1 sent under version 1, generating
+            in_engines = stats["rollout/in_engines"]
             await update(2)
             await update(3)
-            second = await manager.step(3)  # p1, finished under versions 1-3; p2 sent at 3
+            second, _ = await steps.batch(3)  # p1, finished under versions 1-3; p2 sent at 3
             await update(4)
             await update(5)
             await update(6)
-            third = await manager.step(6)  # p2 sent at 3: 6 - 3 > 2, aborted and regenerated
+            third, _ = await steps.batch(6)  # p2 sent at 3: 6 - 3 > 2, aborted and regenerated
             dropped = buffer.counters["dropped_stale"]
-            drained = await manager.drain(6)
-            return first, in_engines, second, third, dropped, drained, manager, buffer
+            before = sum(len(s.response_ids) for s in buffer.samples())
+            await steps.drain()
+            drained = sum(len(s.response_ids) for s in buffer.samples()) - before
+            return first, in_engines, second, third, dropped, drained, core, buffer
 
     try:
-        first, in_engines, second, third, dropped, drained, manager, buffer = asyncio.run(run())
+        first, in_engines, second, third, dropped, drained, core, buffer = asyncio.run(run())
     finally:
         server.stop()
     assert [g.uid for g in first] == ["p0"] and in_engines == 2
@@ -187,7 +189,7 @@ def test_retract_mode_keeps_requests_in_the_engine_across_updates(models, tmp_pa
     assert dropped == 2 and all(s.regenerated == 1 and set(s.versions) == {6} for s in third[0].samples)
     spanning = [s for s in second[0].samples if set(s.versions) == {1, 2, 3}]
     assert spanning, f"p1 should have tokens of versions 1-3: {[sorted(set(s.versions)) for s in second[0].samples]}"
-    assert drained > 0 and not manager._running and set(buffer.groups) == {"p3"}
+    assert drained > 0 and not core.running and set(buffer.groups) == {"p3"}
     for group in first + second + third:
         for s in group.samples:
             assert s.finished and len(s.response_ids) == len(s.logprobs) == len(s.versions) == RETRACT_LONG

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from bapo_megatron.tasks import write_task
-from tests.e2e.test_online_loop import PORTS, engine_port, metrics, no_engine_left, torchrun, train
+from tests.online import PORTS, engine_port, metrics, no_engine_left, torchrun, train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,8 +152,8 @@ def test_sft_warm_start_learns_and_an_rl_run_at_tp2_starts_from_it(tmp_path):
             "optimizer.lr=1e-12",
             "parallel.tensor=2",
             "rollout.prompts_per_step=4",
-            "rollout.sync_check_every=1",
-            f"rollout.port={port}",
+            "rollout.sync.check_every=1",
+            f"rollout.engines.port={port}",
             f"run_dir={rl}",
             f"checkpoint.dir={rl / 'ckpt'}",
         ],

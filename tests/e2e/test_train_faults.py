@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_train_resume import make_batch
+from tests.helpers import make_batch
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
-from tests.dist.test_convert import make_hf_model
+from tests.helpers import make_hf_model
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,35 +1,13 @@
 """`python -m bapo_megatron.train` from replayed batches: a resumed run equals an uninterrupted one."""
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from bapo_megatron.common.batch import RolloutBatch, Sample
 from tests.dist.launch import run_workers
-
-
-def make_batch(seed: int, groups: int = 4, n: int = 4, max_len: int = 12, temperature: float = 1.0) -> RolloutBatch:
-    """Random groups of n samples with behaviour log-probs around -5.5, as a replayed rollout batch."""
-    rng = random.Random(seed)
-    samples = []
-    for group in range(groups):
-        prompt = [rng.randrange(250) for _ in range(rng.randint(2, 6))]
-        for _ in range(n):
-            length = rng.randint(1, max_len)
-            samples.append(
-                Sample(
-                    prompt_ids=prompt,
-                    response_ids=[rng.randrange(250) for _ in range(length)],
-                    behaviour_logprobs=[-5.5 + rng.gauss(0, 0.6) for _ in range(length)],
-                    versions=[0] * length,
-                    reward=rng.random(),
-                    group=group,
-                )
-            )
-    return RolloutBatch(samples=samples, temperature=temperature)
+from tests.helpers import make_batch
 
 
 def _args(root: Path, run: str, steps: int, ckpt: str) -> list[str]:

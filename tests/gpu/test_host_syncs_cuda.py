@@ -12,7 +12,7 @@ import torch
 
 from tests.dist.launch import run_workers
 from tests.dist.test_host_syncs import PACKAGE, STEP_READS, watching_schedule
-from tests.e2e.test_train_resume import make_batch
+from tests.helpers import make_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -76,11 +76,11 @@ def server(models, tmp_path_factory):
     cfg = load_config(
         None,
         [
-            "rollout.engine=sglang",
-            "rollout.colocate=true",
-            "rollout.mem_fraction_static=0.3",
-            f"rollout.port={free_port()}",
-            "rollout.sglang_args={disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true}",
+            "rollout.engines.kind=sglang",
+            "rollout.engines.colocate=true",
+            "rollout.engines.mem_fraction_static=0.3",
+            f"rollout.engines.port={free_port()}",
+            "rollout.engines.sglang_args={disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true}",
         ],
     ).rollout
     servers, key = start_sglang(

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from tests.dist.launch import run_workers
-from tests.dist.test_convert import CASES, make_hf_model
-from tests.e2e.test_train_resume import make_batch
+from tests.helpers import CASES, make_batch, make_hf_model
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,

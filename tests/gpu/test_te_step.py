@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist.launch import run_workers
-from tests.e2e.test_train_resume import make_batch
+from tests.helpers import make_batch
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,

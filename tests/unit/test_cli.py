@@ -56,14 +56,14 @@ def test_help_config_lists_every_field_once_with_its_doc():
     listed = [line.split(":")[0] for line in body if line and not line.startswith(" ")]
     assert sorted(listed) == sorted(_leaf_fields())
     assert "algo.bapo.target_rho: float = 0.5\n    rho0: the share P / (P + N)" in text
-    assert "rollout.mem_fraction_static: float | None = None" in text
+    assert "rollout.engines.mem_fraction_static: float | None = None" in text
     assert "model.mcore_path: str | None = None" in text
 
 
 def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN7B))
     code = (
-        "import sys\nfrom bapo_megatron.train import main\nmain(sys.argv[1:])\n"
+        "import sys\nfrom bapo_megatron.cli import main\nmain(sys.argv[1:])\n"
         "print('MEGATRON', 'megatron' in sys.modules)"
     )
     args = [
@@ -72,10 +72,10 @@ def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
         "model.transformer_impl=transformer_engine",
         "parallel.tensor=4",
         "parallel.sequence_parallel=true",
-        "rollout.engine=sglang",
-        "rollout.colocate=true",
-        "rollout.servers=2",
-        "rollout.tensor_parallel=4",
+        "rollout.engines.kind=sglang",
+        "rollout.engines.colocate=true",
+        "rollout.engines.servers=2",
+        "rollout.engines.tensor_parallel=4",
         "--dry-run",
         "--world-size",
         "8",
@@ -84,7 +84,8 @@ def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "trainer: 8 processes = TP 4 x PP 1 x VPP 1 (virtual stages) x CP 1 x DP 2" in out
-    assert "rollout: 2 sglang server(s), TP 4 each" in out and "colocated with the trainer" in out
+    assert "engines: 2 sglang server(s), TP 4 each" in out and "colocated with the trainer" in out
+    assert "rollout: mode sync, max_staleness K=4: each step generates, then trains; whole responses" in out
     assert "SGLang servers on the driver's node (8 GPUs, trainer ranks on GPUs 0-7): GPUs 0-3, 4-7" in out
     assert "trainer, distributed optimizer: parameters 3.55 GiB" in out  # 7.6 B bf16 over TP 4
     assert "each SGLang server GPU: mem_fraction_static" in out and "KV cache" in out
@@ -92,9 +93,14 @@ def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
 
 
 def test_dry_run_says_where_sglang_servers_go_or_why_they_cannot(capsys):
-    from bapo_megatron.train import main
+    from bapo_megatron.cli import main
 
-    sglang = ["rollout.engine=sglang", "rollout.servers=2", "rollout.tensor_parallel=2", "--dry-run"]
+    sglang = [
+        "rollout.engines.kind=sglang",
+        "rollout.engines.servers=2",
+        "rollout.engines.tensor_parallel=2",
+        "--dry-run",
+    ]
     main([*sglang, "--world-size", "4"])
     assert "trainer ranks on GPUs 0-3): GPUs 4-5, 6-7" in capsys.readouterr().out
     main([*sglang, "--world-size", "8"])  # every GPU of the node trains: no room beside them
@@ -103,8 +109,18 @@ def test_dry_run_says_where_sglang_servers_go_or_why_they_cannot(capsys):
     assert "which has 4" in capsys.readouterr().out
 
 
+def test_dry_run_prints_the_asynchronous_mode_and_its_bound(capsys):
+    from bapo_megatron.cli import main
+
+    main(["examples/qwen2.5-7b/config.yaml", "--dry-run", "--world-size", "8"])
+    out = capsys.readouterr().out
+    assert "rollout: mode async, max_staleness K=4: the engines generate while the trainer trains" in out
+    assert "at most 320 groups queued or generating, 128 generating" in out  # (4 + 1) x 64; 2 x 64
+    assert "weight updates pause them (retract)" in out and "(older samples generated again)" in out
+
+
 def test_dry_run_refuses_a_layout_that_cannot_split(tmp_path, capsys):
-    from bapo_megatron.train import main
+    from bapo_megatron.cli import main
 
     with pytest.raises(SystemExit) as done:
         main(["parallel.tensor=3", "--dry-run", "--world-size", "3"])

@@ -27,7 +27,7 @@ def test_yaml_then_overrides(tmp_path):
 
 
 def test_round_trip_through_yaml(tmp_path):
-    cfg = load_config(None, ["algo.loss=gspo", "rollout.partial=true", "rollout.token_budget=16"])
+    cfg = load_config(None, ["algo.loss=gspo", "rollout.partial.enabled=true", "rollout.partial.token_budget=16"])
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
@@ -44,9 +44,11 @@ def test_round_trip_through_yaml(tmp_path):
         ("algo.loss=ppo_", "algo.loss='ppo_': must be one of"),
         ("parallel.tensor=two", "parallel.tensor='two': must be an integer"),
         ("parallel.tensor=1.5", "parallel.tensor=1.5: must be an integer"),
-        ("rollout.partial=maybe", "rollout.partial='maybe': must be true or false"),
+        ("rollout.partial.enabled=maybe", "rollout.partial.enabled='maybe': must be true or false"),
+        ("rollout.partial=true", "rollout.partial=True: must be a mapping of PartialConfig fields"),
+        ("rollout.token_budget=8", "rollout.token_budget: unknown key; moved to rollout.partial.token_budget"),
         ("model.precision=fp8", "model.precision='fp8': fp8 needs transformer_impl='transformer_engine'"),
-        ("rollout.token_budget=8", "rollout.token_budget=8: only applies with partial=true"),
+        ("rollout.partial.token_budget=8", "rollout.partial.token_budget=8: only applies with enabled=true"),
         ("steps.x=1", "steps.x=1: 'steps' is a value, not a section"),
         ("algo.bapo.preset=fast", "algo.bapo.preset='fast': must be one of"),
         ("logging.backends=[console, tensorboard]", "logging.backends[1]='tensorboard': must be one of"),
@@ -66,8 +68,8 @@ def test_bad_files(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(tmp_path / "list.yaml")
-    (tmp_path / "typo.yaml").write_text("rollout:\n  temprature: 0.7\n")
-    with pytest.raises(ConfigError, match=r"rollout\.temprature: unknown key; did you mean 'temperature'"):
+    (tmp_path / "typo.yaml").write_text("rollout:\n  sampling:\n    temprature: 0.7\n")
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.temprature: unknown key; did you mean .temperature."):
         load_config(tmp_path / "typo.yaml")
 
 
@@ -95,41 +97,56 @@ def test_every_example_config_loads():
 
 
 def test_partial_budget_must_reach_max_new_tokens_before_staleness():
-    with pytest.raises(ConfigError, match=r"rollout.token_budget=8: x \(max_staleness \+ 1\) = 40 tokens"):
-        load_config(None, ["rollout.partial=true", "rollout.max_new_tokens=64", "rollout.token_budget=8"])
+    with pytest.raises(ConfigError, match=r"rollout.partial.token_budget=8: x \(max_staleness \+ 1\) = 40 tokens"):
+        load_config(
+            None,
+            ["rollout.partial.enabled=true", "rollout.sampling.max_new_tokens=64", "rollout.partial.token_budget=8"],
+        )
     cfg = load_config(
-        None, ["rollout.partial=true", "rollout.max_new_tokens=64", "rollout.token_budget=8", "rollout.max_staleness=7"]
+        None,
+        [
+            "rollout.partial.enabled=true",
+            "rollout.sampling.max_new_tokens=64",
+            "rollout.partial.token_budget=8",
+            "rollout.max_staleness=7",
+        ],
     )
-    assert cfg.rollout.token_budget * (cfg.rollout.max_staleness + 1) == 64
+    assert cfg.rollout.partial.token_budget * (cfg.rollout.max_staleness + 1) == 64
 
 
 def test_retract_mode_needs_partial_and_no_token_budget():
-    with pytest.raises(ConfigError, match=r"rollout.partial_mode='retract': needs partial=true"):
-        load_config(None, ["rollout.partial_mode=retract"])
-    with pytest.raises(ConfigError, match=r"rollout.token_budget=16: does not apply with partial_mode=retract"):
-        load_config(None, ["rollout.partial=true", "rollout.partial_mode=retract", "rollout.token_budget=16"])
-    with pytest.raises(ConfigError, match="partial_mode"):
-        load_config(None, ["rollout.partial=true", "rollout.partial_mode=pause"])
-    assert load_config(None, ["rollout.partial=true", "rollout.partial_mode=retract"]).rollout.partial_mode == "retract"
+    with pytest.raises(ConfigError, match=r"rollout.partial.mode='retract': needs enabled=true"):
+        load_config(None, ["rollout.partial.mode=retract"])
+    with pytest.raises(ConfigError, match=r"rollout.partial.token_budget=16: does not apply with mode=retract"):
+        load_config(
+            None, ["rollout.partial.enabled=true", "rollout.partial.mode=retract", "rollout.partial.token_budget=16"]
+        )
+    with pytest.raises(ConfigError, match="rollout.partial.mode"):
+        load_config(None, ["rollout.partial.enabled=true", "rollout.partial.mode=pause"])
+    assert (
+        load_config(None, ["rollout.partial.enabled=true", "rollout.partial.mode=retract"]).rollout.partial.mode
+        == "retract"
+    )
 
 
 def test_sglang_args_pass_through_and_never_override_the_launcher(tmp_path):
     cfg = load_config(
-        None, ["rollout.sglang_args.attention_backend=triton", "rollout.sglang_args.cuda-graph-max-bs=64"]
+        None,
+        ["rollout.engines.sglang_args.attention_backend=triton", "rollout.engines.sglang_args.cuda-graph-max-bs=64"],
     )
-    assert cfg.rollout.sglang_args == {"attention_backend": "triton", "cuda-graph-max-bs": 64}
+    assert cfg.rollout.engines.sglang_args == {"attention_backend": "triton", "cuda-graph-max-bs": 64}
     (tmp_path / "job.yaml").write_text(dump_config(cfg))
     assert load_config(tmp_path / "job.yaml") == cfg
     with pytest.raises(
         ConfigError,
-        match=r"rollout.sglang_args.tp_size=4: is the launcher's option "
-        r"\(set from rollout.tensor_parallel\)",
+        match=r"rollout.engines.sglang_args.tp_size=4: is the launcher's option "
+        r"\(set from rollout.engines.tensor_parallel\)",
     ):
-        load_config(None, ["rollout.sglang_args={tp_size: 4}"])
-    with pytest.raises(ConfigError, match=r"rollout.sglang_args=3: must be a mapping"):
-        load_config(None, ["rollout.sglang_args=3"])
-    with pytest.raises(ConfigError, match=r"rollout.sglang_args.json-model-override-args=.*: must be a scalar"):
-        load_config(None, ["rollout.sglang_args.json-model-override-args={rope_theta: 1}"])
+        load_config(None, ["rollout.engines.sglang_args={tp_size: 4}"])
+    with pytest.raises(ConfigError, match=r"rollout.engines.sglang_args=3: must be a mapping"):
+        load_config(None, ["rollout.engines.sglang_args=3"])
+    with pytest.raises(ConfigError, match=r"rollout.engines.sglang_args.json-model-override-args=.*: must be a scalar"):
+        load_config(None, ["rollout.engines.sglang_args.json-model-override-args={rope_theta: 1}"])
 
 
 def test_stop_when_rules():
@@ -148,3 +165,16 @@ def test_a_file_that_is_not_yaml_is_named(tmp_path):
     path.write_text("steps: 5\nrollout: [unclosed\n")
     with pytest.raises(ConfigError, match=r"config=.*job.yaml'?: not valid YAML: .*line 3"):
         load_config(path)
+
+
+def test_asynchronous_mode_refuses_what_cannot_work_with_it():
+    with pytest.raises(ConfigError, match=r"rollout.deterministic=True: needs mode=sync"):
+        load_config(None, ["rollout.mode=async", "rollout.deterministic=true"])
+    with pytest.raises(ConfigError, match=r"rollout.engines.colocate=True: mode=async generates while the trainer"):
+        load_config(None, ["rollout.mode=async", "rollout.engines.colocate=true"])
+    with pytest.raises(ConfigError, match=r"rollout.partial.enabled=True: applies to mode=sync"):
+        load_config(None, ["rollout.mode=async", "rollout.partial.enabled=true"])
+    with pytest.raises(ConfigError, match=r"rollout.pause_mode='pause': must be one of"):
+        load_config(None, ["rollout.mode=async", "rollout.pause_mode=pause"])
+    cfg = load_config(None, ["rollout.mode=async", "rollout.max_staleness=2", "rollout.pause_mode=abort"]).rollout
+    assert (cfg.mode, cfg.max_staleness, cfg.pause_mode, cfg.token_budget) == ("async", 2, "abort", 64)

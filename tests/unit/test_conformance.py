@@ -15,9 +15,9 @@ import pytest
 
 from bapo_megatron.common import protocol
 from bapo_megatron.common.protocol import SamplingParams
+from tests.helpers import SGLANG_LAUNCH as LAUNCH
 from tests.sglang_wheel import ROOT, VERSION, WheelUnavailable, wheel_path
 from tests.sglang_wheel import source as _source
-from tests.unit.test_sglang_launch_config import LAUNCH
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.test_convert import make_hf_model
+from tests.helpers import make_hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import convert_checkpoint as cli

@@ -37,7 +37,7 @@ def _driver(tmp_path, model_dir, *overrides):
             f"model.hf_path={model_dir}",
             f"data.path={tmp_path / 'data.jsonl'}",
             "data.reward=exact",
-            f"rollout.port={free_port()}",
+            f"rollout.engines.port={free_port()}",
             *overrides,
         ],
     )
@@ -88,24 +88,24 @@ def test_a_prompt_beyond_the_context_is_refused(tmp_path, model_dir):
     from bapo_megatron.errors import BadInputError
 
     with pytest.raises(BadInputError, match="exceed the model's context of 4096 tokens"):
-        _driver(tmp_path, model_dir, "rollout.max_new_tokens=4094")
+        _driver(tmp_path, model_dir, "rollout.sampling.max_new_tokens=4094")
 
 
 def test_sglang_engines_are_checked_before_any_model(tmp_path, model_dir, monkeypatch):
-    """rollout.engine=sglang started by the driver: SGLang installed, GPUs here, and room for the
+    """rollout.engines.kind=sglang started by the driver: SGLang installed, GPUs here, and room for the
     servers beside the trainer's ranks on this node, each a ConfigError naming the field."""
     import importlib.util
 
     import torch
 
-    sglang = ["rollout.engine=sglang", "rollout.servers=2", "rollout.tensor_parallel=2"]
+    sglang = ["rollout.engines.kind=sglang", "rollout.engines.servers=2", "rollout.engines.tensor_parallel=2"]
     real_find_spec = importlib.util.find_spec
 
     def installed(present: bool):
         return lambda name, *a: (object() if present else None) if name == "sglang" else real_find_spec(name, *a)
 
     monkeypatch.setattr(importlib.util, "find_spec", installed(False))
-    with pytest.raises(ConfigError, match=r"rollout.engine='sglang': SGLang 0.5.23 is not installed here"):
+    with pytest.raises(ConfigError, match=r"rollout.engines.kind='sglang': SGLang 0.5.23 is not installed here"):
         _driver(tmp_path, model_dir, *sglang)
     monkeypatch.setattr(importlib.util, "find_spec", installed(True))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
@@ -113,13 +113,15 @@ def test_sglang_engines_are_checked_before_any_model(tmp_path, model_dir, monkey
         _driver(tmp_path, model_dir, *sglang)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun --nproc-per-node 8: every GPU trains
-    with pytest.raises(ConfigError, match=r"rollout.servers=2: 2 server\(s\) x TP 2 on GPUs of their own need 4"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.engines.servers=2: 2 server\(s\) x TP 2 on GPUs of their own need 4"
+    ):
         _driver(tmp_path, model_dir, *sglang)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert _driver(tmp_path, model_dir, *sglang).base_gpus == [4, 6]
-    assert _driver(tmp_path, model_dir, *sglang, "rollout.colocate=true").base_gpus == [0, 2]
+    assert _driver(tmp_path, model_dir, *sglang).engines.base_gpus == [4, 6]
+    assert _driver(tmp_path, model_dir, *sglang, "rollout.engines.colocate=true").engines.base_gpus == [0, 2]
     # engines that run elsewhere need none of it
-    urls = "rollout.engine_urls=[http://127.0.0.1:1]"
+    urls = "rollout.engines.urls=[http://127.0.0.1:1]"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(ConfigError, match="rollout.engine_urls"):  # does not answer: the URL check, not SGLang's
+    with pytest.raises(ConfigError, match="rollout.engines.urls"):  # does not answer: the URL check, not SGLang's
         _driver(tmp_path, model_dir, *sglang, urls)

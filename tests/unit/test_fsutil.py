@@ -6,7 +6,7 @@ import pytest
 
 from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.fsutil import atomic_directory, write_text_atomic
-from tests.e2e.test_train_resume import make_batch
+from tests.helpers import make_batch
 
 
 def test_a_users_tmp_beside_the_target_survives(tmp_path):

@@ -81,7 +81,12 @@ def test_server_never_ready_times_out_and_is_stopped(tmp_path):
 
 def _sglang_cfg(**overrides):
     return load_config(
-        None, ["rollout.engine=sglang", "rollout.servers=2", *(f"rollout.{k}={v}" for k, v in overrides.items())]
+        None,
+        [
+            "rollout.engines.kind=sglang",
+            "rollout.engines.servers=2",
+            *(f"rollout.{k}={v}" for k, v in overrides.items()),
+        ],
     ).rollout
 
 

@@ -69,7 +69,7 @@ def test_presets_hold_the_papers_settings(name):
     assert cfg.algo.loss == "bapo" and bapo.target_rho == 0.5
     assert (bapo.low_start, bapo.low_max, bapo.high_start, bapo.high_max) == (0.6, 0.9, 1.2, 3.0)
     assert cfg.rollout.samples_per_prompt == 16 and cfg.optimizer.lr == 1e-6
-    assert cfg.rollout.partial and cfg.rollout.engine == "sglang" and cfg.model.precision == "bf16"
+    assert cfg.rollout.partial and cfg.rollout.engines.kind == "sglang" and cfg.model.precision == "bf16"
     world = PRESETS[name][0]
     assert world % 8 == 0 and world % (cfg.parallel.tensor * cfg.parallel.pipeline) == 0  # whole 8-GPU nodes
 

@@ -18,25 +18,32 @@ def test_engine_server_is_the_drivers_engine_at_port_plus_index(tmp_path):
     key = tmp_path / "key"
     key.write_text("k" * 32)
     os.chmod(key, 0o600)
-    overrides = [f"model.hf_path={tmp_path}", "rollout.servers=3", "rollout.port=31000", "rollout.host=0.0.0.0"]
-    cfg = load_config(None, [*overrides, f"rollout.admin_key_file={key}", "seed=7"])
+    overrides = [
+        f"model.hf_path={tmp_path}",
+        "rollout.engines.servers=3",
+        "rollout.engines.port=31000",
+        "rollout.engines.host=0.0.0.0",
+    ]
+    cfg = load_config(None, [*overrides, f"rollout.engines.admin_key_file={key}", "seed=7"])
     server = engine_server(cfg, 2, tmp_path / "engines")
     assert server.url == "http://0.0.0.0:31002"
     command = server.command
     assert command[1:3] == ["-m", "bapo_megatron.rollout.embedded"]
     assert command[command.index("--port") + 1] == "31002" and command[command.index("--seed") + 1] == "9"
     assert server.env["BAPO_ADMIN_API_KEY"] == "k" * 32  # the job's shared key, never on the command line
-    with pytest.raises(ValueError, match="--index 3: the job has rollout.servers=3"):
+    with pytest.raises(ValueError, match="--index 3: the job has rollout.engines.servers=3"):
         engine_server(cfg, 3, tmp_path)
 
 
 def test_engine_server_refuses_what_cannot_be_served(tmp_path):
     with pytest.raises(ValueError, match="model.hf_path"):
         engine_server(load_config(None, []), 0, tmp_path)
-    colocated = load_config(None, [f"model.hf_path={tmp_path}", "rollout.colocate=true", "rollout.engine=sglang"])
+    colocated = load_config(
+        None, [f"model.hf_path={tmp_path}", "rollout.engines.colocate=true", "rollout.engines.kind=sglang"]
+    )
     with pytest.raises(ValueError, match="colocated engines are started by the trainer"):
         engine_server(colocated, 0, tmp_path)
-    beyond_loopback = load_config(None, [f"model.hf_path={tmp_path}", "rollout.host=0.0.0.0"])
+    beyond_loopback = load_config(None, [f"model.hf_path={tmp_path}", "rollout.engines.host=0.0.0.0"])
     server = engine_server(beyond_loopback, 0, tmp_path / "engines")  # no key given: one is made, 0600
     assert (tmp_path / "engines" / "admin_api_key").stat().st_mode & 0o077 == 0
     assert len(server.env["BAPO_ADMIN_API_KEY"]) >= 32
@@ -52,7 +59,7 @@ def test_wait_names_the_engines_that_never_answered(capsys):
 
 def test_cli_errors_are_one_line():
     done = subprocess.run(
-        [sys.executable, "-m", "bapo_megatron.serve", "rollout.servers=1", "--index", "1"],
+        [sys.executable, "-m", "bapo_megatron.serve", "rollout.engines.servers=1", "--index", "1"],
         cwd=ROOT,
         capture_output=True,
         text=True,

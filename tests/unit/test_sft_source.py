@@ -8,8 +8,8 @@ import pytest
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import load_config
 from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.sources import SFTSource
 from bapo_megatron.tasks import SPECIAL, write_task
-from bapo_megatron.train import SFTSource
 
 
 def _source(tmp_path, records, *extra):
@@ -32,7 +32,7 @@ def _source(tmp_path, records, *extra):
 
 def test_batches_hold_the_answers(tmp_path):
     source = _source(tmp_path, [{"prompt": "001+002=", "answer": "0003"}, {"prompt": "010+020=", "answer": "0030"}])
-    batch = source.next_batch()
+    batch, _ = source.next_batch(0)
     eos = SPECIAL.index("<eos>")
     assert len(batch.samples) == 2 and {s.group for s in batch.samples} == {0}
     for sample in batch.samples:

@@ -16,29 +16,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bapo_megatron.cli import rollout_mem_fraction
 from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.rollout.sglang_launcher import server_args, sglang_servers
+from bapo_megatron.trainer.memory import rollout_mem_fraction
+from tests.helpers import SGLANG_LAUNCH
 from tests.sglang_wheel import WheelUnavailable, extracted_wheel, parser_deps
 
 REPO = Path(__file__).resolve().parents[2]
-DOCUMENTED = (
-    "rollout.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, "
-    "disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true, max-running-requests: null}"
-)
-
-
-LAUNCH = [  # two colocated deterministic servers beyond loopback (a generated key), the documented further options
-    "rollout.engine=sglang",
-    "rollout.colocate=true",
-    "rollout.host=10.0.0.5",
-    "rollout.servers=2",
-    "rollout.tensor_parallel=2",
-    "rollout.deterministic=true",
-    DOCUMENTED,
-]
+LAUNCH = SGLANG_LAUNCH
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +82,20 @@ def test_sglangs_deprecated_options_are_refused_at_config_time(sglang_parse):
     for option, replacement in SGLANG_DEPRECATED_ARGS.items():
         for spelling in (option, option.replace("-", "_")):
             with pytest.raises(ConfigError, match="deprecated") as err:
-                load_config(None, [f"rollout.sglang_args={{{spelling}: true}}"])
+                load_config(None, [f"rollout.engines.sglang_args={{{spelling}: true}}"])
             assert replacement in str(err.value)
 
 
 def test_the_memory_fraction_is_the_configs_or_derived_when_colocated():
     from bapo_megatron.rollout.sglang_launcher import SEPARATE_MEM_FRACTION, mem_fraction
 
-    separate = load_config(None, ["rollout.engine=sglang"]).rollout
+    separate = load_config(None, ["rollout.engines.kind=sglang"]).rollout
     assert mem_fraction(separate) == SEPARATE_MEM_FRACTION
-    colocated = load_config(None, ["rollout.engine=sglang", "rollout.colocate=true"]).rollout
-    with pytest.raises(ValueError, match="rollout.mem_fraction_static"):
+    colocated = load_config(None, ["rollout.engines.kind=sglang", "rollout.engines.colocate=true"]).rollout
+    with pytest.raises(ValueError, match="rollout.engines.mem_fraction_static"):
         mem_fraction(colocated)  # never the separate default beside a trainer
     assert mem_fraction(colocated, 0.42) == 0.42
-    chosen = load_config(None, ["rollout.colocate=true", "rollout.mem_fraction_static=0.3"]).rollout
+    chosen = load_config(None, ["rollout.engines.colocate=true", "rollout.engines.mem_fraction_static=0.3"]).rollout
     assert mem_fraction(chosen, 0.42) == 0.3
 
 
@@ -121,11 +108,11 @@ def test_the_launcher_sets_exactly_the_options_the_config_lists():
     cfg = load_config(
         None,
         [
-            "rollout.engine=sglang",
-            "rollout.colocate=true",
+            "rollout.engines.kind=sglang",
+            "rollout.engines.colocate=true",
             "rollout.deterministic=true",
-            "rollout.mem_fraction_static=0.5",
-            "rollout.sglang_args.attention-backend=fa3",
+            "rollout.engines.mem_fraction_static=0.5",
+            "rollout.engines.sglang_args.attention-backend=fa3",
         ],
     ).rollout
     args = server_args(cfg, "/models/m", 0, "k" * 32)
@@ -135,24 +122,34 @@ def test_the_launcher_sets_exactly_the_options_the_config_lists():
 def _placement(trainer_gpus: int, node_gpus: int, *overrides: str) -> list[int]:
     from bapo_megatron.rollout.sglang_launcher import gpu_placement
 
-    return gpu_placement(load_config(None, ["rollout.engine=sglang", *overrides]).rollout, trainer_gpus, node_gpus)
+    return gpu_placement(
+        load_config(None, ["rollout.engines.kind=sglang", *overrides]).rollout, trainer_gpus, node_gpus
+    )
 
 
 def test_servers_started_by_the_driver_never_share_a_gpu_with_a_trainer_that_keeps_its_memory():
     # colocated: each engine rank on the GPU of one trainer rank, which releases its memory
-    assert _placement(8, 8, "rollout.colocate=true", "rollout.servers=2", "rollout.tensor_parallel=4") == [0, 4]
-    assert _placement(8, 8, "rollout.colocate=true", "rollout.servers=8") == list(range(8))
+    assert _placement(
+        8, 8, "rollout.engines.colocate=true", "rollout.engines.servers=2", "rollout.engines.tensor_parallel=4"
+    ) == [0, 4]
+    assert _placement(8, 8, "rollout.engines.colocate=true", "rollout.engines.servers=8") == list(range(8))
     with pytest.raises(ValueError, match=r"need the GPUs of 12 trainer ranks on the driver's node, which runs 8"):
-        _placement(8, 8, "rollout.colocate=true", "rollout.servers=3", "rollout.tensor_parallel=4")
+        _placement(
+            8, 8, "rollout.engines.colocate=true", "rollout.engines.servers=3", "rollout.engines.tensor_parallel=4"
+        )
     # on GPUs of their own: after the trainer's ranks on the node
-    assert _placement(4, 8, "rollout.servers=2", "rollout.tensor_parallel=2") == [4, 6]
-    assert _placement(6, 8, "rollout.servers=1", "rollout.tensor_parallel=2") == [6]
+    assert _placement(4, 8, "rollout.engines.servers=2", "rollout.engines.tensor_parallel=2") == [4, 6]
+    assert _placement(6, 8, "rollout.engines.servers=1", "rollout.engines.tensor_parallel=2") == [6]
     with pytest.raises(ValueError, match=r"need 2 GPUs beside the trainer's 8 on the driver's node, which has 8"):
-        _placement(8, 8, "rollout.servers=1", "rollout.tensor_parallel=2")  # `torchrun --nproc-per-node 8`
+        _placement(
+            8, 8, "rollout.engines.servers=1", "rollout.engines.tensor_parallel=2"
+        )  # `torchrun --nproc-per-node 8`
 
 
 def test_each_server_config_names_its_placed_gpu(tmp_path):
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.servers=2", "rollout.tensor_parallel=2"]).rollout
+    cfg = load_config(
+        None, ["rollout.engines.kind=sglang", "rollout.engines.servers=2", "rollout.engines.tensor_parallel=2"]
+    ).rollout
     servers, _ = sglang_servers(cfg, "/models/m", tmp_path, base_gpus=[4, 6])
     assert [yaml.safe_load((tmp_path / f"sglang_{i}.yaml").read_text())["base-gpu-id"] for i in range(2)] == [4, 6]
     assert len(servers) == 2

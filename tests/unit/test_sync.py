@@ -1,14 +1,20 @@
 """Weight senders' session discipline, without engines: an unaligned flattened bucket fails in
 the trainer before any engine is told about it, and the session is ended all the same; an engine
 that refuses to begin leaves no other engine with a session open; the cache is flushed once per
-sync, by the last bucket."""
-
-import asyncio
+sync, by the last bucket, and not at all in an in-place pause."""
 
 import pytest
 import torch
 
+from bapo_megatron.rollout.loop import EngineLoop
 from bapo_megatron.weights.sync import DistributedWeightSender, TensorWeightSender
+
+
+@pytest.fixture(scope="module")
+def loop():
+    engine_loop = EngineLoop()
+    yield engine_loop
+    engine_loop.close()
 
 
 def _sender(kind: str, clients):
@@ -44,11 +50,11 @@ UNALIGNED = [("norm", torch.zeros(3, dtype=torch.bfloat16)), ("w", torch.zeros(2
 
 
 @pytest.mark.parametrize("kind", ["distributed", "tensor"])
-def test_unaligned_bucket_fails_before_the_engine_hears_of_it(kind):
+def test_unaligned_bucket_fails_before_the_engine_hears_of_it(kind, loop):
     client = RecordingClient()
     sender = _sender(kind, [client])
     with pytest.raises(ValueError, match="unaligned"):
-        asyncio.run(sender.send([UNALIGNED], "1"))
+        sender.send([UNALIGNED], "1", loop)
     assert client.calls == ["begin", "end"]
 
 
@@ -56,18 +62,21 @@ BUCKET = [("w", torch.zeros(2, 2)), ("b", torch.zeros(2))]
 
 
 @pytest.mark.parametrize("kind", ["distributed", "tensor"])
-def test_a_refused_begin_closes_the_sessions_that_opened(kind):
+def test_a_refused_begin_closes_the_sessions_that_opened(kind, loop):
     ok, refusing = RecordingClient(), RecordingClient(refuse_begin=True)
     with pytest.raises(RuntimeError, match="refused"):
-        asyncio.run(_sender(kind, [ok, refusing]).send([BUCKET], "1"))
+        _sender(kind, [ok, refusing]).send([BUCKET], "1", loop)
     assert ok.calls == ["begin", "end"] and refusing.calls == []
 
 
 @pytest.mark.parametrize("kind", ["distributed", "tensor"])
-def test_the_cache_is_flushed_once_by_the_last_bucket(kind):
+def test_the_cache_is_flushed_once_by_the_last_bucket(kind, loop):
     client = RecordingClient()
-    asyncio.run(_sender(kind, [client]).send(iter([BUCKET, BUCKET, BUCKET]), "1"))  # a stream: no len()
+    _sender(kind, [client]).send(iter([BUCKET, BUCKET, BUCKET]), "1", loop)  # a stream: no len()
     assert client.calls == ["begin", f"{kind} flush=False", f"{kind} flush=False", f"{kind} flush=True", "end"]
+    client = RecordingClient()
+    _sender(kind, [client]).send(iter([BUCKET, BUCKET]), "2", loop, flush_cache=False)  # in-place: never
+    assert client.calls == ["begin", f"{kind} flush=False", f"{kind} flush=False", "end"]
 
 
 def test_the_group_backend_follows_the_device():

@@ -9,8 +9,10 @@ import pytest
 from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import load_config
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.train import ReplaySource, split_groups, validate
-from tests.e2e.test_train_resume import make_batch
+from bapo_megatron.preflight import validate
+from bapo_megatron.sources import ReplaySource
+from bapo_megatron.train import split_groups
+from tests.helpers import make_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,9 +71,9 @@ def test_replay_source_and_group_split(tmp_path):
     for i in range(2):
         make_batch(i).save(tmp_path / f"b{i}.safetensors")
     source = ReplaySource(str(tmp_path), 250)
-    first = source.next_batch()
-    source.next_batch()
-    assert source.next_batch().samples[0].response_ids == first.samples[0].response_ids  # cycles
+    first, _ = source.next_batch(0)
+    source.next_batch(1)
+    assert source.next_batch(2)[0].samples[0].response_ids == first.samples[0].response_ids  # cycles
     restored = ReplaySource(str(tmp_path), 250)
     restored.load_state_dict(source.state_dict())
     assert restored.index == 3

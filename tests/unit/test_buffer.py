@@ -1,12 +1,11 @@
-"""The partial-rollout buffer: budgets, resumption, versions, staleness drops, round trip; and rewards."""
+"""The rollout buffer: budgets and rounds, resumption, versions, the staleness bound, round trip; and rewards."""
 
 import json
 
 import pytest
 
-from bapo_megatron.common.batch import stale_mask
 from bapo_megatron.common.protocol import Completion
-from bapo_megatron.rollout.partial import PartialRolloutBuffer
+from bapo_megatron.rollout.buffer import RolloutBuffer
 from bapo_megatron.rollout.rewards import RewardWorkers, last_boxed, score
 
 
@@ -17,14 +16,14 @@ def _completion(n: int, finish: str, version: str, start: int = 0) -> Completion
     )
 
 
-def _step(buffer: PartialRolloutBuffer, version: int, finish: str = "length") -> None:
+def _step(buffer: RolloutBuffer, version: int, finish: str = "length") -> None:
     buffer.drop_stale(version)
     for req in buffer.requests():
         buffer.record(req, _completion(req.max_new_tokens, finish, str(version), len(req.sample.response_ids)), version)
 
 
 def test_budgeted_requests_resume_with_the_partial_response():
-    buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=10, token_budget=4, max_staleness=5)
+    buffer = RolloutBuffer(samples_per_prompt=2, max_new_tokens=10, token_budget=4, max_staleness=5)
     buffer.add_group("p", [7, 8, 9])
     first = buffer.requests()
     assert [r.max_new_tokens for r in first] == [4, 4] and first[0].input_ids == [7, 8, 9]
@@ -39,14 +38,14 @@ def test_budgeted_requests_resume_with_the_partial_response():
     assert sample.finished and sample.finish == "length" and sample.response_ids == list(range(10))
     assert sample.versions == [0] * 4 + [1] * 4 + [2] * 2
     assert buffer.counters["resumed"] == 4
-    assert buffer.pop_finished() == []  # no rewards yet
+    assert buffer.take(10) == []  # no rewards yet
     for s in buffer.groups["p"].samples:
         s.reward = 1.0
-    assert [g.uid for g in buffer.pop_finished()] == ["p"] and buffer.in_flight == 0
+    assert [g.uid for g in buffer.take(10)] == ["p"] and buffer.in_flight == 0
 
 
 def test_stop_finishes_abort_does_not_and_duplicates_are_refused():
-    buffer = PartialRolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
+    buffer = RolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
     buffer.add_group("p", [1])
     req = buffer.requests()[0]
     buffer.record(req, _completion(3, "abort", "0"), 0)
@@ -60,7 +59,7 @@ def test_stop_finishes_abort_does_not_and_duplicates_are_refused():
 
 
 def test_versions_come_from_the_engine_spans():
-    buffer = PartialRolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
+    buffer = RolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
     buffer.add_group("p", [1])
     req = buffer.requests()[0]
     completion = _completion(5, "length", "4")
@@ -70,7 +69,7 @@ def test_versions_come_from_the_engine_spans():
 
 
 def test_staleness_drops_exactly_when_the_oldest_token_is_too_old():
-    buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=20, token_budget=2, max_staleness=2)
+    buffer = RolloutBuffer(samples_per_prompt=2, max_new_tokens=20, token_budget=2, max_staleness=2)
     buffer.add_group("p", [1, 2])
     _step(buffer, 0)  # tokens of version 0
     _step(buffer, 1)
@@ -85,30 +84,56 @@ def test_staleness_drops_exactly_when_the_oldest_token_is_too_old():
 
 
 def test_state_dict_round_trip_is_exact():
-    buffer = PartialRolloutBuffer(samples_per_prompt=3, max_new_tokens=9, token_budget=3, max_staleness=1)
+    buffer = RolloutBuffer(samples_per_prompt=3, max_new_tokens=9, token_budget=3, max_staleness=1)
     buffer.add_group("a", [1, 2], {"answer": "4"})
     buffer.add_group("b", [3])
     _step(buffer, 0)
     buffer.groups["a"].samples[1].reward = 0.5
     state = json.loads(json.dumps(buffer.state_dict()))  # it is plain JSON
-    restored = PartialRolloutBuffer(samples_per_prompt=3, max_new_tokens=9, token_budget=3, max_staleness=1)
+    restored = RolloutBuffer(samples_per_prompt=3, max_new_tokens=9, token_budget=3, max_staleness=1)
     restored.load_state_dict(state)
     assert restored.state_dict() == buffer.state_dict()
     assert [r.input_ids for r in restored.requests()] == [r.input_ids for r in buffer.requests()]
-    other = PartialRolloutBuffer(samples_per_prompt=3, max_new_tokens=12, token_budget=3, max_staleness=1)
+    other = RolloutBuffer(samples_per_prompt=3, max_new_tokens=12, token_budget=3, max_staleness=1)
     with pytest.raises(ValueError, match="saved with"):
         other.load_state_dict(state)
 
 
-def test_stale_prefix_mask():
-    assert stale_mask([1, 1, 2, 3, 3], True) == [0, 0, 0, 1, 1]
-    assert stale_mask([1, 1, 2], False) is None
+def test_the_bound_masks_instead_of_dropping_with_mask_stale_prefix():
+    masked = RolloutBuffer(1, max_new_tokens=20, token_budget=2, max_staleness=2, mask_stale_prefix=True)
+    plain = RolloutBuffer(1, max_new_tokens=20, token_budget=2, max_staleness=2)
+    for buffer in (masked, plain):
+        buffer.add_group("p", [1])
+        for version in (1, 2, 3):
+            _step(buffer, version)  # each drops first: nothing is stale yet at 3 - 2
+    assert [s.versions for s in masked.samples()] == [[1, 1, 2, 2, 3, 3]]
+    assert masked.drop_stale(4) == 0 and plain.drop_stale(4) == 1  # 4 - 1 > 2: dropped, or kept for masking
+    sample = next(masked.samples())
+    assert masked.loss_mask(sample, 4) == [0, 0, 1, 1, 1, 1]  # only versions >= 4 - 2 train at version 4
+    assert masked.loss_mask(sample, 3) == [1] * 6 and plain.loss_mask(sample, 4) is None
+
+
+def test_rounds_begin_at_each_step_and_when_a_round_is_used_up():
+    buffer = RolloutBuffer(samples_per_prompt=1, max_new_tokens=20, token_budget=4)
+    buffer.add_group("p", [1])
+    buffer.begin_step()
+    (req,) = buffer.requests()
+    buffer.record(req, _completion(3, "abort", "0"), 0)  # cut short inside its round
+    (req,) = buffer.requests()
+    assert req.max_new_tokens == 1 and buffer.rounds == 1  # the rest of the round, not a new one
+    buffer.record(req, _completion(1, "length", "0", 3), 0)
+    (req,) = buffer.requests()
+    assert req.max_new_tokens == 4 and buffer.rounds == 2  # used up: the next round
+    buffer.record(req, _completion(2, "abort", "0", 4), 0)
+    buffer.begin_step()  # a new step begins a new round, whatever is left of the last one
+    (req,) = buffer.requests()
+    assert req.max_new_tokens == 4 and buffer.rounds == 1
 
 
 def test_finished_groups_become_the_training_batch(tmp_path):
     from bapo_megatron.common.batch import RolloutBatch
 
-    buffer = PartialRolloutBuffer(samples_per_prompt=2, max_new_tokens=6, token_budget=3, max_staleness=5)
+    buffer = RolloutBuffer(samples_per_prompt=2, max_new_tokens=6, token_budget=3, max_staleness=5)
     buffer.add_group("a", [7, 8])
     buffer.add_group("b", [9])
     for version in (1, 2):
@@ -120,8 +145,9 @@ def test_finished_groups_become_the_training_batch(tmp_path):
         buffer.groups["a"].samples[0].reward = None
         RolloutBatch.from_groups(list(buffer.groups.values()), temperature=0.7)
     buffer.groups["a"].samples[0].reward = 0.0
-    groups = buffer.pop_finished()
-    batch = RolloutBatch.from_groups(groups, temperature=0.7, mask_stale_prefix=True, metadata={"step": "3"})
+    groups = buffer.take(10)
+    masks = [[[0, 0, 0, 1, 1, 1]] * 2] * 2
+    batch = RolloutBatch.from_groups(groups, temperature=0.7, metadata={"step": "3"}, loss_masks=masks)
     assert [s.group for s in batch.samples] == [0, 0, 1, 1] and [s.reward for s in batch.samples] == [0, 1, 0, 1]
     first = batch.samples[0]
     assert first.prompt_ids == [7, 8] and first.response_ids == list(range(6))

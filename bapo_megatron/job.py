@@ -1,0 +1,272 @@
+"""A run's set-up and teardown, and what decides when it saves and when it ends.
+
+`Job.start(cfg)` runs every check that needs no model first (bad input fails in seconds, before
+any process group starts), then builds the trainer, resumes it from its checkpoint (or loads the
+starting weights), and starts the batch source (sources.py: the engines of an online run serve
+the trainer's weights when it returns). `job.close()` undoes it, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.config import JobConfig, dump_config, parse_stop_when, to_dict
+from bapo_megatron.fsutil import write_text_atomic
+from bapo_megatron.logger import MetricLogger, StepLog
+from bapo_megatron.sources import BatchSource
+
+
+class StopSignal:
+    """SIGTERM/SIGUSR1 (checkpoint.save_on_signal): remembered, acted on at the next step boundary
+    (all ranks agree, then save and exit 0). Without save_on_signal, SIGTERM ends the run at once,
+    through its teardown (engines stopped), and SIGUSR1 is ignored."""
+
+    def __init__(self, save_on_signal: bool) -> None:
+        self.received: int | None = None
+        self.previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only (tests call run() from elsewhere)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self.previous[sig] = signal.signal(sig, self._remember if save_on_signal else self._end)
+
+    def _remember(self, signum, frame) -> None:
+        self.received = signum
+
+    def _end(self, signum, frame) -> None:
+        if signum == signal.SIGTERM:
+            raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class StopWhen:
+    """`stop_when`: whether the mean of a metric over its last stop_window steps has crossed a value.
+    Only ranks that compute the metric (the last pipeline stage) can decide (`local`); the job
+    tells every rank with one collective, together with the signal."""
+
+    def __init__(self, rule: str | None, window: int) -> None:
+        self.rule = parse_stop_when(rule) if rule else None
+        self.values: deque[float] = deque(maxlen=window)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        if self.rule is not None and self.rule[0] in metrics:
+            self.values.append(float(metrics[self.rule[0]]))
+
+    def local(self) -> bool:
+        if self.rule is None or len(self.values) < (self.values.maxlen or 1):
+            return False
+        _, op, value = self.rule
+        mean = sum(self.values) / len(self.values)
+        return mean >= value if op == ">=" else mean <= value
+
+    def describe(self) -> str:
+        name, op, value = self.rule
+        return f"stop_when: the mean {name} of the last {len(self.values)} steps {op} {value:g}"
+
+
+class Checkpointer:
+    """Whole-run checkpoints (trainer/checkpoint.py) every checkpoint.interval steps and at the end,
+    the source's state among them, taken while its rollout is quiesced. With no checkpoint.dir,
+    nothing is saved or resumed."""
+
+    def __init__(self, cfg: JobConfig, source: BatchSource) -> None:
+        from bapo_megatron.trainer.checkpoint import CheckpointManager
+
+        self.interval = cfg.checkpoint.interval
+        self.source = source
+        self.manager = CheckpointManager(cfg.checkpoint, dump_config(cfg)) if cfg.checkpoint.dir else None
+        if self.manager is not None:
+            self.manager.register(source.name, source)
+
+    def check_start(self, resume: bool) -> None:
+        """A wrong start fails in seconds: a fresh run over checkpoints, a resume from a broken one."""
+        from bapo_megatron.trainer.integrity import verify
+
+        if self.manager is None:
+            return
+        self.manager.check_start(resume)
+        latest = self.manager.latest() if resume else None
+        if latest is not None:
+            verify(latest, check_contents=False)
+
+    def resume(self, trainer) -> int | None:
+        """The step the run resumes at (everything restored), or None: a new run."""
+        return self.manager.load(trainer) if self.manager is not None else None
+
+    def due(self, step: int) -> bool:
+        return self.manager is not None and bool(self.interval) and step % self.interval == 0
+
+    def save(self, trainer, step: int, log: StepLog) -> None:
+        """The step's lines first (a kill after the save never loses them), then the checkpoint; its
+        seconds go in the next line."""
+        if self.manager is None:
+            return
+        log.flush()
+        start = time.monotonic()
+        with self.source.quiesced():
+            self.manager.save(trainer, step)
+        log.carry({"time/checkpoint": time.monotonic() - start})
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def any_rank(*flags: bool) -> list[bool]:
+    """Whether each flag is true on any rank: one all-reduce, every rank calling it at the same point."""
+    t = torch.tensor([float(f) for f in flags], device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def stopped_early_at(run_dir: Path, rule: str | None) -> int | None:
+    """The step at which this run's stop_when ended it (status.json), if the same rule did."""
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return status.get("step") if status.get("reason") == "stop_when" and status.get("stop_when") == rule else None
+
+
+@dataclass
+class Job:
+    cfg: JobConfig
+    rank: int
+    source: BatchSource
+    checkpointer: Checkpointer
+    stop: StopSignal
+    until: StopWhen
+    trainer: object = None
+    log: StepLog | None = None
+    step: int = 0  # the step the run (re)started at
+    resumed: bool = False
+    own_group: bool = False
+    ended: str | None = field(default=None)  # "stop_when" or "signal" once decided
+
+    @classmethod
+    def start(cls, cfg: JobConfig) -> Job:
+        from bapo_megatron.preflight import check_starting_weights, model_spec, validate
+        from bapo_megatron.sources import make_source
+        from bapo_megatron.trainer.parallel import single_process_env
+
+        spec = model_spec(cfg)
+        single_process_env()
+        validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
+        rank = int(os.environ["RANK"])
+        stop = StopSignal(cfg.checkpoint.save_on_signal)
+        source = None
+        try:
+            source = make_source(cfg, spec, rank)
+            job = cls(cfg, rank, source, Checkpointer(cfg, source), stop, StopWhen(cfg.stop_when, cfg.stop_window))
+            starting_weights = check_starting_weights(cfg)
+            job.checkpointer.check_start(cfg.checkpoint.resume)
+        except BaseException:
+            stop.restore()
+            if source is not None:
+                source.close()
+            raise
+        try:
+            job._build(spec, starting_weights)
+        except BaseException:
+            job.close()
+            raise
+        return job
+
+    def _build(self, spec, starting_weights: bool) -> None:
+        """The process group, the trainer, its state (resumed or starting), the log, the source."""
+        from bapo_megatron.trainer.checkpoint import weights_dir
+        from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel
+        from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+        from bapo_megatron.weights.hf_load import load_hf_into_trainer
+
+        cfg = self.cfg
+        self.own_group = not dist.is_initialized()
+        init_distributed()
+        if not torch.cuda.is_available():
+            from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+
+            activate_cpu_shim()
+        self.trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
+        start = self.checkpointer.resume(self.trainer) if cfg.checkpoint.resume else None
+        self.resumed, self.step = start is not None, start or 0
+        if not self.resumed and cfg.model.mcore_path:
+            self.trainer.load_weights(weights_dir(cfg.model.mcore_path))
+        elif not self.resumed and starting_weights:
+            load_hf_into_trainer(self.trainer, cfg.model.hf_path)
+        if self.rank == 0:
+            cfg.run_path.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(cfg.run_path / "config.yaml", dump_config(cfg))
+        logger = MetricLogger(
+            cfg.logging,
+            job_name=cfg.name,
+            config=to_dict(cfg),
+            enabled=self.rank == 0,
+            run_dir=cfg.run_path,
+            resume_step=self.step if self.resumed else None,
+        )
+        self.log = StepLog(logger)
+        self.source.start(self.trainer, self.step, self.resumed)
+        # a run that stop_when ended, started again: it stays ended (the same command is idempotent)
+        if self.until.rule is not None and self.resumed and stopped_early_at(cfg.run_path, cfg.stop_when) == self.step:
+            self.ended = "stop_when"
+        elif not self.resumed and (evaluation := self.source.evaluate(0)) is not None:
+            self.log.record(0, {}, evaluation)  # the starting policy's held-out score
+
+    def should_stop(self, step: int) -> bool:
+        """Whether the run ends at this step boundary (every rank agrees): stop_when or a signal."""
+        early, signalled = any_rank(self.ended == "stop_when" or self.until.local(), self.stop.received is not None)
+        if early and self.ended is None and self.rank == 0:
+            print(f"{self.until.describe()}: the run ends at step {step} of {self.cfg.steps}", flush=True)
+        self.ended = "stop_when" if early else "signal" if signalled else None
+        return self.ended is not None
+
+    def finish(self, step: int) -> None:
+        """The last step's lines and checkpoint; status.json says how the run ended (for job scripts:
+        requeue a stopped run, export a finished one)."""
+        cfg = self.cfg
+        self.log.flush()
+        if step > self.step and not self.checkpointer.due(step):  # trained here, and not saved on schedule
+            self.checkpointer.save(self.trainer, step, self.log)
+        if self.rank == 0:
+            finished = step >= cfg.steps or self.ended == "stop_when"
+            reason = "steps" if step >= cfg.steps else self.ended
+            status = {
+                "state": "finished" if finished else "stopped",
+                "reason": reason,
+                "step": step,
+                "steps": cfg.steps,
+                "signal": self.stop.received,
+            }
+            if reason == "stop_when":
+                status["stop_when"] = cfg.stop_when
+            write_text_atomic(cfg.run_path / "status.json", json.dumps(status) + "\n")
+            if self.stop.received is not None:
+                message = f"signal {self.stop.received}: saved step {step} of {cfg.steps}; the same command resumes"
+                print(message, file=sys.stderr)
+
+    def close(self) -> None:
+        """Teardown: signals restored, engines stopped, logs closed, the process group destroyed."""
+        self.stop.restore()
+        try:
+            self.source.close()
+        finally:
+            if self.log is not None:
+                self.log.logger.close()
+            if self.own_group and dist.is_initialized():
+                from bapo_megatron.trainer.parallel import destroy_model_parallel
+
+                destroy_model_parallel()
+                dist.destroy_process_group()

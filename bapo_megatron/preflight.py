@@ -1,0 +1,70 @@
+"""Every check of a job that needs no process group and no model: bad input fails in seconds.
+
+`bapo-train` runs them before it starts anything expensive, `--dry-run` runs them to print what
+would run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from bapo_megatron.common.model_spec import ModelSpec, check_layout, tiny_spec
+from bapo_megatron.config import JobConfig
+from bapo_megatron.errors import BadInputError, ConfigError
+
+
+def model_spec(cfg: JobConfig) -> ModelSpec:
+    return ModelSpec.from_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else tiny_spec()
+
+
+def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
+    """The layout against the model and the world, the batch against the data-parallel ranks, the
+    precision against this machine, and what the job's sources need."""
+    from bapo_megatron.trainer.megatron_config import check_precision_support
+
+    check_layout(spec, cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline)
+    dp = cfg.parallel.data_parallel_size(world_size)
+    per_update = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.algo.updates_per_batch
+    if per_update % dp:
+        raise ConfigError(
+            "rollout.prompts_per_step",
+            cfg.rollout.prompts_per_step,
+            f"{per_update} samples per optimizer step do not split over {dp} data-parallel ranks",
+        )
+    if cfg.parallel.virtual_pipeline and per_update // dp < cfg.parallel.pipeline:
+        raise ConfigError(
+            "rollout.prompts_per_step",
+            cfg.rollout.prompts_per_step,
+            f"{per_update // dp} samples per data-parallel rank and optimizer step cannot fill the interleaved "
+            f"schedule's groups of {cfg.parallel.pipeline} micro-batches (parallel.virtual_pipeline)",
+        )
+    if cfg.algo.loss == "sft" and cfg.rollout.replay is not None:
+        raise ConfigError("rollout.replay", cfg.rollout.replay, "algo.loss=sft trains on data.path; unset one")
+    check_precision_support(cfg.model)
+
+
+def check_starting_weights(cfg: JobConfig) -> bool:
+    """Whether model.hf_path's safetensors are the starting weights; their files (or mcore_path's)
+    checked before any model is built. A config without weights: random ones, loudly."""
+    from bapo_megatron.common.hf_io import HFCheckpoint
+    from bapo_megatron.trainer.checkpoint import weights_dir
+    from bapo_megatron.trainer.integrity import verify
+
+    if cfg.model.mcore_path:
+        verify(weights_dir(cfg.model.mcore_path), check_contents=False)
+        return False
+    if not cfg.model.hf_path:
+        return False
+    if not any(Path(cfg.model.hf_path).glob("*.safetensors")):
+        warnings.warn(
+            f"model.hf_path={cfg.model.hf_path} has a config.json but no *.safetensors: training starts from "
+            "RANDOM weights (set model.mcore_path, or put the model's safetensors there)",
+            stacklevel=2,
+        )
+        return False
+    try:
+        HFCheckpoint(cfg.model.hf_path)  # shapes against config.json, every tensor accounted for
+    except ValueError as err:
+        raise BadInputError(str(err)) from None
+    return True

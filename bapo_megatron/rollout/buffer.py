@@ -1,0 +1,238 @@
+"""Every prompt group between the prompt source and training: tokens, versions, rounds, staleness.
+
+A group holds the n samples of one prompt. Each sample keeps its response tokens with the
+behaviour log-prob and the policy version of every token; it continues by resubmitting
+prompt + partial response as input_ids, with what is left of its new-token allowance.
+
+The buffer owns three rules that the rollout strategies only ask about:
+- the token budget: a request carries at most `token_budget` new tokens of its sample's
+  current round; a sample whose round is used up begins another (`requests`), and the
+  rounds a step has begun are counted (`begin_step`, `rounds`);
+- the staleness bound: no token trained by policy version v may come from a version older
+  than v - max_staleness. A sample that would break it is reset and generated again
+  (`drop_stale`, counted), or, with mask_stale_prefix, keeps its tokens and leaves the old
+  ones out of the loss (`loss_mask`);
+- whole groups: a group goes to training only when every sample is finished and rewarded,
+  oldest (first admitted) first (`take`).
+
+The whole buffer round-trips through state_dict() exactly (plain lists, JSON-safe), so
+checkpoints carry it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bapo_megatron.common.protocol import Completion
+
+
+@dataclass
+class SampleState:
+    uid: str
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None  # "stop" or "length" once finished
+    reward: float | None = None
+    regenerated: int = 0  # times reset for staleness
+    round_tokens: int = 0  # tokens generated in its current round (the token budget's count)
+    step_rounds: int = 0  # rounds begun since the step began
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    def reset(self) -> None:
+        self.response_ids, self.logprobs, self.versions = [], [], []
+        self.finish, self.reward, self.round_tokens = None, None, 0
+
+
+@dataclass
+class GroupState:
+    uid: str
+    prompt_ids: list[int]
+    meta: dict[str, Any]
+    samples: list[SampleState]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished and s.reward is not None for s in self.samples)
+
+
+@dataclass
+class Request:
+    """One generation request for one sample: what to send and how much to allow."""
+
+    sample: SampleState
+    input_ids: list[int]
+    max_new_tokens: int
+
+
+class RolloutBuffer:
+    def __init__(
+        self,
+        samples_per_prompt: int,
+        max_new_tokens: int,
+        token_budget: int | None = None,
+        max_staleness: int = 4,
+        mask_stale_prefix: bool = False,
+    ) -> None:
+        self.samples_per_prompt, self.max_new_tokens = samples_per_prompt, max_new_tokens
+        self.token_budget = token_budget or max_new_tokens
+        self.max_staleness, self.mask_stale_prefix = max_staleness, mask_stale_prefix
+        self.groups: dict[str, GroupState] = {}
+        self.counters = {"dropped_stale": 0, "resumed": 0, "groups_added": 0, "groups_done": 0}
+
+    # -- groups ---------------------------------------------------------------------------
+    def add_group(self, uid: str, prompt_ids: list[int], meta: dict[str, Any] | None = None) -> GroupState:
+        if uid in self.groups:
+            raise ValueError(f"prompt {uid!r} is already in the buffer")
+        if not prompt_ids:
+            raise ValueError(f"prompt {uid!r} has no tokens")
+        group = GroupState(
+            uid,
+            list(prompt_ids),
+            dict(meta or {}),
+            [SampleState(f"{uid}/{i}", list(prompt_ids)) for i in range(self.samples_per_prompt)],
+        )
+        self.groups[uid] = group
+        self.counters["groups_added"] += 1
+        return group
+
+    def group_of(self, sample: SampleState) -> GroupState:
+        return self.groups[sample.uid.rpartition("/")[0]]
+
+    @property
+    def in_flight(self) -> int:
+        """Groups admitted and not yet taken by training (complete ones included)."""
+        return len(self.groups)
+
+    @property
+    def complete(self) -> int:
+        return sum(g.finished for g in self.groups.values())
+
+    @property
+    def generating(self) -> int:
+        """Groups not yet complete (some sample unfinished or unscored)."""
+        return self.in_flight - self.complete
+
+    @property
+    def taken(self) -> int:
+        """Groups handed to training so far."""
+        return self.counters["groups_done"]
+
+    def take(self, limit: int) -> list[GroupState]:
+        """Up to `limit` complete groups, oldest first, removed from the buffer."""
+        done = [g for g in self.groups.values() if g.finished][:limit]
+        for g in done:
+            del self.groups[g.uid]
+        self.counters["groups_done"] += len(done)
+        return done
+
+    def samples(self):
+        return (s for g in self.groups.values() for s in g.samples)
+
+    def unscored(self, busy: frozenset[str] = frozenset()) -> list[SampleState]:
+        """Finished samples without a reward that nothing is scoring (`busy` uids): after a restore."""
+        return [s for s in self.samples() if s.finished and s.reward is None and s.uid not in busy]
+
+    # -- requests and rounds ------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A new step: every sample's next request begins a round of its own."""
+        for s in self.samples():
+            s.step_rounds = 0
+
+    @property
+    def rounds(self) -> int:
+        """The most rounds one sample has begun since the step began."""
+        return max((s.step_rounds for s in self.samples()), default=0)
+
+    def requests(self, busy: frozenset[str] = frozenset()) -> list[Request]:
+        """Requests for every unfinished sample not being generated (`busy` uids), oldest groups first:
+        at most the rest of the sample's round of token_budget new tokens; a sample whose round is
+        used up (or that has begun none this step) begins another."""
+        out = []
+        for s in self.samples():
+            if s.finished or s.uid in busy:
+                continue
+            if s.step_rounds == 0 or s.round_tokens >= self.token_budget:
+                s.step_rounds, s.round_tokens = s.step_rounds + 1, 0
+            left = self.max_new_tokens - len(s.response_ids)
+            out.append(Request(s, s.prompt_ids + s.response_ids, min(left, self.token_budget - s.round_tokens)))
+        return out
+
+    def record(self, request: Request, completion: Completion, version: int) -> None:
+        """Append a completion's tokens to its sample. Tokens carry the versions the engine reports
+        (numeric weight versions), else `version`: the oldest that may have sampled them (the one
+        live when the request was sent)."""
+        s = request.sample
+        if s.finished:
+            raise RuntimeError(f"{s.uid} is finished already: a duplicate completion")
+        if len(completion.output_ids) > request.max_new_tokens:
+            raise ValueError(f"{s.uid}: {len(completion.output_ids)} tokens for a request of {request.max_new_tokens}")
+        if s.response_ids:
+            self.counters["resumed"] += 1
+        reported = completion.token_versions()
+        versions = [int(v) if v is not None and str(v).lstrip("-").isdigit() else version for v in reported]
+        s.response_ids += completion.output_ids
+        s.logprobs += completion.logprobs
+        s.versions += versions
+        s.round_tokens += len(completion.output_ids)
+        if completion.finish == "stop":
+            s.finish = "stop"
+        elif len(s.response_ids) >= self.max_new_tokens:
+            s.finish = "length"
+        # "abort", or "length" at the round's budget: unfinished, continued later
+
+    # -- staleness ----------------------------------------------------------------------------
+    def oldest_allowed(self, version: int) -> int:
+        """The oldest token version that policy version `version` may train on."""
+        return version - self.max_staleness
+
+    def drop_stale(self, version: int, busy: frozenset[str] = frozenset()) -> int:
+        """Reset every sample (not being generated: `busy` uids) holding a token older than version
+        `version` may train on, so that it is generated again; with mask_stale_prefix nothing is
+        reset (those tokens are masked instead: loss_mask). Returns how many were reset."""
+        if self.mask_stale_prefix:
+            return 0
+        oldest, dropped = self.oldest_allowed(version), 0
+        for s in self.samples():
+            if s.uid not in busy and s.versions and min(s.versions) < oldest:
+                s.reset()
+                s.regenerated += 1
+                dropped += 1
+        self.counters["dropped_stale"] += dropped
+        return dropped
+
+    def loss_mask(self, sample: SampleState, version: int) -> list[int] | None:
+        """With mask_stale_prefix, the sample's loss mask when version `version` trains it: 0 for the
+        tokens older than it may train on. None: every token counts."""
+        if not self.mask_stale_prefix:
+            return None
+        oldest = self.oldest_allowed(version)
+        return [int(v >= oldest) for v in sample.versions]
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _config(self) -> list:
+        return [self.samples_per_prompt, self.max_new_tokens, self.token_budget, self.max_staleness]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": self._config(),
+            "groups": [asdict(g) for g in self.groups.values()],
+            "counters": dict(self.counters),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if list(state["config"]) != self._config():
+            raise ValueError(
+                f"rollout buffer saved with (samples_per_prompt, max_new_tokens, token_budget, "
+                f"max_staleness) = {state['config']}, this run has {self._config()}"
+            )
+        self.groups = {}
+        for g in state["groups"]:
+            samples = [SampleState(**s) for s in g["samples"]]
+            self.groups[g["uid"]] = GroupState(g["uid"], g["prompt_ids"], g["meta"], samples)
+        self.counters = dict(state["counters"])

@@ -1,0 +1,159 @@
+"""The job's inference servers: started by the driver (embedded on loopback, SGLang by its launcher)
+or already running elsewhere (rollout.engines.urls), as one pool of clients.
+
+    engines = Engines(cfg, spec, run_dir, loop)      # ports free, SGLang placeable, URLs answering: checked
+    engines.start(model_dir)                         # started (or connected) and ready
+    loop.run(engines.check_version(7))               # every engine serves weight version 7
+    engines.close()                                  # what was started, stopped
+
+A started engine dies with this process (parent-death signal), so a killed driver leaves none
+behind. Started embedded engines get a generated admin key; SGLang's key comes from its launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+
+from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.config import JobConfig
+from bapo_megatron.errors import ConfigError, RunStopped
+from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
+from bapo_megatron.rollout.launcher import ServerProcess, embedded_servers
+from bapo_megatron.rollout.loop import EngineLoop
+from bapo_megatron.rollout.pool import EnginePool
+
+
+def check_port(host: str, port: int, field: str) -> None:
+    """ConfigError when (host, port) cannot be listened on (in use, or not this machine's)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise ConfigError(field, port, f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+
+
+def spec_difference(spec: ModelSpec, other: ModelSpec) -> str | None:
+    """The first shape field in which two specs differ, as text (None: same shape)."""
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size"):
+        if getattr(spec, name) != getattr(other, name):
+            return f"{name} {getattr(other, name)} (the trainer's is {getattr(spec, name)})"
+    return None
+
+
+class Engines:
+    def __init__(self, cfg: JobConfig, spec: ModelSpec, run_dir: Path, loop: EngineLoop, local_ranks: int = 1) -> None:
+        """Everything that can be checked before any engine starts: the ports of the engines to
+        start, SGLang's placement on this node (beside `local_ranks` trainer ranks), engines of
+        another job answering with this shape."""
+        self.cfg, self.spec, self.run_dir, self.loop = cfg, spec, Path(run_dir), loop
+        e = cfg.rollout.engines
+        self.servers: list[ServerProcess] = []
+        self.clients: list[EngineClient] = []
+        self.pool: EnginePool | None = None
+        self.key: str | None = None
+        self.base_gpus = self._sglang_placement(local_ranks) if e.kind == "sglang" and not e.urls else None
+        if e.urls:  # engines of another job: they answer and serve this shape, or nothing starts
+            from bapo_megatron.rollout.sglang_launcher import KEY_ENV, admin_key
+
+            given = e.admin_key_file or os.environ.get(KEY_ENV)
+            self.key = admin_key(cfg.rollout, self.run_dir) if given else None  # theirs: never one generated here
+            self.clients = [EngineClient(url, self.key, timeout_s=e.request_timeout_s) for url in e.urls]
+            self.loop.run(self._check_answering())
+        else:
+            host = "127.0.0.1" if e.kind == "embedded" else e.host
+            for i in range(e.servers):
+                check_port(host, e.port + i, "rollout.engines.port")
+
+    def start(self, model_dir: str | Path, colocated_fraction: float | None = None) -> EnginePool:
+        """Start the engines on `model_dir` (or take rollout.engines.urls) and wait until every one
+        answers; colocated_fraction: what a colocated SGLang server may take of its GPU."""
+        e = self.cfg.rollout.engines
+        if not e.urls:
+            if e.kind == "embedded":
+                self.key = secrets.token_urlsafe(32)
+                self.servers = embedded_servers(self.cfg.rollout, model_dir, self.run_dir, self.cfg.seed, self.key)
+                for server in self.servers:
+                    server.start()
+            else:
+                from bapo_megatron.rollout.sglang_launcher import start_sglang
+
+                self.servers, self.key = start_sglang(
+                    self.cfg.rollout,
+                    str(model_dir),
+                    self.run_dir,
+                    e.startup_timeout_s,
+                    seed=self.cfg.seed,
+                    colocated_fraction=colocated_fraction,
+                    base_gpus=self.base_gpus,
+                )
+            for server in self.servers:
+                server.wait_ready(e.startup_timeout_s)
+            self.clients = [
+                EngineClient(s.url, admin_key=self.key, timeout_s=e.request_timeout_s) for s in self.servers
+            ]
+        self.pool = EnginePool(self.clients, timeout_s=e.startup_timeout_s)
+        return self.pool
+
+    def _sglang_placement(self, local_ranks: int) -> list[int]:
+        """SGLang servers to start here: SGLang installed, GPUs on this node, and each server's
+        first GPU beside the trainer's ranks here (sglang_launcher.gpu_placement); else a
+        ConfigError, before any model is built."""
+        import torch
+
+        from bapo_megatron.rollout.sglang_launcher import check_installed, gpu_placement
+
+        e = self.cfg.rollout.engines
+        try:
+            check_installed()
+        except ValueError as err:
+            raise ConfigError("rollout.engines.kind", e.kind, str(err)) from None
+        gpus = torch.cuda.device_count()
+        if not gpus:
+            raise ConfigError(
+                "rollout.engines.kind",
+                e.kind,
+                "SGLang runs on CUDA GPUs and this machine has none (embedded runs on CPU)",
+            )
+        try:
+            return gpu_placement(self.cfg.rollout, local_ranks, gpus)
+        except ValueError as err:
+            raise ConfigError("rollout.engines.servers", e.servers, str(err)) from None
+
+    async def _check_answering(self) -> None:
+        """Engines that are already running answer, and serve a model of the trainer's shape."""
+        for client in self.clients:
+            try:
+                async with EngineClient(client.base_url, self.key, timeout_s=30, retries=1) as quick:
+                    info = await quick.model_info()
+            except (EngineUnavailable, EngineError) as err:
+                raise ConfigError("rollout.engines.urls", client.base_url, f"does not answer: {err}") from None
+            served = Path(str(info.get("model_path", "")))
+            if (served / "config.json").is_file():
+                problem = spec_difference(self.spec, ModelSpec.from_hf_dir(served))
+                if problem:
+                    raise ConfigError(
+                        "rollout.engines.urls", client.base_url, f"serves {served}, whose shape differs: {problem}"
+                    )
+
+    async def check_version(self, version: int) -> None:
+        """Every engine reports weight version `version` (after a sync), else RunStopped."""
+        for client in self.clients:
+            served = (await client.model_info()).get("weight_version")
+            if str(served) != str(version):
+                raise RunStopped(
+                    f"weight sync: {client.base_url} reports weight version {served!r} after the sync of "
+                    f"version {version}: its weights are not the trainer's"
+                )
+
+    def close(self) -> None:
+        """Close the clients and stop what was started here; safe to call more than once."""
+        if not self.loop.closed:
+            for client in self.clients:
+                self.loop.run(client.close())
+        for server in self.servers:
+            server.stop()
+        self.servers = []

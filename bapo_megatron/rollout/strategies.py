@@ -1,0 +1,268 @@
+"""How generation is scheduled against training: one strategy per rollout mode, over RolloutCore.
+
+Each strategy answers the same four questions (`Strategy`):
+- `batch(version)`: the next prompts_per_step complete groups for policy version `version`, oldest
+  first, and the figures of their rollout;
+- `paused(version)`: what the engines do around a weight update (to `version`);
+- `drain()` / `resume()`: nothing in flight and every partial output in the buffer, before a
+  checkpoint; generation going on after it.
+
+The modes:
+- `AbortSteps` (sync; partial rollout in abort mode, or none): a step generates until it has its
+  groups, each request capped by the token budget, then aborts what still runs; partial
+  output waits in the buffer (or is dropped) and continues next step. Nothing generates while
+  the trainer trains.
+- `RetractSteps` (sync, partial.mode retract): requests stay inside the engines across steps; the
+  engines pause in retract mode around an update and continue them under the new weights.
+- `DeterministicRounds` (sync, rollout.deterministic): synchronous rounds with seeded requests; what
+  a step trains on depends on nothing but the seed and the weights.
+- `AsyncStream` (rollout.mode async): a producer keeps groups generating while the trainer trains,
+  admitted only while every group queued or generating can still be trained within
+  max_staleness versions (AReaL's rule); a step takes the oldest complete groups; the engines
+  pause (rollout.pause_mode) for each weight update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+
+from bapo_megatron.rollout.buffer import GroupState
+from bapo_megatron.rollout.core import RolloutCore
+
+
+class Strategy:
+    """The sync default of every question; the modes override what differs."""
+
+    def __init__(self, core: RolloutCore, prompts_per_step: int, oversample: float = 1.0) -> None:
+        self.core, self.buffer, self.pool = core, core.buffer, core.pool
+        self.prompts_per_step = prompts_per_step
+        self.generating = math.ceil(prompts_per_step * oversample)
+
+    async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
+        raise NotImplementedError
+
+    @contextlib.asynccontextmanager
+    async def paused(self, version: int):
+        """Around a weight update. Nothing generates between sync steps: nothing to do."""
+        yield
+
+    async def drain(self) -> None:
+        """Before a checkpoint: nothing in flight, every reward in."""
+        await self.core.cut(list(self.core.running), keep=True)
+        await self.core.rewards()
+
+    async def resume(self) -> None:
+        """After a checkpoint."""
+
+    async def close(self) -> None:
+        """Before the engines stop."""
+
+    def _take(self, start: float, tokens: int, reward_wait: float) -> tuple[list[GroupState], dict[str, float]]:
+        """The step's groups, and the figures of their rollout since `start` (`tokens`: the core's
+        count then)."""
+        rounds = self.buffer.rounds
+        groups = self.buffer.take(self.prompts_per_step)
+        assert len(groups) == self.prompts_per_step, f"{len(groups)} complete groups of {self.prompts_per_step}"
+        return groups, self.core.stats(start, tokens, reward_wait, rounds)
+
+    async def _generate_until_complete(self, version: int) -> None:
+        """Send what is idle (a sample cut at its round's budget begins its next round at once: the
+        engines never wait for a round's slowest request) until prompts_per_step groups are complete."""
+        while self.buffer.complete < self.prompts_per_step:
+            self.core.launch_idle(version)
+            await self.core.wait()
+
+
+class AbortSteps(Strategy):
+    """Sync: generate until the step's groups are complete, then abort what still runs, keeping its
+    output for the next step (partial rollout) or dropping it."""
+
+    def __init__(self, core: RolloutCore, prompts_per_step: int, oversample: float = 1.0, keep: bool = True) -> None:
+        super().__init__(core, prompts_per_step, oversample)
+        self.keep = keep
+
+    async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
+        start, tokens = time.monotonic(), self.core.tokens
+        self.core.fill(self.generating)
+        self.buffer.drop_stale(version, self.core.busy())
+        self.buffer.begin_step()
+        await self._generate_until_complete(version)
+        await self.core.cut(list(self.core.running), keep=self.keep)
+        waited = await self.core.rewards()
+        return self._take(start, tokens, waited)
+
+
+class RetractSteps(Strategy):
+    """Sync, requests kept inside the engines across steps and weight updates. A request sent more
+    than max_staleness versions ago is aborted at the next step and its sample judged for staleness."""
+
+    async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
+        start, tokens = time.monotonic(), self.core.tokens
+        self.core.fill(self.generating)
+        await self.core.cut(self.core.stale_flights(version), keep=True)  # then judged with the rest:
+        self.buffer.drop_stale(version, self.core.busy())
+        self.buffer.begin_step()
+        await self._generate_until_complete(version)
+        waited = await self.core.rewards()
+        return self._take(start, tokens, waited)
+
+    @contextlib.asynccontextmanager
+    async def paused(self, version: int):
+        """The live engines pause (keeping their requests, dropping their KV caches) and continue
+        afterwards under the new weights."""
+        async with _engines_paused(self.pool, "retract"):
+            yield
+
+
+class DeterministicRounds(Strategy):
+    """Synchronous rounds in which every unfinished sample generates up to the token budget with its
+    own sampling seed (RolloutCore: from the run's seed, the sample's id and its length so far, as
+    SGLang's sampling_seed), until prompts_per_step groups are complete. Completions are recorded
+    in the buffer's order, whatever order they arrive in."""
+
+    async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
+        start, tokens, waited = time.monotonic(), self.core.tokens, 0.0
+        self.core.fill(self.generating)
+        self.buffer.drop_stale(version)
+        self.buffer.begin_step()
+        while self.buffer.complete < self.prompts_per_step:
+            requests = self.buffer.requests()
+            if not requests:
+                raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
+            tasks = [self.core.launch(req, version) for req in requests]
+            await asyncio.wait(tasks)
+            for task in tasks:  # in the buffer's order
+                self.core.completed(task)
+            self.core.report()
+            waited += await self.core.rewards()
+        return self._take(start, tokens, waited)
+
+
+class AsyncStream(Strategy):
+    """Generation beside training. A producer task keeps ceil(prompts_per_step x oversample) groups
+    generating (admission permitting) and records completions and rewards as they come; `batch`
+    takes the oldest complete groups, after resetting (or, mask_stale_prefix, keeping for masking)
+    those holding tokens older than the version that will train them allows."""
+
+    def __init__(
+        self, core: RolloutCore, prompts_per_step: int, oversample: float = 1.0, pause_mode: str = "retract"
+    ) -> None:
+        super().__init__(core, prompts_per_step, oversample)
+        self.pause_mode = pause_mode
+        self.version = 0
+        self.halted = False  # no request goes out (a weight update, a checkpoint)
+        self._wake = asyncio.Event()  # something the producer must look at again
+        self._progress = asyncio.Event()  # a completion or a reward came in
+        self._producer: asyncio.Task | None = None
+        self._last = (time.monotonic(), 0)  # the previous batch's time and token count
+
+    def admit(self) -> bool:
+        """One more group may start: all queued and generating ones could still be trained within
+        max_staleness versions of the engines' version, one batch a version (AReaL's rule)."""
+        limit = (self.version + self.buffer.max_staleness + 1) * self.prompts_per_step
+        return self.buffer.taken + self.buffer.in_flight < limit
+
+    async def _produce(self) -> None:
+        while True:
+            if not self.halted:
+                self.core.fill(self.generating, self.admit)
+                self.core.launch_idle(self.version)
+            self._wake.clear()
+            waker = asyncio.ensure_future(self._wake.wait())
+            try:
+                await self.core.wait(waker)
+            finally:
+                waker.cancel()
+            self._progress.set()
+
+    def _ensure_producer(self) -> None:
+        if self._producer is None:
+            self._producer = asyncio.create_task(self._produce())
+        elif self._producer.done():
+            self._producer.result()  # its failure (an engine error, a RolloutError) is the run's
+            raise RuntimeError("the rollout producer stopped")
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    async def _to_version(self, version: int) -> None:
+        """The engines serve `version` now: requests sent too long ago are cut (their output kept)
+        and samples that can no longer be trained within max_staleness are reset."""
+        self.version = version
+        if not self.buffer.mask_stale_prefix:
+            await self.core.cut(self.core.stale_flights(version), keep=True)
+            self.buffer.drop_stale(version, self.core.busy())
+        self._poke()
+
+    async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
+        start = time.monotonic()
+        if version != self.version or self._producer is None:
+            await self._to_version(version)
+        self._ensure_producer()
+        while True:
+            self.buffer.drop_stale(version, self.core.busy())
+            if self.buffer.complete >= self.prompts_per_step:
+                break
+            self._poke()
+            self._progress.clear()
+            progress = asyncio.ensure_future(self._progress.wait())
+            try:
+                await asyncio.wait([self._producer, progress], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                progress.cancel()
+            self._ensure_producer()
+        groups, stats = self._take(*self._last, 0.0)
+        self._poke()  # room for more groups under the admission rule
+        waited = time.monotonic() - start
+        self._last = (time.monotonic(), self.core.tokens)
+        stats.update(
+            {
+                "rollout/batch_wait": waited,
+                "rollout/queued_groups": float(self.buffer.complete),
+                "rollout/generating_groups": float(self.buffer.generating),
+            }
+        )
+        return groups, stats
+
+    @contextlib.asynccontextmanager
+    async def paused(self, version: int):
+        """No request goes out; the engines pause in rollout.pause_mode (abort: their requests come
+        back with what they have, recorded and continued afterwards; retract and in_place: they
+        wait inside the engines) and continue under `version` afterwards."""
+        self.halted = True
+        try:
+            async with _engines_paused(self.pool, self.pause_mode):
+                yield
+            await self._to_version(version)
+        finally:
+            self.halted = False
+            self._poke()
+
+    async def drain(self) -> None:
+        self.halted = True
+        await super().drain()
+
+    async def resume(self) -> None:
+        self.halted = False
+        self._poke()
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            self._producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._producer
+
+
+@contextlib.asynccontextmanager
+async def _engines_paused(pool, mode: str):
+    """The live engines paused in `mode` meanwhile (their busy time stops), continued afterwards."""
+    pool.set_paused(True)
+    await pool.each(lambda client: client.pause(mode))
+    try:
+        yield
+    finally:
+        await pool.each(lambda client: client.resume())
+        pool.set_paused(False)

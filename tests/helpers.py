@@ -1,0 +1,76 @@
+"""Shared by the test tiers: small random models and rollout batches, the SGLang launch under test."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import torch
+
+from bapo_megatron.common.batch import RolloutBatch, Sample
+
+CASES = {"qwen2-gqa2": ("qwen2", 2, False), "llama-gqa4-tied": ("llama", 1, True), "qwen2-mha": ("qwen2", 4, False)}
+"""Model shapes the conversion and layout tests cover: (architecture, kv heads, tied embeddings)."""
+
+
+def make_hf_model(root: Path, name: str, case: tuple[str, int, bool] | None = None):
+    """A random HF model saved under root/name; `case` = (architecture, kv heads, tied), default CASES[name]."""
+    import tokenizers
+    import transformers
+
+    from bapo_megatron.common.model_spec import tiny_spec
+
+    arch, kv, tied = case or CASES[name]
+    spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**spec.to_hf_config()), dtype=torch.float32
+    ).eval()
+    g = torch.Generator().manual_seed(len(name))
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in pname else 0.0) + 0.08 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(root / name, max_shard_size="100KB")  # several shards and an index
+    vocab = {f"t{i}": i for i in range(spec.vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.save(str(root / name / "tokenizer.json"))
+    return model
+
+
+def make_batch(seed: int, groups: int = 4, n: int = 4, max_len: int = 12, temperature: float = 1.0) -> RolloutBatch:
+    """Random groups of n samples with behaviour log-probs around -5.5, as a replayed rollout batch."""
+    rng = random.Random(seed)
+    samples = []
+    for group in range(groups):
+        prompt = [rng.randrange(250) for _ in range(rng.randint(2, 6))]
+        for _ in range(n):
+            length = rng.randint(1, max_len)
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(250) for _ in range(length)],
+                    behaviour_logprobs=[-5.5 + rng.gauss(0, 0.6) for _ in range(length)],
+                    versions=[0] * length,
+                    reward=rng.random(),
+                    group=group,
+                )
+            )
+    return RolloutBatch(samples=samples, temperature=temperature)
+
+
+SGLANG_DOCUMENTED = (
+    "rollout.engines.sglang_args={attention_backend: fa3, chunked-prefill-size: 8192, "
+    "disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true, max-running-requests: null}"
+)
+"""The further SGLang options the config's documentation shows."""
+
+SGLANG_LAUNCH = [
+    "rollout.engines.kind=sglang",
+    "rollout.engines.colocate=true",
+    "rollout.engines.host=10.0.0.5",
+    "rollout.engines.servers=2",
+    "rollout.engines.tensor_parallel=2",
+    "rollout.deterministic=true",
+    SGLANG_DOCUMENTED,
+]
+"""Two colocated deterministic servers beyond loopback (a generated key), the documented further options."""

@@ -1,0 +1,154 @@
+"""Helpers of the tests that run `bapo-train` online: a tiny task, the run's command line, its records."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bapo_megatron.rollout.launcher import free_port
+from tests.helpers import make_hf_model
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_TMP = re.compile(r"^\.step_\d{8}\..+\.tmp$")
+VOLATILE = ("time/", "perf/", "engine/", "rollout/seconds", "rollout/tokens_per_s", "rollout/reward_wait")
+"""Wall-clock measurements (phase timings, throughput, the engines' busy share): left out of comparisons."""
+REWARD = "def even(text, ids, record):\n    return sum(t % 2 == 0 for t in ids) / max(1, len(ids))\n"
+
+
+def write_task(root: Path, prompts: int) -> Path:
+    """Under root: a tiny Qwen2 with weights (m/), `prompts` token-id prompts, the reward file."""
+    make_hf_model(root, "m", ("qwen2", 2, False))
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(prompts):
+            f.write(json.dumps({"prompt": [3 + i % 50, 7 + i % 13, 11], "answer": str(i)}) + "\n")
+    (root / "reward.py").write_text(REWARD)
+    return root
+
+
+def engine_port() -> int:
+    """A free port below the kernel's ephemeral range: one from inside it (free_port) can be handed to
+    the trainer's own gloo connections between the driver's check and the engine's bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+PORTS: dict[Path, list[int]] = {}
+"""The engine ports each run directory was given (no_engine_left looks for those)."""
+
+
+def args(task: Path, run: Path, steps: int, *extra: str) -> list[str]:
+    port = engine_port()
+    PORTS.setdefault(run, []).append(port)
+    return [
+        f"model.hf_path={task / 'm'}",
+        f"data.path={task / 'prompts.jsonl'}",
+        f"data.reward={task / 'reward.py'}:even",
+        f"steps={steps}",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "rollout.sampling.max_new_tokens=16",
+        "rollout.partial.enabled=true",
+        "rollout.partial.token_budget=8",
+        f"rollout.engines.port={port}",
+        f"checkpoint.dir={run / 'ckpt'}",
+        f"run_dir={run}",
+        "optimizer.lr=1e-3",
+        "logging.backends=[jsonl]",
+        "parallel.max_tokens_per_microbatch=64",
+        *extra,
+    ]
+
+
+def start(argv: list[str], launcher: list[str] | None = None) -> subprocess.Popen:
+    command = (launcher or [sys.executable, "-m"]) + ["bapo_megatron.train", *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def train(argv: list[str], launcher: list[str] | None = None) -> str:
+    proc = start(argv, launcher)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def trained_groups(run: Path) -> list[list[str]]:
+    return [json.loads(line)["groups"] for line in (run / "samples.jsonl").read_text().splitlines()]
+
+
+TOL = 1e-6
+"""The issue's bound for deterministic runs. Batched, the engines' float32 log-probs move by ~1e-6
+with the batch a request decodes in (1.3e-6 was measured on ratio_max between two identical
+runs); rollout.deterministic makes the engines batch-invariant (each request alone in its
+forwards), which removes that."""
+
+
+def same(a: dict, b: dict, tol: float = TOL) -> list[str]:
+    """The keys whose values differ beyond tol (relative, absolute near 0), timings left out."""
+    keys = {k for k in a.keys() | b.keys() if not k.startswith(VOLATILE)}
+    bad = []
+    for k in sorted(keys):
+        x, y = a.get(k), b.get(k)
+        if x is None or y is None:
+            if x != y:
+                bad.append(k)
+        elif not math.isclose(x, y, rel_tol=tol, abs_tol=tol):
+            bad.append(f"{k}: {x} != {y}")
+    return bad
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+        time.sleep(0.01)
+
+
+def no_engine_left(path: Path) -> None:
+    """No embedded engine of the runs under `path` is alive (they die with their driver); engines are
+    told apart by the ports those runs were given (PORTS), not by name: other runs are not this test's."""
+    mine = [f"--port {port} " for run, ports in PORTS.items() if run == path or path in run.parents for port in ports]
+    assert mine, f"no run under {path}"
+    deadline = time.monotonic() + 30
+    while True:
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        left = [line for line in ps.splitlines() if "rollout.embedded" in line and any(m in line + " " for m in mine)]
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"engine processes still running: {left}"
+        time.sleep(0.2)
+
+
+def torchrun(n: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n),
+        "--master-port",
+        str(free_port()),
+        "-m",
+    ]
