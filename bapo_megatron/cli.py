@@ -1,4 +1,4 @@
-"""The `bapo-train` command: arguments, --help-config (from the config dataclasses), --dry-run, the run.
+"""The `bapo-train` command line: arguments, --help-config (from the config dataclasses) and --dry-run.
 
     bapo-train CONFIG.yaml [key=value ...]          # same as python -m bapo_megatron.train
     bapo-train --help-config                        # every field: type, default, what it does
@@ -17,12 +17,10 @@ import dataclasses
 import inspect
 import math
 import os
-import sys
 import textwrap
 import typing
 
-from bapo_megatron.config import JobConfig, RolloutConfig, dump_config, load_config
-from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
+from bapo_megatron.config import JobConfig, RolloutConfig, dump_config
 
 USAGE = "bapo-train [CONFIG.yaml] [key=value ...] [--dry-run] [--world-size N] [--gpu-memory-gib G]"
 GIB = 2**30
@@ -236,33 +234,3 @@ def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:
 
 def world_size(args: argparse.Namespace) -> int:
     return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-
-
-# ----------------------------------------------------------------------------------------------
-# The command
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`bapo-train` (and python -m bapo_megatron.train)."""
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.help_config:
-        print(help_config())
-        return
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.dry_run:
-            print(dry_run(cfg, world_size(args), int(args.gpu_memory_gib * GIB), args.gpus_per_node))
-            return
-        from bapo_megatron.train import run
-
-        run(cfg)  # run validates before any process group starts
-    except KeyboardInterrupt:
-        print("interrupted: engines stopped; resume from the last checkpoint with the same command", file=sys.stderr)
-        raise SystemExit(130) from None
-    except RunStopped as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except (ConfigError, BadInputError) as err:
-        # A config mistake or an unusable file is the user's to fix: say what, without a traceback.
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None

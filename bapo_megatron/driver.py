@@ -34,7 +34,7 @@ from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.progress import Progress, bars_on
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import JobConfig
-from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.rollout.buffer import GroupState, RolloutBuffer
 from bapo_megatron.rollout.core import RolloutCore
 from bapo_megatron.rollout.data import PromptSource, check_prompts, load_tokenizer
@@ -197,14 +197,41 @@ class RolloutDriver:
         start, pool = time.monotonic(), self.strategy.pool
         flush = not (self.cfg.rollout.mode == "async" and self.cfg.rollout.pause_mode == "in_place")
         with self.loop.context(self.strategy.paused(version)):
+            self._retire_dead()
             if self._released:  # colocated: the engines hold no memory since the batch
                 self.loop.run(pool.each(lambda client: client.resume_memory(["weights"])))
             sent = self.sender.send(buckets, str(version), self.loop, flush_cache=flush)
             if self._released:
                 self.loop.run(pool.each(lambda client: client.resume_memory(["kv_cache", "cuda_graph"])))
                 self._released = False
-        self.loop.run(self.engines.check_version(version))
-        return {"time/weight_sync": time.monotonic() - start, "sync/bytes": float(sent)}
+        self.loop.run(self.engines.check_version(version, pool.live()))
+        return {
+            "time/weight_sync": time.monotonic() - start,
+            "sync/bytes": float(sent),
+            "engine/live": len(pool.live()),
+        }
+
+    def _retire_dead(self) -> None:
+        """Engines found dead (a request, or the pause, got no answer) leave the weight sync for good:
+        the weights go to the others (a new weight-update group without them), their requests were
+        resubmitted there, and they are never asked again (rollout/pool.py). None left: RunStopped."""
+        pool = self.strategy.pool
+        if not pool.dead:
+            return
+        gone = sorted(pool.dead)
+        for index in gone:
+            pool.retire(index)
+        urls = [self.engines.clients[i].base_url for i in gone]
+        if not pool.live():
+            raise RunStopped(f"every engine is gone ({', '.join(urls)}): nothing left to serve the policy")
+        if self.cfg.rollout.engines.colocate:
+            raise RunStopped(f"colocated engine(s) {', '.join(urls)} died: their GPUs' weights cannot be served")
+        print(
+            f"engine(s) {', '.join(urls)} stopped answering: the weights go to the {len(pool.live())} left", flush=True
+        )
+        self.sender.clients = [self.engines.clients[i] for i in pool.live()]
+        self.sender.engine_ranks = [self.cfg.rollout.engines.tensor_parallel] * len(self.sender.clients)
+        self.loop.run(self.sender.connect())  # the old group is left first (the dead end's refusal ignored)
 
     def probe(self) -> Sample:
         """A fixed response (the first prompt, sampled with a fixed seed) with the engine's log-probs."""
@@ -215,7 +242,7 @@ class RolloutDriver:
             ignore_eos=True,
             sampling_seed=self.cfg.seed,
         )
-        client = self.engines.clients[0]
+        client = self.engines.clients[self.strategy.pool.live()[0]]
         completion = self.loop.run(client.generate(list(ids), sampling, f"probe-{secrets.token_hex(4)}"))
         return Sample(
             prompt_ids=list(ids),

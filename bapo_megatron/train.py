@@ -8,15 +8,19 @@ Step s trains policy version s - 1 into version s on a batch from the run's sour
 an online run's rank 0 drives the engines (driver.py) and hands the batch to every rank; the
 trainer takes algo.updates_per_batch optimizer steps on it; the new weights go to the engines
 as version s. In rollout.mode sync the engines generate the batch while the trainer waits; in
-async they go on generating while it trains. Set-up and teardown are job.py's.
+async they go on generating while it trains. Set-up and teardown are job.py's, the command
+line's options cli.py's.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
+from bapo_megatron import cli
 from bapo_megatron.common.batch import RolloutBatch
-from bapo_megatron.config import JobConfig
+from bapo_megatron.config import JobConfig, load_config
+from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.job import Job
 
 
@@ -54,8 +58,10 @@ def update(trainer, batch: RolloutBatch, updates: int) -> dict[str, float]:
     """`updates` optimizer steps on the batch's mini-batches of whole groups; their metrics averaged
     (train/skipped: how many were skipped; train/step: the optimizer's count after the last)."""
     results = [trainer.train_step(part, first_update=k == 0) for k, part in enumerate(split_groups(batch, updates))]
-    keys = {key for r in results for key in r.metrics}
-    metrics = {key: sum(r.metrics[key] for r in results if key in r.metrics) / len(results) for key in keys}
+    metrics = {}
+    for key in {key for r in results for key in r.metrics}:  # (some, as the first update's mismatch, not every one)
+        values = [r.metrics[key] for r in results if key in r.metrics]
+        metrics[key] = sum(values) / len(values)
     metrics["train/skipped"] = float(sum(r.skipped for r in results))
     metrics["train/step"] = results[-1].metrics["train/step"]
     return metrics
@@ -88,7 +94,29 @@ def throughput(batch: RolloutBatch, seconds: float) -> dict[str, float]:
     }
 
 
-if __name__ == "__main__":  # python -m bapo_megatron.train: the bapo-train command (cli.py)
-    from bapo_megatron.cli import main
+def main(argv: list[str] | None = None) -> None:
+    """`bapo-train` (and python -m bapo_megatron.train): see cli.py for the options."""
+    args = cli.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.help_config:
+        print(cli.help_config())
+        return
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            print(cli.dry_run(cfg, cli.world_size(args), int(args.gpu_memory_gib * cli.GIB), args.gpus_per_node))
+            return
+        run(cfg)  # every check that needs no model runs before any process group starts
+    except KeyboardInterrupt:
+        print("interrupted: engines stopped; resume from the last checkpoint with the same command", file=sys.stderr)
+        raise SystemExit(130) from None
+    except RunStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except (ConfigError, BadInputError) as err:
+        # A config mistake or an unusable file is the user's to fix: say what, without a traceback.
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
+
+if __name__ == "__main__":
     main()

@@ -8,6 +8,13 @@ running request one token. A sample's length is scripted from its id (the part o
 id before '#'), long-tailed like the CPU benchmark's: log-normal with median MEDIAN, a share
 reaching max_new_tokens. The cost model's parameters (H100_7B) and its simplifications are
 printed with every table that uses it.
+
+It serves what the training loop asks of an engine, so that the real `bapo-train` can run
+against it (benchmarks/bench_loop.py): weight updates over the same transport (it joins the
+trainer's weight-update group and receives every broadcast, then discards the bytes), the
+weight-update session, the weight version (per token, as spans), and SGLang's pauses: abort
+(running requests return what they have), retract (they wait and prefill again on continue)
+and in_place (they wait); requests that arrive while paused wait.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class _Request:
     done_before: int  # response tokens it had when this request began
     max_new: int
     output: list[int] = field(default_factory=list)
+    spans: list[list] = field(default_factory=list)  # [version, start, end] over output tokens
     future: asyncio.Future | None = None
     admitted: bool = False
 
@@ -88,6 +96,8 @@ class ModelledEngine:
         z = _normal_quantile(1.0 - share_long)
         self.sigma = math.log(cap / median) / z
         self.version = "0"
+        self.paused: str | None = None
+        self.groups: dict[str, object] = {}
         self.running: dict[str, _Request] = {}
         self._wake: asyncio.Event | None = None
         self._loop = asyncio.new_event_loop()
@@ -105,10 +115,18 @@ class ModelledEngine:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)
         app.router.add_get("/health", self._ok)
+        app.router.add_get("/model_info", self._model_info)
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/abort_request", self._abort)
+        app.router.add_post("/pause_generation", self._pause)
+        app.router.add_post("/continue_generation", self._continue)
+        app.router.add_post("/begin_weight_update", self._done)
+        app.router.add_post("/end_weight_update", self._done)
+        app.router.add_post("/init_weights_update_group", self._join)
+        app.router.add_post("/destroy_weights_update_group", self._leave)
+        app.router.add_post("/update_weights_from_distributed", self._receive)
         app.router.add_post("/update_weights_from_disk", self._set_version)
         app.router.add_post("/update_weight_version", self._set_version)
         self._runner = web.AppRunner(app, access_log=None)
@@ -136,23 +154,32 @@ class ModelledEngine:
     # -- the model of decoding -----------------------------------------------------------------
     async def _schedule(self) -> None:
         while True:
-            if not self.running:
+            if not self.running or self.paused:
                 self._wake.clear()
                 await self._wake.wait()
+                continue
             admitted = [r for r in self.running.values() if not r.admitted]
             for r in admitted:
                 r.admitted = True
-            new_tokens = sum(self.prompt_len + r.done_before for r in admitted)
+            new_tokens = sum(self.prompt_len + r.done_before + len(r.output) for r in admitted)
             await asyncio.sleep(self.time_scale * self.cost.iteration(len(self.running), new_tokens))
+            if self.paused:  # paused during the iteration: its tokens are not made
+                continue
             for r in list(self.running.values()):
                 total = r.done_before + len(r.output) + 1
+                self._emit(r, self.stop_id if total >= r.target else 10 + total % 200)
                 if total >= r.target:
-                    r.output.append(self.stop_id)
                     self._finish(r, {"type": "stop", "matched": self.stop_id})
-                else:
-                    r.output.append(10 + total % 200)
-                    if len(r.output) >= r.max_new:
-                        self._finish(r, {"type": "length", "length": r.max_new})
+                elif len(r.output) >= r.max_new:
+                    self._finish(r, {"type": "length", "length": r.max_new})
+
+    def _emit(self, r: _Request, token: int) -> None:
+        r.output.append(token)
+        n = len(r.output)
+        if r.spans and r.spans[-1][0] == self.version and r.spans[-1][2] == n - 1:
+            r.spans[-1][2] = n
+        else:
+            r.spans.append([self.version, n - 1, n])
 
     def _finish(self, r: _Request, reason: dict) -> None:
         from bapo_megatron.common import protocol
@@ -165,7 +192,7 @@ class ModelledEngine:
             reason,
             self.prompt_len + r.done_before,
             self.version,
-            [(self.version, 0, len(r.output))] if r.output else [],
+            [tuple(span) for span in r.spans],
         )
         if not r.future.done():
             r.future.set_result(body)
@@ -205,12 +232,90 @@ class ModelledEngine:
         return web.json_response({})
 
     async def _set_version(self, request):
+        body = await request.json()
+        version = body.get("weight_version", body.get("new_version"))
+        if version is not None:
+            self.version = str(version)
+        return await self._done(request)
+
+    async def _done(self, request):
         from aiohttp import web
 
+        return web.json_response({"success": True, "message": ""})
+
+    async def _model_info(self, request):
+        from aiohttp import web
+
+        return web.json_response({"model_path": "", "weight_version": self.version, "is_generation": True})
+
+    async def _pause(self, request):
+        from aiohttp import web
+
+        mode = (await request.json()).get("mode", "abort")
+        self.paused = mode
+        for r in list(self.running.values()):
+            if mode == "abort":
+                self._finish(r, {"type": "abort", "message": "paused"})
+            elif mode == "retract":
+                r.admitted = False  # its KV cache is dropped: prefilled again, output included, on continue
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request):
+        from aiohttp import web
+
+        self.paused = None
+        self._wake.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _join(self, request):
+        """The trainer's weight-update group, joined as the embedded engine joins it (gloo)."""
+        from bapo_megatron.common.weight_group import join_group
+
         body = await request.json()
+        name = body.get("group_name", "weight_update_group")
+        self.groups[name] = await asyncio.to_thread(
+            join_group,
+            body["master_address"],
+            int(body["master_port"]),
+            int(body["rank_offset"]),
+            int(body["world_size"]),
+            name,
+            "gloo",
+            300.0,
+        )
+        return await self._done(request)
+
+    async def _leave(self, request):
+        from bapo_megatron.common.weight_group import leave_group
+
+        name = (await request.json()).get("group_name", "weight_update_group")
+        await asyncio.to_thread(leave_group, self.groups.pop(name, None))
+        return await self._done(request)
+
+    async def _receive(self, request):
+        """One bucket's broadcasts received (as the embedded engine does) and discarded."""
+        import torch
+        import torch.distributed as dist
+
+        from bapo_megatron.common import protocol
+
+        body = await request.json()
+        group = self.groups[body.get("group_name", "weight_update_group")]
+        dtypes = [protocol.torch_dtype(d) for d in body["dtypes"]]
+        if body.get("load_format") == protocol.FLATTENED:
+            layout = protocol.flattened_layout(dtypes, body["shapes"])
+            tensors = [torch.empty(layout[-1][1] if layout else 0, dtype=torch.uint8)]
+        else:
+            tensors = [torch.empty(shape, dtype=d) for shape, d in zip(body["shapes"], dtypes, strict=True)]
+
+        def receive() -> None:
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0, group=group)
+
+        await asyncio.to_thread(receive)
         if body.get("weight_version") is not None:
             self.version = str(body["weight_version"])
-        return web.json_response({"success": True, "message": ""})
+        return await self._done(request)
 
 
 def _normal_quantile(p: float) -> float:

@@ -133,7 +133,7 @@ def no_engine_left(path: Path) -> None:
     assert mine, f"no run under {path}"
     deadline = time.monotonic() + 30
     while True:
-        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
         left = [line for line in ps.splitlines() if "rollout.embedded" in line and any(m in line + " " for m in mine)]
         if not left:
             return
@@ -152,3 +152,37 @@ def torchrun(n: int) -> list[str]:
         str(free_port()),
         "-m",
     ]
+
+
+def assert_every_group_trained_once(run: Path, argv: list[str], steps: int) -> list[str]:
+    """The run's samples log names each trained group once, and the groups trained plus those in the
+    last checkpoint's buffer are exactly the prompts drawn: none lost, none trained twice. Returns
+    the groups trained."""
+    from megatron.core import dist_checkpointing
+
+    from bapo_megatron.config import load_config
+    from bapo_megatron.rollout.data import PromptSource
+
+    cfg = load_config(None, argv)
+    trained = [g for step in trained_groups(run) for g in step]
+    assert len(trained) == len(set(trained)) == steps * cfg.rollout.prompts_per_step, trained
+    common = dist_checkpointing.load_common_state_dict(str(run / "ckpt" / f"step_{steps:08d}"))["common"]
+    state = common["extras"]["rollout"]
+    in_buffer = [g["uid"] for g in state["buffer"]["groups"]]
+    source = PromptSource(cfg.data)
+    drawn = [source.next()[0] for _ in range(state["prompts"]["position"])]
+    assert sorted(trained + in_buffer) == sorted(drawn)
+    return trained
+
+
+def engine_pids(run: Path) -> dict[int, int]:
+    """The embedded engines of run `run` that are alive: port -> pid."""
+    out = {}
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    for line in ps.splitlines():
+        pid, _, command = line.strip().partition(" ")
+        for port in PORTS.get(run, []):
+            for i in range(8):
+                if "rollout.embedded" in command and f"--port {port + i} " in command + " ":
+                    out[port + i] = int(pid)
+    return out

@@ -318,6 +318,19 @@ def update_tensor_request(
     return body
 
 
+def pause_request(mode: str) -> dict[str, Any]:
+    """POST /pause_generation: abort (requests end, returning what they have), retract (they wait,
+    their KV cache dropped and recomputed on continue) or in_place (they wait with their cache)."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+    return {"mode": mode}
+
+
+def continue_request() -> dict[str, Any]:
+    """POST /continue_generation (SGLang's default empties torch's allocator cache first)."""
+    return {}
+
+
 def memory_tags(tags: Sequence[str]) -> list[str]:
     """`tags` as a list, checked to be a non-empty subset of MEMORY_TAGS."""
     if not tags or not set(tags) <= set(MEMORY_TAGS):

@@ -119,12 +119,10 @@ class EngineClient:
         await self.request("/abort_request", {"rid": rid} if rid else {"abort_all": True}, retry=False)
 
     async def pause(self, mode: str = "abort") -> None:
-        if mode not in protocol.PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {protocol.PAUSE_MODES}, got {mode!r}")
-        await self.request("/pause_generation", {"mode": mode})
+        await self.request("/pause_generation", protocol.pause_request(mode))
 
     async def resume(self) -> None:
-        await self.request("/continue_generation", {})
+        await self.request("/continue_generation", protocol.continue_request())
 
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free the engine's memory for `tags` (weights, kv_cache, cuda_graph; None: all), e.g. while a

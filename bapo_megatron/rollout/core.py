@@ -159,18 +159,18 @@ class RolloutCore:
         if not tasks:
             return 0
 
-        async def abort(flight: Flight) -> None:
+        async def abort(engine: int, rid: str) -> None:
             with contextlib.suppress(EngineUnavailable, EngineError):  # a dead engine: its request fails below
-                await self.pool.clients[flight.engine].abort(flight.rid)
+                await self.pool.clients[engine].abort(rid)
 
-        on_engines = []
+        on_engines = []  # (engine, request id) now: a request that returns meanwhile forgets its engine
         for task in tasks:
             flight = self.cutting[task] = self.running.pop(task)
             if flight.engine is not None:
-                on_engines.append(flight)
+                on_engines.append((flight.engine, flight.rid))
             elif not task.done():
                 task.cancel()
-        await asyncio.gather(*(abort(f) for f in on_engines))
+        await asyncio.gather(*(abort(engine, rid) for engine, rid in on_engines))
         await asyncio.wait(tasks)
         kept = 0
         for task in tasks:

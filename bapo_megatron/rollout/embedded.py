@@ -92,7 +92,7 @@ class EmbeddedServer:
         self._logged = (0.0, dict(core.counters))  # busy seconds and counters at the last line
         self.engine_thread = engine_thread or concurrent.futures.ThreadPoolExecutor(1, "engine")
         self.api_key, self.admin_key = api_key, admin_key
-        self.paused = False
+        self.paused: str | None = None  # the pause mode while paused
         self.session_open = False
         self.groups: dict[str, object] = {}
         self._wake = asyncio.Event()
@@ -265,7 +265,7 @@ class EmbeddedServer:
         mode = (await _json_object(request)).get("mode", "abort")
         if mode not in protocol.PAUSE_MODES:
             raise ValueError(f"mode must be one of {protocol.PAUSE_MODES}, got {mode!r}")
-        self.paused = True
+        self.paused = mode
         async with self._model_lock:
             if mode == "abort":
                 self.core.abort(None)
@@ -276,7 +276,7 @@ class EmbeddedServer:
     async def resume(self, request):
         from aiohttp import web
 
-        self.paused = False
+        self.paused = None
         self._poke()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -285,7 +285,7 @@ class EmbeddedServer:
 
         tags = await self._memory_tags(request)
         async with self._model_lock:  # not in the middle of a step
-            await self._on_engine(self.core.release_memory, tags, self.paused)
+            await self._on_engine(self.core.release_memory, tags, self.paused is not None)
         return web.json_response(None)  # SGLang answers null
 
     async def resume_memory(self, request):
@@ -401,8 +401,8 @@ class EmbeddedServer:
         async with self._model_lock:
             tensors = await asyncio.to_thread(receive)  # every broadcast is joined before anything is checked
             await self._on_engine(self.core.load_weights, tensors)
-            self._after_update(body)
-        return _ok(f"updated {len(tensors)} tensors")
+            refused = self._after_update(body)
+        return _ok(f"updated {len(tensors)} tensors", refused)
 
     async def update_from_tensor(self, request):
         import pickle
@@ -434,9 +434,9 @@ class EmbeddedServer:
             raise ValueError("the payload must be a list of (name, tensor) pairs")
         async with self._model_lock:
             count = await self._on_engine(self.core.load_weights, tensors)
-            self._after_update(body)
+            refused = self._after_update(body)
         del payload, tensors  # the shared memory is released once the last view of it goes
-        return _ok(f"updated {count} tensors")
+        return _ok(f"updated {count} tensors", refused)
 
     async def update_from_disk(self, request):
         from bapo_megatron.common.hf_io import HFCheckpoint
@@ -445,17 +445,26 @@ class EmbeddedServer:
         checkpoint = await asyncio.to_thread(HFCheckpoint, body["model_path"])  # validated; safetensors only
         async with self._model_lock:
             count = await self._on_engine(self.core.load_weights, ((k, checkpoint[k]) for k in list(checkpoint.files)))
-            self._after_update(body)
-        return _ok(f"loaded {count} tensors from {body['model_path']}")
+            refused = self._after_update(body)
+        return _ok(f"loaded {count} tensors from {body['model_path']}", refused)
 
-    def _after_update(self, body: dict) -> None:
+    def _after_update(self, body: dict) -> str | None:
+        """The new version, aborts and cache flush an update asks for; the failure to report, if any:
+        as SGLang, a flush is refused while requests keep their cache (an in-place pause), and the
+        update call fails though the weights were loaded."""
         if body.get("weight_version") is not None:
             self.core.version = str(body["weight_version"])
         if body.get("abort_all_requests"):
             self.core.abort(None)
-        if body.get("flush_cache", True):
-            self.core.flush()  # cached keys/values were computed with the old weights
         self._poke()
+        if body.get("flush_cache", True):
+            if self.paused == "in_place" and self.core.running:
+                return (
+                    "Weights were updated, but the cache was not flushed because requests are still running or "
+                    "queued. Retract or finish them, then call /flush_cache."
+                )
+            self.core.flush()  # cached keys/values were computed with the old weights
+        return None
 
     async def set_version(self, request):
         body = await _json_object(request)
@@ -466,10 +475,11 @@ class EmbeddedServer:
         return _ok(f"weight version {self.core.version}")
 
 
-def _ok(message: str):
+def _ok(message: str, refused: str | None = None):
+    """SGLang's answer to a control call: success and a message; a refusal is success false, HTTP 200."""
     from aiohttp import web
 
-    return web.json_response({"success": True, "message": message})
+    return web.json_response({"success": refused is None, "message": refused or message})
 
 
 BAD_REQUEST = (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, RecursionError)

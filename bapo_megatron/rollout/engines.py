@@ -139,9 +139,9 @@ class Engines:
                         "rollout.engines.urls", client.base_url, f"serves {served}, whose shape differs: {problem}"
                     )
 
-    async def check_version(self, version: int) -> None:
-        """Every engine reports weight version `version` (after a sync), else RunStopped."""
-        for client in self.clients:
+    async def check_version(self, version: int, engines: list[int]) -> None:
+        """Each of these engines reports weight version `version` (after a sync), else RunStopped."""
+        for client in (self.clients[i] for i in engines):
             served = (await client.model_info()).get("weight_version")
             if str(served) != str(version):
                 raise RunStopped(

@@ -2,7 +2,9 @@
 
 A request that fails with EngineUnavailable (after the client's retries) marks its engine dead
 and is resubmitted to another; dead engines are probed and come back when they answer /health
-again. An engine counts as busy while it holds at least one request of ours and is not paused:
+again, unless they were retired: left out of a weight sync, they no longer hold the policy.
+
+An engine counts as busy while it holds at least one request of ours and is not paused:
 `busy_seconds` over a step's wall time is the engines' share of it spent generating, which every
 engine (SGLang, the embedded one, a scripted one) gives without exporting metrics of its own.
 """
@@ -27,6 +29,7 @@ class EnginePool:
         self.clients = clients
         self.load = dict.fromkeys(range(len(clients)), 0)
         self.dead: set[int] = set()
+        self.retired: set[int] = set()  # out of the weight sync for good: never picked or probed again
         self.timeout_s, self.probe_s = timeout_s, probe_s
         self.failures = 0
         self.paused = False
@@ -36,14 +39,20 @@ class EnginePool:
         return len(self.clients)
 
     def live(self) -> list[int]:
-        return [i for i in range(len(self.clients)) if i not in self.dead]
+        return [i for i in range(len(self.clients)) if i not in self.dead and i not in self.retired]
+
+    def retire(self, index: int) -> None:
+        """Engine `index` leaves for good (dead when the weights went out without it)."""
+        self._account()
+        self.dead.discard(index)
+        self.retired.add(index)
 
     async def pick(self, prefer: int | None = None) -> int:
         """`prefer` when it is alive (the engine holding a continued sample's prefix in its cache),
         else the least-loaded live engine."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if prefer is not None and prefer in self.load and prefer not in self.dead:
+            if prefer is not None and prefer in self.live():
                 return prefer
             live = self.live()
             if live:
@@ -51,9 +60,9 @@ class EnginePool:
             for i in list(self.dead):
                 if await self.clients[i].health():
                     self.dead.discard(i)
-            if len(self.dead) < len(self.load):
+            if len(self.dead) + len(self.retired) < len(self.load):
                 continue
-            if time.monotonic() > deadline:
+            if not self.dead or time.monotonic() > deadline:
                 raise EngineUnavailable(
                     f"no engine answered for {self.timeout_s:.0f} s: {[c.base_url for c in self.clients]}"
                 )
@@ -82,7 +91,7 @@ class EnginePool:
     def _account(self) -> None:
         now = time.monotonic()
         if not self.paused:
-            busy = sum(1 for i, n in self.load.items() if n > 0 and i not in self.dead)
+            busy = sum(1 for i, n in self.load.items() if n > 0 and i in self.live())
             self._busy += busy * (now - self._since)
         self._since = now
 

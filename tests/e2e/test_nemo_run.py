@@ -37,7 +37,7 @@ def test_local_executor_runs_the_tiny_job(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    steps = [json.loads(line).get("driver/step") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line).get("step") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps if s is not None] == [1, 2]
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
 

@@ -12,6 +12,7 @@ partial rollout, a reward function from a file, the weight sync every step, chec
 """
 
 import math
+import os
 import signal
 
 import pytest
@@ -19,6 +20,8 @@ import pytest
 from tests.online import (
     STEP_TMP,
     args,
+    assert_every_group_trained_once,
+    engine_pids,
     metrics,
     no_engine_left,
     same,
@@ -115,13 +118,8 @@ def test_deterministic_runs_and_their_resumptions_agree(task, tmp_path):
     no_engine_left(tmp_path)
 
 
-def test_asynchronous_run_killed_and_resumed_loses_and_repeats_no_sample(task, tmp_path):
-    from megatron.core import dist_checkpointing
-
-    from bapo_megatron.config import load_config
-    from bapo_megatron.rollout.data import PromptSource
-
-    run = tmp_path / "async"
+def test_sync_partial_run_killed_and_resumed_loses_and_repeats_no_sample(task, tmp_path):
+    run = tmp_path / "partial"
     argv = args(task, run, 6, "rollout.oversample=2", "checkpoint.interval=2")
     proc = start(argv)
     wait_for(lambda: (run / "metrics.jsonl").is_file() and len(metrics(run)) >= 3, proc, "the third step")
@@ -129,14 +127,91 @@ def test_asynchronous_run_killed_and_resumed_loses_and_repeats_no_sample(task, t
     proc.wait()
     train(args(task, run, 6, "rollout.oversample=2", "checkpoint.interval=2"))
     assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4, 5, 6]
-    trained = [g for step in trained_groups(run) for g in step]
-    assert len(trained) == len(set(trained)) == 24
-    common = dist_checkpointing.load_common_state_dict(str(run / "ckpt" / "step_00000006"))["common"]
-    state = common["extras"]["rollout"]
-    in_buffer = [g["uid"] for g in state["buffer"]["groups"]]
-    source = PromptSource(load_config(None, argv).data)
-    drawn = [source.next()[0] for _ in range(state["prompts"]["position"])]
-    assert sorted(trained + in_buffer) == sorted(drawn)
+    assert_every_group_trained_once(run, argv, 6)
+
+
+ASYNC = (
+    "rollout.mode=async",
+    "rollout.partial.enabled=false",
+    "rollout.partial.token_budget=null",
+    "rollout.max_staleness=1",
+    "rollout.oversample=2",
+)
+
+
+def test_async_run_keeps_its_bound_evaluates_beside_training_and_survives_sigterm_and_sigkill(task, tmp_path):
+    """rollout.mode async: every step's tokens are at most max_staleness versions older than the policy
+    that trains them; held-out evaluations, run beside the next step, land in the line of the step
+    they measured, at that step's version; a SIGTERM (saved at the step boundary, exit 0) and a
+    SIGKILL at any moment, each resumed with the same command, lose no group and train none twice."""
+    run = tmp_path / "async"
+    (task / "heldout.jsonl").write_text((task / "prompts.jsonl").read_text().split("\n", 8)[8])
+    extra = (
+        *ASYNC,
+        "checkpoint.interval=2",
+        f"eval.path={task / 'heldout.jsonl'}",
+        "eval.interval=2",
+        "eval.samples=2",
+    )
+    argv = args(task, run, 7, *extra)
+    proc = start(argv)
+    log = run / "metrics.jsonl"
+    wait_for(lambda: log.is_file() and len(metrics(run)) >= 2, proc, "the second step")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    stopped = max(m["step"] for m in metrics(run))
+    assert 2 <= stopped < 7 and (run / "ckpt" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    proc = start(args(task, run, 7, *extra))
+    wait_for(lambda: max(m["step"] for m in metrics(run)) >= stopped + 2, proc, "two more steps")
+    proc.kill()  # wherever it is: generating, training, syncing, saving
+    proc.wait()
+    train(args(task, run, 7, *extra))
+    got = metrics(run)
+    steps = [m["step"] for m in got if "loss/pg" in m]
+    assert steps == [1, 2, 3, 4, 5, 6, 7], steps
+    for m in got:
+        if "loss/pg" in m:
+            assert m["rollout/token_staleness_max"] <= 1, m  # the bound, every step
+            assert abs(sum(v for k, v in m.items() if k.startswith("rollout/staleness_share/")) - 1) < 1e-9
+        if "eval/greedy_acc" in m:
+            assert m["eval/version"] == m["step"], m  # measured at the version of its step
+    assert sorted(m["step"] for m in got if "eval/greedy_acc" in m) == [0, 2, 4, 6, 7]
+    assert any(m["rollout/token_staleness_max"] == 1 for m in got if "loss/pg" in m)  # it did run ahead
+    assert_every_group_trained_once(run, argv, 7)
+    no_engine_left(run)
+
+
+def test_async_run_at_tp2_pp2_serves_the_trainers_weights_and_outlives_an_engine(task, tmp_path):
+    """Async under torchrun at TP=2 x PP=2 with two engines: after every weight update (requests in
+    flight, paused in retract mode) the probe's log-probs equal the trainer's within 1e-5; one
+    engine killed mid-run: its requests go to the other, the weights go to the one left, no group
+    is lost or trained twice."""
+    run = tmp_path / "async-tp2-pp2"
+    extra = (
+        *ASYNC,
+        "rollout.engines.servers=2",
+        "rollout.sync.check_every=1",
+        "parallel.tensor=2",
+        "parallel.pipeline=2",
+    )
+    argv = args(task, run, 5, *extra)
+    proc = start(argv, launcher=torchrun(4))
+    log = run / "metrics.jsonl"
+    wait_for(lambda: log.is_file() and len(metrics(run)) >= 2 and len(engine_pids(run)) == 2, proc, "two steps")
+    port = max(engine_pids(run))
+    os.kill(engine_pids(run)[port], signal.SIGKILL)  # the second engine, mid-run
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    assert f":{port} stopped answering: the weights go to the 1 left" in out
+    got = metrics(run)
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5]
+    for m in got:
+        assert m["sync/probe_logprob_gap"] <= 1e-5, m
+        assert m["rollout/token_staleness_max"] <= 1, m
+    assert got[-1]["engine/live"] == 1 and got[-1]["rollout/engine_failures"] >= 1
+    assert_every_group_trained_once(run, argv, 5)
+    no_engine_left(run)
 
 
 @pytest.mark.parametrize(

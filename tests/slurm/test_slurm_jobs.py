@@ -64,7 +64,7 @@ def _finished(fields: dict[str, str]) -> bool:
 
 def _steps(run_dir: Path) -> list[int]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").is_file() else []
-    return [int(r["driver/step"]) for r in map(json.loads, lines) if "driver/step" in r]
+    return [int(r["step"]) for r in map(json.loads, lines) if "loss/pg" in r]
 
 
 def _job_output(run_dir: Path, job: int) -> str:

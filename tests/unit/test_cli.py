@@ -63,7 +63,7 @@ def test_help_config_lists_every_field_once_with_its_doc():
 def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN7B))
     code = (
-        "import sys\nfrom bapo_megatron.cli import main\nmain(sys.argv[1:])\n"
+        "import sys\nfrom bapo_megatron.train import main\nmain(sys.argv[1:])\n"
         "print('MEGATRON', 'megatron' in sys.modules)"
     )
     args = [
@@ -93,7 +93,7 @@ def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
 
 
 def test_dry_run_says_where_sglang_servers_go_or_why_they_cannot(capsys):
-    from bapo_megatron.cli import main
+    from bapo_megatron.train import main
 
     sglang = [
         "rollout.engines.kind=sglang",
@@ -110,7 +110,7 @@ def test_dry_run_says_where_sglang_servers_go_or_why_they_cannot(capsys):
 
 
 def test_dry_run_prints_the_asynchronous_mode_and_its_bound(capsys):
-    from bapo_megatron.cli import main
+    from bapo_megatron.train import main
 
     main(["examples/qwen2.5-7b/config.yaml", "--dry-run", "--world-size", "8"])
     out = capsys.readouterr().out
@@ -120,7 +120,7 @@ def test_dry_run_prints_the_asynchronous_mode_and_its_bound(capsys):
 
 
 def test_dry_run_refuses_a_layout_that_cannot_split(tmp_path, capsys):
-    from bapo_megatron.cli import main
+    from bapo_megatron.train import main
 
     with pytest.raises(SystemExit) as done:
         main(["parallel.tensor=3", "--dry-run", "--world-size", "3"])

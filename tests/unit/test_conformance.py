@@ -63,8 +63,8 @@ def test_requests_use_only_fields_sglang_defines(wheel):
         ),
         "UpdateWeightFromDiskReqInput": protocol.update_disk_request("/m", "3"),
         "UpdateWeightsFromTensorReqInput": protocol.update_tensor_request(["cGF5bG9hZA=="], "3"),
-        "PauseGenerationReqInput": {"mode": "abort"},
-        "ContinueGenerationReqInput": {},
+        "PauseGenerationReqInput": protocol.pause_request("retract"),
+        "ContinueGenerationReqInput": protocol.continue_request(),
         "AbortReq": {"rid": "x", "abort_all": True},
         "UpdateWeightVersionReqInput": {"new_version": "3", "abort_all_requests": False},
         "BeginWeightUpdateReqInput": {},
@@ -209,3 +209,48 @@ def test_tensor_payloads_pass_sglangs_safe_unpickler(wheel):
     assert 'flattened_tensor_bucket_dict["metadata"]' in updater
     patch = _source(wheel, "utils/patch_torch.py")  # GPUs named by UUID at this argument
     assert f"_REDUCE_TENSOR_ARG_DEVICE_INDEX = {ipc._CUDA_DEVICE_ARG}" in patch
+
+
+def test_asynchronous_pauses_and_updates_are_sglangs(wheel):
+    """rollout.pause_mode's values are exactly SGLang's pause modes; an update during an in-place pause
+    carries flush_cache false, because SGLang's scheduler refuses a flush (and fails the update) while
+    requests keep their cache; the embedded engine refuses it with SGLang's own message."""
+    import typing
+
+    from bapo_megatron.config import RolloutConfig
+    from bapo_megatron.rollout.embedded import EmbeddedServer
+
+    io = _source(wheel, "managers/io_struct.py")
+    pause = next(
+        node for node in ast.parse(io).body if isinstance(node, ast.ClassDef) and node.name == "PauseGenerationReqInput"
+    )
+    (annotation,) = [s.annotation for s in pause.body if isinstance(s, ast.AnnAssign) and s.target.id == "mode"]
+    sglang_modes = set(ast.literal_eval(ast.unparse(annotation.slice)))
+    assert (
+        sglang_modes
+        == set(protocol.PAUSE_MODES)
+        == set(typing.get_args(typing.get_type_hints(RolloutConfig)["pause_mode"]))
+    )
+    for mode in protocol.PAUSE_MODES:
+        assert set(protocol.pause_request(mode)) <= _fields(io)["PauseGenerationReqInput"]
+    update = protocol.update_distributed_request(["w"], ["bfloat16"], [[2]], "3", flush_cache=False)
+    assert update["flush_cache"] is False and set(update) <= _fields(io)["UpdateWeightsFromDistributedReqInput"]
+    updater = _source(wheel, "managers/scheduler_components/weight_updater.py")
+    flush = next(
+        node
+        for node in ast.walk(ast.parse(updater))
+        if isinstance(node, ast.FunctionDef) and node.name == "flush_cache_after_weight_update"
+    )
+    refusals = [
+        node.value.elts[1].value
+        for node in ast.walk(flush)
+        if isinstance(node, ast.Return)
+        and isinstance(node.value, ast.Tuple)
+        and isinstance(node.value.elts[1], ast.Constant)
+    ]
+    assert refusals, f"SGLang {VERSION} no longer refuses a flush while requests run"
+    assert "is_fully_idle(ignore_waiting=self._engine_paused)" in _source(wheel, "managers/scheduler.py")
+    server = object.__new__(EmbeddedServer)  # the refusal alone: no model needed
+    server.paused, server.core = "in_place", type("Core", (), {"running": [object()], "version": "0"})()
+    server._poke = lambda: None
+    assert server._after_update({"flush_cache": True}) == refusals[0]

@@ -1,17 +1,39 @@
-"""The import direction of the package's layers, function-level imports included:
+"""The import direction of the package's layers and top-level modules, function-level imports included:
 
-    errors, fsutil -> algo -> config -> common -> trainer, rollout -> weights -> driver modules
+    errors, fsutil -> algo -> config -> common -> trainer, rollout -> weights
+        -> logger, tasks, evaluate, serve, preflight -> cli, driver -> sources -> job -> train
 
-A module may import its own layer and those before it, never one after: the trainer knows
-nothing of the engines, the engines nothing of the trainer, and only the weight tools and the
-driver modules (train, driver, cli, logger) join the two."""
+A module may import its own layer and those before it, never one after, and never a sibling of its
+rank: the trainer knows nothing of the engines, the engines nothing of the trainer, only the weight
+tools and the top floor join the two, and the top-floor modules import each other in one direction
+(cli, train, driver once imported each other in a circle that a single rank for them all could not
+see)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "bapo_megatron"
-RANK = {"errors": 0, "fsutil": 0, "algo": 1, "config": 2, "common": 3, "trainer": 4, "rollout": 4, "weights": 5}
-TOP = 6  # train, driver, cli, logger, __init__
+RANK = {
+    "errors": 0,
+    "fsutil": 0,
+    "algo": 1,
+    "config": 2,
+    "common": 3,
+    "trainer": 4,
+    "rollout": 4,
+    "weights": 5,
+    "logger": 6,
+    "tasks": 6,
+    "evaluate": 6,
+    "serve": 6,
+    "preflight": 6,
+    "cli": 7,
+    "driver": 7,
+    "sources": 8,
+    "job": 9,
+    "train": 10,
+    "__init__": 11,
+}
 
 
 def layer(module: str) -> str:
@@ -21,7 +43,7 @@ def layer(module: str) -> str:
 
 
 def rank(name: str) -> int:
-    return RANK.get(name, TOP)
+    return RANK[name]
 
 
 def imports(file: Path) -> list[tuple[int, str]]:
@@ -44,7 +66,7 @@ def violations() -> list[str]:
         own = file.relative_to(PACKAGE).parts[0].removesuffix(".py")
         for line, module in imports(file):
             target = layer(module)
-            if rank(target) > rank(own) or (rank(own) == 4 and target != own and rank(target) == 4):
+            if rank(target) > rank(own) or (target != own and rank(target) == rank(own)):
                 bad.append(f"{file.relative_to(PACKAGE)}:{line} ({own}) imports {module} ({target})")
     return bad
 
@@ -53,10 +75,20 @@ def test_layers_import_only_downwards():
     assert not violations(), "\n".join(violations())
 
 
-def test_the_check_sees_function_level_imports(tmp_path):
-    """It would catch the old circle: trainer -> rollout.batch, rollout -> weights inside a function."""
+def test_every_module_has_a_rank():
+    """A new top-level module must be placed: an unranked one would pass unchecked."""
+    names = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.glob("*")}
+    names -= {"__pycache__"}
+    assert names <= set(RANK), sorted(names - set(RANK))
+
+
+def test_the_check_sees_function_level_imports_and_would_catch_the_old_circles(tmp_path):
+    """It would catch the old circles: trainer -> rollout.batch, rollout -> weights inside a function,
+    driver -> cli and cli -> train -> driver at the top."""
     file = tmp_path / "x.py"
     file.write_text("def f():\n    from bapo_megatron.weights.hf_io import HFCheckpoint\n")
     assert imports(file) == [(2, "bapo_megatron.weights.hf_io")]
     assert rank(layer("bapo_megatron.weights.hf_io")) > rank("rollout")
     assert rank(layer("bapo_megatron.rollout.batch")) == rank("trainer")  # a sibling: refused by violations()
+    assert rank(layer("bapo_megatron.cli")) == rank("driver")  # driver -> cli (rollout_mem_fraction): a sibling
+    assert rank(layer("bapo_megatron.train")) > rank("cli")  # cli -> train (validate, model_spec) refused
