@@ -174,12 +174,10 @@ class ModelledEngine:
                     self._finish(r, {"type": "length", "length": r.max_new})
 
     def _emit(self, r: _Request, token: int) -> None:
+        from bapo_megatron.common.protocol import extend_spans
+
         r.output.append(token)
-        n = len(r.output)
-        if r.spans and r.spans[-1][0] == self.version and r.spans[-1][2] == n - 1:
-            r.spans[-1][2] = n
-        else:
-            r.spans.append([self.version, n - 1, n])
+        extend_spans(r.spans, self.version, len(r.output))
 
     def _finish(self, r: _Request, reason: dict) -> None:
         from bapo_megatron.common import protocol
@@ -269,20 +267,10 @@ class ModelledEngine:
 
     async def _join(self, request):
         """The trainer's weight-update group, joined as the embedded engine joins it (gloo)."""
-        from bapo_megatron.common.weight_group import join_group
+        from bapo_megatron.common.weight_group import join_requested
 
-        body = await request.json()
-        name = body.get("group_name", "weight_update_group")
-        self.groups[name] = await asyncio.to_thread(
-            join_group,
-            body["master_address"],
-            int(body["master_port"]),
-            int(body["rank_offset"]),
-            int(body["world_size"]),
-            name,
-            "gloo",
-            300.0,
-        )
+        name, group = await asyncio.to_thread(join_requested, await request.json(), "weight_update_group")
+        self.groups[name] = group
         return await self._done(request)
 
     async def _leave(self, request):

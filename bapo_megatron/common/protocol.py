@@ -159,6 +159,15 @@ class Completion:
         return out
 
 
+def extend_spans(spans: list[list], version: str, tokens: int) -> None:
+    """An engine's record of which weight version sampled which output tokens ([version, start, end]),
+    after its `tokens`-th token was sampled under `version`: the last span grows, or one begins."""
+    if spans and spans[-1][0] == version and spans[-1][2] == tokens - 1:
+        spans[-1][2] = tokens
+    else:
+        spans.append([version, tokens - 1, tokens])
+
+
 def _need(container: dict, key: str, kinds, where: str):
     if not isinstance(container, dict) or key not in container:
         raise MalformedResponse(f"{where}: no '{key}'")

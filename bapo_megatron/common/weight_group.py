@@ -66,3 +66,13 @@ def leave_group(group: dist.ProcessGroup | None) -> None:
 
     if group is not None and group in c10d._world.pg_map:
         dist.destroy_process_group(group)
+
+
+def join_requested(body: dict, default_name: str, timeout_s: float = 300.0) -> tuple[str, dist.ProcessGroup]:
+    """An engine's end of the group an /init_weights_update_group body asks it to join (gloo, as
+    the CPU engines here join): (its name, the group)."""
+    if body.get("backend", "gloo") != "gloo":
+        raise ValueError(f"this engine joins gloo groups only, not {body.get('backend')!r}")
+    name = body.get("group_name", default_name)
+    args = (body["master_address"], int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]))
+    return name, join_group(*args, name, "gloo", timeout_s)

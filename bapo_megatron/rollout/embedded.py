@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.common import protocol
-from bapo_megatron.common.weight_group import join_group, leave_group
+from bapo_megatron.common.weight_group import join_requested, leave_group
 from bapo_megatron.rollout.engine_core import EngineCore, Request, one_line
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -343,21 +343,10 @@ class EmbeddedServer:
 
     async def init_group(self, request):
         body = await _json_object(request)
-        if body.get("backend", "gloo") != "gloo":
-            raise ValueError(f"the embedded engine joins gloo groups only, not {body.get('backend')!r}")
         name = body.get("group_name", protocol.DEFAULT_GROUP)
         if name in self.groups:
             raise ValueError(f"already in weight-update group {name!r}: /destroy_weights_update_group first")
-        self.groups[name] = await asyncio.to_thread(
-            join_group,
-            body["master_address"],
-            int(body["master_port"]),
-            int(body["rank_offset"]),
-            int(body["world_size"]),
-            name,
-            "gloo",
-            300.0,
-        )
+        name, self.groups[name] = await asyncio.to_thread(join_requested, body, protocol.DEFAULT_GROUP)
         return _ok(f"joined {name}")
 
     async def destroy_group(self, request):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from bapo_megatron.common.protocol import SAMPLING_EPS, SamplingParams
+from bapo_megatron.common.protocol import SAMPLING_EPS, SamplingParams, extend_spans
 
 
 class SlotKV:
@@ -490,10 +490,7 @@ class EngineCore:
         request.output_ids.append(token)
         request.logprobs.append(logprob)
         n = len(request.output_ids)
-        if request.spans and request.spans[-1][0] == self.version and request.spans[-1][2] == n - 1:
-            request.spans[-1][2] = n
-        else:
-            request.spans.append([self.version, n - 1, n])
+        extend_spans(request.spans, self.version, n)
         s = request.sampling
         if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos):
             self._finish(request, {"type": "stop", "matched": token})
