@@ -13,8 +13,9 @@ Engines (--engine):
   lengths long-tailed; it joins the weight-update group and receives every weight update (bytes
   discarded), and pauses as SGLang does. The trainer runs on this machine's CPU, the engine costs
   no CPU: the overlap async mode buys is what a node of GPUs generating beside the trainer gets.
-- embedded: the CPU engine of this package. Trainer and engine share this machine's cores, so
-  generating while training mostly takes cores from the training: no gain is expected on 2 cores.
+- embedded: the CPU engine of this package, a process of its own. With one thread each (--threads 1,
+  the engine inherits it), the trainer and the engine take one core each of a 2-core machine, so
+  their overlap shows; with more threads each they would compete for the same cores.
 
 Modes (--modes): sync (each step generates whole responses, then trains), abort and retract (sync
 partial rollout), async (rollout.mode async: generation goes on while the trainer trains, tokens
@@ -25,8 +26,12 @@ the trainer waiting for its batch, training, the weight sync; the shares of the 
 trainer waits (trainer_wait / step) and in which the engines wait (engine/idle_share: holding no
 request, or paused); trained tokens per second (a repeat's tokens over its seconds, median and
 min-max over repeats). The ideal speedup of overlapping is (T_rollout + T_rest) / max(T_rollout,
-T_rest) from the sync run's own split (T_rest: the step less the wait for the batch). The load
-average before and after is printed: figures from a loaded machine are not figures.
+T_rest) from the sync run's own split (T_rest: the step less the wait for the batch). Async can
+pass it: besides the overlap, its engines never wait for a step's slowest response (new groups
+start as others finish), which the sync split's T_rollout includes; the abort mode (sync partial
+rollout, oversampled) shows how much of that a sync step recovers alone. The defaults balance
+rollout and training on the 2-core development machine (T_rollout ~ T_rest). The load average
+before and after is printed: figures from a loaded machine are not figures.
 """
 
 from __future__ import annotations
@@ -156,16 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--oversample", type=float, default=2.0)
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--pause-mode", choices=["retract", "abort", "in_place"], default="retract")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--head-scale", type=float, default=8.0)
-    parser.add_argument("--time-scale", type=float, default=0.15, help="modelled engine: this x its modelled time")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="modelled engine: this x its modelled time")
     parser.add_argument("--checkpoint-interval", type=int, default=0, help="0: a checkpoint at the end only")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads of the trainer process")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = (
         f"modelled H100 engine (time scale {args.time_scale})"
         if args.engine == "modelled"
-        else "embedded CPU engine (shares the cores with the trainer: no gain expected)"
+        else f"embedded CPU engine (a process of its own: with --threads {args.threads} the trainer and the engine "
+        "each take a core of this machine's; with more threads each they would compete for them)"
     )
     print(
         f"{engine}; trainer on {os.cpu_count()} CPU cores, {args.threads} thread(s); {args.prompts} prompts x "

@@ -1,7 +1,7 @@
 """Partial rollout against full-length rollout on the embedded engine, long-tailed response lengths.
 
-    python benchmarks/bench_rollout.py [--steps 16] [--prompts 8] [--samples 4] [--max-new 512] [--budget 128]
-                                       [--oversample 2 3] [--engine cpu|gpu-model|both]
+    python benchmarks/bench_rollout.py [--steps 16] [--repeats 3] [--prompts 8] [--samples 4] [--max-new 512]
+                                       [--budget 128] [--oversample 2 3] [--engine cpu|gpu-model|both]
 
 Two engines, each table labelled: the embedded CPU engine (real decoding; on a CPU a decode
 step's cost grows with the sequences it holds, so keeping more in flight buys little), and a
@@ -19,7 +19,9 @@ most --budget tokens (a sample cut there continues at once while the step still 
 groups, and next step otherwise), --oversample x the groups are kept in flight (a row per
 value), and the step returns when --prompts groups are complete. Training itself is not
 run: its cost per token is the same in every mode, so the table compares rollout seconds
-per trained token (the tokens of the groups a step hands to training).
+per trained token (the tokens of the groups a step hands to training). Each mode runs --repeats
+times, the modes interleaved; the table gives medians and (min-max) over the repeats, and the
+ratio to full-length rollout repeat by repeat.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -105,38 +108,55 @@ async def run_mode(url: str, model: Path, partial: bool, oversample: float, args
         }
 
 
-def table(label: str, results: list[tuple[str, dict[str, float]]]) -> None:
+def table(label: str, results: list[tuple[str, list[dict[str, float]]]]) -> None:
+    """One row per mode: the median and (min-max) over its repeats, and against full-length rollout
+    repeat by repeat (repeat i of each mode ran side by side)."""
     print(label)
     header = (
-        f"{'mode':<24} {'s/step':>7} {'trained tok/step':>17} {'trained tok/s':>14} {'vs full':>8} "
+        f"{'mode':<24} {'s/step':>7} {'trained tok/step':>17} {'trained tok/s':>20} {'vs full':>18} "
         f"{'gen tok/s':>10} {'len p50':>8} {'len p99':>8} {'stale drops':>12} {'rounds/step':>12}"
     )
     print(header)
     print("-" * len(header))
     full = results[0][1]
-    for name, r in results:
+    for name, runs in results:
+        rate = [r["trained_per_s"] for r in runs]
+        ratio = [r["trained_per_s"] / f["trained_per_s"] for r, f in zip(runs, full, strict=True)]
+
+        def med(key: str, runs=runs) -> float:
+            return statistics.median(r[key] for r in runs)
+
         print(
-            f"{name:<24} {r['seconds_per_step']:>7.2f} {r['trained_per_step']:>17.0f} {r['trained_per_s']:>14.0f} "
-            f"{r['trained_per_s'] / full['trained_per_s']:>7.2f}x {r['generated_per_s']:>10.0f} {r['p50']:>8} "
-            f"{r['p99']:>8} {r['dropped']:>12} {r['rounds']:>12.1f}"
+            f"{name:<24} {med('seconds_per_step'):>7.2f} {med('trained_per_step'):>17.0f} "
+            f"{_spread(rate, '{:.0f}'):>20} {_spread(ratio, '{:.2f}x'):>18} {med('generated_per_s'):>10.0f} "
+            f"{med('p50'):>8.0f} {med('p99'):>8.0f} {med('dropped'):>12.0f} {med('rounds'):>12.1f}"
         )
 
 
-def modes(url: str, model: Path, args, time_scale: float = 1.0) -> list[tuple[str, dict[str, float]]]:
-    """Full-length, then partial at each oversample; seconds are divided by time_scale (the modelled
-    engine sleeps time_scale x its modelled time)."""
-    runs = [("full-length", asyncio.run(run_mode(url, model, False, 1.0, args)))]
-    runs += [(f"partial, oversample {o:g}", asyncio.run(run_mode(url, model, True, o, args))) for o in args.oversample]
-    for _, r in runs:
-        r["seconds_per_step"] /= time_scale
-        r["trained_per_s"] *= time_scale
-        r["generated_per_s"] *= time_scale
-    return runs
+def _spread(values: list[float], fmt: str) -> str:
+    return f"{fmt.format(statistics.median(values))}({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def modes(url: str, model: Path, args, time_scale: float = 1.0) -> list[tuple[str, list[dict[str, float]]]]:
+    """Full-length, then partial at each oversample, --repeats times, interleaved (full, partial 2,
+    partial 3, full, ...): a change in the machine's load hits every mode alike. Seconds are divided
+    by time_scale (the modelled engine sleeps time_scale x its modelled time)."""
+    settings = [("full-length", False, 1.0)] + [(f"partial, oversample {o:g}", True, o) for o in args.oversample]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in settings}
+    for _ in range(args.repeats):
+        for name, partial, oversample in settings:
+            r = asyncio.run(run_mode(url, model, partial, oversample, args))
+            r["seconds_per_step"] /= time_scale
+            r["trained_per_s"] *= time_scale
+            r["generated_per_s"] *= time_scale
+            runs[name].append(r)
+    return list(runs.items())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, interleaved")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
@@ -167,7 +187,8 @@ def main() -> None:
 
     print(
         f"{args.prompts} prompts x {args.samples} samples per step; max_new_tokens {args.max_new}; partial: budget "
-        f"{args.budget}, max_staleness {args.max_staleness}; {args.steps} steps after {args.warmup} warm-up; "
+        f"{args.budget}, max_staleness {args.max_staleness}; {args.repeats} interleaved repeats of {args.steps} "
+        f"steps after {args.warmup} warm-up; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
     root = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
@@ -202,6 +223,7 @@ def main() -> None:
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     print(
         "vs full: trained tokens per second against full-length rollout (partial rows train the groups that "
         "finish first: compare trained tok/step and len p50); goal >= 1.5x on a GPU: the modelled engine here, "
