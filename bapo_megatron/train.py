@@ -40,18 +40,24 @@ def train(job: Job) -> list[dict[str, float]]:
     while step < cfg.steps and not job.should_stop(step):
         start = time.monotonic()
         batch, metrics = source.next_batch(step)  # waits for the engines (sync), or takes what they queued (async)
-        metrics["time/trainer_wait"] = time.monotonic() - start
-        metrics.update(update(trainer, batch, cfg.algo.updates_per_batch))
-        metrics["time/train"] = time.monotonic() - start - metrics["time/trainer_wait"]
+        waited = time.monotonic() - start
+        add(metrics, update(trainer, batch, cfg.algo.updates_per_batch))
+        add(metrics, {"time/trainer_wait": waited, "time/train": time.monotonic() - start - waited})
         step += 1
-        metrics.update(source.publish(trainer, step))  # the engines serve version `step` from here
-        metrics.update(throughput(batch, time.monotonic() - start))
+        add(metrics, source.publish(trainer, step))  # the engines serve version `step` from here
+        add(metrics, throughput(batch, time.monotonic() - start))
         job.until.add(metrics)
         log.record(step, metrics, source.evaluate(step))  # an evaluation runs beside the next step
         if job.checkpointer.due(step):
             job.checkpointer.save(trainer, step, log)
     job.finish(step)
     return log.history
+
+
+def add(metrics: dict[str, float], more: dict[str, float]) -> None:
+    """A step's metrics from another part of the step: names never collide (one would hide the other)."""
+    assert not metrics.keys() & more.keys(), f"metric names collide: {sorted(metrics.keys() & more.keys())}"
+    metrics.update(more)
 
 
 def update(trainer, batch: RolloutBatch, updates: int) -> dict[str, float]:

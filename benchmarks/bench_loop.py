@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     print("seconds per step and shares of the step: median(min-max) over the steps after warm-up")
     header = ["mode", "steps", "tok/s", "vs sync", *(name for name, _ in COLUMNS), "trainer_waits", "engines_wait"]
     print("  ".join(f"{h:>22}" if i > 1 else f"{h:>8}" for i, h in enumerate(header)))
+    print("-" * (8 * 2 + 24 * (len(header) - 2)))
     for mode in args.modes:
         r = results[mode]
         cells = [mode, str(r["steps"])]

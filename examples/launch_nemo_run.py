@@ -11,8 +11,8 @@ Executors:
   local   `bapo-train` in this environment, one process (the embedded CPU engine; default preset: tiny).
   slurm   one srun task per GPU (bapo-train reads Slurm's task variables; the batch script exports the
           rendezvous), in the container when one is named. The engines share the trainer's GPUs
-          (rollout.engines.colocate=true): NeMo-Run's Slurm jobs have one group of nodes; engines on nodes of
-          their own are slurm/bapo_*.sh's layout.
+          (rollout.engines.colocate=true, so rollout.mode=sync): NeMo-Run's Slurm jobs have one group
+          of nodes; engines on nodes of their own (asynchronous, the presets' mode) are slurm/bapo_*.sh's layout.
   docker  one node: torchrun over the GPUs of `docker run --gpus all --ipc=host`, colocated engines.
 The submitted command is the same everywhere: python -m bapo_megatron.train PRESET [key=value ...].
 """
@@ -142,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         from bapo_megatron.config import load_config
 
         engine_tp = load_config(PRESETS[preset]).rollout.engines.tensor_parallel
-        overrides += ["rollout.engines.colocate=true", f"rollout.engines.servers={GPUS_PER_NODE // engine_tp}"]
+        # colocated engines give their memory to the trainer while it trains: generation is synchronous
+        overrides += [
+            "rollout.mode=sync",
+            "rollout.engines.colocate=true",
+            f"rollout.engines.servers={GPUS_PER_NODE // engine_tp}",
+        ]
     import nemo_run as run
 
     root = opts.root or (Path(IMAGE_ROOT) if opts.container_image else ROOT)

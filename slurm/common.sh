@@ -240,7 +240,8 @@ bapo_gpu_job() {
         "rollout.engines.admin_key_file=$(shared_admin_key)"
     )
     if [[ $COLOCATE == 1 ]]; then
-        args+=("rollout.engines.colocate=true" "rollout.engines.servers=$((gpus_per_node / engine_tp))")
+        # colocated engines give their memory to the trainer while it trains: generation is synchronous
+        args+=("rollout.mode=sync" "rollout.engines.colocate=true" "rollout.engines.servers=$((gpus_per_node / engine_tp))")
     else
         if ((${#nodes[@]} == TRAIN_NODES)); then
             echo "error: no rollout nodes: submit with more than TRAIN_NODES=$TRAIN_NODES nodes, or COLOCATE=1" >&2

@@ -17,7 +17,7 @@ from pathlib import Path
 from bapo_megatron.fsutil import read_jsonl
 
 PANELS = [
-    ("reward", ["rollout/reward_mean"]),
+    ("reward", ["rollout/reward_mean", "advantage/reward_mean"]),
     ("policy entropy", ["policy/entropy"]),
     ("positive contribution rho", ["bapo/rho"]),
     ("gradient norm", ["train/grad_norm"]),

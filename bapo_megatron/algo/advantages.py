@@ -61,7 +61,7 @@ def group_advantages(rewards: torch.Tensor, config: AdvantageConfig) -> tuple[to
         "advantage/zero_groups": float(zero_groups),
         "advantage/zero_group_frac": zero_groups / groups if groups else 0.0,
         "advantage/mean_abs": adv.abs().mean().item() if adv.numel() else 0.0,
-        "rollout/reward_mean": r.mean().item() if r.numel() else 0.0,
+        "advantage/reward_mean": r.mean().item() if r.numel() else 0.0,
     }
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32), metrics
 

@@ -29,7 +29,8 @@ def _table(script: str, *args: str) -> list[list[str]]:
     rows = [
         line.split()
         for line in lines[rule + 1 :]
-        if line.strip() and not line.startswith(("vs ", "fp8 ", "---", "mode ", "CPU: ", "MODELLED GPU"))
+        if line.strip()
+        and not line.startswith(("vs ", "fp8 ", "---", "mode ", "CPU: ", "MODELLED GPU", "ideal ", "load "))
     ]
     assert rows, done.stdout
     assert "nan" not in done.stdout.lower(), done.stdout
@@ -92,40 +93,31 @@ def test_rollout_benchmark():
     )
     tables = [rows[i : i + 3] for i, r in enumerate(rows) if r[0] == "full-length"]
     assert len(tables) == 2, rows
-    for full, *partial in tables:
-        assert full[4] == "1.00x" and float(full[2]) > 0
+    for full, *partial in tables:  # one repeat: median (min-max) of one value
+        assert full[4] == "1.00x(1.00x-1.00x)" and float(full[2]) > 0
         assert [r[:3] for r in partial] == [["partial,", "oversample", "2"], ["partial,", "oversample", "3"]]
-        assert all(float(r[4]) > 0 and r[6].endswith("x") for r in partial)
+        assert all(float(r[5].split("(")[0]) > 0 and r[6].split("(")[0].endswith("x") for r in partial)
 
 
-def test_loop_benchmark():
-    """The real bapo-train loop: per mode, each phase's seconds and the two waiting shares."""
+def test_loop_benchmark(tmp_path):
+    """The real bapo-train loop against the modelled engine over HTTP, sync and async: per mode the
+    trained tokens/s, each phase's seconds and the two waiting shares; the JSON holds the same."""
+    import json
+
     rows = _table(
         "bench_loop.py",
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-        "--modes",
-        "full",
-        "abort",
-        "--prompts",
-        "2",
-        "--samples",
-        "2",
-        "--max-new",
-        "16",
-        "--budget",
-        "8",
+        *("--engine", "modelled", "--modes", "sync", "async", "--steps", "3", "--warmup", "1", "--repeats", "1"),
+        *("--prompts", "2", "--samples", "2", "--max-new", "16", "--json", str(tmp_path / "loop.json")),
     )
-    assert [r[0] for r in rows] == ["full", "abort"]
+    assert [r[0] for r in rows] == ["sync", "async"]
     for row in rows:
-        assert len(row) == 10 and row[1] == "2", row  # mode, steps, 6 phases, 2 shares
-        step, rollout, reward_wait, train, sync, ckpt, trainer_waits, engines_wait = (
-            float(c.split("(")[0]) for c in row[2:]
-        )
-        assert step > 0 and rollout > 0 and train > 0 and sync > 0 and ckpt > 0 and reward_wait >= 0
-        assert 0 < trainer_waits < 1 and 0 <= engines_wait <= 1
+        assert len(row) == 10 and row[1] == "2", row  # mode, steps, tok/s, vs sync, 4 phases, 2 shares
+        step, wait, train, sync, trainer_waits, engines_wait = (float(c.split("(")[0]) for c in row[4:])
+        assert step > 0 and wait >= 0 and train > 0 and sync > 0
+        assert 0 <= trainer_waits < 1 and 0 <= engines_wait <= 1
+    figures = json.loads((tmp_path / "loop.json").read_text())
+    assert figures["sync"]["vs_sync"] == 1.0 and figures["async"]["tokens_per_s"] > 0
+    assert figures["ideal_speedup"] >= 1 and figures["async_of_ideal"] > 0
 
 
 def test_weights_benchmark(tmp_path):

@@ -72,6 +72,7 @@ def test_slurm_executor_builds_the_sbatch_script(tmp_path):
     assert command[3:] == [
         "/opt/bapo-megatron/examples/qwen2.5-32b/config.yaml",
         "model.hf_path=/opt/bapo-megatron/examples/qwen2.5-32b/shape",  # the image's checkout
+        "rollout.mode=sync",  # colocated: the engines wait while the trainer trains
         "rollout.engines.colocate=true",
         "rollout.engines.servers=2",  # 8 GPUs / the preset's engine TP 4
         "model.hf_path=/data/Qwen2.5-32B",  # the last word: the user's model
@@ -98,6 +99,7 @@ def test_docker_executor_builds_the_container(tmp_path):
         "bapo_megatron.train",
         "/opt/bapo-megatron/examples/qwen2.5-7b/config.yaml",
         "model.hf_path=/opt/bapo-megatron/examples/qwen2.5-7b/shape",
+        "rollout.mode=sync",
         "rollout.engines.colocate=true",
         "rollout.engines.servers=4",  # 8 GPUs / the preset's engine TP 2
     ]
