@@ -303,6 +303,7 @@ class RolloutDriver:
         try:
             if self.strategy is not None:
                 self.loop.run(self.strategy.close(), timeout=30)
+            self.loop.cancel_all(30)  # requests of a step cut short (an error, Ctrl-C): before their clients close
             if self.sender is not None and hasattr(self.sender, "close"):
                 self.loop.run(self.sender.close(), timeout=30)
         except Exception:  # the engines may be gone already: their end of the group is gone too

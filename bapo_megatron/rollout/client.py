@@ -44,6 +44,7 @@ class EngineClient:
         self.admin_key, self.api_key = admin_key, api_key
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self._session = None
+        self._closed = False
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -52,6 +53,9 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the session; a request still running after this fails as EngineUnavailable
+        instead of opening a session that nothing would close."""
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -59,6 +63,8 @@ class EngineClient:
     def _http(self):
         import aiohttp
 
+        if self._closed:
+            raise EngineUnavailable(f"{self.base_url}: the client is closed")
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self._session

@@ -12,6 +12,7 @@ behind. Started embedded engines get a generated admin key; SGLang's key comes f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -153,7 +154,8 @@ class Engines:
         """Close the clients and stop what was started here; safe to call more than once."""
         if not self.loop.closed:
             for client in self.clients:
-                self.loop.run(client.close())
+                with contextlib.suppress(Exception):  # one that fails to close must not keep the rest open
+                    self.loop.run(client.close(), timeout=30)
         for server in self.servers:
             server.stop()
         self.servers = []

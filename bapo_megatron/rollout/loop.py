@@ -69,20 +69,27 @@ class EngineLoop:
     def closed(self) -> bool:
         return self.loop.is_closed()
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Cancel every task still on the loop, wait for them to unwind, stop the thread."""
-        if self.loop.is_closed():
+    def cancel_all(self, timeout_s: float = 60.0) -> None:
+        """Cancel every task on the loop (requests still in flight after an interrupt) and wait for
+        them to unwind."""
+        if self.loop.is_closed() or not self._thread.is_alive():
             return
 
-        async def cancel_all() -> None:
+        async def cancel() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            self.submit(cancel()).result(timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Cancel every task still on the loop, wait for them to unwind, stop the thread."""
+        if self.loop.is_closed():
+            return
         if self._thread.is_alive():
-            with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
-                self.submit(cancel_all()).result(timeout_s)
+            self.cancel_all(timeout_s)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout_s)
         if not self._thread.is_alive():
