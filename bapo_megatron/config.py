@@ -448,11 +448,32 @@ class DataConfig:
     fn(text, ids, record) -> float. A call that fails scores 0 and is counted (rollout/reward_errors)."""
     reward_workers: int = 1
     """Processes scoring responses beside generation."""
+    reward_timeout_s: float = 20.0
+    """A reward call that takes longer fails (scores 0, is counted) and its worker is replaced.
+    math-verify bounds each of its three stages (the answer's parse, the response's, the
+    comparison) with a 5 s alarm of its own: its worst case measured 6.3 s on a loaded 2-core machine."""
+    reward_memory_mb: int = 4096
+    """Address space a reward worker may take beyond its start (the interpreter and the imported
+    reward); a call past it fails with MemoryError and the worker is replaced. 0: no limit."""
+    reward_range: tuple[float, float] = (-1e6, 1e6)
+    """A reward outside [low, high], or an infinity, is a failed call (as NaN is)."""
+    max_reward_failure_share: float = 0.5
+    """A step whose batch has more than this share of failed reward calls is a failing step; the
+    run stops (exit 1, status.json "failed") after data.reward_failure_steps of them in a row, or
+    at once when every call of a step failed: a run whose reward never works learns nothing."""
+    reward_failure_steps: int = 3
     chat_template: bool = False
     """Wrap each text prompt in the tokenizer's chat template (one user turn, generation prompt)."""
 
     def __post_init__(self) -> None:
         check(self.reward_workers >= 1, "reward_workers", self.reward_workers, "must be >= 1")
+        check(self.reward_timeout_s > 0, "reward_timeout_s", self.reward_timeout_s, "must be > 0")
+        check(self.reward_memory_mb >= 0, "reward_memory_mb", self.reward_memory_mb, "must be >= 0 (0: no limit)")
+        low, high = self.reward_range
+        check(low < high, "reward_range", list(self.reward_range), "needs low < high")
+        share = self.max_reward_failure_share
+        check(0 <= share < 1, "max_reward_failure_share", share, "must be in [0, 1) (every call failing always stops)")
+        check(self.reward_failure_steps >= 1, "reward_failure_steps", self.reward_failure_steps, "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -662,6 +683,10 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             value = [value]
+        if args and args[-1] is not Ellipsis:  # a fixed length: (low, high)
+            if len(value) != len(args):
+                raise ConfigError(path, value, f"must be {len(args)} values")
+            return tuple(_coerce(v, item, f"{path}[{i}]") for i, (v, item) in enumerate(zip(value, args, strict=True)))
         item = args[0] if args else Any
         return tuple(_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value))
     if hint is Any:

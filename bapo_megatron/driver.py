@@ -42,7 +42,8 @@ from bapo_megatron.rollout.engines import Engines
 from bapo_megatron.rollout.evaluation import HeldOut
 from bapo_megatron.rollout.launcher import free_port
 from bapo_megatron.rollout.loop import EngineLoop
-from bapo_megatron.rollout.rewards import RewardWorkers, load_reward
+from bapo_megatron.rollout.reward_workers import FailingRewards, RewardWorkers
+from bapo_megatron.rollout.rewards import load_reward
 from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds, RetractSteps, Strategy
 
 PROBE_TOKENS = 16
@@ -96,7 +97,11 @@ class RolloutDriver:
         except BaseException:
             self.loop.close()
             raise
-        self.rewards = RewardWorkers(data.reward, data.reward_workers)  # processes start at the first score
+        self.rewards = RewardWorkers(  # processes start at the first score
+            data.reward, data.reward_workers, timeout_s=data.reward_timeout_s, memory_mb=data.reward_memory_mb,
+            bounds=data.reward_range,
+        )  # fmt: skip
+        self.failing_rewards = FailingRewards(data.reward, data.max_reward_failure_share, data.reward_failure_steps)
         slots = ro.engines.max_batch * max(1, len(ro.engines.urls) or ro.engines.servers)
         self.held_out = HeldOut(held_out, cfg.eval, ro.sampling, cfg.seed, self.rewards, self._decode, slots)
         self.strategy: Strategy | None = None
@@ -176,6 +181,7 @@ class RolloutDriver:
                 groups, stats = self.loop.run(self.strategy.batch(version))
             finally:
                 core.on_progress = None
+        checked = self.failing_rewards.check(groups, version + 1)  # before the step trains on it
         batch = RolloutBatch.from_groups(
             groups,
             ro.sampling.temperature,
@@ -187,7 +193,7 @@ class RolloutDriver:
         if ro.engines.colocate:
             self.loop.run(self.strategy.pool.each(lambda client: client.release_memory()))
             self._released = True
-        return batch, {**stats, **batch_figures(groups, version, ro.sampling.max_new_tokens, self.buffer)}
+        return batch, {**stats, **checked, **batch_figures(groups, version, ro.sampling.max_new_tokens, self.buffer)}
 
     def publish(self, buckets: Iterable, version: int) -> dict[str, float]:
         """Every bucket to every engine as weight version `version` (the engines paused as the mode
@@ -286,7 +292,7 @@ class RolloutDriver:
             return {
                 "buffer": self.buffer.state_dict(),
                 "prompts": self.prompts.state_dict(),
-                "rewards": self.rewards.state_dict(),
+                "rewards": {**self.rewards.state_dict(), **self.failing_rewards.state_dict()},
             }
 
         return self.loop.run(snapshot())
@@ -295,6 +301,7 @@ class RolloutDriver:
         self.buffer.load_state_dict(state["buffer"])
         self.prompts.load_state_dict(state["prompts"])
         self.rewards.load_state_dict(state["rewards"])
+        self.failing_rewards.load_state_dict(state["rewards"])
 
     def close(self) -> None:
         """Stop what this driver started; safe to call more than once and after a failed start."""

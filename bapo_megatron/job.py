@@ -8,6 +8,7 @@ the trainer's weights when it returns). `job.close()` undoes it, whatever happen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -256,6 +257,16 @@ class Job:
             if self.stop.received is not None:
                 message = f"signal {self.stop.received}: saved step {step} of {cfg.steps}; the same command resumes"
                 print(message, file=sys.stderr)
+
+    def failed(self, err: BaseException) -> None:
+        """status.json says the run failed and why (rank 0); the lines of the steps it trained are
+        written, its last checkpoint stays as it was."""
+        if self.rank != 0 or self.log is None:
+            return
+        with contextlib.suppress(Exception):  # the error being reported matters more than these lines
+            self.log.flush()
+        status = {"state": "failed", "reason": "error", "error": str(err), "step": self.log.step or self.step}
+        write_text_atomic(self.cfg.run_path / "status.json", json.dumps({**status, "steps": self.cfg.steps}) + "\n")
 
     def close(self) -> None:
         """Teardown: signals restored, engines stopped, logs closed, the process group destroyed."""

@@ -121,10 +121,12 @@ class StepLog:
         self.logger = logger
         self.pending: list[tuple[int, dict[str, float], Future | None]] = []
         self.history: list[dict[str, float]] = []
+        self.step: int | None = None  # the last step recorded
         self._carried: dict[str, float] = {}
 
     def record(self, step: int, metrics: dict[str, float], evaluation: Future | None = None) -> None:
         self.pending.append((step, {**self._carried, **metrics}, evaluation))
+        self.step = step
         self._carried = {}
         self._write(wait=False)
 

@@ -179,7 +179,10 @@ class OnlineFollower(BatchSource):
         self.publish(trainer, step)
 
     def next_batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        return _broadcast(None), {}
+        batch = _broadcast(None)
+        if isinstance(batch, str):  # rank 0 stopped the run (a reward that does not work): so do we
+            raise RunStopped(batch)
+        return batch, {}
 
     def publish(self, trainer, version: int) -> dict[str, float]:
         buckets = weight_buckets(self.cfg, trainer, self.holders)
@@ -218,7 +221,11 @@ class OnlineSource(OnlineFollower):
         return rollout_mem_fraction(self.cfg, trainer.spec, gpu, trainer.info.dp_size)
 
     def next_batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        batch, metrics = self.driver.next_batch(step)
+        try:
+            batch, metrics = self.driver.next_batch(step)
+        except RunStopped as err:
+            _broadcast(str(err))  # the other ranks wait for this batch: they stop too
+            raise
         _broadcast(batch)
         return batch, metrics
 

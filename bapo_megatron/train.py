@@ -30,6 +30,9 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     job = Job.start(cfg)
     try:
         return train(job)
+    except RunStopped as err:
+        job.failed(err)
+        raise
     finally:
         job.close()
 

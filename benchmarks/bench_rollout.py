@@ -58,7 +58,7 @@ async def run_mode(url: str, model: Path, partial: bool, oversample: float, args
     from bapo_megatron.rollout.client import EngineClient
     from bapo_megatron.rollout.core import RolloutCore
     from bapo_megatron.rollout.pool import EnginePool
-    from bapo_megatron.rollout.rewards import RewardWorkers
+    from bapo_megatron.rollout.reward_workers import RewardWorkers
     from bapo_megatron.rollout.strategies import AbortSteps
 
     counter = iter(range(10**6))

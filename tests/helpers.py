@@ -74,3 +74,39 @@ SGLANG_LAUNCH = [
     SGLANG_DOCUMENTED,
 ]
 """Two colocated deterministic servers beyond loopback (a generated key), the documented further options."""
+
+
+HOSTILE_REWARDS = """
+import os, sys, time
+held = []
+def good(text, ids, record):
+    return float(len(ids))
+def hang(text, ids, record):
+    time.sleep(3600)
+def slow_once(text, ids, record):
+    if not os.path.exists(record["flag"]):
+        open(record["flag"], "w").close()
+        time.sleep(3600)
+    return 1.0
+def leak(text, ids, record):
+    held.append(bytearray(64 * 2**20))  # kept: the worker grows with every call
+    return 1.0
+def exits(text, ids, record):
+    sys.exit(0)
+def dies(text, ids, record):
+    os._exit(3)
+def infinite(text, ids, record):
+    return float("inf")
+def huge(text, ids, record):
+    return 1e308
+def nothing(text, ids, record):
+    return None
+def text_out(text, ids, record):
+    return "1.0 maybe"
+def arity(text):
+    return 1.0
+def raises(text, ids, record):
+    return 1 / 0
+"""
+"""Reward functions as users write them by mistake (data.reward="FILE:name"): they hang, leak,
+exit, die, or return what is not a reward."""

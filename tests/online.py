@@ -186,3 +186,38 @@ def engine_pids(run: Path) -> dict[int, int]:
                 if "rollout.embedded" in command and f"--port {port + i} " in command + " ":
                     out[port + i] = int(pid)
     return out
+
+
+def reward_workers_left(path: Path) -> list[str]:
+    """Reward worker processes whose reward lives under `path` (their command line names it)."""
+    ps = subprocess.run(["ps", "-ww", "-eo", "stat,args"], capture_output=True, text=True).stdout
+    return [
+        line
+        for line in ps.splitlines()
+        if "rollout.reward_workers" in line and str(path) in line and not line.lstrip().startswith("Z")
+    ]
+
+
+def no_reward_worker_left(path: Path) -> None:
+    """No reward worker of a run whose reward lives under `path` is alive (they die with their driver)."""
+    deadline = time.monotonic() + 30
+    while left := reward_workers_left(path):
+        assert time.monotonic() < deadline, f"reward workers still running: {left}"
+        time.sleep(0.2)
+
+
+def mp_semaphores() -> set[str]:
+    """multiprocessing's named semaphores in /dev/shm (a killed run's would stay there)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp")}
+
+
+def assert_logs_match_checkpoint(run: Path) -> int:
+    """After a kill, before the resume: every step up to the newest checkpoint has exactly one metrics
+    line and one samples line (lines of later steps may follow: the resume cuts them). Returns that step."""
+    latest = run / "ckpt" / "latest"
+    saved = int(latest.read_text().strip().removeprefix("step_")) if latest.is_file() else 0
+    logged = [m["step"] for m in metrics(run) if m["step"] >= 1] if (run / "metrics.jsonl").is_file() else []
+    sampled = [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s for s in logged if s <= saved] == list(range(1, saved + 1)), (saved, logged)
+    assert [s for s in sampled if s <= saved] == list(range(1, saved + 1)), (saved, sampled)
+    return saved

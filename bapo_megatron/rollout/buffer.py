@@ -36,6 +36,7 @@ class SampleState:
     versions: list[int] = field(default_factory=list)
     finish: str | None = None  # "stop" or "length" once finished
     reward: float | None = None
+    reward_error: str | None = None  # why its reward call failed (it then scores 0)
     regenerated: int = 0  # times reset for staleness
     round_tokens: int = 0  # tokens generated in its current round (the token budget's count)
     step_rounds: int = 0  # rounds begun since the step began
@@ -46,7 +47,7 @@ class SampleState:
 
     def reset(self) -> None:
         self.response_ids, self.logprobs, self.versions = [], [], []
-        self.finish, self.reward, self.round_tokens = None, None, 0
+        self.finish, self.reward, self.reward_error, self.round_tokens = None, None, None, 0
 
 
 @dataclass

@@ -29,7 +29,7 @@ from bapo_megatron.errors import RunStopped
 from bapo_megatron.rollout.buffer import Request, RolloutBuffer, SampleState
 from bapo_megatron.rollout.client import EngineError, EngineUnavailable
 from bapo_megatron.rollout.pool import EnginePool
-from bapo_megatron.rollout.rewards import RewardWorkers
+from bapo_megatron.rollout.reward_workers import RewardWorkers
 
 PromptFn = Callable[[], tuple[str, list[int], dict[str, Any]]]
 MAX_SAMPLE_FAILURES = 3
@@ -226,9 +226,9 @@ class RolloutCore:
     async def _score(self, s: SampleState) -> None:
         group = self.buffer.group_of(s)
         response = list(s.response_ids)
-        reward = await self.reward(self.decode(response), response, group.meta)
+        scored = await self.reward(self.decode(response), response, group.meta)
         if s.finished and s.response_ids == response:  # not reset while it was being scored
-            s.reward = reward
+            s.reward, s.reward_error = scored
             self._home.pop(s.uid, None)
 
     # -- a step's figures -----------------------------------------------------------------------
@@ -249,4 +249,5 @@ class RolloutCore:
             "rollout/dropped_stale": self.buffer.counters["dropped_stale"],
             "rollout/engine_failures": self.pool.failures,
             "rollout/reward_errors": self.reward.failures,
+            "rollout/reward_workers_replaced": self.reward.replaced,
         }

@@ -20,7 +20,7 @@ from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import EvalConfig, SamplingConfig
 from bapo_megatron.rollout.client import EngineUnavailable
 from bapo_megatron.rollout.pool import EnginePool
-from bapo_megatron.rollout.rewards import RewardWorkers
+from bapo_megatron.rollout.reward_workers import RewardWorkers
 
 
 class HeldOut:
@@ -71,8 +71,8 @@ class HeldOut:
                         break
                     except EngineUnavailable:
                         pool.mark_dead(engine)
-            reward = await self.reward(self.decode(done.output_ids), done.output_ids, meta)
-            return i, j, reward, len(done.output_ids)
+            scored = await self.reward(self.decode(done.output_ids), done.output_ids, meta)
+            return i, j, scored.value, len(done.output_ids)
 
         results = await asyncio.gather(*(one(*job) for job in self._jobs()))
         n, k = len(self.items), self.cfg.samples

@@ -5,23 +5,20 @@ returns a float. "math" checks the response's final (boxed) answer against meta[
 with math-verify; "exact" ("exact_text") compares the text, "exact_ids" the tokens. Any other
 name is a user function: "pkg.module:fn" (imported) or "path/to/file.py:fn" (loaded from the
 file), resolved once per process (`load_reward`).
-math-verify bounds its own run time with SIGALRM, which works only in a main thread, so
-scoring runs in worker processes (RewardWorkers), where each call is a main thread.
+Scoring runs in worker processes (reward_workers.py), each call bounded in time and memory;
+math-verify also bounds its own stages with SIGALRM, which works only in a main thread, as each
+worker's call is.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
 import importlib
 import importlib.util
-import multiprocessing
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from bapo_megatron.rollout.launcher import die_with_parent, usr1_shielded
 
 RewardFn = Callable[[str, list[int], dict[str, Any]], float]
 
@@ -99,51 +96,15 @@ def load_reward(name: str) -> RewardFn:
     return fn
 
 
-def score(name: str, text: str, ids: list[int], meta: dict[str, Any]) -> tuple[float, str | None]:
-    """(reward, None), or (0.0, the error) when the verifier throws or returns a non-number."""
+def score(
+    name: str, text: str, ids: list[int], meta: dict[str, Any], bounds: tuple[float, float] = (-1e6, 1e6)
+) -> tuple[float, str | None]:
+    """(reward, None), or (0.0, why) when the verifier throws (sys.exit included), or returns a
+    non-number, NaN, an infinity or a value outside `bounds` (data.reward_range)."""
     try:
         value = float(load_reward(name)(text, ids, meta))
-    except Exception as err:  # a verifier's failure is the sample's, never the run's
+    except (Exception, SystemExit) as err:  # a verifier's failure is the sample's, never the run's
         return 0.0, f"{type(err).__name__}: {err}"
-    if value != value:  # NaN
-        return 0.0, "the verifier returned NaN"
+    if not math.isfinite(value) or not bounds[0] <= value <= bounds[1]:
+        return 0.0, f"the verifier returned {value!r}, outside data.reward_range {list(bounds)}"
     return value, None
-
-
-class RewardWorkers:
-    """Scores samples concurrently with generation, in worker processes (or inline, for tests)."""
-
-    def __init__(self, name: str, workers: int = 1, inline: bool = False) -> None:
-        load_reward(name)  # an unknown name or a file that does not import fails here, not in a worker
-        self.name = name
-        self.failures = 0
-        # spawned, never forked: the caller may hold threads (torch, process groups) a fork would copy mid-state
-        context = multiprocessing.get_context("spawn")
-        self._pool = None
-        if not inline:
-            with usr1_shielded():  # its queues' semaphores start multiprocessing's resource tracker
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    workers, mp_context=context, initializer=die_with_parent
-                )
-
-    async def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> float:
-        if self._pool is None:
-            value, error = score(self.name, text, ids, meta)
-        else:
-            with usr1_shielded():  # a worker (and the resource tracker) may start here
-                pending = asyncio.get_running_loop().run_in_executor(self._pool, score, self.name, text, ids, meta)
-            value, error = await pending
-        if error is not None:
-            self.failures += 1
-        return value
-
-    def state_dict(self) -> dict[str, int]:
-        return {"failures": self.failures}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.failures = int(state["failures"])
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None

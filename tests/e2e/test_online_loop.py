@@ -21,9 +21,11 @@ from tests.online import (
     STEP_TMP,
     args,
     assert_every_group_trained_once,
+    assert_logs_match_checkpoint,
     engine_pids,
     metrics,
     no_engine_left,
+    no_reward_worker_left,
     same,
     start,
     torchrun,
@@ -107,6 +109,7 @@ def test_deterministic_runs_and_their_resumptions_agree(task, tmp_path):
     wait_for(in_save_or_late, proc, "a save")
     proc.kill()
     proc.wait()
+    assert_logs_match_checkpoint(runs["kill"])
     train(args(task, runs["kill"], 5, *det))
 
     for name in ("term", "kill"):
@@ -125,6 +128,8 @@ def test_sync_partial_run_killed_and_resumed_loses_and_repeats_no_sample(task, t
     wait_for(lambda: (run / "metrics.jsonl").is_file() and len(metrics(run)) >= 3, proc, "the third step")
     proc.kill()
     proc.wait()
+    assert assert_logs_match_checkpoint(run) >= 2
+    no_reward_worker_left(task)
     train(args(task, run, 6, "rollout.oversample=2", "checkpoint.interval=2"))
     assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4, 5, 6]
     assert_every_group_trained_once(run, argv, 6)
@@ -166,6 +171,7 @@ def test_async_run_keeps_its_bound_evaluates_beside_training_and_survives_sigter
     wait_for(lambda: max(m["step"] for m in metrics(run)) >= stopped + 2, proc, "two more steps")
     proc.kill()  # wherever it is: generating, training, syncing, saving
     proc.wait()
+    assert assert_logs_match_checkpoint(run) >= stopped
     train(args(task, run, 7, *extra))
     got = metrics(run)
     steps = [m["step"] for m in got if "loss/pg" in m]

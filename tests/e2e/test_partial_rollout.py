@@ -12,7 +12,7 @@ from bapo_megatron.rollout.client import EngineClient
 from bapo_megatron.rollout.core import RolloutCore
 from bapo_megatron.rollout.launcher import ServerProcess, embedded_server
 from bapo_megatron.rollout.pool import EnginePool
-from bapo_megatron.rollout.rewards import RewardWorkers
+from bapo_megatron.rollout.reward_workers import RewardWorkers
 from bapo_megatron.rollout.strategies import AbortSteps, RetractSteps
 from tests.engine_state import generating
 from tests.helpers import make_hf_model

@@ -6,7 +6,8 @@ import pytest
 
 from bapo_megatron.common.protocol import Completion
 from bapo_megatron.rollout.buffer import RolloutBuffer
-from bapo_megatron.rollout.rewards import RewardWorkers, last_boxed, score
+from bapo_megatron.rollout.reward_workers import RewardWorkers
+from bapo_megatron.rollout.rewards import last_boxed, score
 
 
 def _completion(n: int, finish: str, version: str, start: int = 0) -> Completion:
@@ -180,6 +181,6 @@ def test_rewards_boxed_math_and_failures():
     import asyncio
 
     workers = RewardWorkers("exact_ids", inline=True)
-    assert asyncio.run(workers("", [1], {})) == 0.0 and workers.failures == 1
+    assert asyncio.run(workers("", [1], {})).value == 0.0 and workers.failures == 1
     with pytest.raises(ValueError, match="unknown reward"):
         RewardWorkers("nope")

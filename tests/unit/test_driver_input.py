@@ -13,7 +13,8 @@ from bapo_megatron.config import load_config
 from bapo_megatron.driver import RolloutDriver
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.rollout.launcher import free_port
-from bapo_megatron.rollout.rewards import RewardWorkers, load_reward
+from bapo_megatron.rollout.reward_workers import RewardWorkers
+from bapo_megatron.rollout.rewards import load_reward
 
 TEMPLATE = "{% for m in messages %}t1 {{ m['content'] }} t2{% endfor %}{% if add_generation_prompt %} t3{% endif %}"
 
@@ -70,8 +71,9 @@ def test_reward_functions_by_module_or_file(tmp_path, monkeypatch):
     assert load_reward("my_rewards:length")("", [1, 2, 3], {}) == 3.0
     assert load_reward(f"{tmp_path / 'my_rewards.py'}:length")("", [1], {}) == 1.0
     workers = RewardWorkers(f"{tmp_path / 'my_rewards.py'}:broken", inline=True)
-    assert asyncio.run(workers("x", [1], {})) == 0.0 and workers.failures == 1
-    assert workers.state_dict() == {"failures": 1}
+    scored = asyncio.run(workers("x", [1], {}))
+    assert scored.value == 0.0 and scored.error.startswith("KeyError") and workers.failures == 1
+    assert workers.state_dict() == {"failures": 1, "replaced": 0}
     for name, message in [
         ("nope", "unknown reward 'nope'"),
         ("no_such_module_here:fn", "does not import: ModuleNotFoundError"),

@@ -19,7 +19,7 @@ from bapo_megatron.common.protocol import Completion, SamplingParams
 from bapo_megatron.rollout.buffer import RolloutBuffer
 from bapo_megatron.rollout.core import MAX_SAMPLE_FAILURES, RolloutCore, RolloutError
 from bapo_megatron.rollout.pool import EnginePool
-from bapo_megatron.rollout.rewards import RewardWorkers
+from bapo_megatron.rollout.reward_workers import RewardWorkers
 from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds
 
 STOP = 0

@@ -1,0 +1,347 @@
+"""Reward calls in worker processes, each call bounded in time and memory.
+
+    workers = RewardWorkers("pkg.module:fn", workers=4, timeout_s=20, memory_mb=2048)
+    scored = await workers(text, ids, record)   # Scored(value, error): error None, or why it failed
+    workers.close()                              # every worker process gone
+
+A reward function is the user's code: it may hang (a sympy check on a pathological answer), leak
+memory, call sys.exit or os._exit, or return inf. Each of those is one failed call (value 0.0,
+the error said), never the run's end: a call past `timeout_s` has its worker killed, a worker
+past `memory_mb` (address space beyond what it had after importing the reward) fails the call
+with MemoryError and is replaced, a worker that exits mid-call is replaced.
+
+A worker is `python -m bapo_megatron.rollout.reward_workers NAME MEMORY_MB FD`: plain processes,
+not multiprocessing's (no semaphores in /dev/shm, no resource tracker to outlive a killed driver).
+It reads calls from stdin (length-prefixed pickles from the driver) and answers one JSON line a
+call on FD, so that the user's prints go to the job's output and the driver never unpickles what
+a worker (running user code) wrote. A worker dies with the driver (PR_SET_PDEATHSIG, and a
+watchdog thread on its parent's pid for the case where the signal cannot be set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import json
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, NamedTuple
+
+from bapo_megatron.errors import RunStopped
+from bapo_megatron.rollout.launcher import usr1_shielded
+from bapo_megatron.rollout.rewards import load_reward, score
+
+START_TIMEOUT_S = 120.0  # a worker's import of the reward module (math-verify pulls in sympy)
+
+
+class Scored(NamedTuple):
+    value: float
+    error: str | None  # None: a good call
+
+
+class RewardWorkers:
+    """Scores samples beside generation in `workers` processes (or inline, in this process, for
+    tests: then without the time and memory bounds)."""
+
+    def __init__(
+        self,
+        name: str,
+        workers: int = 1,
+        inline: bool = False,
+        timeout_s: float = 20.0,
+        memory_mb: int = 4096,
+        bounds: tuple[float, float] = (-1e6, 1e6),
+    ) -> None:
+        load_reward(name)  # an unknown name or a file that does not import fails here, not in a worker
+        self.name, self.size, self.inline = name, workers, inline
+        self.timeout_s, self.memory_mb, self.bounds = timeout_s, memory_mb, bounds
+        self.failures = 0  # failed calls, all time (rollout/reward_errors)
+        self.replaced = 0  # workers killed or found dead and replaced (rollout/reward_workers_replaced)
+        self._idle: collections.deque[_Worker] = collections.deque()
+        self._all: set[_Worker] = set()
+        self._free: asyncio.Semaphore | None = None
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> Scored:
+        if self.inline:
+            result = Scored(*score(self.name, text, ids, meta, self.bounds))
+        else:
+            result = await self._remote(pickle.dumps((text, list(ids), meta), protocol=pickle.HIGHEST_PROTOCOL))
+        if result.error is not None:
+            self.failures += 1
+        return result
+
+    async def _remote(self, call: bytes) -> Scored:
+        if self._free is None:
+            self._free = asyncio.Semaphore(self.size)
+            self._threads = concurrent.futures.ThreadPoolExecutor(self.size, thread_name_prefix="reward")
+        async with self._free:
+            worker = self._idle.popleft() if self._idle else self._start()
+            loop = asyncio.get_running_loop()
+            try:
+                result = await loop.run_in_executor(self._threads, worker.call, call, self.timeout_s)
+            except BaseException:  # cancelled mid-call (a run's end): the worker's state is unknown
+                self._retire(worker)
+                raise
+            if worker.alive:
+                self._idle.append(worker)
+            else:
+                self._retire(worker)
+                self.replaced += 1
+            return result
+
+    def _start(self) -> _Worker:
+        # Started on the event loop's thread, which lives as long as the driver: the worker's
+        # death signal is tied to the thread that started it.
+        worker = _Worker(self.name, self.memory_mb, self.bounds)
+        self._all.add(worker)
+        return worker
+
+    def _retire(self, worker: _Worker) -> None:
+        worker.kill()
+        if not worker.busy:  # else its call returns now, and releases it
+            worker.release()
+        self._all.discard(worker)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"failures": self.failures, "replaced": self.replaced}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.failures = int(state["failures"])
+        self.replaced = int(state.get("replaced", 0))
+
+    def close(self) -> None:
+        for worker in list(self._all):
+            self._retire(worker)
+        self._idle.clear()
+        if self._threads is not None:
+            self._threads.shutdown(wait=True, cancel_futures=True)
+            self._threads = None
+        self._free = None
+
+
+class FailingRewards:
+    """Stops a run whose reward does not work: it would train on zeros and report "finished". A
+    step whose batch has more than `max_share` failed reward calls is a failing step; `steps` of
+    them in a row, or one step with every call failed, raise RunStopped naming the reward, the
+    commonest error and a record it failed on."""
+
+    def __init__(self, name: str, max_share: float, steps: int) -> None:
+        self.name, self.max_share, self.steps = name, max_share, steps
+        self.streak = 0  # failing steps in a row, up to the last batch
+
+    def check(self, groups: list, step: int) -> dict[str, float]:
+        failed = [(s, g) for g in groups for s in g.samples if s.reward_error is not None]
+        calls = sum(len(g.samples) for g in groups)
+        share = len(failed) / max(calls, 1)
+        self.streak = self.streak + 1 if share > self.max_share else 0
+        if failed and (len(failed) == calls or self.streak >= self.steps):
+            errors = collections.Counter(s.reward_error for s, _ in failed)
+            error, count = errors.most_common(1)[0]
+            record = next(g.meta for s, g in failed if s.reward_error == error)
+            why = (
+                f"every one of its {calls} calls failed in step {step}"
+                if len(failed) == calls
+                else f"more than data.max_reward_failure_share={self.max_share:g} of its calls failed in "
+                f"{self.streak} steps in a row ({len(failed)} of {calls} in step {step})"
+            )
+            raise RunStopped(
+                f"reward {self.name!r}: {why}; commonest error ({count} of {len(failed)}): {error[:300]}; "
+                f"for example on the record {_shown(record)}. The run would learn nothing: fix the reward "
+                "and run the same command (it resumes from the last checkpoint)"
+            )
+        return {"rollout/reward_failed_share": share}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"streak": self.streak}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.streak = int(state.get("streak", 0))
+
+
+def _shown(record: Any) -> str:
+    try:
+        text = json.dumps(record, default=str)
+    except (TypeError, ValueError):
+        text = repr(record)
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+class _Worker:
+    """One worker process and its two pipes; `call` blocks (run it on a thread)."""
+
+    def __init__(self, name: str, memory_mb: int, bounds: tuple[float, float]) -> None:
+        read, write = os.pipe()
+        command = [sys.executable, "-m", __name__, name, str(memory_mb), repr(bounds[0]), repr(bounds[1]), str(write)]
+        try:
+            with usr1_shielded():  # Slurm's checkpoint signal is the driver's, not the worker's
+                self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(write,))
+        finally:
+            os.close(write)
+        self.answers = read
+        self.pending = b""
+        self.ready = False
+        self.alive = True
+        self.busy = False  # a thread is in `call`: it closes the answers' pipe, not `release`
+        self._lock = threading.Lock()
+
+    def call(self, request: bytes, timeout_s: float) -> Scored:
+        """One call's result; a worker that does not answer in time, or exits, or runs out of
+        memory is killed (`alive` False) and the call is a failed one."""
+        self.busy = True
+        try:
+            return self._call(request, timeout_s)
+        except OSError as err:  # the pipe closed under us: the pool is closing
+            self.kill()
+            return Scored(0.0, f"the reward's worker was stopped during the call ({err})")
+        finally:
+            self.busy = False
+            if not self.alive:
+                self.release()
+
+    def _call(self, request: bytes, timeout_s: float) -> Scored:
+        try:
+            if not self.ready:
+                self._answer(START_TIMEOUT_S)  # {"ready": ...}: the reward imported
+                self.ready = True
+            self.proc.stdin.write(struct.pack(">I", len(request)) + request)
+            self.proc.stdin.flush()
+        except (OSError, _Gone) as err:
+            self.kill()
+            return Scored(0.0, f"the reward's worker did not start or died before the call ({self._exit(err)})")
+        try:
+            answer = self._answer(timeout_s)
+        except TimeoutError:
+            self.kill()
+            return Scored(0.0, f"timed out after {timeout_s:g} s (data.reward_timeout_s): its worker was replaced")
+        except _Gone as err:
+            self.kill()
+            return Scored(0.0, f"the reward's worker exited during the call ({self._exit(err)}): it was replaced")
+        value, error = answer.get("value"), answer.get("error")
+        if answer.get("exit"):  # out of memory: what it allocated may still be held
+            self.kill()
+        if not isinstance(error, str | None) or not isinstance(value, int | float) or isinstance(value, bool):
+            self.kill()
+            return Scored(0.0, f"the reward's worker answered {str(answer)[:200]}")
+        return Scored(float(value), error)
+
+    def _answer(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([self.answers], [], [], left)
+            if ready:
+                chunk = os.read(self.answers, 1 << 16)
+                if not chunk:
+                    raise _Gone("no answer")
+                self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            raise _Gone(f"an unreadable answer {line[:100]!r}") from None
+        if not isinstance(answer, dict):
+            raise _Gone(f"an unreadable answer {line[:100]!r}")
+        return answer
+
+    def _exit(self, err: BaseException) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return str(err)
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+    def kill(self) -> None:
+        """The process gone (its pipes' ends close with it); safe from any thread, more than once."""
+        self.alive = False
+        if self.proc.poll() is None:
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+    def release(self) -> None:
+        """Our ends of the pipes closed (a dead worker, no call in progress)."""
+        with self._lock:
+            if self.answers < 0:
+                return
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            os.close(self.answers)
+            self.answers = -1
+
+
+class _Gone(Exception):
+    """The worker's end of a pipe closed."""
+
+
+# -- the worker process -----------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the driver died before the signal was set
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _limit_memory(memory_mb: int) -> None:
+    """Address space: what the worker has now (the interpreter and the imported reward) plus memory_mb."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = now + memory_mb * 2**20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def worker_main(argv: list[str]) -> None:
+    name, memory_mb, low, high, fd = argv[0], int(argv[1]), float(argv[2]), float(argv[3]), int(argv[4])
+    _die_with_parent()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it kills the workers
+    answers = os.fdopen(fd, "w", buffering=1)
+    requests = sys.stdin.buffer
+    fn = load_reward(name)
+    if name == "math":  # its imports (sympy) are part of starting, not of the first call's time
+        fn("", [], {"answer": "0"})
+    if memory_mb > 0:
+        _limit_memory(memory_mb)
+    answers.write(json.dumps({"ready": True}) + "\n")
+    while True:
+        header = requests.read(4)
+        if len(header) < 4:
+            return  # the driver closed our stdin
+        text, ids, meta = pickle.loads(requests.read(struct.unpack(">I", header)[0]))
+        value, error = score(name, text, ids, meta, (low, high))
+        if error is not None and error.startswith("MemoryError"):  # what it allocated may still be held
+            answers.write(json.dumps({"value": 0.0, "error": f"{error} (over data.reward_memory_mb)", "exit": True}))
+            answers.write("\n")
+            os._exit(0)
+        answers.write(json.dumps({"value": value, "error": error}) + "\n")
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])

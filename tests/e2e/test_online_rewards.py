@@ -1,0 +1,96 @@
+"""The online loop against reward code that hangs, dies, exits or returns what is not a reward:
+each bad call is one failed call and the run goes on; a reward that stops working stops the run
+(exit 1, one error line, status.json "failed", the last checkpoint kept), and the same command
+resumes it once the reward is fixed. Nothing of a run is left running after it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.online import (
+    args,
+    metrics,
+    mp_semaphores,
+    no_engine_left,
+    no_reward_worker_left,
+    start,
+    train,
+    wait_for,
+    write_task,
+)
+
+pytestmark = pytest.mark.e2e
+
+FLAKY = """
+import os, sys, time
+def flaky(text, ids, record):
+    kind = sum(ids) % 8
+    if kind == 0:
+        time.sleep(3600)      # a verifier that never returns
+    if kind == 1:
+        return float("inf")
+    if kind == 2:
+        sys.exit(0)
+    if kind == 3:
+        os._exit(1)           # the worker dies
+    return sum(t % 2 == 0 for t in ids) / max(1, len(ids))
+
+def breaks(text, ids, record):
+    if os.path.exists(os.path.join(os.path.dirname(__file__), "broken")):
+        sys.exit(0)           # from here on, every call
+    return sum(t % 2 == 0 for t in ids) / max(1, len(ids))
+"""
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = write_task(tmp_path_factory.mktemp("rewards"), 64)
+    (root / "bad.py").write_text(FLAKY)
+    return root
+
+
+def test_hanging_dying_and_infinite_rewards_are_failed_calls_and_the_run_goes_on(task, tmp_path):
+    semaphores = mp_semaphores()
+    run = tmp_path / "flaky"
+    extra = (
+        f"data.reward={task / 'bad.py'}:flaky",
+        "data.reward_timeout_s=1",
+        "data.reward_workers=2",
+        "data.max_reward_failure_share=0.95",
+    )
+    train(args(task, run, 3, *extra))
+    got = metrics(run)
+    assert [m["step"] for m in got] == [1, 2, 3]
+    assert got[-1]["rollout/reward_errors"] > 0 and got[-1]["rollout/reward_workers_replaced"] > 0, got[-1]
+    assert all(0 < m["rollout/reward_failed_share"] < 1 for m in got), got
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    no_reward_worker_left(task)
+    no_engine_left(run)
+    assert mp_semaphores() <= semaphores
+
+
+def test_a_reward_that_stops_working_stops_the_run_and_the_same_command_resumes(task, tmp_path):
+    run = tmp_path / "breaks"
+    extra = (f"data.reward={task / 'bad.py'}:breaks", "checkpoint.interval=1", "data.reward_failure_steps=2")
+    proc = start(args(task, run, 30, *extra))
+    log = run / "metrics.jsonl"
+    wait_for(lambda: log.is_file() and log.read_text().count("\n") >= 2, proc, "two steps")
+    (task / "broken").touch()
+    out, _ = proc.communicate(timeout=600)
+    last = out.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert last.startswith(f"error: reward '{task / 'bad.py'}:breaks': ") and "SystemExit: 0" in last, last
+    status = json.loads((run / "status.json").read_text())
+    saved = int((run / "ckpt" / "latest").read_text().strip().removeprefix("step_"))
+    logged = [m["step"] for m in metrics(run)]
+    assert status["state"] == "failed" and "SystemExit" in status["error"], status
+    assert 2 <= saved == logged[-1] == status["step"] < 30 and logged == list(range(1, saved + 1))
+    no_reward_worker_left(task)
+
+    (task / "broken").unlink()  # fixed: the same command goes on from the last good step
+    train(args(task, run, saved + 1, *extra))
+    assert [m["step"] for m in metrics(run)] == list(range(1, saved + 2))
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    no_engine_left(run)

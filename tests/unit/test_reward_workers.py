@@ -1,0 +1,110 @@
+"""Reward calls in worker processes: each call bounded in time and memory, a worker that hangs,
+leaks, exits or dies replaced, a value that is not a finite reward in range a failed call; the
+pool goes on serving after each, and leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from bapo_megatron.errors import RunStopped
+from bapo_megatron.rollout.buffer import GroupState, SampleState
+from bapo_megatron.rollout.reward_workers import FailingRewards, RewardWorkers
+from tests.helpers import HOSTILE_REWARDS
+
+
+@pytest.fixture(scope="module")
+def rewards_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "hostile.py"
+    path.write_text(HOSTILE_REWARDS)
+    return path
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("hang", "timed out after 1 s"),
+        ("leak", "MemoryError"),
+        ("exits", "SystemExit"),
+        ("dies", "exited during the call (exit code 3)"),
+        ("infinite", "returned inf, outside data.reward_range"),
+        ("huge", "returned 1e+308, outside data.reward_range"),
+        ("nothing", "TypeError"),
+        ("text_out", "ValueError"),
+        ("arity", "TypeError"),
+        ("raises", "ZeroDivisionError"),
+    ],
+)
+def test_a_bad_call_fails_alone_and_the_pool_serves_on(rewards_file, name, error):
+    bad = RewardWorkers(f"{rewards_file}:{name}", workers=1, timeout_s=1.0, memory_mb=100)
+
+    async def calls():
+        results = [await bad("x", [1, 2], {}) for _ in range(3 if name == "leak" else 2)]
+        return results, [w.proc.pid for w in bad._all]
+
+    try:
+        results, pids = asyncio.run(calls())
+    finally:
+        bad.close()
+    # each call is answered; the leak's second call is over the limit, the third has a fresh worker
+    good = [True, False, True] if name == "leak" else [False] * len(results)
+    assert [r.error is None for r in results] == good, results
+    assert all(error in r.error and r.value == 0.0 for r in results if r.error is not None), results
+    assert bad.failures >= 1
+    replaced = {"hang", "leak", "dies"}
+    assert (bad.replaced >= 1) == (name in replaced), (name, bad.replaced)
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_good_calls_after_a_replaced_worker_and_nothing_left(rewards_file, tmp_path):
+    """A worker killed for its time is replaced; the next calls are answered by the new one; close
+    leaves no worker and nothing in /dev/shm."""
+    shm_before = set(os.listdir("/dev/shm"))
+    workers = RewardWorkers(f"{rewards_file}:slow_once", workers=2, timeout_s=1.0)
+    flag = str(tmp_path / "flag")
+
+    async def calls():
+        results = await asyncio.gather(*(workers("x", [1], {"flag": flag}) for _ in range(6)))
+        return results, [w.proc.pid for w in workers._all]
+
+    try:
+        results, pids = asyncio.run(calls())
+    finally:
+        workers.close()
+    errors = [r.error for r in results if r.error is not None]
+    assert len(errors) == 1 and "timed out" in errors[0], results
+    assert sorted(r.value for r in results) == [0.0] + [1.0] * 5
+    assert workers.replaced == 1 and workers.failures == 1
+    assert pids and not any(alive(pid) for pid in pids)
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def _groups(errors: list[list[str | None]]) -> list[GroupState]:
+    groups = []
+    for g, row in enumerate(errors):
+        samples = [SampleState(f"g{g}/{i}", [1], reward=0.0, reward_error=e) for i, e in enumerate(row)]
+        groups.append(GroupState(f"g{g}", [1], {"answer": g}, samples))
+    return groups
+
+
+def test_a_reward_that_never_works_stops_the_run():
+    rule = FailingRewards("my.py:fn", max_share=0.5, steps=2)
+    ok = rule.check(_groups([[None, "KeyError: 'x'"], [None, None]]), step=1)
+    assert ok == {"rollout/reward_failed_share": 0.25} and rule.streak == 0
+    rule.check(_groups([["KeyError: 'x'"] * 2, [None, "KeyError: 'x'"]]), step=2)
+    assert rule.streak == 1
+    with pytest.raises(RunStopped, match=r"in 2 steps in a row \(3 of 4 in step 3\); commonest error \(3 of 3\)"):
+        rule.check(_groups([["KeyError: 'x'"] * 2, [None, "KeyError: 'x'"]]), step=3)
+    fresh = FailingRewards("my.py:fn", max_share=0.5, steps=5)
+    with pytest.raises(RunStopped, match=r"every one of its 4 calls failed in step 7.*TypeError.*\{\"answer\": 0\}"):
+        fresh.check(_groups([["TypeError: bad"] * 2, ["TypeError: bad", "ValueError: v"]]), step=7)
