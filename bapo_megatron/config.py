@@ -161,9 +161,16 @@ class OptimizerConfig:
     """Clip the global gradient norm to this (0: no clipping)."""
     lr_decay: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: keep lr, or decay it to min_lr over the run."""
+    max_skipped_steps: int = 3
+    """The run stops (exit 1) after this many steps in a row whose every update was skipped for a
+    non-finite loss or gradient: it is not training, and would otherwise report "finished"."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "lr", self.lr, "must be > 0")
+        # Adam moves each weight by about lr a step: past 1 the first step wrecks the weights and
+        # every later update is skipped as non-finite
+        check(self.lr <= 1, "lr", self.lr, "must be <= 1 (Adam moves each weight by about lr per step)")
+        check(self.max_skipped_steps >= 1, "max_skipped_steps", self.max_skipped_steps, "must be >= 1")
         check(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"must lie in [0, lr={self.lr}]")
         check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
         check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
@@ -216,7 +223,9 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
-        check(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+        # the trainer divides logits by it: below 0.01 a logit gap of 1 is 100 nats, past what
+        # float32 log-probs (and bf16 logits) resolve, and every update comes out non-finite
+        check(self.temperature >= 0.01, "temperature", self.temperature, "must be >= 0.01 (sampling for RL)")
         check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
         check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
 

@@ -114,7 +114,8 @@ class RolloutDriver:
             source = PromptSource(data, self._tokenize if self.tokenizer is not None else None)
         except ValueError as err:
             raise ConfigError(field, data.path, str(err)) from None
-        check_prompts(field, data.path, source.items, self.spec, self.cfg.rollout.sampling.max_new_tokens)
+        microbatch = self.cfg.parallel.max_tokens_per_microbatch if field == "data.path" else None
+        check_prompts(field, data.path, source.items, self.spec, self.cfg.rollout.sampling.max_new_tokens, microbatch)
         return source
 
     def _tokenize(self, text: str) -> list[int]:

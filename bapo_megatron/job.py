@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.config import JobConfig, dump_config, parse_stop_when, to_dict
+from bapo_megatron.errors import RunStopped
 from bapo_megatron.fsutil import write_text_atomic
 from bapo_megatron.logger import MetricLogger, StepLog
 from bapo_megatron.sources import BatchSource
@@ -98,7 +99,7 @@ class Checkpointer:
 
         if self.manager is None:
             return
-        self.manager.check_start(resume)
+        self.manager.check_start(resume, int(os.environ.get("RANK", "0")))
         latest = self.manager.latest() if resume else None
         if latest is not None:
             verify(latest, check_contents=False)
@@ -156,6 +157,7 @@ class Job:
     resumed: bool = False
     own_group: bool = False
     ended: str | None = field(default=None)  # "stop_when" or "signal" once decided
+    skipped_in_a_row: int = 0  # steps whose every update was skipped, up to the last
 
     @classmethod
     def start(cls, cfg: JobConfig) -> Job:
@@ -225,6 +227,22 @@ class Job:
             self.ended = "stop_when"
         elif not self.resumed and (evaluation := self.source.evaluate(0)) is not None:
             self.log.record(0, {}, evaluation)  # the starting policy's held-out score
+
+    def watch(self, step: int, metrics: dict[str, float]) -> None:
+        """A step's metrics, for stop_when; RunStopped (every rank: the figure is theirs too) when
+        optimizer.max_skipped_steps steps in a row skipped every update: the run is not training."""
+        self.until.add(metrics)
+        skipped_all = metrics.get("train/skipped", 0) >= self.cfg.algo.updates_per_batch
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped_all else 0
+        if self.skipped_in_a_row >= self.cfg.optimizer.max_skipped_steps:
+            cfg = self.cfg
+            raise RunStopped(
+                f"the last {self.skipped_in_a_row} steps (to step {step}) skipped every update for a non-finite "
+                f"loss or gradient (optimizer.max_skipped_steps={cfg.optimizer.max_skipped_steps}): the run is "
+                f"not training. Check optimizer.lr={cfg.optimizer.lr:g}, "
+                f"rollout.sampling.temperature={cfg.rollout.sampling.temperature:g} and the data; the warnings "
+                "above say what was non-finite, and the last checkpoint is kept"
+            )
 
     def should_stop(self, step: int) -> bool:
         """Whether the run ends at this step boundary (every rank agrees): stop_when or a signal."""

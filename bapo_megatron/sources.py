@@ -73,19 +73,37 @@ class ReplaySource(BatchSource):
 
     name = "replay"
 
-    def __init__(self, path: str, vocab_size: int) -> None:
+    def __init__(self, cfg: JobConfig, spec: ModelSpec) -> None:
+        path = cfg.rollout.replay
         root = Path(path)
         self.files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
         if not self.files or not all(f.is_file() for f in self.files):
             raise ConfigError("rollout.replay", path, "no rollout batch (.safetensors) found there")
         for f in self.files:
             try:
-                problem = RolloutBatch.load(f).problem(vocab_size)
+                batch = RolloutBatch.load(f)
             except ValueError as err:
                 raise BadInputError(str(err)) from None
+            problem = batch.problem(spec.vocab_size) or self._unfit(cfg, spec, batch)
             if problem:
                 raise BadInputError(f"rollout batch {f}: {problem}")
         self.index = 0
+
+    @staticmethod
+    def _unfit(cfg: JobConfig, spec: ModelSpec, batch: RolloutBatch) -> str | None:
+        """What of this job's settings the batch does not fit (None: it fits)."""
+        groups = len({s.group for s in batch.samples})
+        if groups % cfg.algo.updates_per_batch:
+            return f"{groups} groups do not split into algo.updates_per_batch={cfg.algo.updates_per_batch} updates"
+        longest = max(s.length for s in batch.samples)
+        if longest > cfg.parallel.max_tokens_per_microbatch:
+            return (
+                f"a sample of {longest} tokens exceeds parallel.max_tokens_per_microbatch="
+                f"{cfg.parallel.max_tokens_per_microbatch}: a sample must fit one micro-batch"
+            )
+        if longest > spec.max_position_embeddings:
+            return f"a sample of {longest} tokens exceeds the model's context of {spec.max_position_embeddings}"
+        return None
 
     def next_batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         batch = RolloutBatch.load(self.files[self.index % len(self.files)])
@@ -266,7 +284,7 @@ class OnlineSource(OnlineFollower):
 def make_source(cfg: JobConfig, spec: ModelSpec, rank: int) -> BatchSource:
     """This rank's source, everything it reads checked (before any process group or model)."""
     if cfg.rollout.replay is not None:
-        return ReplaySource(cfg.rollout.replay, spec.vocab_size)
+        return ReplaySource(cfg, spec)
     if cfg.algo.loss == "sft":
         return SFTSource(cfg, spec)
     return OnlineSource(cfg, spec) if rank == 0 else OnlineFollower(cfg)

@@ -49,8 +49,8 @@ def train(job: Job) -> list[dict[str, float]]:
         step += 1
         add(metrics, source.publish(trainer, step))  # the engines serve version `step` from here
         add(metrics, throughput(batch, time.monotonic() - start))
-        job.until.add(metrics)
         log.record(step, metrics, source.evaluate(step))  # an evaluation runs beside the next step
+        job.watch(step, metrics)  # stop_when's figures; a run that skips every update stops
         if job.checkpointer.due(step):
             job.checkpointer.save(trainer, step, log)
     job.finish(step)

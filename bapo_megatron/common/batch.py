@@ -20,6 +20,7 @@ import torch
 from bapo_megatron.fsutil import publish, temporary_sibling
 
 FORMAT_VERSION = "1"
+INTEGER_FIELDS = ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths", "versions", "groups", "loss_mask")
 
 
 class Group(Protocol):
@@ -90,6 +91,12 @@ class RolloutBatch:
                 return f"sample {i}: behaviour log-prob {bad_lp[0]!r} (must be finite and <= 0)"
             if not math.isfinite(s.reward):
                 return f"sample {i}: reward {s.reward!r} is not finite"
+        sizes: dict[int, int] = {}
+        for s in self.samples:
+            sizes[s.group] = sizes.get(s.group, 0) + 1
+        if len(set(sizes.values())) > 1:
+            counts = sorted(set(sizes.values()))
+            return f"its groups have {counts} samples: every group needs the same number (advantages are per group)"
         return None
 
     @classmethod
@@ -183,6 +190,13 @@ class RolloutBatch:
         if meta.get("format") != FORMAT_VERSION:
             raise ValueError(f"rollout batch {path}: format {meta.get('format')!r}, expected {FORMAT_VERSION!r}")
         try:
+            temperature = float(meta["temperature"])
+        except (KeyError, ValueError):
+            raise ValueError(f"rollout batch {path}: no sampling temperature in its metadata") from None
+        for key in INTEGER_FIELDS:
+            if key in t and (t[key].is_floating_point() or t[key].is_complex()):
+                raise ValueError(f"rollout batch {path}: {key} has dtype {t[key].dtype}; it must hold integers")
+        try:
             prompts = _split(t["prompt_ids"], t["prompt_lengths"])
             lengths = t["response_lengths"]
             responses = _split(t["response_ids"], lengths)
@@ -212,9 +226,11 @@ class RolloutBatch:
             ]
         except (KeyError, ValueError, RuntimeError) as err:
             raise ValueError(f"rollout batch {path}: inconsistent contents ({err})") from None
-        return cls(
-            samples=samples, temperature=float(meta["temperature"]), metadata=json.loads(meta.get("metadata", "{}"))
-        )
+        try:
+            metadata = json.loads(meta.get("metadata", "{}"))
+        except ValueError:
+            raise ValueError(f"rollout batch {path}: its metadata is not JSON") from None
+        return cls(samples=samples, temperature=temperature, metadata=metadata)
 
 
 def _flat(rows: list[list], dtype: torch.dtype) -> torch.Tensor:

@@ -29,6 +29,10 @@ TOKENIZER_FILES = (
 )
 
 
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+"""safetensors dtypes that hold weights; integer or boolean tensors would be cast silently."""
+
+
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor a HF checkpoint of `spec` holds, with its shape, in loading order: embedding,
     layers in order, final norm, lm_head (absent when tied)."""
@@ -118,9 +122,15 @@ class HFCheckpoint:
         if missing:
             raise ValueError(f"{self.dir}: {len(missing)} tensors missing, e.g. {missing[0]}")
         for name, shape in expected.items():
-            got = tuple(self._handles[self.files[name]].get_slice(name).get_shape())
+            tensor = self._handles[self.files[name]].get_slice(name)
+            got = tuple(tensor.get_shape())
             if got != shape:
                 raise ValueError(f"{self.dir}: {name} has shape {got}, config.json implies {shape}")
+            if tensor.get_dtype() not in FLOAT_DTYPES:
+                raise ValueError(
+                    f"{self.dir}: {name} is stored as {tensor.get_dtype()}; weights must be floating point "
+                    f"({', '.join(sorted(FLOAT_DTYPES))})"
+                )
         # rotary inverse frequencies: a buffer older exports saved, recomputed from rope_theta
         unused = sorted(n for n in set(self.files) - set(expected) if not n.endswith("rotary_emb.inv_freq"))
         if self.spec.tie_embeddings and unused == ["lm_head.weight"]:

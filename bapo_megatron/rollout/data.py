@@ -49,15 +49,30 @@ def load_tokenizer(model_dir: str | Path | None):
 
 
 def check_prompts(
-    name: str, path: str, items: list[tuple[list[int], dict[str, Any]]], spec: ModelSpec, max_new_tokens: int
+    name: str,
+    path: str,
+    items: list[tuple[list[int], dict[str, Any]]],
+    spec: ModelSpec,
+    max_new_tokens: int,
+    microbatch_tokens: int | None = None,
 ) -> None:
-    """Every prompt leaves room for max_new_tokens and holds only the model's token ids (BadInputError)."""
+    """Every prompt leaves room for max_new_tokens (in the model's context, and in one micro-batch
+    of the trainer's) and holds only the model's token ids (BadInputError)."""
     too_long = [i for i, (ids, _) in enumerate(items) if len(ids) + max_new_tokens > spec.max_position_embeddings]
     if too_long:
         raise BadInputError(
             f"{name}={path} record {too_long[0] + 1}: prompt + rollout.sampling.max_new_tokens exceed the "
             f"model's context of {spec.max_position_embeddings} tokens"
         )
+    if microbatch_tokens is not None:
+        over = [i for i, (ids, _) in enumerate(items) if len(ids) + max_new_tokens > microbatch_tokens]
+        if over:
+            ids = items[over[0]][0]
+            raise BadInputError(
+                f"{name}={path} record {over[0] + 1}: its prompt ({len(ids)} tokens) + rollout.sampling."
+                f"max_new_tokens ({max_new_tokens}) exceed parallel.max_tokens_per_microbatch={microbatch_tokens}: "
+                f"a sample must fit one micro-batch ({len(over)} records are too long)"
+            )
     bad_ids = [i for i, (ids, _) in enumerate(items) if any(not 0 <= t < spec.vocab_size for t in ids)]
     if bad_ids:
         raise BadInputError(

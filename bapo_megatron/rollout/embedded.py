@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import functools
 import ipaddress
+import math
 import os
 import secrets
 import signal
@@ -85,9 +87,11 @@ class EmbeddedServer:
         admin_key: str | None = None,
         engine_thread: concurrent.futures.ThreadPoolExecutor | None = None,
         log_interval_s: float = 30.0,
+        request_timeout_s: float = 60.0,
     ) -> None:
         self.core = core
         self.log_interval_s = log_interval_s  # a throughput line on stderr per so many seconds of steps (0: none)
+        self.request_timeout_s = request_timeout_s  # to send a request's headers and body
         self._busy_s = 0.0  # seconds spent in steps
         self._logged = (0.0, dict(core.counters))  # busy seconds and counters at the last line
         self.engine_thread = engine_thread or concurrent.futures.ThreadPoolExecutor(1, "engine")
@@ -111,6 +115,7 @@ class EmbeddedServer:
             return await handler(request)
 
         app = web.Application(middlewares=[auth], client_max_size=CONTROL_BODY_LIMIT)
+        app[_request_timeout_key()] = self.request_timeout_s
         get = {
             "/health": self.health,
             "/health_generate": self.health,
@@ -409,17 +414,20 @@ class EmbeddedServer:
         load_format = body.get("load_format")
         if load_format not in (None, protocol.FLATTENED):
             raise ValueError(f"load_format {load_format!r}: expected none or {protocol.FLATTENED!r}")
-        try:
+        try:  # whatever the bytes are, a payload that does not decode is the client's error (400)
             payload = ipc.loads(payloads[0])  # restricted: tensor rebuilds and plain data only
-        except pickle.UnpicklingError as err:
-            raise ValueError(f"serialized_named_tensors[0]: {err}") from None
-        if load_format == protocol.FLATTENED:
-            if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
-                raise ValueError("a flattened_bucket payload is a dict of flattened_tensor and metadata")
-            tensors = ipc.unflatten(payload)
-        elif isinstance(payload, list) and all(isinstance(p, tuple) and len(p) == 2 for p in payload):
-            tensors = payload
-        else:
+            if load_format == protocol.FLATTENED:
+                if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
+                    raise ValueError("a flattened_bucket payload is a dict of flattened_tensor and metadata")
+                tensors = ipc.unflatten(payload)
+            else:
+                tensors = payload
+        except (pickle.UnpicklingError, EOFError, OSError, RuntimeError, *BAD_REQUEST) as err:
+            raise ValueError(f"serialized_named_tensors[0] does not decode: {type(err).__name__}: {err}") from None
+        if not isinstance(tensors, list) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+            for p in tensors
+        ):
             raise ValueError("the payload must be a list of (name, tensor) pairs")
         async with self._model_lock:
             count = await self._on_engine(self.core.load_weights, tensors)
@@ -475,6 +483,14 @@ BAD_REQUEST = (ValueError, KeyError, TypeError, AttributeError, IndexError, Over
 """What a malformed body raises (missing fields, wrong types, deeply nested JSON): 400, as SGLang's."""
 
 
+@functools.cache
+def _request_timeout_key():
+    """The app's key for the seconds a client has to send a request body (headers: aiohttp's keep-alive timer)."""
+    from aiohttp import web
+
+    return web.AppKey("request_timeout_s", float)
+
+
 GENERATE_BODY_BASE, GENERATE_BYTES_PER_TOKEN = 64 << 10, 24
 """/generate's body limit: room for a context of token ids (a JSON id and its comma take at most
 ~12 bytes) and sampling parameters; anything larger is refused before it is parsed (413)."""
@@ -510,7 +526,12 @@ async def _json_object(request, limit: int | None = None) -> dict:
 
     if limit is not None and request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    raw = await request.read()
+    try:
+        async with asyncio.timeout(request.app[_request_timeout_key()]):  # a slow client holds a connection
+            raw = await request.read()
+    except TimeoutError:
+        seconds = request.app[_request_timeout_key()]
+        raise web.HTTPRequestTimeout(text=f"the request body took over {seconds:g} s") from None
     if limit is not None and len(raw) > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
     body = json.loads(raw)
@@ -541,16 +562,45 @@ def _model_dir_problem(model: Path) -> str | None:
         return "no config.json (a Hugging Face model directory is needed)"
     if not any(model.glob("*.safetensors")):
         return "no *.safetensors weights (only safetensors are read, never pickles)"
+    from bapo_megatron.common.hf_io import HFCheckpoint
+
+    try:
+        HFCheckpoint(model)  # every tensor config.json implies, with its shape, in floating point
+    except (ValueError, KeyError, OSError) as err:
+        return str(err)
     return None
+
+
+def _in_range(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside [{low}, {high}]")
+        return value
+
+    return parse
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF model directory (safetensors)")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=_in_range(1, 65535), required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--max-batch", type=_in_range(1, 1 << 16), default=64, help="requests decoded together")
     parser.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -558,9 +608,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--log-interval",
-        type=float,
+        type=_non_negative,
         default=30.0,
         help="seconds between throughput lines on stderr while busy (0: none)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=_non_negative,
+        default=60.0,
+        help="seconds a client has to send a request's headers and body (slow clients hold a connection each)",
     )
     parser.add_argument("--admin-api-key-file", help="file holding the admin key (else $BAPO_ADMIN_API_KEY)")
     parser.add_argument("--api-key-file", help="file holding the API key (else $BAPO_API_KEY)")
@@ -588,9 +644,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     engine_thread = concurrent.futures.ThreadPoolExecutor(1, "engine")  # the model is built where it will run
     core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch, args.batch_invariant).result()
-    server = EmbeddedServer(core, api_key, admin_key, engine_thread, args.log_interval)
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
+    server = EmbeddedServer(core, api_key, admin_key, engine_thread, args.log_interval, args.request_timeout)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request;
+    # keepalive_timeout also closes a connection that has not sent its request's headers by then
+    web.run_app(
+        server.app(),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+        keepalive_timeout=args.request_timeout,
+    )
     return 0
 
 

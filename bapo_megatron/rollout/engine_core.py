@@ -288,6 +288,8 @@ class EngineCore:
         for name, tensor in tensors:
             if name not in state:
                 raise KeyError(f"{name}: the model has no such parameter")
+            if not tensor.is_floating_point():
+                raise ValueError(f"{name}: dtype {tensor.dtype}; weights must be floating point")
             if tuple(tensor.shape) != tuple(state[name].shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model's is {tuple(state[name].shape)}")
             pending.append((name, tensor))

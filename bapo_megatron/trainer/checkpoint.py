@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Protocol
@@ -338,6 +339,30 @@ class CheckpointManager:
                 found.append((int(match.group(1)), path))
         return sorted(found)
 
+    def set_aside_incomplete(self) -> list[Path]:
+        """Step directories without metadata.json (a save another tool interrupted; ours write to a
+        temporary and rename) renamed to step_NNNNNNNN.incomplete[.K] and reported: left in place, a
+        resumed run would reach that step, find its name taken and stop there on every resume."""
+        moved = []
+        if not self.root.is_dir():
+            return moved
+        for path in sorted(self.root.iterdir()):
+            if STEP_DIR.match(path.name) and path.is_dir() and not path.is_symlink():
+                if (path / "metadata.json").is_file():
+                    continue
+                target, k = path.with_name(path.name + ".incomplete"), 1
+                while target.exists():
+                    target, k = path.with_name(f"{path.name}.incomplete.{k}"), k + 1
+                path.rename(target)
+                moved.append(target)
+                print(
+                    f"checkpoint: {path} has no metadata.json (an interrupted save): set aside as {target.name}; "
+                    "the run resumes from the newest complete step",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return moved
+
     def _pointer(self) -> str | None:
         """The step name `latest` holds (None: no pointer); ValueError for one that is not a plain
         file naming a step (its content is never echoed)."""
@@ -401,9 +426,22 @@ class CheckpointManager:
                 write_text_atomic(self.root / LATEST, newest.name + "\n")
         return newest
 
-    def check_start(self, resume: bool) -> None:
+    def check_start(self, resume: bool, rank: int = 0) -> None:
         """ConfigError when a run that would not resume starts in a directory holding checkpoints
-        (its saves would mix with theirs, and pruning would choose among both)."""
+        (its saves would mix with theirs, and pruning would choose among both). A resuming run's
+        rank 0 sets step directories without metadata.json aside (set_aside_incomplete)."""
+        for path in (self.root, *self.root.parents):
+            if path.exists() and not path.is_dir():
+                where = "is" if path == self.root else f"lies under {path}, which is"
+                raise ConfigError("checkpoint.dir", str(self.root), f"{where} a file, not a directory")
+        pointer = self.root / LATEST
+        if pointer.is_dir() and not pointer.is_symlink():
+            raise BadInputError(
+                f"checkpoint pointer {pointer} is a directory; expected a file naming a step (step_NNNNNNNN): "
+                "move it away (the newest complete step is then resumed)"
+            )
+        if resume and rank == 0:
+            self.set_aside_incomplete()
         steps = self.complete_steps()
         if steps and not resume:
             raise ConfigError(

@@ -104,6 +104,13 @@ def _kills(rank: int, world: int, root: str) -> None:
     assert written.is_dir() and (Path(root) / "skipped" / "step_00000100").is_dir()
     assert (Path(root) / "skipped" / "latest").read_text().strip() == "step_00000003"
     assert not (Path(root) / "skipped" / "step_00000001").exists()
+    # a newest step without metadata.json (another tool's interrupted save): set aside on resume, and
+    # the run saves that step when it reaches it (left there, every resume stopped at it)
+    (Path(root) / "skipped" / "step_00000004").mkdir()
+    (Path(root) / "skipped" / "step_00000004" / "__0_0.distcp").write_bytes(b"cut")
+    later.check_start(resume=True)
+    assert (Path(root) / "skipped" / "step_00000004.incomplete" / "__0_0.distcp").is_file()
+    assert later.latest().name == "step_00000100" and later.save(trainer, 4).name == "step_00000004"
 
 
 @pytest.mark.dist

@@ -12,6 +12,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from bapo_megatron.rollout import embedded
 from bapo_megatron.rollout.embedded import EmbeddedServer
@@ -109,6 +110,50 @@ def test_a_client_that_disconnects_stops_its_request_and_the_memory_returns(mode
     assert asyncio.run(run()), "the request kept generating, or the cache kept its memory"
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--max-batch", "0", "outside [1, 65536]"), ("--port", "70000", "outside [1, 65535]"), ("--port", "x", "'x'")],
+)
+def test_bad_options_are_refused_at_start(model_dir, capsys, flag, value, message):
+    args = ["--model", str(model_dir), "--port", "1", flag, value]
+    with pytest.raises(SystemExit) as exit_:
+        embedded.main(args)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_integer_weights_are_refused_at_start(model_dir, tmp_path, capsys):
+    make_hf_model(tmp_path, "qwen2-gqa2")
+    import safetensors.torch
+
+    shard = sorted((tmp_path / "qwen2-gqa2").glob("*.safetensors"))[0]
+    tensors = safetensors.torch.load_file(shard)
+    safetensors.torch.save_file({k: v.to(torch.int32) for k, v in tensors.items()}, shard)
+    assert embedded.main(["--model", str(tmp_path / "qwen2-gqa2"), "--port", "1"]) == 2
+    assert "is stored as I32; weights must be floating point" in capsys.readouterr().err
+    core = EngineCore(model_dir)  # and sent as an update
+    with pytest.raises(ValueError, match="model.norm.weight: dtype torch.int32; weights must be floating point"):
+        core.load_weights([("model.norm.weight", torch.ones(core.model.model.norm.weight.shape, dtype=torch.int32))])
+
+
+def test_a_client_that_sends_its_request_slowly_is_cut_off(model_dir):
+    """A body that does not arrive within the request timeout: 408, and the connection is freed."""
+    from aiohttp.test_utils import TestServer
+
+    server = EmbeddedServer(EngineCore(model_dir), request_timeout_s=0.5)
+
+    async def run():
+        async with TestServer(server.app()) as test_server:
+            reader, writer = await asyncio.open_connection(test_server.host, test_server.port)
+            writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), timeout=30)  # the server answers and closes
+            writer.close()
+            return answer.decode(errors="replace")
+
+    answer = asyncio.run(run())
+    assert answer.startswith("HTTP/1.1 408") and "took over 0.5 s" in answer, answer
+
+
 @pytest.mark.parametrize("where", ["file", "env"])
 def test_an_empty_admin_key_is_an_error_at_start(where, model_dir, tmp_path, monkeypatch, capsys):
     args = ["--model", str(model_dir), "--port", "1", "--host", "0.0.0.0"]
@@ -186,6 +231,20 @@ def _probe_bodies() -> list[str]:
         '{"input_ids": [1, 2], "sampling_params": []}',
         '{"input_ids": [], "sampling_params": {}}',
     ]
+    # tensor payloads that decode to no tensors, or do not decode: the client's error, 400
+    import base64
+    import pickle
+
+    from bapo_megatron.common import ipc
+
+    payloads = [
+        base64.b64encode(b"\x80\x05").decode(),  # a pickle cut short
+        base64.b64encode(pickle.dumps([("model.norm.weight", 1)])).decode(),  # a number, not a tensor
+        base64.b64encode(pickle.dumps([(1, 2)])).decode(),
+    ]
+    with ipc.serialized([("model.norm.weight", torch.ones(32))]) as gone:
+        payloads += gone  # a handle to shared memory that is freed by now
+    bodies += [json.dumps({"serialized_named_tensors": [p]}) for p in payloads]
     return bodies
 
 

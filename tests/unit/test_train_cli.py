@@ -1,5 +1,6 @@
 """The driver rejects bad input before any process group starts (and before importing Megatron)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,16 +66,20 @@ def test_cli_fails_fast_with_the_message(tmp_path):
     assert proc.stderr.strip() == "error: parallel.tensor=3: must divide the 4 attention heads"
 
 
+def _replay(path, *overrides):
+    return ReplaySource(_cfg(f"rollout.replay={path}", *overrides), tiny_spec())
+
+
 def test_replay_source_and_group_split(tmp_path):
     with pytest.raises(ConfigError, match="no rollout batch"):
-        ReplaySource(str(tmp_path), 250)
+        _replay(tmp_path)
     for i in range(2):
         make_batch(i).save(tmp_path / f"b{i}.safetensors")
-    source = ReplaySource(str(tmp_path), 250)
+    source = _replay(tmp_path)
     first, _ = source.next_batch(0)
     source.next_batch(1)
     assert source.next_batch(2)[0].samples[0].response_ids == first.samples[0].response_ids  # cycles
-    restored = ReplaySource(str(tmp_path), 250)
+    restored = _replay(tmp_path)
     restored.load_state_dict(source.state_dict())
     assert restored.index == 3
     parts = split_groups(first, 2)
@@ -82,3 +87,66 @@ def test_replay_source_and_group_split(tmp_path):
     assert {s.group for s in parts[0].samples} == {0, 1} and {s.group for s in parts[1].samples} == {2, 3}
     with pytest.raises(ValueError, match="4 groups, not divisible into 3"):
         split_groups(first, 3)
+
+
+def _rewritten(src, dst, change_tensors=None, change_meta=None):
+    """A copy of a saved batch with some tensors or metadata changed (as another tool might write it)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    (change_tensors or (lambda t: None))(tensors)
+    (change_meta or (lambda m: None))(meta)
+    save_file(tensors, str(dst), metadata=meta)
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("case", "overrides", "message"),
+    [
+        ("float ids", (), "response_ids has dtype torch.float32; it must hold integers"),
+        ("no temperature", (), "no sampling temperature in its metadata"),
+        ("unequal groups", (), "its groups have [3, 4] samples: every group needs the same number"),
+        (
+            "updates",
+            ("rollout.prompts_per_step=6", "algo.updates_per_batch=3"),
+            "4 groups do not split into algo.updates_per_batch=3 updates",
+        ),
+        ("micro-batch", ("parallel.max_tokens_per_microbatch=8",), "exceeds parallel.max_tokens_per_microbatch=8"),
+    ],
+)
+def test_a_replay_batch_the_job_cannot_train_is_refused_before_any_model(tmp_path, case, overrides, message):
+    from bapo_megatron.errors import BadInputError
+
+    good = tmp_path / "good.safetensors"
+    make_batch(0).save(good)
+    bad = tmp_path / "bad" / "b.safetensors"
+    bad.parent.mkdir()
+    if case == "float ids":
+        _rewritten(good, bad, lambda t: t.update(response_ids=t["response_ids"].float() + 0.5))
+    elif case == "no temperature":
+        _rewritten(good, bad, change_meta=lambda m: m.pop("temperature"))
+    elif case == "unequal groups":
+        batch = make_batch(0)
+        batch.samples = batch.samples[1:]
+        batch.save(bad)
+    else:
+        bad = good
+    with pytest.raises(BadInputError, match=re.escape(message)):
+        _replay(bad, *overrides)
+
+
+def test_a_checkpoint_dir_that_cannot_hold_checkpoints_is_refused_before_any_model(tmp_path):
+    from bapo_megatron.config import CheckpointConfig
+    from bapo_megatron.errors import BadInputError
+    from bapo_megatron.trainer.checkpoint import CheckpointManager
+
+    (tmp_path / "a_file").write_text("x")
+    for where, message in [("a_file", "is a file, not a directory"), ("a_file/sub", "lies under .*a_file, which is")]:
+        with pytest.raises(ConfigError, match=f"checkpoint.dir=.*{message}"):
+            CheckpointManager(CheckpointConfig(dir=str(tmp_path / where))).check_start(resume=True)
+    (tmp_path / "run" / "latest").mkdir(parents=True)
+    with pytest.raises(BadInputError, match="checkpoint pointer .*latest is a directory"):
+        CheckpointManager(CheckpointConfig(dir=str(tmp_path / "run"))).check_start(resume=True)
