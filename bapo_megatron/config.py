@@ -296,11 +296,18 @@ class EnginesConfig:
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 600.0
     """Seconds an engine may take to become ready (or an engine URL to answer)."""
+    wait_s: float = 900.0
+    """With no engine serving for this long (dead, restarting, or waiting for the weights), the run
+    stops with one error line. Engines the job started are restarted when they die; engines given
+    by `urls` are waited for until they answer again. Either kind serves again only after it has
+    taken the current weights and passed the version check (and the probe, with sync.check_every)."""
+    max_restarts: int = 3
+    """An engine the job started that fails to come back this many times in a row stops the run."""
 
     def __post_init__(self) -> None:
-        for name in ("servers", "tensor_parallel", "max_batch"):
+        for name in ("servers", "tensor_parallel", "max_batch", "max_restarts"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        for name in ("request_timeout_s", "startup_timeout_s"):
+        for name in ("request_timeout_s", "startup_timeout_s", "wait_s"):
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         for i, url in enumerate(self.urls):
             check(url.startswith(("http://", "https://")), f"urls[{i}]", url, "must be an http(s):// URL")

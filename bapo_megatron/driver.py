@@ -18,6 +18,7 @@ each engine's weight version is checked against the trainer's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -36,6 +37,7 @@ from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.rollout.buffer import GroupState, RolloutBuffer
+from bapo_megatron.rollout.client import EngineUnavailable
 from bapo_megatron.rollout.core import RolloutCore
 from bapo_megatron.rollout.data import PromptSource, check_prompts, load_tokenizer
 from bapo_megatron.rollout.engines import Engines
@@ -45,8 +47,11 @@ from bapo_megatron.rollout.loop import EngineLoop
 from bapo_megatron.rollout.reward_workers import FailingRewards, RewardWorkers
 from bapo_megatron.rollout.rewards import load_reward
 from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds, RetractSteps, Strategy
+from bapo_megatron.rollout.supervisor import Supervisor
 
 PROBE_TOKENS = 16
+REFIT = "refit"
+"""next_batch's answer while the rollout waits for an engine that needs the weights."""
 
 
 def make_strategy(cfg: JobConfig, core: RolloutCore) -> Strategy:
@@ -106,6 +111,10 @@ class RolloutDriver:
         self.held_out = HeldOut(held_out, cfg.eval, ro.sampling, cfg.seed, self.rewards, self._decode, slots)
         self.strategy: Strategy | None = None
         self.sender = None
+        self.supervisor: Supervisor | None = None
+        self.members: list[int] = []  # the engines in the weight-update group
+        self.refit: list[int] = []  # engines sent the weights by the last publish while waiting for them
+        self._batch: Future | None = None  # a step's rollout, across a refit
         self._evaluation: Future | None = None  # the held-out run in progress
         self._released = False  # colocated engines' memory given back (after a batch, before a sync)
 
@@ -149,6 +158,10 @@ class RolloutDriver:
         )
         self.strategy = make_strategy(self.cfg, core)
         self.sender = self._weight_sender(holders)
+        self.members = pool.serving()  # the engines in the weight-update group
+        e = ro.engines  # colocated engines share the trainer's GPUs: one that dies stops the run
+        self.supervisor = Supervisor(pool, self.engines.servers, e.max_restarts, e.startup_timeout_s, not e.colocate)
+        self.loop.run(self.supervisor.start())
 
     def _weight_sender(self, holders=None):
         from bapo_megatron.weights.sync import DistributedWeightSender, TensorWeightSender
@@ -166,9 +179,17 @@ class RolloutDriver:
     # ------------------------------------------------------------------------------------------
     # One step.
 
-    def next_batch(self, version: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def needs_refit(self) -> bool:
+        """No engine serves and one waits for the weights (brought back after a death): the step
+        cannot go on until every rank helps send them (sources.OnlineSource.next_batch)."""
+        pool = self.strategy.pool
+        return bool(pool.refitting) and not pool.live()
+
+    def next_batch(self, version: int) -> tuple[RolloutBatch, dict[str, float]] | str:
         """The next prompts_per_step complete groups, for policy version `version` to train on, and
-        their figures. Colocated engines then give their memory to the trainer until the sync."""
+        their figures; or REFIT, when the rollout waits for an engine that needs the weights (the
+        step's rollout goes on where it was at the next call). Colocated engines then give their
+        memory to the trainer until the sync."""
         ro = self.cfg.rollout
         core = self.strategy.core
         with Progress(ro.prompts_per_step, f"rollout {version}", unit="group", enabled=self.progress) as bar:
@@ -179,7 +200,15 @@ class RolloutDriver:
 
             core.on_progress = progress
             try:
-                groups, stats = self.loop.run(self.strategy.batch(version))
+                if self._batch is None:
+                    self._batch = self.loop.submit(self.strategy.batch(version))
+                while not self._batch.done():
+                    if self.needs_refit():  # no engine serves; one waits for the weights
+                        return REFIT
+                    with contextlib.suppress(TimeoutError):
+                        self.loop.wait(self._batch, timeout=0.2)
+                batch, self._batch = self._batch, None
+                groups, stats = batch.result()
             finally:
                 core.on_progress = None
         checked = self.failing_rewards.check(groups, version + 1)  # before the step trains on it
@@ -204,44 +233,87 @@ class RolloutDriver:
         start, pool = time.monotonic(), self.strategy.pool
         flush = not (self.cfg.rollout.mode == "async" and self.cfg.rollout.pause_mode == "in_place")
         with self.loop.context(self.strategy.paused(version)):
-            self._retire_dead()
+            self._regroup()
             if self._released:  # colocated: the engines hold no memory since the batch
                 self.loop.run(pool.each(lambda client: client.resume_memory(["weights"])))
-            sent = self.sender.send(buckets, str(version), self.loop, flush_cache=flush)
+            sent = self._send(buckets, version, flush)
             if self._released:
                 self.loop.run(pool.each(lambda client: client.resume_memory(["kv_cache", "cuda_graph"])))
                 self._released = False
-        self.loop.run(self.engines.check_version(version, pool.live()))
+        for index in self.loop.run(self.engines.check_version(version, self.members)):
+            self.loop.call(pool.mark_dead, index)  # died since the update: restarted, and sent the weights then
+        self.refit = [i for i in self.members if i in pool.refitting]  # checked (sources.refit_probe), then revived
         return {
             "time/weight_sync": time.monotonic() - start,
             "sync/bytes": float(sent),
             "engine/live": len(pool.live()),
+            "engine/restarts": float(self.supervisor.restarts),
         }
 
-    def _retire_dead(self) -> None:
-        """Engines found dead (a request, or the pause, got no answer) leave the weight sync for good:
-        the weights go to the others (a new weight-update group without them), their requests were
-        resubmitted there, and they are never asked again (rollout/pool.py). None left: RunStopped."""
-        pool = self.strategy.pool
-        if not pool.dead:
-            return
-        gone = sorted(pool.dead)
-        for index in gone:
-            pool.retire(index)
-        urls = [self.engines.clients[i].base_url for i in gone]
-        if not pool.live():
-            raise RunStopped(f"every engine is gone ({', '.join(urls)}): nothing left to serve the policy")
-        if self.cfg.rollout.engines.colocate:
-            raise RunStopped(f"colocated engine(s) {', '.join(urls)} died: their GPUs' weights cannot be served")
-        print(
-            f"engine(s) {', '.join(urls)} stopped answering: the weights go to the {len(pool.live())} left", flush=True
-        )
-        self.sender.clients = [self.engines.clients[i] for i in pool.live()]
-        self.sender.engine_ranks = [self.cfg.rollout.engines.tensor_parallel] * len(self.sender.clients)
-        self.loop.run(self.sender.connect())  # the old group is left first (the dead end's refusal ignored)
+    def _send(self, buckets: Iterable, version: int, flush: bool) -> int:
+        """The buckets to the group's engines; bytes sent. An engine that died during the update
+        leaves the others with a mix of versions: every member then waits for the weights again
+        (their requests aborted: what they generated before the pause is kept), and `members`
+        is emptied so that the next publish, or the refit the rollout asks for, sends them anew."""
+        from bapo_megatron.weights.sync import WeightSendFailed
 
-    def probe(self) -> Sample:
-        """A fixed response (the first prompt, sampled with a fixed seed) with the engine's log-probs."""
+        if not self.members:  # no engine answers: the trainer's ranks still gather (they come back to a refit)
+            return sum(0 for _ in buckets)
+        try:
+            return self.sender.send(buckets, str(version), self.loop, flush_cache=flush)
+        except WeightSendFailed as err:
+            print(f"weight sync of version {version} failed ({err}): the engines get it again before serving")
+            pool = self.strategy.pool
+
+            async def set_aside(index: int) -> None:
+                client = self.engines.clients[index]
+                if await client.health():
+                    pool.came_back(index)
+                    with contextlib.suppress(Exception):
+                        await client.abort()
+                else:
+                    pool.mark_dead(index)
+
+            async def set_all_aside() -> None:
+                await asyncio.gather(*(set_aside(i) for i in self.members))
+
+            self.loop.run(set_all_aside())
+            self.members = []
+            return 0
+
+    def revive(self, engines: list[int]) -> None:
+        """These engines took the current weights and passed the checks: they serve again."""
+        pool = self.strategy.pool
+        for index in engines:
+            if index in pool.refitting:  # (not dead since)
+                print(f"engine {self.engines.clients[index].base_url} has the current weights: it serves again")
+                self.loop.call(pool.revive, index)
+
+    def _regroup(self) -> None:
+        """The weight-update group holds the engines that answer (live, or back and waiting for the
+        weights); a new group when that changed (an engine died, or came back). Colocated engines
+        share the trainer's GPUs: one that died stops the run."""
+        pool = self.strategy.pool
+        members = pool.serving()
+        if members == self.members:
+            return
+        gone = [self.engines.clients[i].base_url for i in self.members if i not in members]
+        if gone and self.cfg.rollout.engines.colocate:
+            raise RunStopped(f"colocated engine(s) {', '.join(gone)} died: their GPUs' weights cannot be served")
+        if gone:
+            print(
+                f"engine(s) {', '.join(gone)} stopped answering: the weights go to the {len(members)} left", flush=True
+            )
+        self.members = members
+        self.sender.clients = [self.engines.clients[i] for i in members]
+        self.sender.engine_ranks = [self.cfg.rollout.engines.tensor_parallel] * len(members)
+        if members:
+            self.loop.run(self.sender.connect())  # the old group is left first (a dead end's refusal ignored)
+
+    def probe(self, engine: int | None = None) -> Sample | None:
+        """A fixed response (the first prompt, sampled with a fixed seed) with the log-probs of
+        engine `engine` (default: a live one). None: no such engine answered (one that did not is
+        marked dead: it is restarted, and probed again after its refit)."""
         ids, _ = self.prompts.items[0]
         sampling = SamplingParams(
             max_new_tokens=min(PROBE_TOKENS, self.cfg.rollout.sampling.max_new_tokens),
@@ -249,8 +321,18 @@ class RolloutDriver:
             ignore_eos=True,
             sampling_seed=self.cfg.seed,
         )
-        client = self.engines.clients[self.strategy.pool.live()[0]]
-        completion = self.loop.run(client.generate(list(ids), sampling, f"probe-{secrets.token_hex(4)}"))
+        pool = self.strategy.pool
+        for index in pool.live() if engine is None else [engine]:
+            try:
+                completion = self.loop.run(
+                    self.engines.clients[index].generate(list(ids), sampling, f"probe-{secrets.token_hex(4)}")
+                )
+            except EngineUnavailable:
+                self.loop.call(pool.mark_dead, index)
+                continue
+            break
+        else:
+            return None
         return Sample(
             prompt_ids=list(ids),
             response_ids=completion.output_ids,
@@ -309,6 +391,8 @@ class RolloutDriver:
         if self.loop.closed:
             return
         try:
+            if self.supervisor is not None:
+                self.loop.run(self.supervisor.close(), timeout=30)
             if self.strategy is not None:
                 self.loop.run(self.strategy.close(), timeout=30)
             self.loop.cancel_all(30)  # requests of a step cut short (an error, Ctrl-C): before their clients close

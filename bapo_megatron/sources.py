@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.fsutil import atomic_directory, remove
 from bapo_megatron.logger import truncate_after
+
+REFIT = "refit"  # (driver.REFIT: rank 0's next_batch while the rollout waits for an engine's weights)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -187,20 +190,40 @@ class OnlineFollower(BatchSource):
 
     name = "rollout"
 
+    driver = None  # rank 0's (OnlineSource)
+
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.holders = None
+        self.trainer = None
 
     def start(self, trainer, step: int, resumed: bool) -> None:
+        self.trainer = trainer
         self.holders = handle_holders(self.cfg, trainer)  # a collective: every rank, here
         engine_model_dir(self.cfg, trainer)
         self.publish(trainer, step)
 
     def next_batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        batch = _broadcast(None)
-        if isinstance(batch, str):  # rank 0 stopped the run (a reward that does not work): so do we
-            raise RunStopped(batch)
-        return batch, {}
+        """Rank 0's batch. Meanwhile rank 0 may ask every rank to refit an engine that came back
+        (the rollout waits for it: no other engine serves), or say that the run stops."""
+        refit: dict[str, float] = {}
+        while True:
+            batch = _broadcast(None)
+            if batch == REFIT:
+                refit = self._refit(step)
+            elif isinstance(batch, str):  # rank 0 stopped the run (a reward that does not work): so do we
+                raise RunStopped(batch)
+            else:
+                return batch, refit
+
+    def _refit(self, version: int) -> dict[str, float]:
+        """The current weights (version `version`) to the engines that wait for them, checked."""
+        start = time.monotonic()
+        metrics = self.publish(self.trainer, version)
+        return {
+            "sync/refit_probe_gap": metrics.get("sync/refit_probe_gap", 0.0),
+            "time/refit": time.monotonic() - start,
+        }
 
     def publish(self, trainer, version: int) -> dict[str, float]:
         buckets = weight_buckets(self.cfg, trainer, self.holders)
@@ -209,7 +232,7 @@ class OnlineFollower(BatchSource):
         else:
             for _ in buckets:  # this rank's part of the gathers
                 pass
-        return probe_gap(self.cfg, trainer, version, None)
+        return {**probe_gap(self.cfg, trainer, version, None), **refit_probe(self.cfg, trainer, version, None)}
 
 
 class OnlineSource(OnlineFollower):
@@ -223,6 +246,7 @@ class OnlineSource(OnlineFollower):
         self._busy: tuple[float, float] | None = None
 
     def start(self, trainer, step: int, resumed: bool) -> None:
+        self.trainer = trainer
         self.holders = handle_holders(self.cfg, trainer)
         model_dir = engine_model_dir(self.cfg, trainer)
         truncate_after(self.cfg.run_path / "samples.jsonl", step if resumed else None)
@@ -239,25 +263,31 @@ class OnlineSource(OnlineFollower):
         return rollout_mem_fraction(self.cfg, trainer.spec, gpu, trainer.info.dp_size)
 
     def next_batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        try:
-            batch, metrics = self.driver.next_batch(step)
-        except RunStopped as err:
-            _broadcast(str(err))  # the other ranks wait for this batch: they stop too
-            raise
+        refit: dict[str, float] = {}
+        while True:
+            try:
+                got = self.driver.next_batch(step)
+            except RunStopped as err:
+                _broadcast(str(err))  # the other ranks wait for this batch: they stop too
+                raise
+            if got != REFIT:
+                break
+            _broadcast(REFIT)  # every rank helps send the weights to the engine that came back
+            refit = self._refit(step)
+        batch, metrics = got
         _broadcast(batch)
-        return batch, metrics
+        return batch, {**metrics, **refit}
 
     def publish(self, trainer, version: int) -> dict[str, float]:
         metrics = self.driver.publish(weight_buckets(self.cfg, trainer, self.holders), version)
         metrics.update(probe_gap(self.cfg, trainer, version, self.driver))
+        metrics.update(refit_probe(self.cfg, trainer, version, self.driver))
         metrics.update(self._engine_share())
         return metrics
 
     def _engine_share(self) -> dict[str, float]:
         """engine/idle_share: the share of the engines' time since the last publish in which they held
         no request of ours (or were paused): the engines waiting for the trainer."""
-        import time
-
         pool = self.driver.strategy.pool
         now, busy = time.monotonic(), pool.busy_seconds()
         last, self._busy = self._busy, (now, busy)
@@ -324,13 +354,33 @@ def weight_buckets(cfg: JobConfig, trainer, holders):
     return stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size) if mine else iter(())
 
 
-def probe_gap(cfg: JobConfig, trainer, version: int, driver) -> dict[str, float]:
-    """Every rollout.sync.check_every versions, all ranks together: the engine's log-probs of a fixed
-    response (rank 0's driver asks for it) against the trainer's; RunStopped beyond the bound."""
-    every = cfg.rollout.sync.check_every
-    if not every or version % every:
+def refit_probe(cfg: JobConfig, trainer, version: int, driver) -> dict[str, float]:
+    """Engines that came back took the weights in this publish: with rollout.sync.check_every, each
+    must answer the probe within the bound (all ranks together) before it serves again."""
+    if not cfg.rollout.sync.check_every:
+        if driver is not None:
+            driver.revive(driver.refit)
         return {}
-    probe = _broadcast(driver.probe() if driver is not None else None)
+    engines = _broadcast(driver.refit if driver is not None else None)
+    if not engines:
+        return {}
+    gaps = [probe_gap(cfg, trainer, version, driver, engine).get("sync/probe_logprob_gap") for engine in engines]
+    if driver is not None:
+        driver.revive([e for e, gap in zip(engines, gaps, strict=True) if gap is not None])
+    gaps = [gap for gap in gaps if gap is not None]
+    return {"sync/refit_probe_gap": max(gaps)} if gaps else {}
+
+
+def probe_gap(cfg: JobConfig, trainer, version: int, driver, engine: int | None = None) -> dict[str, float]:
+    """Every rollout.sync.check_every versions (for engine `engine`: now), all ranks together: the
+    engine's log-probs of a fixed response (rank 0's driver asks for it) against the trainer's;
+    RunStopped beyond the bound."""
+    every = cfg.rollout.sync.check_every
+    if not every or (engine is None and version % every):
+        return {}
+    probe = _broadcast(driver.probe(engine) if driver is not None else None)
+    if probe is None:  # no engine to probe answered (each is restarted and probed after its refit)
+        return {}
     copies = 2 * trainer.info.dp_size  # every data-parallel rank scores a copy; a group of >= 2
     batch = RolloutBatch(
         samples=[dataclasses.replace(probe) for _ in range(copies)], temperature=cfg.rollout.sampling.temperature

@@ -96,7 +96,7 @@ class Engines:
             self.clients = [
                 EngineClient(s.url, admin_key=self.key, timeout_s=e.request_timeout_s) for s in self.servers
             ]
-        self.pool = EnginePool(self.clients, timeout_s=e.startup_timeout_s)
+        self.pool = EnginePool(self.clients, wait_s=e.wait_s)
         return self.pool
 
     def _sglang_placement(self, local_ranks: int) -> list[int]:
@@ -140,15 +140,23 @@ class Engines:
                         "rollout.engines.urls", client.base_url, f"serves {served}, whose shape differs: {problem}"
                     )
 
-    async def check_version(self, version: int, engines: list[int]) -> None:
-        """Each of these engines reports weight version `version` (after a sync), else RunStopped."""
-        for client in (self.clients[i] for i in engines):
-            served = (await client.model_info()).get("weight_version")
+    async def check_version(self, version: int, engines: list[int]) -> list[int]:
+        """Each of these engines reports weight version `version` (after a sync), else RunStopped;
+        returns those that did not answer (dead since: they get the weights when they come back)."""
+        gone = []
+        for index in engines:
+            client = self.clients[index]
+            try:
+                served = (await client.model_info()).get("weight_version")
+            except EngineUnavailable:
+                gone.append(index)
+                continue
             if str(served) != str(version):
                 raise RunStopped(
                     f"weight sync: {client.base_url} reports weight version {served!r} after the sync of "
                     f"version {version}: its weights are not the trainer's"
                 )
+        return gone
 
     def close(self) -> None:
         """Close the clients and stop what was started here; safe to call more than once."""

@@ -17,7 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 
@@ -42,6 +42,14 @@ class EngineLoop:
 
     def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
         return self.wait(self.submit(coro), timeout)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the loop's thread (where the rollout's state changes), waited for."""
+
+        async def on_loop() -> Any:
+            return fn(*args)
+
+        return self.run(on_loop())
 
     def wait(self, future: concurrent.futures.Future, timeout: float | None = None) -> Any:
         """The future's result. Interrupted (Ctrl-C), it is cancelled and waited for, so that every

@@ -1,8 +1,11 @@
-"""The engines a rollout spreads its requests over: who is alive, who is loaded, how long each was busy.
+"""The engines a rollout spreads its requests over: who serves, who is loaded, how long each was busy.
 
-A request that fails with EngineUnavailable (after the client's retries) marks its engine dead
-and is resubmitted to another; dead engines are probed and come back when they answer /health
-again, unless they were retired: left out of a weight sync, they no longer hold the policy.
+An engine is live, dead or refitting. A request that fails with EngineUnavailable (after the
+client's retries) marks its engine dead and is resubmitted to another. A dead engine comes back
+(rollout/supervisor.py: restarted, or answering again) as refitting: it holds weights that are
+not the policy's (a restart's are the starting ones), so it is never picked until the driver
+has sent it the current weights and checked them (`revive`). With no live engine, `pick` waits
+up to wait_s for one, then stops the run.
 
 An engine counts as busy while it holds at least one request of ours and is not paused:
 `busy_seconds` over a step's wall time is the engines' share of it spent generating, which every
@@ -17,20 +20,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bapo_megatron.errors import RunStopped
 from bapo_megatron.rollout.client import EngineClient, EngineUnavailable
 
 
 class EnginePool:
-    """Live engines and their load; waits (up to timeout_s) for one to come back when all are down."""
+    """Live engines and their load; waits (up to wait_s) for one to serve when none does."""
 
-    def __init__(self, clients: list[EngineClient], timeout_s: float = 600.0, probe_s: float = 0.5) -> None:
+    def __init__(self, clients: list[EngineClient], wait_s: float = 900.0, probe_s: float = 0.2) -> None:
         if not clients:
             raise ValueError("no engines")
         self.clients = clients
         self.load = dict.fromkeys(range(len(clients)), 0)
         self.dead: set[int] = set()
-        self.retired: set[int] = set()  # out of the weight sync for good: never picked or probed again
-        self.timeout_s, self.probe_s = timeout_s, probe_s
+        self.refitting: set[int] = set()  # answering again, not yet given the current weights
+        self.error: str | None = None  # why no engine can come back (the supervisor's): pick stops the run
+        self.wait_s, self.probe_s = wait_s, probe_s
         self.failures = 0
         self.paused = False
         self._busy, self._since = 0.0, time.monotonic()
@@ -39,37 +44,51 @@ class EnginePool:
         return len(self.clients)
 
     def live(self) -> list[int]:
-        return [i for i in range(len(self.clients)) if i not in self.dead and i not in self.retired]
+        return [i for i in range(len(self.clients)) if i not in self.dead and i not in self.refitting]
 
-    def retire(self, index: int) -> None:
-        """Engine `index` leaves for good (dead when the weights went out without it)."""
-        self._account()
-        self.dead.discard(index)
-        self.retired.add(index)
+    def serving(self) -> list[int]:
+        """The engines a weight update goes to: the live ones and those waiting for the weights."""
+        return [i for i in range(len(self.clients)) if i not in self.dead]
 
     async def pick(self, prefer: int | None = None) -> int:
         """`prefer` when it is alive (the engine holding a continued sample's prefix in its cache),
-        else the least-loaded live engine."""
-        deadline = time.monotonic() + self.timeout_s
+        else the least-loaded live engine; with none, waits for one (RunStopped after wait_s)."""
+        deadline = time.monotonic() + self.wait_s
         while True:
             if prefer is not None and prefer in self.live():
                 return prefer
             live = self.live()
             if live:
                 return min(live, key=lambda i: self.load[i])
-            for i in list(self.dead):
-                if await self.clients[i].health():
-                    self.dead.discard(i)
-            if len(self.dead) + len(self.retired) < len(self.load):
-                continue
-            if not self.dead or time.monotonic() > deadline:
-                raise EngineUnavailable(
-                    f"no engine answered for {self.timeout_s:.0f} s: {[c.base_url for c in self.clients]}"
+            if self.error is not None:
+                raise RunStopped(self.error)
+            if time.monotonic() > deadline:
+                raise RunStopped(
+                    f"no engine served for {self.wait_s:.0f} s (rollout.engines.wait_s): "
+                    f"{self._describe()}; stopping (the last checkpoint is kept)"
                 )
             await asyncio.sleep(self.probe_s)
 
+    def _describe(self) -> str:
+        def urls(indices) -> str:
+            return ", ".join(self.clients[i].base_url for i in sorted(indices)) or "none"
+
+        return f"not answering: {urls(self.dead)}; waiting for the weights: {urls(self.refitting)}"
+
+    def came_back(self, index: int) -> None:
+        """Engine `index` answers again (restarted, or back by itself): it waits for the weights."""
+        self._account()
+        self.dead.discard(index)
+        self.refitting.add(index)
+
+    def revive(self, index: int) -> None:
+        """Engine `index` holds the current weights (sent and checked): it serves again."""
+        self._account()
+        self.refitting.discard(index)
+
     def mark_dead(self, index: int) -> None:
         self._account()
+        self.refitting.discard(index)
         self.dead.add(index)
         self.failures += 1
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from bapo_megatron.common import ipc, protocol, weight_group
-from bapo_megatron.rollout.client import EngineClient
+from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
 from bapo_megatron.rollout.loop import EngineLoop
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -113,39 +113,66 @@ class DistributedWeightSender:
         where SGLang refuses it while requests keep theirs). Returns bytes sent."""
         if self.group is None:
             raise RuntimeError("connect() first")
-        sent = 0
-        with _session(self.clients, loop):
-            for bucket, last in _mark_last(buckets):
-                tensors = [t for _, t in bucket]
-                if self.flatten:  # before the engines are told: an unaligned bucket fails here, not in them
-                    tensors = [ipc.flattened_bucket(bucket)["flattened_tensor"]]
-                names = [n for n, _ in bucket]
-                dtypes = [protocol.dtype_name(t.dtype) for _, t in bucket]
-                shapes = [list(t.shape) for _, t in bucket]
-                answers = loop.submit(
-                    _all(
-                        c.update_weights_from_distributed(
-                            names,
-                            dtypes,
-                            shapes,
-                            version,
-                            self.group_name,
-                            self.flatten,
-                            flush_cache=last and flush_cache,
-                        )
-                        for c in self.clients
-                    )
-                )
-                self._broadcast(tensors)
-                loop.wait(answers)
-                sent += _nbytes(bucket)
+        sent, stream = 0, iter(buckets)
+        try:
+            with _session(self.clients, loop):
+                for bucket, last in _mark_last(stream):
+                    sent += self._send_bucket(bucket, last, version, loop, flush_cache)
+        except (RuntimeError, EngineUnavailable, EngineError, TimeoutError) as err:
+            # An engine died during the update (its end of the broadcast closed, or it stopped
+            # answering): leave the group, so that the others' ends fail too instead of waiting
+            # for tensors, and make the rest of the buckets (the other ranks gather them with us).
+            self._abandon(loop)
+            for _ in stream:
+                pass
+            raise WeightSendFailed(f"{type(err).__name__}: {str(err)[:300]}") from err
         return sent
+
+    def _send_bucket(self, bucket: Bucket, last: bool, version: str, loop: EngineLoop, flush_cache: bool) -> int:
+        tensors = [t for _, t in bucket]
+        if self.flatten:  # before the engines are told: an unaligned bucket fails here, not in them
+            tensors = [ipc.flattened_bucket(bucket)["flattened_tensor"]]
+        names = [n for n, _ in bucket]
+        dtypes = [protocol.dtype_name(t.dtype) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        calls = (
+            c.update_weights_from_distributed(
+                names, dtypes, shapes, version, self.group_name, self.flatten, flush_cache=last and flush_cache
+            )
+            for c in self.clients
+        )
+        answers = loop.submit(_all(calls))
+        try:
+            self._broadcast(tensors)
+        except BaseException:
+            answers.cancel()
+            raise
+        loop.wait(answers)
+        return _nbytes(bucket)
+
+    def _abandon(self, loop: EngineLoop) -> None:
+        """After a failed update: our end of the group first (the engines' ends then fail at once),
+        then theirs, where they still answer; connect() makes a new one."""
+        weight_group.leave_group(self.group)
+        self.group = None
+
+        async def destroy() -> None:
+            calls = (c.destroy_weights_update_group(self.group_name) for c in self.clients)
+            await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
+
+        with contextlib.suppress(Exception):
+            loop.run(destroy())
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         import torch.distributed as dist
 
         for tensor in tensors:  # (on the caller's thread: NCCL's device and stream are the trainer's)
             dist.broadcast(tensor.contiguous(), src=0, group=self.group)
+
+
+class WeightSendFailed(Exception):
+    """A weight update did not reach every engine (one died during it): the engines that took part
+    hold a mix of versions and must be sent the weights again before they serve."""
 
 
 def _payload(bucket: Bucket, flatten: bool):

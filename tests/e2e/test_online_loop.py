@@ -191,8 +191,9 @@ def test_async_run_keeps_its_bound_evaluates_beside_training_and_survives_sigter
 def test_async_run_at_tp2_pp2_serves_the_trainers_weights_and_outlives_an_engine(task, tmp_path):
     """Async under torchrun at TP=2 x PP=2 with two engines: after every weight update (requests in
     flight, paused in retract mode) the probe's log-probs equal the trainer's within 1e-5; one
-    engine killed mid-run: its requests go to the other, the weights go to the one left, no group
-    is lost or trained twice."""
+    engine killed mid-run: its requests go to the other, the weights go to the one left (and to the
+    killed one once restarted, checked by the probe before it serves), no group is lost or trained
+    twice."""
     run = tmp_path / "async-tp2-pp2"
     extra = (
         *ASYNC,
@@ -209,13 +210,14 @@ def test_async_run_at_tp2_pp2_serves_the_trainers_weights_and_outlives_an_engine
     os.kill(engine_pids(run)[port], signal.SIGKILL)  # the second engine, mid-run
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
-    assert f":{port} stopped answering: the weights go to the 1 left" in out
+    assert f":{port} stopped answering" in out  # (restarted: it serves again after a refit, if in time)
     got = metrics(run)
     assert [m["step"] for m in got] == [1, 2, 3, 4, 5]
     for m in got:
-        assert m["sync/probe_logprob_gap"] <= 1e-5, m
+        assert m["sync/probe_logprob_gap"] <= 1e-5 and m.get("sync/refit_probe_gap", 0) <= 1e-5, m
         assert m["rollout/token_staleness_max"] <= 1, m
-    assert got[-1]["engine/live"] == 1 and got[-1]["rollout/engine_failures"] >= 1
+    assert got[-1]["rollout/engine_failures"] >= 1
+    assert got[-1]["engine/live"] == 1 + any("sync/refit_probe_gap" in m for m in got)
     assert_every_group_trained_once(run, argv, 5)
     no_engine_left(run)
 

@@ -10,10 +10,11 @@ from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.rollout.buffer import RolloutBuffer
 from bapo_megatron.rollout.client import EngineClient
 from bapo_megatron.rollout.core import RolloutCore
-from bapo_megatron.rollout.launcher import ServerProcess, embedded_server
+from bapo_megatron.rollout.launcher import embedded_server
 from bapo_megatron.rollout.pool import EnginePool
 from bapo_megatron.rollout.reward_workers import RewardWorkers
 from bapo_megatron.rollout.strategies import AbortSteps, RetractSteps
+from bapo_megatron.rollout.supervisor import Supervisor
 from tests.engine_state import generating
 from tests.helpers import make_hf_model
 
@@ -78,7 +79,10 @@ def test_tokens_keep_the_version_and_logprob_they_were_sampled_with(models, tmp_
             torch.testing.assert_close(got[sel], want[sel], rtol=0, atol=1e-5)
 
 
-def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
+def test_step_survives_a_killed_engine_that_its_supervisor_restarts(models, tmp_path):
+    """A step whose only engine is killed mid-request: the supervisor starts it again on its port,
+    it waits for the weights (never picked before), then the step finishes with every sample whole
+    and every log-prob the one its token was sampled with."""
     path, model = models[MODELS[0]]
     server = embedded_server(path, tmp_path / "engine.log").start().wait_ready(120)
     counter = iter(range(100))
@@ -89,7 +93,7 @@ def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
 
     async def run():
         async with EngineClient(server.url, retries=1, backoff_s=0.2) as client:
-            pool = EnginePool([client], timeout_s=120, probe_s=0.2)
+            pool = EnginePool([client], wait_s=120, probe_s=0.2)
             buffer = RolloutBuffer(samples_per_prompt=2, max_new_tokens=LONG)
             core = RolloutCore(
                 pool,
@@ -98,20 +102,29 @@ def test_step_survives_a_killed_and_restarted_engine(models, tmp_path):
                 RewardWorkers("exact_ids", inline=True),
                 SamplingParams(max_new_tokens=LONG, ignore_eos=True),
             )
+            supervisor = Supervisor(pool, [server], max_restarts=2, startup_timeout_s=120, probe_s=0.1)
+            await supervisor.start()
             step = asyncio.create_task(AbortSteps(core, prompts_per_step=2).batch(0))
             await generating(client, at_least=8)  # the step's requests are in the engine, part-way
             assert not step.done(), "the step finished before the engine could be killed: make it longer"
+            killed = server.process.pid
             server.kill()
-            restarted = ServerProcess(server.command, server.url, tmp_path / "engine2.log").start()
-            await asyncio.to_thread(restarted.wait_ready, 120)
             try:
+                while not pool.refitting:  # marked dead, restarted on the same port
+                    assert not step.done()
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+                assert not pool.live() and not step.done()  # not picked until it has the weights
+                pid = server.process.pid
+                pool.revive(0)  # (the driver's refit: here the restart's weights are the policy's, version 0)
                 groups, stats = await step
             finally:
-                restarted.stop()
-            return groups, pool.failures, stats
+                await supervisor.close()
+                server.stop()
+            return groups, pool.failures, stats, supervisor.restarts, (killed, pid)
 
-    groups, failures, stats = asyncio.run(run())  # the engine's restart is awaited: no wall-time bound here
-    assert failures >= 1 and stats["rollout/engine_failures"] >= 1
+    groups, failures, stats, restarts, (killed, pid) = asyncio.run(run())  # the restart is awaited: no time bound
+    assert failures >= 1 and stats["rollout/engine_failures"] >= 1 and restarts == 1 and pid != killed
     assert sorted(g.uid for g in groups) == ["p0", "p1"]
     uids = [s.uid for g in groups for s in g.samples]
     assert len(uids) == len(set(uids)) == 4

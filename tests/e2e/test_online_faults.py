@@ -1,16 +1,22 @@
-"""The online loop against reward code that hangs, dies, exits or returns what is not a reward:
-each bad call is one failed call and the run goes on; a reward that stops working stops the run
-(exit 1, one error line, status.json "failed", the last checkpoint kept), and the same command
-resumes it once the reward is fixed. Nothing of a run is left running after it."""
+"""The online loop against what users and machines do to it. Reward code that hangs, dies, exits or
+returns what is not a reward: each bad call is one failed call and the run goes on; a reward that
+stops working stops the run (exit 1, one error line, status.json "failed", the last checkpoint
+kept), and the same command resumes it once the reward is fixed. An engine killed mid-run is
+restarted and serves again only with the trainer's current weights. Nothing of a run is left
+running after it."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
 from tests.online import (
     args,
+    assert_every_group_trained_once,
+    engine_pids,
     metrics,
     mp_semaphores,
     no_engine_left,
@@ -93,4 +99,29 @@ def test_a_reward_that_stops_working_stops_the_run_and_the_same_command_resumes(
     train(args(task, run, saved + 1, *extra))
     assert [m["step"] for m in metrics(run)] == list(range(1, saved + 2))
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    no_engine_left(run)
+
+
+def test_a_killed_engine_is_restarted_and_serves_only_the_trainers_weights(task, tmp_path):
+    """The run's only engine, SIGKILLed mid-run: the driver starts it again (same port and options);
+    the step waits, every rank helps send it the current weights, its version and its log-probs of
+    the probe are checked (within 1e-5 of the trainer's), and only then does it serve: the run
+    finishes with no group lost or trained twice."""
+    run = tmp_path / "restart"
+    argv = args(task, run, 5, "rollout.sync.check_every=1")
+    proc = start(argv)
+    log = run / "metrics.jsonl"
+    wait_for(lambda: log.is_file() and log.read_text().count("\n") >= 2 and engine_pids(run), proc, "two steps")
+    ((port, pid),) = engine_pids(run).items()
+    os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    assert f":{port} stopped answering (exit code -9): restarting it (attempt 1 of 3)" in out, out[-4000:]
+    got = metrics(run)
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5]
+    refits = [m for m in got if "sync/refit_probe_gap" in m]
+    assert len(refits) == 1 and refits[0]["sync/refit_probe_gap"] <= 1e-5, refits
+    assert got[-1]["engine/restarts"] == 1 and got[-1]["engine/live"] == 1
+    assert all(m["sync/probe_logprob_gap"] <= 1e-5 for m in got)
+    assert_every_group_trained_once(run, argv, 5)
     no_engine_left(run)
