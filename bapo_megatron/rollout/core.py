@@ -108,6 +108,7 @@ class RolloutCore:
         self._attempt += 1
         flight = Flight(req, f"{req.sample.uid}#{self._attempt}", version)
         task = asyncio.create_task(self._generate(flight))
+        task.add_done_callback(_seen)
         self.running[task] = flight
         return task
 
@@ -251,3 +252,10 @@ class RolloutCore:
             "rollout/reward_errors": self.reward.failures,
             "rollout/reward_workers_replaced": self.reward.replaced,
         }
+
+
+def _seen(task: asyncio.Task) -> None:
+    """A request's failure (the run stopping: no engine can come back) is raised by the first
+    `completed` that meets it; the same failure of the others is not reported again at exit."""
+    if not task.cancelled():
+        task.exception()

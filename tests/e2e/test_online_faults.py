@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -124,4 +125,27 @@ def test_a_killed_engine_is_restarted_and_serves_only_the_trainers_weights(task,
     assert got[-1]["engine/restarts"] == 1 and got[-1]["engine/live"] == 1
     assert all(m["sync/probe_logprob_gap"] <= 1e-5 for m in got)
     assert_every_group_trained_once(run, argv, 5)
+    no_engine_left(run)
+
+
+def test_an_engine_that_cannot_come_back_stops_the_run_with_one_error_line(task, tmp_path):
+    """The engine's model directory gone (a node that lost its disk): each restart fails at start;
+    after rollout.engines.max_restarts of them the run stops, exit 1, one error line naming the
+    engine and its log, status.json "failed"."""
+    run = tmp_path / "no-restart"
+    model = tmp_path / "model"
+    shutil.copytree(task / "m", model)
+    proc = start(args(task, run, 20, f"model.hf_path={model}", "rollout.engines.max_restarts=2"))
+    log = run / "metrics.jsonl"
+    wait_for(lambda: log.is_file() and log.read_text().count("\n") >= 1 and engine_pids(run), proc, "a step")
+    model.rename(tmp_path / "moved")
+    ((port, pid),) = engine_pids(run).items()
+    os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    last = out.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert last.startswith(f"error: engine http://127.0.0.1:{port} did not come back after 2 restarts"), last
+    assert last.endswith(".log"), last
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and "did not come back" in status["error"], status
     no_engine_left(run)
