@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -33,16 +34,38 @@ def evaluate_hf(
     (jsonl: prompt text and answer), left-padded batches on the CPU (or the first GPU)."""
     import transformers
 
-    from bapo_megatron.rollout.data import load_tokenizer, read_records
+    from bapo_megatron.common.hf_io import HFCheckpoint
+    from bapo_megatron.fsutil import read_jsonl
+    from bapo_megatron.rollout.data import load_tokenizer
     from bapo_megatron.rollout.rewards import load_reward
+    from bapo_megatron.rollout.rewards import score as scored
 
-    score = load_reward(reward)
+    # Everything checked before the model is built: the directory, the records, the lengths, the reward.
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"{model_dir}: not a Hugging Face model directory (no config.json)")
+    spec = HFCheckpoint(model_dir).spec  # its tensors, shapes and dtypes against config.json
     tokenizer = load_tokenizer(model_dir)
-    if tokenizer is None:
-        raise ValueError(f"{model_dir}: no tokenizer")
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        raise ValueError(f"{model_dir}: no tokenizer with an end token")
+    load_reward(reward)
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such file")
+    records = read_jsonl(Path(path), _record_problem)[:max_prompts]
+    if not records:
+        raise ValueError(f"{path}: no records")
+
+    def score(text: str, ids: list[int], record: dict) -> float:
+        return scored(reward, text, ids, record)[0]  # a record the reward cannot score: 0, as in training
+
+    prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in records]
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if len(prompts[longest]) + max_new_tokens > spec.max_position_embeddings:
+        raise ValueError(
+            f"{path} record {longest + 1}: its prompt ({len(prompts[longest])} tokens) + --max-new-tokens "
+            f"{max_new_tokens} exceed the model's context of {spec.max_position_embeddings}"
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
-    records = read_records(path, "jsonl")[:max_prompts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -83,7 +106,6 @@ def evaluate_hf(
             trimmed.append(row[:end])
         return trimmed
 
-    prompts = [tokenizer.encode(str(r["prompt"]), add_special_tokens=False) for r in records]
     greedy_scores, sampled = [], [[] for _ in records]
     for start in range(0, len(records), batch_size):
         chunk = list(range(start, min(start + batch_size, len(records))))
@@ -100,15 +122,38 @@ def evaluate_hf(
     return out
 
 
+def _record_problem(record: dict) -> str | None:
+    if not isinstance(record.get("prompt"), str) or not record["prompt"]:
+        return "needs a text 'prompt'"
+    return None
+
+
+def _number(kind: type, low: float, what: str):
+    """An argparse type: a finite number of `kind`, at least `low`."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(f"{text} must be {what} >= {low:g}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir")
     parser.add_argument("heldout", help="jsonl records with prompt and answer")
     parser.add_argument("--reward", default="exact")
-    parser.add_argument("--samples", type=int, default=4, help="k of avg@k and pass@k (0: greedy only)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--max-prompts", type=int, default=None)
+    parser.add_argument(
+        "--samples", type=_number(int, 0, "an integer"), default=4, help="k of avg@k and pass@k (0: greedy only)"
+    )
+    parser.add_argument("--temperature", type=_number(float, 0.01, "a number"), default=1.0)
+    parser.add_argument("--max-new-tokens", type=_number(int, 1, "an integer"), default=8)
+    parser.add_argument("--max-prompts", type=_number(int, 1, "an integer"), default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -122,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             max_prompts=args.max_prompts,
             seed=args.seed,
         )
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, KeyError) as err:  # (a config.json the spec cannot read: KeyError)
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result))

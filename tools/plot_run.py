@@ -11,6 +11,7 @@ Each run is labelled with its directory name (or --labels).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -41,10 +42,15 @@ def series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[flo
     names = sorted({k for r in records for k in r if k.startswith(key[:-1])}) if key.endswith("*") else [key]
     out = {}
     for name in names:
-        points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), int | float)]
+        points = [(r["step"], r[name]) for r in records if _plottable(r.get(name))]
         if points:
             out[name] = ([s for s, _ in points], [float(v) for _, v in points])
     return out
+
+
+def _plottable(value) -> bool:
+    """A finite number (a logged NaN is null; an infinity, a flag or text has no place on an axis)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 LEGEND_IN_PANELS = 3
@@ -115,9 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{len(args.labels)} labels for {len(args.runs)} runs")
     first = args.runs[0]
     out = args.out or ((first if first.is_dir() else first.parent) / "plots.png")
+    if not out.parent.is_dir() or out.is_dir():
+        why = "a directory" if out.is_dir() else "its directory does not exist"
+        print(f"error: --out {out}: {why}", file=sys.stderr)
+        return 2
     try:
         drawn = plot(args.runs, out, args.labels)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out} ({len(drawn)} of {len(PANELS)} panels with data)")

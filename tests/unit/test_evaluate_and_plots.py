@@ -38,6 +38,78 @@ def test_greedy_answers_are_what_transformers_generates(tmp_path):
     assert evaluate_hf(paths["model"], wrong, samples=0, max_new_tokens=6)["greedy_acc"] == 0.0
 
 
+@pytest.fixture(scope="module")
+def addition(tmp_path_factory):
+    from bapo_megatron.tasks import write_task
+
+    return write_task("addition", tmp_path_factory.mktemp("evaluate"), train=10, heldout=8, seed=1)
+
+
+def _bad_input(addition, tmp: Path, case: str) -> list[str]:
+    """The command line of one malformed use of the evaluator (files it needs written under tmp)."""
+    import shutil
+
+    model, heldout = str(addition["model"]), str(addition["heldout"])
+    if case == "no config":
+        (tmp / "empty").mkdir()
+        return [str(tmp / "empty"), heldout]
+    if case == "cut shard":
+        shutil.copytree(model, tmp / "cut")
+        shard = sorted((tmp / "cut").glob("*.safetensors"))[0]
+        shard.write_bytes(shard.read_bytes()[:100])
+        return [str(tmp / "cut"), heldout]
+    records = {
+        "not json": "{not json\n",
+        "no prompt": '{"answer": "1"}\n',
+        "list prompt": '{"prompt": [1, 2], "answer": "1"}\n',
+        "not an object": "[1, 2]\n",
+        "empty": "",
+    }
+    if case in records:
+        (tmp / "h.jsonl").write_text(records[case])
+        return [model, str(tmp / "h.jsonl")]
+    flags = {
+        "no model": ["/nonexistent/model", heldout],
+        "no heldout": [model, str(tmp / "missing.jsonl")],
+        "negative samples": [model, heldout, "--samples", "-1"],
+        "zero temperature": [model, heldout, "--temperature", "0"],
+        "nan temperature": [model, heldout, "--temperature", "nan"],
+        "zero tokens": [model, heldout, "--max-new-tokens", "0"],
+        "past the context": [model, heldout, "--max-new-tokens", "1000000"],
+        "zero prompts": [model, heldout, "--max-prompts", "0"],
+        "text prompts": [model, heldout, "--max-prompts", "x"],
+        "unknown reward": [model, heldout, "--reward", "nope"],
+    }
+    return flags[case]
+
+
+BAD_CASES = [
+    "no config", "cut shard", "not json", "no prompt", "list prompt", "not an object", "empty", "no model",
+    "no heldout", "negative samples", "zero temperature", "nan temperature", "zero tokens", "past the context",
+    "zero prompts", "text prompts", "unknown reward",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_the_evaluator_answers_bad_input_with_one_error_line(addition, tmp_path, case, capsys):
+    from bapo_megatron.evaluate import main
+
+    try:
+        code = main(_bad_input(addition, tmp_path, case))
+    except SystemExit as exit_:  # argparse's refusal of an option
+        code = exit_.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err and "error:" in err[-1] and "Traceback" not in "\n".join(err), err
+
+
+def test_a_record_the_reward_cannot_score_scores_zero(addition, tmp_path, capsys):
+    from bapo_megatron.evaluate import main
+
+    (tmp_path / "h.jsonl").write_text('{"prompt": "1+2="}\n')  # no answer: the reward raises, as in training
+    assert main([str(addition["model"]), str(tmp_path / "h.jsonl"), "--samples", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["greedy_acc"] == 0.0
+
+
 def _metrics(run: Path, steps: int, with_bapo: bool) -> None:
     run.mkdir(parents=True)
     lines = []
@@ -75,6 +147,13 @@ def test_plot_run_draws_every_panel(tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     assert plot_run.main([str(tmp_path / "bad")]) == 2
+    for out in (tmp_path / "nowhere" / "p.png", tmp_path):  # no such directory; a directory
+        assert plot_run.main([str(tmp_path / "b"), "--out", str(out)]) == 2
+    (tmp_path / "odd").mkdir()  # an infinity, a flag, text: left off the axes, not a crash
+    (tmp_path / "odd" / "metrics.jsonl").write_text(
+        '{"step": 1, "policy/entropy": Infinity}\n{"step": 2, "policy/entropy": true, "bapo/rho": "x"}\n'
+    )
+    assert plot_run.main([str(tmp_path / "odd"), "--out", str(tmp_path / "odd.png")]) == 0
 
 
 def test_plot_run_names_a_bad_file(tmp_path):
