@@ -41,3 +41,16 @@ def check(ok: bool, field: str, value: object, reason: str) -> None:
     """Raise ConfigError(field, value, reason) unless `ok`."""
     if not ok:
         raise ConfigError(field, value, reason)
+
+
+class DiskFull(OSError, RunStopped):
+    """No space left for what a run or a tool must write (ENOSPC), said before anything partial is
+    kept: a run stops with it (exit 1, as RunStopped), a tool reports it (as any OSError)."""
+
+    def __init__(self, message: str) -> None:
+        import errno
+
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)

@@ -284,7 +284,8 @@ class Job:
         with contextlib.suppress(Exception):  # the error being reported matters more than these lines
             self.log.flush()
         status = {"state": "failed", "reason": "error", "error": str(err), "step": self.log.step or self.step}
-        write_text_atomic(self.cfg.run_path / "status.json", json.dumps({**status, "steps": self.cfg.steps}) + "\n")
+        with contextlib.suppress(OSError):  # (a full disk may refuse this too: the error line still says it)
+            write_text_atomic(self.cfg.run_path / "status.json", json.dumps({**status, "steps": self.cfg.steps}) + "\n")
 
     def close(self) -> None:
         """Teardown: signals restored, engines stopped, logs closed, the process group destroyed."""

@@ -13,6 +13,7 @@ Checkpoints store sharded tensors by global name, so they load at any TP/PP layo
 
 from __future__ import annotations
 
+import errno
 import queue
 import re
 import sys
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from bapo_megatron.config import CheckpointConfig
-from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.errors import BadInputError, ConfigError, DiskFull
 from bapo_megatron.fsutil import publish, remove, temporary_sibling, write_text_atomic
 from bapo_megatron.trainer import safe_load
 from bapo_megatron.trainer.integrity import (
@@ -102,6 +103,7 @@ def save_sharded(
     directory = Path(directory)
     if directory.exists():  # every rank sees the same (shared) filesystem: all refuse together
         raise FileExistsError(f"checkpoint {directory} exists already; refusing to overwrite it")
+    check_space(sharded, directory)
     box = [str(temporary_sibling(directory, directory=True)) if _rank0() else None]
     if _world() > 1:
         dist.broadcast_object_list(box, src=0)
@@ -122,11 +124,62 @@ def save_sharded(
             entries.update(checksums(tmp, others))
             write_checksums(tmp, entries)
             publish(tmp, directory)
-    except BaseException:
+    except BaseException as err:
         if _rank0():
             remove(tmp)
+        if _no_space(err):  # the disk filled meanwhile (another writer): one clear error, nothing left
+            raise DiskFull(f"no space left writing checkpoint {directory}; nothing of it was kept") from None
         raise
     _barrier()
+
+
+def _no_space(err: BaseException, depth: int = 0) -> bool:
+    """Whether ENOSPC is behind this error (its causes, and torch's per-rank checkpoint failures)."""
+    if err is None or depth > 8:
+        return False
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    if isinstance(err, CheckpointException):
+        nested = [e[0] if isinstance(e, tuple) else e for e in err.failures.values()]
+        if any(isinstance(e, BaseException) and _no_space(e, depth + 1) for e in nested):
+            return True
+    return _no_space(err.__cause__, depth + 1) or _no_space(err.__context__, depth + 1)
+
+
+SPACE_MARGIN = 1.05  # the format's own metadata, and what the file system rounds up
+"""The free space a save needs: this much times the bytes of the tensors it writes."""
+
+
+def check_space(sharded: dict, directory: Path) -> None:
+    """DiskFull (an OSError, ENOSPC) naming the directory and the bytes needed when its file system cannot hold
+    the tensors this save writes (every rank's, summed: one shared file system), before anything
+    is written: a full disk is found before a partial checkpoint is, never after."""
+    import shutil
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    mine = sum(
+        v.data.numel() * v.data.element_size()
+        for v in nested_values(sharded)
+        if isinstance(v, ShardedTensor) and v.data is not None and is_main_replica(v.replica_id)
+    )
+    total = torch.tensor([float(mine)])
+    if _world() > 1 and dist.get_backend() == "gloo":
+        dist.all_reduce(total)
+    elif _world() > 1:
+        total = total.cuda()
+        dist.all_reduce(total)
+    needed = int(total.item() * SPACE_MARGIN)
+    parent = directory.parent
+    while not parent.exists() and parent != parent.parent:  # (made with the save)
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if needed > free:
+        raise DiskFull(
+            f"no space for checkpoint {directory}: it needs about {needed / 2**20:,.1f} MiB, "
+            f"{parent} has {free / 2**20:,.1f} MiB free"
+        )
 
 
 # EXTRA_STATE: Transformer Engine modules' own state (fp8 scaling history). A checkpoint written

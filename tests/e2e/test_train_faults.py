@@ -107,3 +107,43 @@ def test_unusable_checkpoints_and_fresh_starts_fail_before_any_model(tmp_path):
     (empty / "latest").symlink_to(tmp_path / "secret")
     _fails_with(_train(*_common(tmp_path, tmp_path / "replay", "linked"), "steps=1"), "is a symbolic link")
     assert "do-not-print-me" not in _train(*_common(tmp_path, tmp_path / "replay", "linked"), "steps=1").stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB file system (tmpfs; needs root, else the test is skipped)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_is_one_error_line_and_leaves_nothing_partial(tmp_path, small_disk):
+    """The trainer's checkpoint and hf-to-mcore's output on a disk too small for them: one error
+    line naming the directory and the space needed, before anything is written."""
+    from tests.helpers import make_hf_model
+
+    replay = tmp_path / "batch.safetensors"
+    make_batch(0).save(replay)
+    proc = _train(*_common(tmp_path, replay, "small/ckpt"), "steps=1")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith(f"error: no space for checkpoint {small_disk / 'ckpt' / 'step_00000001'}: it needs")
+    assert "MiB free" in lines[-1]
+    left = list((small_disk / "ckpt").iterdir()) if (small_disk / "ckpt").exists() else []
+    assert left == [], f"a partial checkpoint was left: {left}"
+
+    make_hf_model(tmp_path, "qwen2-gqa2")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-mcore", "--hf",
+         str(tmp_path / "qwen2-gqa2"), "--out", str(small_disk / "mcore"), "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: no space for checkpoint {small_disk / 'mcore'}")
+    assert not (small_disk / "mcore").exists()
