@@ -50,8 +50,9 @@ from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, Determinis
 from bapo_megatron.rollout.supervisor import Supervisor
 
 PROBE_TOKENS = 16
-REFIT = "refit"
-"""next_batch's answer while the rollout waits for an engine that needs the weights."""
+REFIT, GIVEN_UP = "refit", "given up"
+"""next_batch's answers while the rollout waits for an engine that needs the weights, and when the
+job is stopping before the batch is complete."""
 
 
 def make_strategy(cfg: JobConfig, core: RolloutCore) -> Strategy:
@@ -185,11 +186,12 @@ class RolloutDriver:
         pool = self.strategy.pool
         return bool(pool.refitting) and not pool.live()
 
-    def next_batch(self, version: int) -> tuple[RolloutBatch, dict[str, float]] | str:
+    def next_batch(self, version: int, stopping=lambda: False) -> tuple[RolloutBatch, dict[str, float]] | str:
         """The next prompts_per_step complete groups, for policy version `version` to train on, and
         their figures; or REFIT, when the rollout waits for an engine that needs the weights (the
-        step's rollout goes on where it was at the next call). Colocated engines then give their
-        memory to the trainer until the sync."""
+        step's rollout goes on where it was at the next call); or GIVEN_UP, when `stopping()` (a
+        signal) comes first: the run ends without this step, from the state of its last checkpoint
+        or its last step. Colocated engines then give their memory to the trainer until the sync."""
         ro = self.cfg.rollout
         core = self.strategy.core
         with Progress(ro.prompts_per_step, f"rollout {version}", unit="group", enabled=self.progress) as bar:
@@ -205,6 +207,11 @@ class RolloutDriver:
                 while not self._batch.done():
                     if self.needs_refit():  # no engine serves; one waits for the weights
                         return REFIT
+                    if stopping():  # a signal: no step waits for slow engines or rewards
+                        self._batch.cancel()
+                        self._batch.unwound.wait(60)
+                        self._batch = None
+                        return GIVEN_UP
                     with contextlib.suppress(TimeoutError):
                         self.loop.wait(self._batch, timeout=0.2)
                 batch, self._batch = self._batch, None

@@ -173,6 +173,7 @@ class Job:
         source = None
         try:
             source = make_source(cfg, spec, rank)
+            source.stopping = lambda: stop.received is not None
             job = cls(cfg, rank, source, Checkpointer(cfg, source), stop, StopWhen(cfg.stop_when, cfg.stop_window))
             starting_weights = check_starting_weights(cfg)
             job.checkpointer.check_start(cfg.checkpoint.resume)

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from bapo_megatron.fsutil import atomic_directory, remove
 from bapo_megatron.logger import truncate_after
 
 REFIT = "refit"  # (driver.REFIT: rank 0's next_batch while the rollout waits for an engine's weights)
+GIVEN_UP = "given up"  # (driver.GIVEN_UP: the job stops before the step's batch is complete)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -44,11 +46,16 @@ class BatchSource:
     """A source that generates nothing: no engines to feed, nothing to evaluate, nothing in flight."""
 
     name = "source"  # its key among the checkpoint's extras
+    stopping: Callable[[], bool] = staticmethod(lambda: False)
+    """Whether the job has been asked to stop (a signal): a rollout waiting on slow engines or
+    rewards gives its step up (job.py sets it)."""
 
     def start(self, trainer, step: int, resumed: bool) -> None:
         pass
 
-    def next_batch(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def next_batch(self, step: int) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """The step's batch and its figures; (None, {}) when the job is stopping and the step is
+        given up before any rank trained on it."""
         raise NotImplementedError
 
     def publish(self, trainer, version: int) -> dict[str, float]:
@@ -196,6 +203,7 @@ class OnlineFollower(BatchSource):
         self.cfg = cfg
         self.holders = None
         self.trainer = None
+        self.refit_gaps: list[float] = []  # probe gaps of refits during the step (reported at its publish)
 
     def start(self, trainer, step: int, resumed: bool) -> None:
         self.trainer = trainer
@@ -211,21 +219,32 @@ class OnlineFollower(BatchSource):
             batch = _broadcast(None)
             if batch == REFIT:
                 refit = self._refit(step)
+            elif batch == GIVEN_UP:
+                return None, {}
             elif isinstance(batch, str):  # rank 0 stopped the run (a reward that does not work): so do we
                 raise RunStopped(batch)
             else:
                 return batch, refit
 
     def _refit(self, version: int) -> dict[str, float]:
-        """The current weights (version `version`) to the engines that wait for them, checked."""
+        """The current weights (version `version`) to the engines that wait for them, checked; the
+        probe's gap is reported with the step's publish (sync/refit_probe_gap, the largest)."""
         start = time.monotonic()
-        metrics = self.publish(self.trainer, version)
-        return {
-            "sync/refit_probe_gap": metrics.get("sync/refit_probe_gap", 0.0),
-            "time/refit": time.monotonic() - start,
-        }
+        gap = self._publish(self.trainer, version).get("sync/refit_probe_gap")
+        if gap is not None:
+            self.refit_gaps.append(gap)
+        return {"time/refit": time.monotonic() - start}
+
+    def _refit_gap(self, metrics: dict[str, float]) -> dict[str, float]:
+        """`metrics` with the refits' probe gaps since the last publish folded into its own."""
+        gaps = self.refit_gaps + ([metrics["sync/refit_probe_gap"]] if "sync/refit_probe_gap" in metrics else [])
+        self.refit_gaps = []
+        return {**metrics, "sync/refit_probe_gap": max(gaps)} if gaps else metrics
 
     def publish(self, trainer, version: int) -> dict[str, float]:
+        return self._refit_gap(self._publish(trainer, version))
+
+    def _publish(self, trainer, version: int) -> dict[str, float]:
         buckets = weight_buckets(self.cfg, trainer, self.holders)
         if self.holders is not None:
             self.holders.hold(buckets)
@@ -266,10 +285,13 @@ class OnlineSource(OnlineFollower):
         refit: dict[str, float] = {}
         while True:
             try:
-                got = self.driver.next_batch(step)
+                got = self.driver.next_batch(step, self.stopping)
             except RunStopped as err:
                 _broadcast(str(err))  # the other ranks wait for this batch: they stop too
                 raise
+            if got == GIVEN_UP:
+                _broadcast(GIVEN_UP)
+                return None, {}
             if got != REFIT:
                 break
             _broadcast(REFIT)  # every rank helps send the weights to the engine that came back
@@ -278,7 +300,7 @@ class OnlineSource(OnlineFollower):
         _broadcast(batch)
         return batch, {**metrics, **refit}
 
-    def publish(self, trainer, version: int) -> dict[str, float]:
+    def _publish(self, trainer, version: int) -> dict[str, float]:
         metrics = self.driver.publish(weight_buckets(self.cfg, trainer, self.holders), version)
         metrics.update(probe_gap(self.cfg, trainer, version, self.driver))
         metrics.update(refit_probe(self.cfg, trainer, version, self.driver))

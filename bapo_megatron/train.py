@@ -43,6 +43,8 @@ def train(job: Job) -> list[dict[str, float]]:
     while step < cfg.steps and not job.should_stop(step):
         start = time.monotonic()
         batch, metrics = source.next_batch(step)  # waits for the engines (sync), or takes what they queued (async)
+        if batch is None:  # a stop signal came during the rollout: the step is given up
+            continue
         waited = time.monotonic() - start
         add(metrics, update(trainer, batch, cfg.algo.updates_per_batch))
         add(metrics, {"time/trainer_wait": waited, "time/train": time.monotonic() - start - waited})

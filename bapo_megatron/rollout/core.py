@@ -97,8 +97,7 @@ class RolloutCore:
     def launch_idle(self, version: int) -> int:
         """Send every idle unfinished sample (rounds and budget: the buffer's) and score every finished
         one that nothing scores (after a restore); returns how many requests went out."""
-        for sample in self.buffer.unscored(self.busy()):
-            self._score_later(sample)
+        self.rescore()
         requests = self.buffer.requests(self.busy())
         for req in requests:
             self.launch(req, version)
@@ -144,6 +143,21 @@ class RolloutCore:
     def _scored(self, task: asyncio.Task) -> None:
         if self.scoring.pop(task, None) is not None:  # (two waiters may see it done)
             task.result()  # a reward function's failure is scored 0 inside; anything else is a bug
+
+    async def cancel_rewards(self) -> None:
+        """Stop the reward calls in progress (a checkpoint, or a run stopping, need not wait for a
+        slow verifier): their samples stay finished and unscored, and are scored again (`rescore`,
+        or launch_idle after a restore)."""
+        tasks = list(self.scoring)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.scoring.clear()
+
+    def rescore(self) -> None:
+        """Score every finished sample that nothing scores."""
+        for sample in self.buffer.unscored(self.busy()):
+            self._score_later(sample)
 
     async def rewards(self) -> float:
         """Wait for every pending reward; the seconds it took."""

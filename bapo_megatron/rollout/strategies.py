@@ -50,12 +50,15 @@ class Strategy:
         yield
 
     async def drain(self) -> None:
-        """Before a checkpoint: nothing in flight, every reward in."""
+        """Before a checkpoint (or a run's end): nothing in flight; a reward call in progress is
+        stopped, its sample saved unscored (scored again after the checkpoint, or the restore),
+        so that a save never waits for a slow verifier."""
         await self.core.cut(list(self.core.running), keep=True)
-        await self.core.rewards()
+        await self.core.cancel_rewards()
 
     async def resume(self) -> None:
         """After a checkpoint."""
+        self.core.rescore()
 
     async def close(self) -> None:
         """Before the engines stop."""
@@ -128,6 +131,7 @@ class DeterministicRounds(Strategy):
         self.core.fill(self.generating)
         self.buffer.drop_stale(version)
         self.buffer.begin_step()
+        self.core.rescore()  # (finished samples a checkpoint saved unscored)
         while self.buffer.complete < self.prompts_per_step:
             requests = self.buffer.requests()
             if not requests:
@@ -247,6 +251,7 @@ class AsyncStream(Strategy):
 
     async def resume(self) -> None:
         self.halted = False
+        await super().resume()
         self._poke()
 
     async def close(self) -> None:

@@ -44,6 +44,7 @@ class Supervisor:
         self.restarts = 0  # engines brought back by a restart, all told (engine/restarts)
         self.failed_in_a_row = dict.fromkeys(range(len(pool)), 0)
         self._task: asyncio.Task | None = None
+        self._waiting: set[int] = set()  # another job's engines reported as gone, until they answer
 
     async def start(self) -> None:
         self._task = asyncio.ensure_future(self._watch())
@@ -66,7 +67,16 @@ class Supervisor:
         client = self.pool.clients[index]
         server = self.servers[index] if index < len(self.servers) else None
         if server is None:  # another job's engine: back when it answers
+            if index not in self._waiting:
+                self._waiting.add(index)
+                print(
+                    f"engine {client.base_url} stopped answering: waiting for it (rollout.engines.wait_s="
+                    f"{self.pool.wait_s:g} s with no engine serving stops the run)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if await client.health():
+                self._waiting.discard(index)
                 self.pool.came_back(index)
             return
         if not self.restart:

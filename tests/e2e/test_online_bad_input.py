@@ -58,8 +58,9 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
         ("data.reward={root}/broken_reward.py:score", ("data.reward=", "does not import", "ModuleNotFoundError")),
         ("data.reward={root}/reward.py:missing", ("data.reward=", "has no function 'missing'")),
         ("model.hf_path={root}/big-tokenizer", ("tokenizer has 300 tokens", "vocabulary of 250")),
+        ("parallel.max_tokens_per_microbatch=16", ("record 1", "exceed parallel.max_tokens_per_microbatch=16")),
     ],
-    ids=["missing", "empty", "no-prompt", "unknown-reward", "reward-import", "reward-name", "tokenizer"],
+    ids=["missing", "empty", "no-prompt", "unknown-reward", "reward-import", "reward-name", "tokenizer", "micro-batch"],
 )
 def test_bad_data_reward_and_tokenizer(task, tmp_path, override, phrases):
     """(A batch that does not split over the data-parallel ranks: tests/unit/test_train_cli.py.)"""

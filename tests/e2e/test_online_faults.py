@@ -22,6 +22,7 @@ from tests.online import (
     mp_semaphores,
     no_engine_left,
     no_reward_worker_left,
+    reward_workers_left,
     start,
     train,
     wait_for,
@@ -43,6 +44,9 @@ def flaky(text, ids, record):
     if kind == 3:
         os._exit(1)           # the worker dies
     return sum(t % 2 == 0 for t in ids) / max(1, len(ids))
+
+def hangs(text, ids, record):
+    time.sleep(3600)
 
 def breaks(text, ids, record):
     if os.path.exists(os.path.join(os.path.dirname(__file__), "broken")):
@@ -148,4 +152,28 @@ def test_an_engine_that_cannot_come_back_stops_the_run_with_one_error_line(task,
     assert last.endswith(".log"), last
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "failed" and "did not come back" in status["error"], status
+    no_engine_left(run)
+
+
+@pytest.mark.parametrize("save_on_signal", [True, False], ids=["save", "end"])
+def test_sigterm_while_every_reward_hangs_ends_the_run_and_its_workers(task, tmp_path, save_on_signal):
+    """A verifier that never returns, under a long reward_timeout_s: SIGTERM (Slurm's warning before
+    the time limit) is not held up by it. With checkpoint.save_on_signal the step in progress is
+    given up and the run stops as signalled (exit 0, status "stopped", to be resumed); without,
+    it ends at once through its teardown (exit 143). No worker and no engine are left."""
+    run = tmp_path / f"hangs-{save_on_signal}"
+    extra = (f"data.reward={task / 'bad.py'}:hangs", "data.reward_timeout_s=600")
+    proc = start(args(task, run, 3, *extra, f"checkpoint.save_on_signal={str(save_on_signal).lower()}"))
+    wait_for(lambda: reward_workers_left(task) and engine_pids(run), proc, "a reward call")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert not (run / "metrics.jsonl").exists() or not metrics(run), out[-3000:]
+    if save_on_signal:
+        assert proc.returncode == 0, out[-3000:]
+        assert out.strip().splitlines()[-1] == "signal 15: saved step 0 of 3; the same command resumes"
+        status = json.loads((run / "status.json").read_text())
+        assert status["state"] == "stopped" and status["reason"] == "signal" and status["step"] == 0, status
+    else:
+        assert proc.returncode == 143, out[-3000:]
+    no_reward_worker_left(task)
     no_engine_left(run)

@@ -426,3 +426,29 @@ def test_async_drain_leaves_nothing_in_flight_and_the_state_resumes_exactly():
     for g in groups:  # each continued from its saved tokens
         for s, before in zip(g.samples, saved[g.uid]["samples"], strict=True):
             assert s.response_ids[: len(before["response_ids"])] == before["response_ids"]
+
+
+def test_with_no_engine_serving_for_wait_s_the_pool_stops_the_run():
+    """Dead, or back but without the current weights: neither is picked; after wait_s, RunStopped
+    naming both; an error the supervisor set (an engine that cannot come back) stops it at once."""
+    from bapo_megatron.errors import RunStopped
+    from bapo_megatron.rollout.client import EngineClient
+
+    pool = EnginePool(
+        [EngineClient("http://127.0.0.1:9"), EngineClient("http://127.0.0.1:10")], wait_s=0.3, probe_s=0.05
+    )
+    pool.mark_dead(0)
+    pool.mark_dead(1)
+    pool.came_back(1)
+    with pytest.raises(
+        RunStopped,
+        match=r"no engine served for 0 s .*not answering: http://127.0.0.1:9; waiting for "
+        r"the weights: http://127.0.0.1:10",
+    ):
+        asyncio.run(pool.pick())
+    pool.revive(1)
+    assert asyncio.run(pool.pick()) == 1
+    pool.mark_dead(1)
+    pool.error = "engine X did not come back"
+    with pytest.raises(RunStopped, match="engine X did not come back"):
+        asyncio.run(pool.pick())
