@@ -154,8 +154,6 @@ def check_space(sharded: dict, directory: Path) -> None:
     """DiskFull (an OSError, ENOSPC) naming the directory and the bytes needed when its file system cannot hold
     the tensors this save writes (every rank's, summed: one shared file system), before anything
     is written: a full disk is found before a partial checkpoint is, never after."""
-    import shutil
-
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
@@ -170,14 +168,21 @@ def check_space(sharded: dict, directory: Path) -> None:
     elif _world() > 1:
         total = total.cuda()
         dist.all_reduce(total)
-    needed = int(total.item() * SPACE_MARGIN)
-    parent = directory.parent
+    check_free_space(directory, int(total.item() * SPACE_MARGIN), "checkpoint")
+
+
+def check_free_space(directory: Path, needed: int, what: str) -> None:
+    """DiskFull naming `directory` when the file system it will be made on has less than `needed`
+    bytes free (checked on its nearest existing ancestor)."""
+    import shutil
+
+    parent = Path(directory).parent
     while not parent.exists() and parent != parent.parent:  # (made with the save)
         parent = parent.parent
     free = shutil.disk_usage(parent).free
     if needed > free:
         raise DiskFull(
-            f"no space for checkpoint {directory}: it needs about {needed / 2**20:,.1f} MiB, "
+            f"no space for {what} {directory}: it needs about {needed / 2**20:,.1f} MiB, "
             f"{parent} has {free / 2**20:,.1f} MiB free"
         )
 

@@ -159,8 +159,11 @@ def mcore_to_hf(
         def split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
             return [sglang_shards.rank_tensors(spec, group, sglang_tp, r) for r in range(sglang_tp)]
 
+    from bapo_megatron.trainer.checkpoint import SPACE_MARGIN, check_free_space
+
     with atomic_directory(out) as tmp:
         writers = layout(tmp)
+        check_free_space(Path(out), int(sum(w.total_bytes for w in writers) * SPACE_MARGIN), "the HF model")
         with byte_progress(sum(w.total_bytes for w in writers), "mcore-to-hf", progress) as bar:
             for w in writers:
                 w.progress = bar

@@ -123,9 +123,14 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+def _convert(*argv: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), *argv, "--no-progress"]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
 def test_a_full_disk_is_one_error_line_and_leaves_nothing_partial(tmp_path, small_disk):
-    """The trainer's checkpoint and hf-to-mcore's output on a disk too small for them: one error
-    line naming the directory and the space needed, before anything is written."""
+    """The trainer's checkpoint, hf-to-mcore's and mcore-to-hf's outputs on a disk too small for
+    them: one error line naming the directory and the space needed, before anything is written."""
     from tests.helpers import make_hf_model
 
     replay = tmp_path / "batch.safetensors"
@@ -135,15 +140,17 @@ def test_a_full_disk_is_one_error_line_and_leaves_nothing_partial(tmp_path, smal
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[-1].startswith(f"error: no space for checkpoint {small_disk / 'ckpt' / 'step_00000001'}: it needs")
     assert "MiB free" in lines[-1]
-    left = list((small_disk / "ckpt").iterdir()) if (small_disk / "ckpt").exists() else []
-    assert left == [], f"a partial checkpoint was left: {left}"
 
     make_hf_model(tmp_path, "qwen2-gqa2")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-mcore", "--hf",
-         str(tmp_path / "qwen2-gqa2"), "--out", str(small_disk / "mcore"), "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert out.stderr.strip().splitlines()[-1].startswith(f"error: no space for checkpoint {small_disk / 'mcore'}")
-    assert not (small_disk / "mcore").exists()
+    hf, mcore = str(tmp_path / "qwen2-gqa2"), str(tmp_path / "mcore")
+    for argv, phrase in [
+        (("hf-to-mcore", "--hf", hf, "--out", str(small_disk / "mcore")), f"checkpoint {small_disk / 'mcore'}"),
+        (("mcore-to-hf", "--mcore", mcore, "--out", str(small_disk / "hf")), f"the HF model {small_disk / 'hf'}"),
+    ]:
+        if argv[0] == "mcore-to-hf":
+            assert _convert("hf-to-mcore", "--hf", hf, "--out", mcore).returncode == 0
+        out = _convert(*argv)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert out.stderr.strip().splitlines()[-1].startswith(f"error: no space for {phrase}: it needs")
+    left = [p for p in small_disk.rglob("*") if not p.is_dir()]
+    assert left == [], f"something partial was left: {left}"
