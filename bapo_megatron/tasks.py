@@ -33,6 +33,9 @@ class Task:
     """One (prompt, answer) pair from the generator."""
     max_answer_chars: int
     doc: str
+    max_new_tokens: int = 6
+    """rollout.sampling.max_new_tokens for the task (the demo's): room for the longest answer and,
+    where the task is about ending, for running past it."""
 
 
 def _addition(digits: int) -> Callable[[random.Random], tuple[str, str]]:
@@ -51,9 +54,27 @@ def _sort(length: int) -> Callable[[random.Random], tuple[str, str]]:
     return make
 
 
+def _repeat(longest_pattern: int, most_times: int) -> Callable[[random.Random], tuple[str, str]]:
+    def make(rng: random.Random) -> tuple[str, str]:
+        pattern = "".join(str(rng.randrange(10)) for _ in range(rng.randint(1, longest_pattern)))
+        times = rng.randint(1, most_times)
+        return f"{pattern},{times}=", pattern * times
+
+    return make
+
+
 TASKS = {
     "addition": Task("addition", _addition(3), 4, "3-digit addition, zero-padded: '123+045=' -> '0168'"),
     "sort": Task("sort", _sort(6), 6, "sort 6 digits: 's315024=' -> '012345'"),
+    "repeat": Task(
+        "repeat",
+        _repeat(3, 6),
+        18,
+        "a pattern of 1-3 digits, repeated 1-6 times: '37,3=' -> '373737'. Answers of 1 to 18 characters "
+        "that the model must end itself: a response that does not stop runs on to rollout.sampling."
+        "max_new_tokens and scores 0, so wrong responses run longer than right ones, as in reasoning",
+        max_new_tokens=24,
+    ),
 }
 
 

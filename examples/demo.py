@@ -66,10 +66,13 @@ def export(checkpoint: Path, template: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))
+    from bapo_megatron.tasks import TASKS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", default="demo", help="RUNS/NAME holds everything")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs", help="RUNS (default: runs/ in the checkout)")
-    parser.add_argument("--task", default="addition", choices=["addition", "sort"])
+    parser.add_argument("--task", default="addition", choices=sorted(TASKS))
     parser.add_argument("--sft-steps", type=int, default=None, help="at most (default: examples/demo/sft.yaml's)")
     parser.add_argument(
         "--sft-target",
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         f"checkpoint.dir={rl / 'ckpt'}",
         "checkpoint.resume=false",
         f"seed={args.seed}",
+        f"rollout.sampling.max_new_tokens={TASKS[args.task].max_new_tokens}",
     ]
     if args.rl_steps:
         rl_overrides.append(f"steps={args.rl_steps}")

@@ -19,6 +19,17 @@ def test_answers_are_right():
         prompt, answer = TASKS["sort"].make(rng)
         assert prompt[0] == "s" and answer == "".join(sorted(prompt[1:-1]))
         assert set(prompt + answer) <= set(SYMBOLS)
+        prompt, answer = TASKS["repeat"].make(rng)
+        pattern, times = prompt.rstrip("=").split(",")
+        assert 1 <= len(pattern) <= 3 and 1 <= int(times) <= 6 and answer == pattern * int(times)
+        assert set(prompt + answer) <= set(SYMBOLS) and len(answer) <= TASKS["repeat"].max_answer_chars
+
+
+def test_repeat_answers_vary_in_length():
+    """(What the BAPO study needs: right answers of lengths from 1 to 18, pattern length x times.)"""
+    rng = random.Random(1)
+    lengths = {len(TASKS["repeat"].make(rng)[1]) for _ in range(2000)}
+    assert lengths == {k * n for k in (1, 2, 3) for n in range(1, 7)}
 
 
 def test_heldout_prompts_are_never_trained_on():
