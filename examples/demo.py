@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint.resume=false",
         f"seed={args.seed}",
         f"rollout.sampling.max_new_tokens={TASKS[args.task].max_new_tokens}",
+        # rl.yaml cuts responses every 3 tokens with max_staleness 2: a longer task's responses need
+        # a budget that reaches their end within 3 versions
+        f"rollout.partial.token_budget={max(3, -(-TASKS[args.task].max_new_tokens // 3))}",
     ]
     if args.rl_steps:
         rl_overrides.append(f"steps={args.rl_steps}")
