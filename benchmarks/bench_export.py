@@ -83,7 +83,7 @@ def main() -> None:
     for label, times in rows:
         median = statistics.median(times)
         print(
-            f"{label:<18} {median:>8.4f} {f'{min(times):.4f}-{max(times):.4f}':>15} {gb / median:>8.1f} "
+            f"{label:<18} {median:>8.4f} {f'{min(times):.4f}-{max(times):.4f}':>15} {gb / median:>8.3g} "
             f"{base / median:>18.2f}x"
         )
         out.append({"operation": label, "seconds": median, "spread": [min(times), max(times)], "gb_s": gb / median})
