@@ -32,12 +32,10 @@ import torch.distributed as dist
 from bapo_megatron.common.batch import RolloutBatch, Sample
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig
+from bapo_megatron.driver import GIVEN_UP, REFIT  # rank 0's answers, broadcast as they are
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.fsutil import atomic_directory, remove
 from bapo_megatron.logger import truncate_after
-
-REFIT = "refit"  # (driver.REFIT: rank 0's next_batch while the rollout waits for an engine's weights)
-GIVEN_UP = "given up"  # (driver.GIVEN_UP: the job stops before the step's batch is complete)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
