@@ -65,6 +65,47 @@ def export(checkpoint: Path, template: Path, out: Path) -> None:
         raise SystemExit(f"demo: the export of {checkpoint} failed (exit {done.returncode})")
 
 
+def warm_start(task_name: str, run: Path, *, seed: int, heldout: int, target: float, steps: int | None) -> dict:
+    """Phases 1 and 2: the task under run/task and its supervised warm start under run/sft (reused
+    when it ended before), exported to run/sft/hf. Returns the task's paths ("task"), the warm
+    start's run directory ("sft"), its export ("hf"), its step count and each phase's seconds."""
+    import shutil
+
+    from bapo_megatron.tasks import write_task
+
+    seconds = {}
+    phase(f"1/6 the {task_name} task, its tokenizer and a tiny Qwen2 ({run / 'task'})")
+    t = time.monotonic()
+    task = write_task(task_name, run / "task", heldout=heldout, seed=seed)
+    seconds["task"] = time.monotonic() - t
+
+    phase(f"2/6 supervised warm start (algo.loss=sft) until it answers {target:.0%} of its batches")
+    t = time.monotonic()
+    sft = run / "sft"
+    overrides = [
+        f"model.hf_path={task['model']}",
+        f"data.path={task['train']}",
+        f"run_dir={sft}",
+        f"checkpoint.dir={sft / 'ckpt'}",
+        f"seed={seed}",
+    ]
+    if target > 0:
+        overrides.append(f"stop_when=sft/answer_acc>={target}")
+    if steps:
+        overrides.append(f"steps={steps}")
+    # sft/answer_acc is the greedy exact-match accuracy of each batch (teacher-forced argmax, before
+    # the batch's update): the warm start stops as it leaves the loss plateau, whose length varies
+    # with the seed, and RL starts with room to gain. A warm start that ended is not trained again
+    # (bapo-train resumes it and finds it ended).
+    bapo_train(CONFIGS / "sft.yaml", overrides)
+    done_steps = json.loads((sft / "status.json").read_text())["step"]
+    hf = sft / "hf"
+    shutil.rmtree(hf, ignore_errors=True)
+    export(sft / "ckpt", task["model"], hf)
+    seconds["sft"] = time.monotonic() - t
+    return {"task": task, "sft": sft, "hf": hf, "sft_steps": done_steps, "seconds": seconds}
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from bapo_megatron.tasks import TASKS
@@ -92,44 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     sys.path.insert(0, str(ROOT))
     from bapo_megatron.evaluate import evaluate_hf
-    from bapo_megatron.tasks import write_task
 
     run = args.runs.resolve() / args.name
     run.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     seconds: dict[str, float] = {}
 
-    phase(f"1/6 the {args.task} task, its tokenizer and a tiny Qwen2 ({run / 'task'})")
-    t = time.monotonic()
-    task = write_task(args.task, run / "task", heldout=max(args.eval_prompts, 200), seed=args.seed)
-    seconds["task"] = time.monotonic() - t
-
-    phase(f"2/6 supervised warm start (algo.loss=sft) until it answers {args.sft_target:.0%} of its batches")
-    t = time.monotonic()
-    sft = run / "sft"
-    sft_overrides = [
-        f"model.hf_path={task['model']}",
-        f"data.path={task['train']}",
-        f"run_dir={sft}",
-        f"checkpoint.dir={sft / 'ckpt'}",
-        f"seed={args.seed}",
-    ]
-    if args.sft_target > 0:
-        sft_overrides.append(f"stop_when=sft/answer_acc>={args.sft_target}")
-    if args.sft_steps:
-        sft_overrides.append(f"steps={args.sft_steps}")
-    # sft/answer_acc is the greedy exact-match accuracy of each batch (teacher-forced argmax, before
-    # the batch's update): the warm start stops as it leaves the loss plateau, whose length varies
-    # with the seed, and RL starts with room to gain. A warm start that ended is not trained again
-    # (bapo-train resumes it and finds it ended).
+    heldout = max(args.eval_prompts, 200)
+    warm = warm_start(args.task, run, seed=args.seed, heldout=heldout, target=args.sft_target, steps=args.sft_steps)
+    task, sft, hf_before = warm["task"], warm["sft"], warm["hf"]
+    seconds.update(warm["seconds"])
     import shutil
-
-    bapo_train(CONFIGS / "sft.yaml", sft_overrides)
-    done_steps = json.loads((sft / "status.json").read_text())["step"]
-    hf_before = sft / "hf"
-    shutil.rmtree(hf_before, ignore_errors=True)
-    export(sft / "ckpt", task["model"], hf_before)
-    seconds["sft"] = time.monotonic() - t
 
     phase("3/6 BAPO with the embedded engine and partial rollout")
     t = time.monotonic()
@@ -190,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         f"pass@{k}_before_rl": scores["before_rl"][f"pass@{k}"],
         f"pass@{k}_after_rl": scores["after_rl"][f"pass@{k}"],
         "heldout_prompts": scores["after_rl"]["prompts"],
-        "sft_steps": done_steps,
+        "sft_steps": warm["sft_steps"],
         "steps": max((r["step"] for r in rl_records), default=0),
         "optimizer_steps": max((r.get("train/step", 0) for r in rl_records), default=0),
         "wall_seconds": time.monotonic() - started,

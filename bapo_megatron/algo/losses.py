@@ -195,11 +195,19 @@ def _output(
         out.add_mean("rollout/logprob_mismatch", (w * diff).sum(), count)
     if cfg.tis_cap is not None:
         out.add_mean("policy/tis_weight_mean", (w * tokens.is_weight).sum(), count)
+    # The same two shares for every method (the paper's Fig. 4): advantage < 0 tokens among the
+    # counted ones that carry an advantage (groups whose rewards are all equal carry none), and the
+    # positive share of the loss at the bounds this step used, measured on the loss whatever
+    # bapo.contribution says. Grids filled on the device (a tensor from host data would be a
+    # blocking copy in every micro-batch).
+    out.add_mean("policy/negative_token_share", (w * (a < 0)).sum(), (w * (a != 0)).sum())
+    grid = (r.new_full((1,), c_low, dtype=torch.float64), r.new_full((1,), c_high, dtype=torch.float64))
+    p, n, _ = contribution_sums(r, a, w * tokens.is_weight, *grid, "loss", dual_clip)
+    out.add_mean("policy/positive_loss_share", p.sum(), (p + n).sum())
     if bounds is None:
         # Fixed bounds: report the positive share there, reduced as sum(P) / sum(P + N).
-        # filled on the device (a tensor from host data would be a blocking copy in every micro-batch)
-        grid = (r.new_full((1,), c_low, dtype=torch.float64), r.new_full((1,), c_high, dtype=torch.float64))
-        p, n, _ = contribution_sums(r, a, w * tokens.is_weight, *grid, cfg.bapo.contribution, dual_clip)
+        if cfg.bapo.contribution != "loss":
+            p, n, _ = contribution_sums(r, a, w * tokens.is_weight, *grid, cfg.bapo.contribution, dual_clip)
         for name in ("bapo/rho", "bapo/rho_start"):  # no search: the start is the end
             out.add_mean(name, p.sum(), (p + n).sum())
         bounds_metrics = {"bapo/clip_low": c_low, "bapo/clip_high": c_high, "bapo/search_steps": 0.0}

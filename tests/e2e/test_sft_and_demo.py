@@ -4,8 +4,8 @@
   is where an RL run at another layout (TP=2 under torchrun) starts: with a negligible learning
   rate the RL run's exported weights are the warm start's, and the engine it syncs agrees with it.
 - `examples/demo.py --quick`: task, SFT, BAPO, export, transformers evaluation, plots and
-  summary.json, as `make demo` runs them (fewer steps and prompts); then the clipping study
-  (`examples/compare_clipping/run.py`) from that warm start, two methods, one seed.
+  summary.json, as `make demo` runs them (fewer steps and prompts).
+- the clipping study (`examples/compare_clipping/run.py`) at toy size.
 """
 
 import json
@@ -192,13 +192,47 @@ def test_quick_demo_runs_end_to_end(tmp_path):
         assert (run / "rl" / name).stat().st_size > 0, name
     assert "held-out greedy accuracy" in done.stdout
 
-    # the clipping study starts from this warm start: two methods, one seed, a few steps
-    study = [sys.executable, str(ROOT / "examples" / "compare_clipping" / "run.py"), "--runs", str(tmp_path)]
-    study += ["--methods", "bapo-loss", "ppo", "--seeds", "0", "--steps", "2", "--eval-prompts", "10"]
-    done = subprocess.run(study, capture_output=True, text=True, cwd=ROOT, timeout=1200)
+
+def test_clipping_study_smoke(tmp_path):
+    """examples/compare_clipping/run.py at toy size: its own warm start of the repeat task, two
+    methods at two staleness settings (experience reuse and asynchronous), one seed; results.json,
+    summary.md and the figures; a rerun of a subset adds its records and keeps the others; a rerun
+    with another budget is refused before it trains."""
+    out = tmp_path / "study"
+    study = [sys.executable, str(ROOT / "examples" / "compare_clipping" / "run.py"), "--out", str(out), "--quiet"]
+    study += ["--warm-steps", "8", "--steps", "2", "--prompts", "8", "--samples", "4", "--eval-prompts", "10"]
+    done = subprocess.run(
+        [*study, "--methods", "ppo", "bapo", "--staleness", "2", "async4", "--seeds", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    table = (tmp_path / "compare_clipping" / "results.md").read_text()
-    assert "| bapo-loss |" in table and "| ppo |" in table
-    results = json.loads((tmp_path / "compare_clipping" / "results.json").read_text())
-    assert [r["seed"] for r in results["ppo"]] == [0] and results["ppo"][0]["top_bounds"] == "[0.8, 1.2]"
-    assert (tmp_path / "compare_clipping" / "plots.png").stat().st_size > 10_000
+    results = json.loads((out / "results.json").read_text())
+    assert results["task"] == "repeat" and results["budget"]["steps"] == 2
+    runs = {(r["method"], r["staleness"]): r for r in results["runs"]}
+    assert set(runs) == {("ppo", "2"), ("bapo", "2"), ("ppo", "async4"), ("bapo", "async4")}
+    for record in runs.values():
+        assert record["seed"] == 0 and 0 <= record["greedy_acc"] <= 1 and 0 <= record["pass@4"] <= 1
+        assert [s["step"] for s in record["steps"]] == [1, 2]
+        for step in record["steps"]:
+            assert 0 <= step["positive_loss_share"] <= 1 and 0 <= step["negative_token_share"] <= 1
+            assert step["entropy"] > 0 and step["reward"] is not None
+    assert {s["clip_low"] for s in runs[("ppo", "2")]["steps"]} == {0.8}
+    assert max(s["token_staleness_max"] for s in runs[("ppo", "async4")]["steps"]) <= 4
+    table = (out / "summary.md").read_text()
+    assert "| 2 | ppo | 1 |" in table and "| async4 | bapo | 1 |" in table
+    for name in ("fig2_reward_entropy", "fig4_positive_share", "fig9_bapo_bounds"):
+        assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
+
+    subset = [*study, "--methods", "clip_higher", "--staleness", "2", "--seeds", "0"]
+    done = subprocess.run(subset, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    again = json.loads((out / "results.json").read_text())["runs"]
+    assert len(again) == 5 and [r for r in again if r["method"] != "clip_higher"] == results["runs"]
+
+    study[study.index("--steps") + 1] = "3"
+    done = subprocess.run([*study, "--methods", "ppo", "--staleness", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and "holds runs of budget" in done.stderr
+    assert not (out / "runs" / "ppo-1-s0").exists()  # refused before it trained

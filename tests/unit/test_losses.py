@@ -190,6 +190,28 @@ def test_metrics_have_the_spec_names_and_values():
     assert m["bapo/rho"] == pytest.approx((pos / (pos + neg)).item())
 
 
+@pytest.mark.parametrize("name", ["ppo", "clip_higher", "bapo", "bapo-gradient"])
+def test_negative_token_and_positive_loss_shares_are_measured_alike_for_every_method(name):
+    """The study compares methods on these two: counted tokens with A < 0, and P / (P + N) on the
+    loss at the bounds the step used, whichever contribution measure BAPO searches with."""
+    batch = _batch(4)  # advantages of both signs
+    loss = "bapo" if name.startswith("bapo") else name
+    cfg = PolicyLossConfig(loss=loss, bapo=BAPOConfig(contribution="gradient" if "gradient" in name else "loss"))
+    m = reduce_metrics([policy_loss(batch, cfg)])
+    counted = batch.mask != 0
+    ratio = (batch.logprobs.detach() - batch.old_logprobs).exp()[counted]
+    adv = batch.advantages[counted]
+    c_low, c_high = m["bapo/clip_low"], m["bapo/clip_high"]
+    pos = torch.where(adv > 0, adv * ratio.clamp(max=c_high), 0).sum()
+    neg = torch.where(adv < 0, -adv * ratio.clamp(min=c_low), 0).sum()
+    assert m["policy/positive_loss_share"] == pytest.approx((pos / (pos + neg)).item())
+    assert m["policy/negative_token_share"] == pytest.approx(((adv < 0).sum() / (adv != 0).sum()).item())
+    assert (adv == 0).any()  # tokens without an advantage are left out of the token share
+    assert 0 < m["policy/positive_loss_share"] < 1 and 0 < m["policy/negative_token_share"] < 1
+    if name == "bapo-gradient":  # its own rho measures only the tokens the bounds let through
+        assert m["bapo/rho"] != pytest.approx(m["policy/positive_loss_share"])
+
+
 def test_metrics_reduce_as_a_global_mean_over_microbatches():
     """Splitting a batch in micro-batches changes no metric and no summed loss."""
     batch = _batch(1)

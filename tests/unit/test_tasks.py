@@ -76,3 +76,43 @@ def test_task_directory_loads(tmp_path):
     assert tok.decode(tok.encode(records[0]["prompt"], add_special_tokens=False)) == records[0]["prompt"]
     with pytest.raises(ValueError, match="data.task='nope'"):
         write_task("nope", tmp_path)
+
+
+def _loss_shares(responses: list[tuple[str, bool]], answer: str, max_new_tokens: int) -> dict[str, float]:
+    """A group's responses (text, ended with <eos>) scored by the demo's reward, given group
+    advantages, and measured by the policy loss at ratio 1: the shares the study compares."""
+    import torch
+
+    from bapo_megatron.algo.advantages import AdvantageConfig, group_advantages, token_advantages
+    from bapo_megatron.algo.losses import PolicyBatch, PolicyLossConfig, policy_loss
+    from bapo_megatron.algo.metrics import reduce_metrics
+    from bapo_megatron.rollout.rewards import load_reward
+
+    reward = load_reward("exact")
+    rewards = torch.tensor([[reward(text[:max_new_tokens], [], {"answer": answer}) for text, _ in responses]])
+    adv, _ = group_advantages(rewards, AdvantageConfig())
+    lengths = [min(len(text) + ended, max_new_tokens) for text, ended in responses]
+    mask = torch.tensor([[float(t < n) for t in range(max_new_tokens)] for n in lengths], dtype=torch.float64)
+    old = torch.full_like(mask, -1.0)
+    batch = PolicyBatch(logprobs=old.clone(), old_logprobs=old, advantages=token_advantages(adv[0], mask), mask=mask)
+    return reduce_metrics([policy_loss(batch, PolicyLossConfig(loss="ppo"))])
+
+
+def test_repeat_wrong_answers_run_longer_and_carry_more_of_the_loss():
+    """The mechanism the BAPO study needs: on `repeat` a response is wrong by running past its
+    answer (up to max_new_tokens, scoring 0) as well as by stopping short, so wrong responses can
+    be longer than right ones and, under the token-mean loss, negative tokens carry more than half
+    of it. On `addition` every response is 4 digits and <eos>: the share is 0.5 by construction."""
+    task = TASKS["repeat"]
+    assert task.max_new_tokens > task.max_answer_chars + 1  # room to run on past the longest answer
+    answer = "37" * 3
+    runaway = "37" * 12  # never ends: cut at max_new_tokens
+    group = [(answer, True), (answer, True), (answer + "37", True), (runaway, False)]
+    shares = _loss_shares(group, answer, task.max_new_tokens)
+    assert shares["policy/positive_loss_share"] < 0.5 < shares["policy/negative_token_share"]
+    right, wrong = 2 * (len(answer) + 1), len(answer) + 3 + task.max_new_tokens
+    assert shares["policy/positive_loss_share"] == pytest.approx(right / (right + wrong))  # |A| equal: 2 of 4 right
+
+    addition = [("0168", True), ("0168", True), ("0167", True), ("1168", True)]
+    shares = _loss_shares(addition, "0168", TASKS["addition"].max_new_tokens)
+    assert shares["policy/positive_loss_share"] == pytest.approx(0.5)
