@@ -92,7 +92,7 @@ class Engines:
                     base_gpus=self.base_gpus,
                 )
             for server in self.servers:
-                server.wait_ready(e.startup_timeout_s)
+                server.wait_ready(e.startup_timeout_s, key=self.key)
             self.clients = [
                 EngineClient(s.url, admin_key=self.key, timeout_s=e.request_timeout_s) for s in self.servers
             ]

@@ -76,6 +76,22 @@ def answers(url: str, path: str = "/health", timeout_s: float = 2.0) -> bool:
         return False
 
 
+def refuses_key(url: str, key: str, timeout_s: float = 2.0) -> bool:
+    """Whether the server at `url` refuses `key` on a control endpoint (401/403): another job's
+    server holds the port. A GET of a POST-only control endpoint: authentication comes first
+    (SGLang's middleware, the embedded server's), so the owner answers 405 and nothing runs."""
+    request = urllib.request.Request(
+        url.rstrip("/") + "/update_weight_version", headers={"Authorization": f"Bearer {key}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return False
+    except urllib.error.HTTPError as err:
+        return err.code in (401, 403)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -106,21 +122,28 @@ class ServerProcess:
         except OSError:
             return "(no log)"
 
-    def wait_ready(self, timeout_s: float = 300.0, path: str = "/health") -> ServerProcess:
-        """Poll until the server answers 200, the process exits, or the timeout passes (clear error)."""
+    def wait_ready(self, timeout_s: float = 300.0, path: str = "/health", key: str | None = None) -> ServerProcess:
+        """Poll until the server answers 200, the process exits, or the timeout passes (clear error).
+
+        key: the admin key this server was started with. A server that answers but refuses it is
+        another job's, on a port taken after this job checked it: never taken for this one."""
         deadline = time.monotonic() + timeout_s
+        foreign = ""
         while True:
             if self.process is not None and self.process.poll() is not None:
                 raise EngineStartError(
                     f"engine server exited with code {self.process.returncode} before it was "
-                    f"ready ({' '.join(self.command[:4])} ...); log tail:\n{self.log_tail()}"
+                    f"ready ({' '.join(self.command[:4])} ...){foreign}; log tail:\n{self.log_tail()}"
                 )
             if answers(self.url, path):
-                return self
+                if key is None or not refuses_key(self.url, key):
+                    return self
+                foreign = f"; another server answers on {self.url} and refuses this job's key: the port is taken"
             if time.monotonic() > deadline:
                 self.stop()
                 raise EngineStartError(
-                    f"engine server at {self.url} not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}"
+                    f"engine server at {self.url} not ready after {timeout_s:.0f} s{foreign}; "
+                    f"log tail:\n{self.log_tail()}"
                 )
             time.sleep(0.2)
 

@@ -213,7 +213,7 @@ def start_sglang(
         for s in servers:
             s.start()
         for s in servers:
-            s.wait_ready(timeout_s, path="/health_generate")
+            s.wait_ready(timeout_s, path="/health_generate", key=key)
     except BaseException:
         for s in servers:
             s.stop()

@@ -129,6 +129,7 @@ def train(args, warm: dict, seed: int, staleness: str, method: str) -> Path:
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.samples_per_prompt={args.samples}",
         f"rollout.sampling.max_new_tokens={TASKS[args.task].max_new_tokens}",
+        f"rollout.engines.port={free_port()}",  # beside other jobs on this machine
         *STALENESS[staleness],
         *METHODS[method],
     ]
@@ -207,6 +208,7 @@ def run_study(args, results_path: Path) -> None:
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(HERE))
+from bapo_megatron.rollout.launcher import free_port  # noqa: E402
 from bapo_megatron.tasks import TASKS  # noqa: E402
 
 if __name__ == "__main__":

@@ -110,3 +110,23 @@ def test_start_sglang_stops_every_server_when_one_fails(tmp_path, monkeypatch):
         sglang_launcher.start_sglang(_sglang_cfg(), "/models/qwen", tmp_path, timeout_s=30)
     assert "CUDA error: out of memory" in str(err.value)
     assert good.process.poll() is not None  # the healthy server was stopped too
+
+
+def test_another_jobs_server_on_the_port_is_never_taken_for_this_ones(tmp_path):
+    """A port checked free, then taken by another job before this job's engine binds it: the other
+    server answers /health but refuses this job's key, so waiting goes on until this job's engine
+    exits (address in use) and the error says what happened, instead of a 401 at the first update."""
+    from bapo_megatron.tasks import write_task
+
+    model = write_task("addition", tmp_path / "task", train=10, heldout=5)["model"]
+    theirs = embedded_server(model, tmp_path / "theirs.log", admin_key="their-key").start().wait_ready(120)
+    try:
+        port = int(theirs.url.rsplit(":", 1)[1])
+        ours = embedded_server(model, tmp_path / "ours.log", port=port, admin_key="our-key").start()
+        with pytest.raises(EngineStartError, match="refuses this job's key: the port is taken") as err:
+            ours.wait_ready(120, key="our-key")
+        assert "exited with code" in str(err.value) and ours.process.poll() is not None
+        assert theirs.wait_ready(5, key="their-key") is theirs  # its owner's key is taken
+        assert theirs.process.poll() is None
+    finally:
+        theirs.stop()
