@@ -39,7 +39,7 @@ from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.rollout.buffer import GroupState, RolloutBuffer
 from bapo_megatron.rollout.client import EngineUnavailable
 from bapo_megatron.rollout.core import RolloutCore
-from bapo_megatron.rollout.data import PromptSource, check_prompts, load_tokenizer
+from bapo_megatron.rollout.data import PromptLimits, PromptSource, load_tokenizer
 from bapo_megatron.rollout.engines import Engines
 from bapo_megatron.rollout.evaluation import HeldOut
 from bapo_megatron.rollout.launcher import free_port
@@ -91,8 +91,8 @@ class RolloutDriver:
         self.prompts = self._prompts("data.path", data)
         held_out = []
         if cfg.eval.path is not None:
-            held_out = self._prompts("eval.path", dataclasses.replace(data, path=cfg.eval.path, shuffle=False)).items
-            held_out = held_out[: cfg.eval.max_prompts]
+            held_out = self._prompts("eval.path", dataclasses.replace(data, path=cfg.eval.path, shuffle=False))
+            held_out = held_out.first(cfg.eval.max_prompts)
         self.buffer = RolloutBuffer(
             ro.samples_per_prompt, ro.sampling.max_new_tokens, ro.token_budget, ro.max_staleness, ro.mask_stale_prefix
         )
@@ -120,20 +120,23 @@ class RolloutDriver:
         self._released = False  # colocated engines' memory given back (after a batch, before a sync)
 
     def _prompts(self, field: str, data) -> PromptSource:
-        try:
-            source = PromptSource(data, self._tokenize if self.tokenizer is not None else None)
-        except ValueError as err:
-            raise ConfigError(field, data.path, str(err)) from None
+        """data.path's prompts (or eval.path's): the first data.check_records checked now, each
+        with room for max_new_tokens in the model's context (and, training, in one micro-batch)."""
+        new, context = self.cfg.rollout.sampling.max_new_tokens, self.spec.max_position_embeddings
+        limit = context - new
+        reason = f"+ rollout.sampling.max_new_tokens ({new}) exceed the model's context of {context} tokens"
         microbatch = self.cfg.parallel.max_tokens_per_microbatch if field == "data.path" else None
-        check_prompts(field, data.path, source.items, self.spec, self.cfg.rollout.sampling.max_new_tokens, microbatch)
-        return source
-
-    def _tokenize(self, text: str) -> list[int]:
-        if self.cfg.data.chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )  # the template writes any special tokens itself: encoded as they are
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        if microbatch is not None and microbatch - new < limit:
+            limit = microbatch - new
+            reason = (
+                f"+ rollout.sampling.max_new_tokens ({new}) exceed parallel.max_tokens_per_microbatch={microbatch}: "
+                "a sample must fit one micro-batch (data.max_prompt_tokens drops longer prompts)"
+            )
+        limits = PromptLimits(vocab_size=self.spec.vocab_size, max_tokens=limit, reason=reason)
+        try:
+            return PromptSource(data, tokenizer=self.tokenizer, limits=limits, field=field)
+        except ValueError as err:
+            raise BadInputError(str(err)) from None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -230,7 +233,10 @@ class RolloutDriver:
         if ro.engines.colocate:
             self.loop.run(self.strategy.pool.each(lambda client: client.release_memory()))
             self._released = True
-        return batch, {**stats, **checked, **batch_figures(groups, version, ro.sampling.max_new_tokens, self.buffer)}
+        figures = {**stats, **checked, **batch_figures(groups, version, ro.sampling.max_new_tokens, self.buffer)}
+        if self.cfg.data.max_prompt_tokens is not None:
+            figures["data/prompts_dropped"] = float(self.prompts.dropped)  # so far, this run and before
+        return batch, figures
 
     def publish(self, buckets: Iterable, version: int) -> dict[str, float]:
         """Every bucket to every engine as weight version `version` (the engines paused as the mode
@@ -321,7 +327,7 @@ class RolloutDriver:
         """A fixed response (the first prompt, sampled with a fixed seed) with the log-probs of
         engine `engine` (default: a live one). None: no such engine answered (one that did not is
         marked dead: it is restarted, and probed again after its refit)."""
-        ids, _ = self.prompts.items[0]
+        ((ids, _),) = self.prompts.first(1)
         sampling = SamplingParams(
             max_new_tokens=min(PROBE_TOKENS, self.cfg.rollout.sampling.max_new_tokens),
             temperature=self.cfg.rollout.sampling.temperature,

@@ -127,14 +127,15 @@ class ReplaySource(BatchSource):
 
 class SFTSource(BatchSource):
     """Supervised batches for `algo.loss: sft`: data.path's records in the PromptSource order, each
-    a sample whose response is its answer followed by the tokenizer's end token. Every record is
-    tokenized and checked against the model's context when the source is made. The cursor is
-    checkpointed. A step takes prompts_per_step x samples_per_prompt records."""
+    a sample whose response is its answer followed by the tokenizer's end token. The first
+    data.check_records records are tokenized and checked against the model's context when the source
+    is made, the others when drawn. The cursor is checkpointed. A step takes prompts_per_step x
+    samples_per_prompt records."""
 
     name = "sft"
 
     def __init__(self, cfg: JobConfig, spec: ModelSpec) -> None:
-        from bapo_megatron.rollout.data import PromptSource, load_tokenizer
+        from bapo_megatron.rollout.data import Overlong, PromptSource, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.hf_path)
         if tokenizer is None or tokenizer.eos_token_id is None:
@@ -142,25 +143,15 @@ class SFTSource(BatchSource):
                 "model.hf_path", cfg.model.hf_path, "algo.loss=sft needs a tokenizer with an end token there"
             )
 
-        def tokenize(text: str) -> list[int]:
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-
+        self.tokenizer, self.path, self.answer_field = tokenizer, cfg.data.path, cfg.data.answer_field
+        self.positions = spec.max_position_embeddings
         try:
-            self.prompts = PromptSource(cfg.data, tokenize)
+            self.prompts = PromptSource(cfg.data, tokenizer=tokenizer)
+            for i in range(self.prompts.checked_ahead):  # what the first steps train on, checked now
+                with contextlib.suppress(Overlong):
+                    self._answer(*self.prompts.item(i))
         except ValueError as err:
             raise BadInputError(str(err)) from None
-        self.answers: dict[int, list[int]] = {}
-        for ids, meta in self.prompts.items:
-            where = f"{cfg.data.path} record {meta['index'] + 1}"
-            if "answer" not in meta:
-                raise BadInputError(f"{where}: no field {cfg.data.answer_field!r} (data.answer_field) to train on")
-            answer = [*tokenize(str(meta["answer"])), tokenizer.eos_token_id]
-            if len(ids) + len(answer) > spec.max_position_embeddings:
-                raise BadInputError(
-                    f"{where}: prompt and answer take {len(ids) + len(answer)} tokens, more than the model's "
-                    f"{spec.max_position_embeddings} positions"
-                )
-            self.answers[meta["index"]] = answer
         self.per_group = cfg.rollout.samples_per_prompt
         self.size = cfg.rollout.prompts_per_step * self.per_group
 
@@ -168,7 +159,7 @@ class SFTSource(BatchSource):
         samples = []
         for i in range(self.size):
             _, ids, meta = self.prompts.next()
-            answer = self.answers[meta["index"]]
+            answer = self._answer(ids, meta)
             samples.append(
                 Sample(
                     prompt_ids=ids,
@@ -180,6 +171,20 @@ class SFTSource(BatchSource):
                 )
             )
         return RolloutBatch(samples=samples), {}
+
+    def _answer(self, ids: list[int], meta: dict) -> list[int]:
+        """The record's answer tokens and the end token; BadInputError naming a record without one
+        or one that does not fit the model's positions."""
+        where = f"{self.path} record {meta['index'] + 1}"
+        if "answer" not in meta:
+            raise BadInputError(f"{where}: no field {self.answer_field!r} (data.answer_field) to train on")
+        answer = [*self.tokenizer.encode(str(meta["answer"]), add_special_tokens=False), self.tokenizer.eos_token_id]
+        if len(ids) + len(answer) > self.positions:
+            raise BadInputError(
+                f"{where}: prompt and answer take {len(ids) + len(answer)} tokens, more than the model's "
+                f"{self.positions} positions"
+            )
+        return answer
 
     def state_dict(self) -> dict:
         return self.prompts.state_dict()

@@ -110,3 +110,44 @@ def raises(text, ids, record):
 """
 """Reward functions as users write them by mistake (data.reward="FILE:name"): they hang, leak,
 exit, die, or return what is not a reward."""
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def word_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
+    """A transformers tokenizer over whitespace-separated words (w0..w63 and the template's role
+    markers), with `chat_template`: what a model directory's tokenizer gives PromptSource."""
+    import tokenizers
+    import transformers
+
+    vocab = {f"w{i}": i for i in range(64)} | {
+        m: 64 + i for i, m in enumerate(["<system>", "<user>", "<assistant>", "</s>"])
+    }
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, unk_token="w0")
+
+
+def verl_parquet(path: Path, prompts: list, answers: list[str], sources: list[str] | None = None) -> Path:
+    """A parquet file in verl's layout: data_source, prompt (chat messages), ability,
+    reward_model {ground_truth, style}, extra_info {index, split}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = len(prompts)
+    table = pa.table(
+        {
+            "data_source": sources or ["math_dapo"] * n,
+            "prompt": [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts],
+            "ability": ["MATH"] * n,
+            "reward_model": [{"ground_truth": a, "style": "rule-lax"} for a in answers],
+            "extra_info": [{"index": i, "split": "train"} for i in range(n)],
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path

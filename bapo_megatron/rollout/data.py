@@ -1,25 +1,34 @@
-"""Prompts from jsonl or parquet, with a field map and a checkpointed cursor.
+"""Prompts from the records of a data set (rollout/records.py), with a field map and a
+checkpointed cursor.
 
-Each record gives a prompt (text, tokenized with the model's tokenizer, or a list of token
-ids) and the fields a reward needs (the answer). Records are read and checked once, up
-front: a missing field or an empty prompt is an error naming the file and line before any
-generation starts. Order: shuffled per epoch with (seed, epoch), so a run resumed from its
-cursor (epoch, position) sees exactly the prompts the uninterrupted run would have.
+A record's prompt (data.prompt_field, a dotted path) is text, a list of token ids, or a list
+of chat messages ({"role", "content"}); text and messages are rendered with the model
+directory's tokenizer (messages, and text under data.chat_template, through its chat template,
+with data.system_prompt as the first turn when given) and tokenized when the record is drawn.
+The whole record goes to the reward, with the answer (data.answer_field) as record["answer"].
+
+The first data.check_records records (in file order) are read, rendered and checked before
+anything else starts, so a field map, a template or a layout that cannot work is one error
+naming the record; the rest are checked as they are drawn. A prompt longer than
+data.max_prompt_tokens is dropped (counted) or refused (data.overlong_prompts); one that cannot
+fit the model's context or a micro-batch with rollout.sampling.max_new_tokens is refused.
+Order: shuffled per epoch with (seed, epoch), so a run resumed from its cursor (epoch,
+position) sees exactly the prompts the uninterrupted run would have.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import DataConfig
 from bapo_megatron.errors import BadInputError
-from bapo_megatron.fsutil import read_jsonl
+from bapo_megatron.rollout.records import MissingField, get_field, has_field, open_records
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -48,108 +57,204 @@ def load_tokenizer(model_dir: str | Path | None):
     return None
 
 
-def check_prompts(
-    name: str,
-    path: str,
-    items: list[tuple[list[int], dict[str, Any]]],
-    spec: ModelSpec,
-    max_new_tokens: int,
-    microbatch_tokens: int | None = None,
-) -> None:
-    """Every prompt leaves room for max_new_tokens (in the model's context, and in one micro-batch
-    of the trainer's) and holds only the model's token ids (BadInputError)."""
-    too_long = [i for i, (ids, _) in enumerate(items) if len(ids) + max_new_tokens > spec.max_position_embeddings]
-    if too_long:
-        raise BadInputError(
-            f"{name}={path} record {too_long[0] + 1}: prompt + rollout.sampling.max_new_tokens exceed the "
-            f"model's context of {spec.max_position_embeddings} tokens"
+@dataclass(frozen=True)
+class PromptLimits:
+    """What every prompt must satisfy beyond data.max_prompt_tokens: ids in the vocabulary, and a
+    hard length (the model's context, a micro-batch, less the new tokens), with its reason."""
+
+    vocab_size: int | None = None
+    max_tokens: int | None = None
+    reason: str = ""
+
+
+class Overlong(ValueError):
+    """A prompt longer than data.max_prompt_tokens (dropped when data.overlong_prompts is drop)."""
+
+
+class Renderer:
+    """A record's prompt value -> token ids: text, token ids or chat messages."""
+
+    def __init__(self, config: DataConfig, tokenizer=None, tokenize: Callable[[str], list[int]] | None = None) -> None:
+        self.config, self.tokenizer, self.tokenize = config, tokenizer, tokenize
+        if tokenize is None and tokenizer is not None:
+            self.tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+    def __call__(self, prompt: Any) -> list[int]:
+        c = self.config
+        if isinstance(prompt, str):
+            if c.chat_template:
+                return self._chat([{"role": "user", "content": prompt}])
+            if c.system_prompt is not None:
+                raise ValueError("data.system_prompt applies to chat prompts: set data.chat_template=true")
+            return self._text(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self._chat(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if c.system_prompt is not None:
+                raise ValueError("data.system_prompt cannot be added to a prompt of token ids")
+            return list(prompt)
+        raise ValueError(
+            f"{c.prompt_field!r} must be text, a list of token ids or a list of chat messages "
+            f"({{'role': ..., 'content': ...}}); got {_kind(prompt)}"
         )
-    if microbatch_tokens is not None:
-        over = [i for i, (ids, _) in enumerate(items) if len(ids) + max_new_tokens > microbatch_tokens]
-        if over:
-            ids = items[over[0]][0]
-            raise BadInputError(
-                f"{name}={path} record {over[0] + 1}: its prompt ({len(ids)} tokens) + rollout.sampling."
-                f"max_new_tokens ({max_new_tokens}) exceed parallel.max_tokens_per_microbatch={microbatch_tokens}: "
-                f"a sample must fit one micro-batch ({len(over)} records are too long)"
+
+    def _text(self, text: str) -> list[int]:
+        if self.tokenize is None:
+            raise ValueError("the prompt is text and no tokenizer was given (model.hf_path has none)")
+        return self.tokenize(text)
+
+    def _chat(self, messages: list[dict]) -> list[int]:
+        for n, m in enumerate(messages, 1):
+            if set(m) - {"role", "content"} - {"name", "tool_calls", "tool_call_id"} or not isinstance(
+                m.get("role"), str
+            ):
+                raise ValueError(f"message {n} must be {{'role': str, 'content': str}}; got keys {sorted(m)}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"message {n} ({m['role']}) has no text content; got {_kind(m.get('content'))}")
+        if self.config.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.config.system_prompt}, *messages]
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "chat messages need the model directory's chat template (tokenizer_config.json's chat_template "
+                "or chat_template.jinja), and there is none"
             )
-    bad_ids = [i for i, (ids, _) in enumerate(items) if any(not 0 <= t < spec.vocab_size for t in ids)]
-    if bad_ids:
-        raise BadInputError(
-            f"{name}={path} record {bad_ids[0] + 1}: a token id outside the model's vocabulary [0, {spec.vocab_size})"
-        )
+        # the template writes any special tokens itself: encoded as they are
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._text(text)
 
 
-def read_records(path: str | Path, fmt: str) -> list[dict[str, Any]]:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"data.path={path}: no such file")
-    if fmt == "jsonl":
-        return read_jsonl(path)
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    raise ValueError(f"data.format={fmt!r}: expected jsonl or parquet")
+def _kind(value: Any) -> str:
+    if isinstance(value, list):
+        return f"a list of {type(value[0]).__name__}" if value else "an empty list"
+    return type(value).__name__
 
 
 class PromptSource:
-    """Prompts in a seeded per-epoch order; `state_dict` is the cursor."""
+    """Prompts in a seeded per-epoch order over the records; `state_dict` is the cursor."""
 
-    def __init__(self, config: DataConfig, tokenize: Callable[[str], list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        config: DataConfig,
+        tokenize: Callable[[str], list[int]] | None = None,
+        *,
+        tokenizer=None,
+        limits: PromptLimits = PromptLimits(),
+        field: str = "data.path",
+    ) -> None:
         if config.path is None:
             raise ValueError("data.path is not set")
-        self.config = config
-        self.items: list[tuple[list[int], dict[str, Any]]] = []
-        for n, record in enumerate(read_records(config.path, config.format), 1):
-            where = f"{config.path} record {n}"
-            if config.prompt_field not in record:
-                raise ValueError(f"{where}: no field {config.prompt_field!r} (data.prompt_field)")
-            prompt = record[config.prompt_field]
-            if isinstance(prompt, str):
-                if tokenize is None:
-                    raise ValueError(f"{where}: the prompt is text and no tokenizer was given")
-                ids = tokenize(prompt)
-            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                ids = list(prompt)
-            else:
-                raise ValueError(f"{where}: {config.prompt_field!r} must be text or a list of token ids")
-            if not ids:
-                raise ValueError(f"{where}: empty prompt")
-            meta = {k: v for k, v in record.items() if k != config.prompt_field}
-            if config.answer_field in record:
-                meta["answer"] = record[config.answer_field]
-            meta["index"] = n - 1
-            self.items.append((ids, meta))
-        if not self.items:
-            raise ValueError(f"data.path={config.path}: no records")
+        self.config, self.limits, self.field = config, limits, field
+        self.render = Renderer(config, tokenizer, tokenize)
+        self.records = open_records(config.path, config.format, config.cache_dir)
+        self.dropped = 0
+        """Prompts over data.max_prompt_tokens left out so far (drop mode), checked ahead included."""
+        ahead = min(len(self.records), config.check_records)
+        checked = 0
+        for i in range(ahead):
+            try:
+                self.item(i)
+                checked += 1
+            except Overlong:
+                self.dropped += 1
+        if not checked:
+            raise ValueError(
+                f"{field}={config.path}: every one of the first {ahead} prompts is longer than "
+                f"data.max_prompt_tokens={config.max_prompt_tokens}"
+            )
+        self.checked_ahead = ahead
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
 
-    def _permutation(self, epoch: int) -> list[int]:
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def item(self, index: int) -> tuple[list[int], dict[str, Any]]:
+        """Record `index` (file order) as (token ids, the record for the reward); ValueError naming
+        the record, Overlong past data.max_prompt_tokens in drop mode."""
+        c = self.config
+        where = f"{self.field}: {self.records.where(index)}"
+        try:
+            record = self.records.record(index)
+        except ValueError as err:
+            raise ValueError(f"{self.field}: {err}") from None
+        try:
+            prompt = get_field(record, c.prompt_field)
+        except MissingField as err:
+            raise ValueError(f"{where}: {err.args[0]} (data.prompt_field)") from None
+        try:
+            ids = self.render(prompt)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        if not ids:
+            raise ValueError(f"{where}: empty prompt")
+        lim = self.limits
+        if lim.vocab_size is not None and any(not 0 <= t < lim.vocab_size for t in ids):
+            raise ValueError(f"{where}: a token id outside the model's vocabulary [0, {lim.vocab_size})")
+        if c.max_prompt_tokens is not None and len(ids) > c.max_prompt_tokens:
+            if c.overlong_prompts == "drop":
+                raise Overlong(where)
+            raise ValueError(
+                f"{where}: its prompt has {len(ids)} tokens, more than data.max_prompt_tokens={c.max_prompt_tokens} "
+                "(data.overlong_prompts=drop leaves such prompts out)"
+            )
+        if lim.max_tokens is not None and len(ids) > lim.max_tokens:
+            raise ValueError(f"{where}: its prompt ({len(ids)} tokens) {lim.reason}")
+        meta = dict(record)
+        if c.prompt_field in meta:
+            del meta[c.prompt_field]
+        if has_field(record, c.answer_field):
+            meta["answer"] = get_field(record, c.answer_field)
+        meta["index"] = index
+        return ids, meta
+
+    def first(self, count: int | None = None) -> list[tuple[list[int], dict[str, Any]]]:
+        """The first `count` usable records in file order (all: None), overlong ones left out (an
+        evaluation set, the probe's prompt)."""
+        out = []
+        for i in range(len(self.records)):
+            if count is not None and len(out) == count:
+                break
+            try:
+                out.append(self.item(i))
+            except Overlong:
+                continue
+        return out
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
         if not self.config.shuffle:
-            return list(range(len(self.items)))
+            return torch.arange(len(self.records))
         g = torch.Generator().manual_seed(self.config.seed * 100_003 + epoch)
-        return torch.randperm(len(self.items), generator=g).tolist()
+        return torch.randperm(len(self.records), generator=g)
 
     def next(self) -> tuple[str, list[int], dict[str, Any]]:
-        """(a unique prompt uid, token ids, metadata); epochs roll over."""
-        if self.position == len(self._order):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._permutation(self.epoch)
-        index = self._order[self.position]
-        self.position += 1
-        ids, meta = self.items[index]
-        return f"e{self.epoch}-{index}", list(ids), dict(meta)
+        """(a unique prompt uid, token ids, metadata); epochs roll over. Prompts over
+        data.max_prompt_tokens are passed over (drop mode) and counted in `dropped`."""
+        for _ in range(len(self.records) + 1):
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            index = int(self._order[self.position])
+            self.position += 1
+            try:
+                ids, meta = self.item(index)
+            except Overlong:
+                if self.epoch == 0 and index >= self.checked_ahead:
+                    self.dropped += 1
+                continue
+            except ValueError as err:
+                raise BadInputError(str(err)) from None
+            return f"e{self.epoch}-{index}", ids, meta
+        raise BadInputError(f"{self.field}={self.config.path}: every prompt is over data.max_prompt_tokens")
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "records": len(self.items)}
+        return {"epoch": self.epoch, "position": self.position, "records": len(self.records), "dropped": self.dropped}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["records"] != len(self.items):
+        if state["records"] != len(self.records):
             raise ValueError(
                 f"data cursor saved over {state['records']} records, {self.config.path} has "
-                f"{len(self.items)}: not the same data"
+                f"{len(self.records)}: not the same data"
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.dropped = int(state.get("dropped", self.dropped))
         self._order = self._permutation(self.epoch)

@@ -1,11 +1,15 @@
-"""Prompt data: jsonl and parquet with a field map, clear errors, and a cursor that resumes exactly."""
+"""Prompt data as users bring it: jsonl, JSON and parquet files or shards, verl's layout (chat
+messages, nested answers), field maps with dotted paths, a system prompt, overlong prompts dropped
+or refused; one clear error naming the record for what cannot work; a cursor that resumes exactly."""
 
 import json
+import os
 
 import pytest
 
 from bapo_megatron.config import DataConfig
-from bapo_megatron.rollout.data import PromptSource
+from bapo_megatron.rollout.data import PromptLimits, PromptSource
+from tests.helpers import verl_parquet, word_tokenizer
 
 
 def _jsonl(path, records):
@@ -29,7 +33,8 @@ def test_parquet(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"prompt": [[1, 2], [3]], "answer": ["x", "y"]}), tmp_path / "d.parquet")
-    source = PromptSource(DataConfig(path=str(tmp_path / "d.parquet"), format="parquet", shuffle=False))
+    config = DataConfig(path=str(tmp_path / "d.parquet"), shuffle=False, cache_dir=str(tmp_path / "cache"))
+    source = PromptSource(config)  # the format from the suffix
     assert [source.next()[1] for _ in range(2)] == [[1, 2], [3]]
 
 
@@ -40,7 +45,7 @@ def test_bad_data_is_a_clear_error(tmp_path):
     bad.write_text('{"prompt": [1]}\n{oops\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: not JSON"):
         PromptSource(DataConfig(path=str(bad)))
-    with pytest.raises(ValueError, match="record 1: no field 'question'"):
+    with pytest.raises(ValueError, match=r"record 1 \(line 1\): no field 'question'"):
         PromptSource(DataConfig(path=str(_jsonl(tmp_path / "f.jsonl", [{"prompt": [1]}])), prompt_field="question"))
     with pytest.raises(ValueError, match="no tokenizer"):
         PromptSource(DataConfig(path=str(_jsonl(tmp_path / "t.jsonl", [{"prompt": "text"}]))))
@@ -64,3 +69,151 @@ def test_cursor_resumes_exactly(tmp_path):
     shorter = PromptSource(DataConfig(path=str(_jsonl(tmp_path / "s.jsonl", [{"prompt": [1]}]))))
     with pytest.raises(ValueError, match="not the same data"):
         shorter.load_state_dict(state)
+
+
+def _source(path, tokenizer=None, **fields):
+    return PromptSource(DataConfig(path=str(path), shuffle=False, cache_dir=str(path.parent / "cache"), **fields),
+                        tokenizer=tokenizer)  # fmt: skip
+
+
+def test_verl_parquet_trains_as_it_is(tmp_path):
+    """verl's layout: chat messages rendered through the chat template, the answer at a dotted
+    path, the whole record (nested fields, data_source) handed to the reward."""
+    path = verl_parquet(tmp_path / "train.parquet", ["w5 w6", "w7"], ["12", "34"])
+    source = _source(path, word_tokenizer(), answer_field="reward_model.ground_truth")
+    uid, ids, meta = source.next()
+    assert ids == [65, 5, 6, 67, 66]  # <user> w5 w6 </s> <assistant>
+    assert meta["answer"] == "12" and meta["data_source"] == "math_dapo"
+    assert meta["reward_model"] == {"ground_truth": "12", "style": "rule-lax"} and meta["extra_info"]["index"] == 0
+    assert "prompt" not in meta and uid == "e0-0"
+    system = _source(path, word_tokenizer(), system_prompt="w9", answer_field="reward_model.ground_truth")
+    assert system.next()[1] == [64, 9, 67, 65, 5, 6, 67, 66]  # <system> w9 </s> first
+    text = tmp_path / "t.jsonl"
+    text.write_text(json.dumps({"q": {"text": "w3"}}) + "\n")
+    assert _source(text, word_tokenizer(), prompt_field="q.text").next()[1] == [3]
+    assert _source(text, word_tokenizer(), prompt_field="q.text", chat_template=True).next()[1] == [65, 3, 67, 66]
+
+
+def test_format_from_suffix_shards_and_globs(tmp_path):
+    shards = tmp_path / "shards"
+    for k in range(3):
+        verl_parquet(shards / f"part-{k}.parquet", [f"w{k + 1}"], [str(k)])
+    (shards / "README.md").write_text("not data")
+    whole = _source(shards, word_tokenizer(), answer_field="reward_model.ground_truth")
+    assert len(whole) == 3 and [whole.next()[2]["answer"] for _ in range(3)] == ["0", "1", "2"]
+    two = _source(tmp_path / "shards" / "part-[12].parquet", word_tokenizer())
+    assert len(two) == 2 and two.records.where(1).endswith("part-2.parquet record 1")
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps([{"prompt": [1]}, {"prompt": [2, 3]}]))
+    assert _source(array).next()[1] == [1] and _source(array).first(2)[1][0] == [2, 3]
+    lines = tmp_path / "l.json"
+    lines.write_text('{"prompt": [4]}\n')
+    assert _source(lines).next()[1] == [4]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("absent-path", r"record 2 \(line 2\): no field 'reward.truth' \(reward has no 'truth'\)"),
+        ("not-messages", r"record 1: message 1 must be \{'role': str, 'content': str\}; got keys \['text'\]"),
+        ("no-content", r"record 1 \(line 1\): message 1 \(user\) has no text content; got a list of str"),
+        ("no-template", "chat messages need the model directory's chat template"),
+        ("bad-shard", r"bad.parquet: not a parquet file"),
+        ("no-suffix", r"data.txt has no known suffix \(.jsonl, .json, .parquet\): set data.format"),
+        ("mixed", r"shards of different formats \(jsonl, parquet\)"),
+        ("system-ids", "data.system_prompt cannot be added to a prompt of token ids"),
+        ("not-json", r"x.json: not JSON"),
+        ("empty-glob", "the pattern matches no file"),
+    ],
+)
+def test_what_cannot_work_is_one_error_naming_the_record(tmp_path, case, message):
+    tok = word_tokenizer()
+    path, fields = tmp_path / "d.jsonl", {}
+    if case == "absent-path":
+        path.write_text(
+            json.dumps({"prompt": [1], "reward": {"truth": [1]}}) + "\n" + json.dumps({"prompt": [1], "reward": {}})
+        )
+        with pytest.raises(ValueError, match=message):  # a nested answer absent is as absent a prompt
+            _source(path, tok, prompt_field="reward.truth")
+        return
+    if case == "not-messages":
+        path = verl_parquet(tmp_path / "d.parquet", [[{"text": "w1"}]], ["1"])
+    elif case == "no-content":
+        path.write_text(json.dumps({"prompt": [{"role": "user", "content": ["w1"]}]}) + "\n")
+    elif case == "no-template":
+        path = verl_parquet(tmp_path / "d.parquet", ["w1"], ["1"])
+        tok = word_tokenizer(chat_template=None)
+    elif case == "bad-shard":
+        verl_parquet(tmp_path / "shards" / "good.parquet", ["w1"], ["1"])
+        (tmp_path / "shards" / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
+        path = tmp_path / "shards"
+    elif case == "no-suffix":
+        path = tmp_path / "data.txt"
+        path.write_text("{}")
+    elif case == "mixed":
+        verl_parquet(tmp_path / "m" / "a.parquet", ["w1"], ["1"])
+        (tmp_path / "m" / "b.jsonl").write_text('{"prompt": [1]}\n')
+        path = tmp_path / "m"
+    elif case == "system-ids":
+        path.write_text('{"prompt": [1]}\n')
+        fields = {"system_prompt": "w1"}
+    elif case == "not-json":
+        path = tmp_path / "x.json"
+        path.write_text("[{oops")
+    elif case == "empty-glob":
+        path = tmp_path / "nothing-*.parquet"
+    with pytest.raises(ValueError, match=message):
+        _source(path, tok, **fields)
+    assert not list((tmp_path / "cache").glob("*.tmp")) if (tmp_path / "cache").exists() else True
+
+
+def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": list(range(1, n + 1))}) + "\n" for n in (2, 9, 3, 8, 1)))
+    config = DataConfig(path=str(path), shuffle=True, seed=1, max_prompt_tokens=4, check_records=2)
+    source = PromptSource(config)
+    assert source.dropped == 1  # of the two checked ahead
+    drawn = [source.next() for _ in range(6)]  # two epochs of the three that fit
+    assert sorted(len(ids) for _, ids, _ in drawn[:3]) == [1, 2, 3] and source.dropped == 2
+    resumed = PromptSource(config)
+    for _ in range(4):
+        resumed.next()
+    state = json.loads(json.dumps(resumed.state_dict()))
+    again = PromptSource(config)
+    again.load_state_dict(state)
+    assert [again.next() for _ in range(2)] == drawn[4:] and again.dropped == 2
+    refuse = DataConfig(path=str(path), shuffle=False, max_prompt_tokens=4, overlong_prompts="error")
+    with pytest.raises(ValueError, match=r"record 2 \(line 2\): its prompt has 9 tokens, more than data.max_prompt"):
+        PromptSource(refuse)
+    hard = PromptLimits(vocab_size=100, max_tokens=5, reason="+ 3 new tokens exceed the context")
+    with pytest.raises(ValueError, match=r"record 2 \(line 2\): its prompt \(9 tokens\) \+ 3 new tokens exceed"):
+        PromptSource(DataConfig(path=str(path), shuffle=False), limits=hard)
+    with pytest.raises(ValueError, match=r"record 2 \(line 2\): a token id outside the model's vocabulary \[0, 5\)"):
+        PromptSource(DataConfig(path=str(path), shuffle=False), limits=PromptLimits(vocab_size=5))
+
+
+def test_records_past_the_checked_ones_are_read_when_drawn(tmp_path):
+    """A large file is not read up front: a bad record past data.check_records is found when it is
+    drawn, as one error naming it."""
+    from bapo_megatron.errors import BadInputError
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": [1]}\n{"prompt": [2]}\n{"prompt": "oops"}\n')
+    source = PromptSource(DataConfig(path=str(path), shuffle=False, check_records=2))
+    assert [source.next()[1] for _ in range(2)] == [[1], [2]]
+    with pytest.raises(BadInputError, match=r"record 3 \(line 3\): the prompt is text and no tokenizer"):
+        source.next()
+
+
+def test_parquet_is_decoded_once_into_a_cache_it_reuses(tmp_path):
+    path = verl_parquet(tmp_path / "d.parquet", ["w1", "w2"], ["1", "2"])
+    _source(path, word_tokenizer())
+    (cache,) = (tmp_path / "cache").glob("d-*.arrow")
+    made = cache.stat().st_mtime_ns
+    _source(path, word_tokenizer())
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("d-*.arrow")] == [made]  # reused
+    verl_parquet(path, ["w3"], ["3"])  # the file changes: a cache of its own
+    os.utime(path, ns=(made + 10**9, made + 10**9))
+    changed = _source(path, word_tokenizer(), answer_field="reward_model.ground_truth")
+    assert len(changed) == 1 and changed.next()[2]["answer"] == "3"
+    assert len(list((tmp_path / "cache").glob("d-*.arrow"))) == 2

@@ -49,7 +49,7 @@ def _driver(tmp_path, model_dir, *overrides):
 
 def test_text_prompts_are_tokenised_with_the_models_tokenizer(tmp_path, model_dir):
     driver = _driver(tmp_path, model_dir)
-    assert driver.prompts.items[0][0] == [5, 6, 7]
+    assert driver.prompts.first(1)[0][0] == [5, 6, 7]
     assert driver._decode([9, 10]) == "t9 t10"
     assert not (tmp_path / "run").exists()  # nothing written before the run starts
 
@@ -58,8 +58,8 @@ def test_the_chat_template_wraps_text_prompts(tmp_path, model_dir):
     (model_dir / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "unk_token": "t0"})
     )
-    assert _driver(tmp_path, model_dir, "data.chat_template=true").prompts.items[0][0] == [1, 5, 6, 7, 2, 3]
-    assert _driver(tmp_path, model_dir).prompts.items[0][0] == [5, 6, 7]
+    assert _driver(tmp_path, model_dir, "data.chat_template=true").prompts.first(1)[0][0] == [1, 5, 6, 7, 2, 3]
+    assert _driver(tmp_path, model_dir).prompts.first(1)[0][0] == [5, 6, 7]
 
 
 def test_reward_functions_by_module_or_file(tmp_path, monkeypatch):

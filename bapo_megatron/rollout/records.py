@@ -1,0 +1,281 @@
+"""Records of a data set, read where they lie: jsonl, JSON and parquet files, or shards of them.
+
+`open_records(path, fmt, cache_dir)` takes a file, a directory (its files of the format, in name
+order) or a glob pattern, and returns `Records`: len() and record(i) for any i, without reading
+the whole set into Python objects.
+- jsonl: the file is memory-mapped and its line starts indexed once (numpy, 8 bytes a record);
+  record(i) parses line i when it is drawn.
+- parquet: decoded once into an uncompressed Arrow IPC file under cache_dir (streamed a row group
+  at a time, named by the file's path, size and modification time, so a second start reuses it),
+  then memory-mapped: record(i) reads one row. Parquet cannot be read at a row without decoding
+  its page, and a shuffled order touches every page; the Arrow file can.
+- json: a JSON array (or a jsonl file named .json), read whole: small files.
+
+The format comes from the suffix when `fmt` is "auto". Field paths are dotted
+(`reward_model.ground_truth`). Errors name the file and the record (line for jsonl).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bapo_megatron.fsutil import publish, remove, temporary_sibling
+
+SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+FORMATS = ("auto", *dict.fromkeys(SUFFIXES.values()))
+SCAN_BYTES = 64 << 20
+"""Bytes of a jsonl file scanned for line ends at a time."""
+
+
+class MissingField(KeyError):
+    """A dotted field path that a record does not have."""
+
+
+def get_field(record: dict[str, Any], path: str) -> Any:
+    """The value at dotted `path` ("reward_model.ground_truth"); a key holding the whole dotted
+    name is taken first. MissingField naming the first part that is absent."""
+    if path in record:
+        return record[path]
+    value: Any = record
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(value, dict) or part not in value:
+            if len(parts) == 1:
+                raise MissingField(f"no field {path!r}")
+            where = ".".join(parts[:i]) or "the record"
+            raise MissingField(f"no field {path!r} ({where} has no {part!r})")
+        value = value[part]
+    return value
+
+
+def has_field(record: dict[str, Any], path: str) -> bool:
+    try:
+        get_field(record, path)
+    except MissingField:
+        return False
+    return True
+
+
+def data_files(path: str, fmt: str) -> list[tuple[Path, str]]:
+    """(file, format) of every file `path` names: itself, a directory's files of the format (or
+    of any one known suffix, when fmt is auto), or a glob pattern's matches; ValueError naming
+    what is wrong."""
+    if any(c in path for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(path) if Path(p).is_file())
+        if not files:
+            raise ValueError(f"data.path={path}: the pattern matches no file")
+    elif Path(path).is_dir():
+        files = sorted(p for p in Path(path).iterdir() if p.is_file() and p.suffix in SUFFIXES)
+        if fmt != "auto":
+            files = [p for p in files if SUFFIXES[p.suffix] == fmt or (fmt == "json" and p.suffix == ".jsonl")]
+        if not files:
+            raise ValueError(f"data.path={path}: a directory with no {fmt if fmt != 'auto' else ''} data files")
+    elif Path(path).is_file():
+        files = [Path(path)]
+    else:
+        raise ValueError(f"data.path={path}: no such file")
+    out = []
+    for file in files:
+        kind = fmt if fmt != "auto" else SUFFIXES.get(file.suffix)
+        if kind is None:
+            raise ValueError(
+                f"data.path: {file} has no known suffix ({', '.join(SUFFIXES)}): set data.format to one of "
+                f"{', '.join(FORMATS[1:])}"
+            )
+        out.append((file, kind))
+    kinds = {k for _, k in out}
+    if len(kinds) > 1:
+        raise ValueError(f"data.path={path}: shards of different formats ({', '.join(sorted(kinds))})")
+    return out
+
+
+class Shard:
+    """One file's records."""
+
+    path: Path
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def record(self, i: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def where(self, i: int) -> str:
+        return f"{self.path} record {i + 1}"
+
+
+class JsonlShard(Shard):
+    """A memory-mapped jsonl file and the start and end of each non-blank line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        size = path.stat().st_size
+        self._file = open(path, "rb")  # noqa: SIM115 (held by the map)
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        starts, ends = [np.zeros(1, np.int64)], []
+        view = np.frombuffer(self._map, dtype=np.uint8) if size else np.zeros(0, np.uint8)
+        for lo in range(0, size, SCAN_BYTES):
+            newlines = np.flatnonzero(view[lo : lo + SCAN_BYTES] == 10) + lo
+            ends.append(newlines)
+            starts.append(newlines + 1)
+        ends.append(np.array([size], np.int64))
+        start, end = np.concatenate(starts), np.concatenate(ends)
+        line = np.flatnonzero(end > start)  # 0-based numbers of the lines that hold bytes
+        # a line that starts with white space may be blank: only those are looked at one by one
+        spaced = line[np.isin(view[start[line]], (9, 13, 32))] if len(line) else line
+        del view  # the map cannot close while a view of it lives
+        blank = [n for n in spaced.tolist() if not self._map[start[n] : end[n]].strip()]
+        self.line = np.setdiff1d(line, blank, assume_unique=True) if blank else line
+        self.start, self.end = start[self.line], end[self.line]
+
+    def __len__(self) -> int:
+        return len(self.line)
+
+    def record(self, i: int) -> dict[str, Any]:
+        raw = self._map[int(self.start[i]) : int(self.end[i])]
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{self.path}:{self.line[i] + 1}: not JSON ({getattr(err, 'msg', err)})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{self.path}:{self.line[i] + 1}: a record must be a JSON object")
+        return record
+
+    def where(self, i: int) -> str:
+        return f"{self.path} record {i + 1} (line {self.line[i] + 1})"
+
+
+class JsonShard(Shard):
+    """A JSON file: an array of objects, or objects one a line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        text = path.read_text()
+        if text.lstrip().startswith("["):
+            try:
+                records = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno})") from None
+            bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+            if bad is not None:
+                raise ValueError(f"{path} record {bad + 1}: a record must be a JSON object")
+            self.records = records
+        else:
+            from bapo_megatron.fsutil import read_jsonl
+
+            self.records = read_jsonl(path)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def record(self, i: int) -> dict[str, Any]:
+        return self.records[i]
+
+
+def arrow_cache(path: Path, cache_dir: Path) -> Path:
+    """The Arrow IPC file holding parquet `path` decoded: made once (streamed a row group at a
+    time, written under a temporary name and renamed into place), then reused while the parquet
+    file keeps its path, size and modification time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+    target = cache_dir / f"{path.stem}-{key}.arrow"
+    if target.is_file():
+        return target
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: not a parquet file ({err})") from None
+    tmp = temporary_sibling(target, directory=False)
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, parquet.schema_arrow) as writer:
+            for group in range(parquet.num_row_groups):
+                writer.write_table(parquet.read_row_group(group))
+        publish(tmp, target)
+    except pa.ArrowException as err:
+        remove(tmp)
+        raise ValueError(f"{path}: a row group does not decode ({err})") from None
+    except BaseException:
+        remove(tmp)
+        raise
+    return target
+
+
+class ParquetShard(Shard):
+    """A parquet file read through its memory-mapped Arrow cache."""
+
+    def __init__(self, path: Path, cache_dir: Path) -> None:
+        import pyarrow as pa
+
+        self.path = path
+        cache = arrow_cache(path, cache_dir)
+        self.table = pa.ipc.open_file(pa.memory_map(str(cache), "r")).read_all()  # zero-copy: pages on demand
+        self.schema = self.table.schema
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def record(self, i: int) -> dict[str, Any]:
+        return self.table.slice(i, 1).to_pylist()[0]
+
+
+class Records:
+    """Shards end to end: record i of the whole set, and where it lies."""
+
+    def __init__(self, shards: list[Shard]) -> None:
+        self.shards = shards
+        self.offsets = np.cumsum([0, *(len(s) for s in shards)])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def _locate(self, i: int) -> tuple[Shard, int]:
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        return self.shards[k], i - int(self.offsets[k])
+
+    def record(self, i: int) -> dict[str, Any]:
+        shard, j = self._locate(i)
+        return shard.record(j)
+
+    def where(self, i: int) -> str:
+        shard, j = self._locate(i)
+        return shard.where(j)
+
+    @property
+    def name(self) -> str:
+        return str(self.shards[0].path) if len(self.shards) == 1 else f"{len(self.shards)} shards"
+
+
+def default_cache_dir() -> Path:
+    """$BAPO_DATA_CACHE, else $XDG_CACHE_HOME/bapo-megatron/data, else ~/.cache/bapo-megatron/data."""
+    if os.environ.get("BAPO_DATA_CACHE"):
+        return Path(os.environ["BAPO_DATA_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "bapo-megatron" / "data"
+
+
+def open_records(path: str, fmt: str = "auto", cache_dir: str | Path | None = None) -> Records:
+    """The records `path` names (see the module's doc); ValueError naming what is wrong."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    shards: list[Shard] = []
+    for file, kind in data_files(str(path), fmt):
+        if kind == "jsonl":
+            shards.append(JsonlShard(file))
+        elif kind == "json":
+            shards.append(JsonShard(file))
+        else:
+            shards.append(ParquetShard(file, cache))
+    records = Records(shards)
+    if not len(records):
+        raise ValueError(f"data.path={path}: no records")
+    return records
