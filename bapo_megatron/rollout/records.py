@@ -3,8 +3,8 @@
 `open_records(path, fmt, cache_dir)` takes a file, a directory (its files of the format, in name
 order) or a glob pattern, and returns `Records`: len() and record(i) for any i, without reading
 the whole set into Python objects.
-- jsonl: the file is memory-mapped and its line starts indexed once (numpy, 8 bytes a record);
-  record(i) parses line i when it is drawn.
+- jsonl: the lines' byte ranges indexed by one scan in chunks (numpy, 16 bytes a record);
+  record(i) reads and parses line i when it is drawn.
 - parquet: decoded once into an uncompressed Arrow IPC file under cache_dir (streamed a row group
   at a time, named by the file's path, size and modification time, so a second start reuses it),
   then memory-mapped: record(i) reads one row. Parquet cannot be read at a row without decoding
@@ -17,10 +17,10 @@ The format comes from the suffix when `fmt` is "auto". Field paths are dotted
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
-import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -113,34 +113,41 @@ class Shard:
 
 
 class JsonlShard(Shard):
-    """A memory-mapped jsonl file and the start and end of each non-blank line."""
+    """A jsonl file and the byte range of each non-blank line, found by one scan in chunks (the
+    file is never held whole: 16 bytes a record); record(i) reads its line with pread."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        size = path.stat().st_size
-        self._file = open(path, "rb")  # noqa: SIM115 (held by the map)
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        starts, ends = [np.zeros(1, np.int64)], []
-        view = np.frombuffer(self._map, dtype=np.uint8) if size else np.zeros(0, np.uint8)
-        for lo in range(0, size, SCAN_BYTES):
-            newlines = np.flatnonzero(view[lo : lo + SCAN_BYTES] == 10) + lo
-            ends.append(newlines)
-            starts.append(newlines + 1)
+        self._fd = os.open(path, os.O_RDONLY)
+        starts, ends, spaced = [np.zeros(1, np.int64)], [], []
+        size, chunk = 0, bytearray(SCAN_BYTES)
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(chunk):
+                view = np.frombuffer(chunk, dtype=np.uint8, count=n)
+                newlines = np.flatnonzero(view == 10) + size
+                # a line that starts with white space may be blank: looked at one by one below
+                firsts = np.concatenate([starts[-1][-1:], newlines + 1]) - size
+                inside = firsts[(firsts >= 0) & (firsts < n)]
+                spaced.append(inside[np.isin(view[inside], (9, 13, 32))] + size)
+                ends.append(newlines)
+                starts.append(newlines + 1)
+                size += n
         ends.append(np.array([size], np.int64))
         start, end = np.concatenate(starts), np.concatenate(ends)
         line = np.flatnonzero(end > start)  # 0-based numbers of the lines that hold bytes
-        # a line that starts with white space may be blank: only those are looked at one by one
-        spaced = line[np.isin(view[start[line]], (9, 13, 32))] if len(line) else line
-        del view  # the map cannot close while a view of it lives
-        blank = [n for n in spaced.tolist() if not self._map[start[n] : end[n]].strip()]
+        maybe = np.flatnonzero(np.isin(start, np.concatenate(spaced))) if spaced else np.zeros(0, np.int64)
+        blank = [n for n in maybe.tolist() if end[n] > start[n] and not self._read(start[n], end[n]).strip()]
         self.line = np.setdiff1d(line, blank, assume_unique=True) if blank else line
         self.start, self.end = start[self.line], end[self.line]
+
+    def _read(self, lo: int, hi: int) -> bytes:
+        return os.pread(self._fd, int(hi - lo), int(lo))
 
     def __len__(self) -> int:
         return len(self.line)
 
     def record(self, i: int) -> dict[str, Any]:
-        raw = self._map[int(self.start[i]) : int(self.end[i])]
+        raw = self._read(self.start[i], self.end[i])
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -151,6 +158,10 @@ class JsonlShard(Shard):
 
     def where(self, i: int) -> str:
         return f"{self.path} record {i + 1} (line {self.line[i] + 1})"
+
+    def __del__(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            os.close(self._fd)
 
 
 class JsonShard(Shard):

@@ -217,3 +217,31 @@ def test_parquet_is_decoded_once_into_a_cache_it_reuses(tmp_path):
     changed = _source(path, word_tokenizer(), answer_field="reward_model.ground_truth")
     assert len(changed) == 1 and changed.next()[2]["answer"] == "3"
     assert len(list((tmp_path / "cache").glob("d-*.arrow"))) == 2
+
+
+def test_the_jsonl_line_index_agrees_with_a_plain_read(tmp_path, monkeypatch):
+    """The chunked scan (line ends across chunk borders, blank and white-space lines, no final
+    newline) finds the records a plain splitlines() does, at chunk sizes from 1 byte up."""
+    import random
+
+    from bapo_megatron.rollout import records
+
+    rng = random.Random(0)
+    for trial in range(150):
+        lines = [
+            rng.choice(["", " ", "\t", "  \r"])
+            if rng.random() < 0.3
+            else " " * rng.randint(0, 2) + json.dumps({"a": i, "s": "x" * rng.randint(0, 9)})
+            for i in range(rng.randint(1, 12))
+        ]
+        text = "\n".join(lines) + rng.choice(["", "\n"])
+        path = tmp_path / f"{trial}.jsonl"
+        path.write_text(text)
+        want = [json.loads(line) for line in text.splitlines() if line.strip()]
+        monkeypatch.setattr(records, "SCAN_BYTES", rng.randint(1, 30))
+        if not want:
+            with pytest.raises(ValueError, match="no records"):
+                records.open_records(str(path))
+            continue
+        got = records.open_records(str(path))
+        assert [got.record(i) for i in range(len(got))] == want, text
