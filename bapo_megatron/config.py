@@ -477,6 +477,15 @@ class DataConfig:
     """"math" (math-verify on the last \\boxed answer), "exact" (the text, stripped), "exact_ids",
     or a function of yours, "pkg.module:fn" or "path/to/file.py:fn", called as
     fn(text, ids, record) -> float. A call that fails scores 0 and is counted (rollout/reward_errors)."""
+    reward_by: str | None = None
+    """Pick each record's reward by this field (a dotted path; verl's data_source): its value names
+    the reward in `rewards`. A value without an entry is an error before the first step."""
+    rewards: dict[str, str] = field(default_factory=dict)
+    """reward_by's map, value -> reward ({math_dapo: dapo, aime: math, mine: "path/to/file.py:fn"})."""
+    overlong_buffer: int | None = None
+    """DAPO's overlong penalty, over any reward: a response longer than rollout.sampling.max_new_tokens
+    minus this many tokens loses up to overlong_penalty_factor, linearly to the budget's end."""
+    overlong_penalty_factor: float = 1.0
     reward_workers: int = 1
     """Processes scoring responses beside generation."""
     reward_timeout_s: float = 20.0
@@ -504,6 +513,12 @@ class DataConfig:
             check(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
         check(self.check_records >= 1, "check_records", self.check_records, "must be >= 1")
         check(self.reward_workers >= 1, "reward_workers", self.reward_workers, "must be >= 1")
+        routed = self.reward_by is not None
+        check(routed == bool(self.rewards), "rewards", self.rewards, "goes with reward_by (both or neither)")
+        if self.overlong_buffer is not None:
+            check(self.overlong_buffer >= 1, "overlong_buffer", self.overlong_buffer, "must be >= 1")
+        factor = self.overlong_penalty_factor
+        check(factor >= 0, "overlong_penalty_factor", factor, "must be >= 0")
         check(self.reward_timeout_s > 0, "reward_timeout_s", self.reward_timeout_s, "must be > 0")
         check(self.reward_memory_mb >= 0, "reward_memory_mb", self.reward_memory_mb, "must be >= 0 (0: no limit)")
         low, high = self.reward_range
@@ -621,6 +636,14 @@ class JobConfig:
             self.algo.updates_per_batch,
             f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (mini-batches hold whole groups)",
         )
+        if self.data.overlong_buffer is not None:
+            new = self.rollout.sampling.max_new_tokens
+            check(
+                self.data.overlong_buffer <= new,
+                "data.overlong_buffer",
+                self.data.overlong_buffer,
+                f"must not exceed rollout.sampling.max_new_tokens={new} (the penalty's buffer ends the budget)",
+            )
 
     @property
     def run_path(self) -> Path:

@@ -45,7 +45,7 @@ from bapo_megatron.rollout.evaluation import HeldOut
 from bapo_megatron.rollout.launcher import free_port
 from bapo_megatron.rollout.loop import EngineLoop
 from bapo_megatron.rollout.reward_workers import FailingRewards, RewardWorkers
-from bapo_megatron.rollout.rewards import load_reward
+from bapo_megatron.rollout.rewards import load_reward, reward_spec
 from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds, RetractSteps, Strategy
 from bapo_megatron.rollout.supervisor import Supervisor
 
@@ -84,10 +84,15 @@ class RolloutDriver:
                 f"model.hf_path={cfg.model.hf_path}: the tokenizer has {len(self.tokenizer)} tokens, more than "
                 f"the model's vocabulary of {spec.vocab_size}"
             )
+        self.reward = reward_spec(
+            data.reward, data.reward_by, data.rewards, data.overlong_buffer, data.overlong_penalty_factor,
+            ro.sampling.max_new_tokens,
+        )  # fmt: skip
+        field, value = ("data.rewards", data.rewards) if data.reward_by else ("data.reward", data.reward)
         try:
-            load_reward(data.reward)
+            load_reward(self.reward)
         except ValueError as err:
-            raise ConfigError("data.reward", data.reward, str(err)) from None
+            raise ConfigError(field, value, str(err)) from None
         self.prompts = self._prompts("data.path", data)
         held_out = []
         if cfg.eval.path is not None:
@@ -104,10 +109,13 @@ class RolloutDriver:
             self.loop.close()
             raise
         self.rewards = RewardWorkers(  # processes start at the first score
-            data.reward, data.reward_workers, timeout_s=data.reward_timeout_s, memory_mb=data.reward_memory_mb,
+            self.reward, data.reward_workers, timeout_s=data.reward_timeout_s, memory_mb=data.reward_memory_mb,
             bounds=data.reward_range,
         )  # fmt: skip
-        self.failing_rewards = FailingRewards(data.reward, data.max_reward_failure_share, data.reward_failure_steps)
+        self.failing_rewards = FailingRewards(
+            data.reward if not data.reward_by else f"by {data.reward_by}", data.max_reward_failure_share,
+            data.reward_failure_steps,
+        )  # fmt: skip
         slots = ro.engines.max_batch * max(1, len(ro.engines.urls) or ro.engines.servers)
         self.held_out = HeldOut(held_out, cfg.eval, ro.sampling, cfg.seed, self.rewards, self._decode, slots)
         self.strategy: Strategy | None = None
@@ -133,8 +141,18 @@ class RolloutDriver:
                 "a sample must fit one micro-batch (data.max_prompt_tokens drops longer prompts)"
             )
         limits = PromptLimits(vocab_size=self.spec.vocab_size, max_tokens=limit, reason=reason)
+        route = None
+        if data.reward_by is not None:
+            router = load_reward(self.reward)
+
+            def route(meta: dict) -> None:  # every record checked ahead has a reward
+                try:
+                    router.route(meta)
+                except KeyError as err:
+                    raise ValueError(f"{err.args[0]} (data.reward_by)") from None
+
         try:
-            return PromptSource(data, tokenizer=self.tokenizer, limits=limits, field=field)
+            return PromptSource(data, tokenizer=self.tokenizer, limits=limits, field=field, check=route)
         except ValueError as err:
             raise BadInputError(str(err)) from None
 

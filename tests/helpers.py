@@ -151,3 +151,27 @@ def verl_parquet(path: Path, prompts: list, answers: list[str], sources: list[st
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
     return path
+
+
+VERL_VERSION = "0.9.1"
+
+
+def verl_module(path: str):
+    """A module of verl's released wheel (verl==VERL_VERSION, downloaded once as SGLang's is), for
+    modules that import only the standard library: verl's own code, run unchanged. Skips the
+    calling test when the registry cannot be reached."""
+    import types
+    import zipfile
+
+    import pytest
+
+    from tests.sglang_wheel import WheelUnavailable, wheel_path
+
+    try:
+        wheel = wheel_path("verl", VERL_VERSION)
+    except WheelUnavailable as err:
+        pytest.skip(str(err))
+    module = types.ModuleType(path.replace("/", ".").removesuffix(".py"))
+    with zipfile.ZipFile(wheel) as whl:
+        exec(compile(whl.read(path).decode(), f"verl-{VERL_VERSION}/{path}", "exec"), module.__dict__)
+    return module

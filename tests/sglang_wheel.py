@@ -25,29 +25,29 @@ class WheelUnavailable(RuntimeError):
     """The registry could not be reached: the calling test skips with this reason."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("BAPO_CACHE_DIR", Path.home() / ".cache" / "bapo-megatron")) / f"sglang-{VERSION}"
+def cache_dir(name: str = "sglang", version: str = VERSION) -> Path:
+    return Path(os.environ.get("BAPO_CACHE_DIR", Path.home() / ".cache" / "bapo-megatron")) / f"{name}-{version}"
 
 
-def wheel_path() -> Path:
-    """The cached wheel, downloaded on first use."""
-    cache = cache_dir()
-    found = sorted(cache.glob(f"sglang-{VERSION}-*.whl"))
+def wheel_path(name: str = "sglang", version: str = VERSION) -> Path:
+    """The cached wheel of name==version (SGLang's by default), downloaded on first use."""
+    cache = cache_dir(name, version)
+    found = sorted(cache.glob(f"{name}-{version}-*.whl"))
     if found:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={VERSION}", "-d", str(cache), "-q"],
+            [sys.executable, "-m", "pip", "download", "--no-deps", f"{name}=={version}", "-d", str(cache), "-q"],
             capture_output=True,
             text=True,
             timeout=300,
         )
     except subprocess.TimeoutExpired:
-        raise WheelUnavailable(f"pip download sglang=={VERSION} timed out (registry unreachable?)") from None
-    found = sorted(cache.glob(f"sglang-{VERSION}-*.whl"))
+        raise WheelUnavailable(f"pip download {name}=={version} timed out (registry unreachable?)") from None
+    found = sorted(cache.glob(f"{name}-{version}-*.whl"))
     if result.returncode != 0 or not found:
-        raise WheelUnavailable(f"cannot download sglang=={VERSION}: {result.stderr.strip()[-300:]}")
+        raise WheelUnavailable(f"cannot download {name}=={version}: {result.stderr.strip()[-300:]}")
     return found[0]
 
 

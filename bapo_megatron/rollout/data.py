@@ -140,7 +140,9 @@ class PromptSource:
         tokenizer=None,
         limits: PromptLimits = PromptLimits(),
         field: str = "data.path",
+        check: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        """check: more to ask of each record checked ahead (its reward route): ValueError if wanting."""
         if config.path is None:
             raise ValueError("data.path is not set")
         self.config, self.limits, self.field = config, limits, field
@@ -152,10 +154,16 @@ class PromptSource:
         checked = 0
         for i in range(ahead):
             try:
-                self.item(i)
+                _, meta = self.item(i)
                 checked += 1
             except Overlong:
                 self.dropped += 1
+                continue
+            if check is not None:
+                try:
+                    check(meta)
+                except ValueError as err:
+                    raise ValueError(f"{field}: {self.records.where(i)}: {err}") from None
         if not checked:
             raise ValueError(
                 f"{field}={config.path}: every one of the first {ahead} prompts is longer than "

@@ -2,9 +2,15 @@
 
 A reward function takes (response text, response token ids, the prompt's data record) and
 returns a float. "math" checks the response's final (boxed) answer against meta["answer"]
-with math-verify; "exact" ("exact_text") compares the text, "exact_ids" the tokens. Any other
-name is a user function: "pkg.module:fn" (imported) or "path/to/file.py:fn" (loaded from the
-file), resolved once per process (`load_reward`).
+with math-verify; "dapo" is DAPO's convention (the last "Answer:" line of the response's last
+300 characters, normalised as Minerva's answers are, +1 when it equals the normalised reference,
+else -1); "exact" ("exact_text") compares the text, "exact_ids" the tokens. Any other name is a
+user function: "pkg.module:fn" (imported) or "path/to/file.py:fn" (loaded from the file),
+resolved once per process (`load_reward`).
+
+A run's reward may be composite (`reward_spec`): routed by a record field (data.reward_by and
+data.rewards, verl's data_source), and/or shaped by DAPO's overlong penalty (data.overlong_buffer):
+its spec is a JSON text that travels to the workers as a name does.
 Scoring runs in worker processes (reward_workers.py), each call bounded in time and memory;
 math-verify also bounds its own stages with SIGALRM, which works only in a main thread, as each
 worker's call is.
@@ -15,7 +21,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,7 +66,53 @@ def exact_ids(text: str, ids: list[int], meta: dict[str, Any]) -> float:
     return float(list(trimmed) == list(meta["answer_ids"]))
 
 
+# DAPO's answer normalisation (Minerva's, from Lewkowycz et al. 2022): what is replaced, then the
+# units and TeX decorations that are dropped, before the regular-expression rewrites.
+_DAPO_REPLACE = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+                 (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))  # fmt: skip
+_DAPO_UNITS = (
+    "square ways integers dollars mph inches hours km units \\ldots sue points feet minutes digits cents "
+    "degrees cm gm pounds meters meals edges students childrentickets multiples"
+)
+_DAPO_DROP = [*_DAPO_UNITS.split(), "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+              "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"',
+              "\\dots"]  # fmt: skip
+_DAPO_REWRITE = [
+    (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), "$\\3$"),  # the first $...$ span alone
+    *((re.compile(rf"(\\{cmd}\{{)(.*?)(\}})"), "\\2") for cmd in ("text", "textbf", "overline")),
+    (re.compile(r"(\\boxed\{)(.*)(\})"), "\\2"),
+    (re.compile(r"(frac)([^{])(.)"), "frac{\\2}{\\3}"),  # \fracab -> \frac{a}{b}
+    (re.compile(r"(sqrt)([^{])"), "sqrt{\\2}"),  # \sqrta -> \sqrt{a}
+]
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def dapo_normalise(answer: str) -> str:
+    """A final answer as DAPO compares it: the part after the last "=", units and TeX decoration
+    dropped, shorthand fractions and roots braced, "$" removed, thousands separators dropped."""
+    answer = answer.split("=")[-1]
+    for before, after in _DAPO_REPLACE:
+        answer = answer.replace(before, after)
+    for dropped in _DAPO_DROP:
+        answer = answer.replace(dropped, "")
+    for pattern, replacement in _DAPO_REWRITE:
+        answer = pattern.sub(replacement, answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def dapo_math(text: str, ids: list[int], meta: dict[str, Any]) -> float:
+    """+1 when the last "Answer: ..." line of the response's last 300 characters equals
+    meta["answer"] after dapo_normalise, else -1 (no such line: -1)."""
+    found = _DAPO_ANSWER.findall(text[-300:])
+    predicted = dapo_normalise(found[-1]) if found else None
+    return 1.0 if predicted is not None and predicted == dapo_normalise(str(meta["answer"])) else -1.0
+
+
 REWARDS: dict[str, RewardFn] = {
+    "dapo": dapo_math,
     "math": math_reward,
     "exact": exact_text,
     "exact_text": exact_text,
@@ -66,13 +120,61 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
+def reward_spec(
+    reward: str,
+    by: str | None = None,
+    table: dict[str, str] | None = None,
+    overlong_buffer: int | None = None,
+    overlong_factor: float = 1.0,
+    max_new_tokens: int | None = None,
+) -> str:
+    """The name a run's reward goes by: `reward` itself, or a composite's JSON spec when it is
+    routed by record field `by` (value -> reward name in `table`) or shaped by DAPO's overlong
+    penalty (responses longer than max_new_tokens - overlong_buffer lose up to overlong_factor)."""
+    if by is None and overlong_buffer is None:
+        return reward
+    spec: dict[str, Any] = {"reward": reward}
+    if by is not None:
+        spec |= {"by": by, "table": dict(table or {})}
+    if overlong_buffer is not None:
+        spec |= {"overlong": [overlong_buffer, overlong_factor, max_new_tokens]}
+    return json.dumps(spec, sort_keys=True)
+
+
+class Composite:
+    """A routed and/or overlong-shaped reward (see reward_spec)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.by = spec.get("by")
+        self.table = {value: load_reward(name) for value, name in spec.get("table", {}).items()}
+        self.base = None if self.by else load_reward(spec["reward"])
+        self.overlong = spec.get("overlong")
+
+    def route(self, meta: dict[str, Any]) -> RewardFn:
+        from bapo_megatron.rollout.records import get_field
+
+        value = get_field(meta, self.by)
+        if str(value) not in self.table:
+            raise ValueError(f"{self.by}={value!r} has no reward in data.rewards ({', '.join(sorted(self.table))})")
+        return self.table[str(value)]
+
+    def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> float:
+        value = float((self.base or self.route(meta))(text, ids, meta))
+        if self.overlong is not None:  # DAPO: a linear penalty over the last `buffer` tokens of the budget
+            buffer, factor, max_new = self.overlong
+            value += min(-(len(ids) - (max_new - buffer)) / buffer * factor, 0.0)
+        return value
+
+
 @functools.cache
 def load_reward(name: str) -> RewardFn:
-    """The reward function `name` stands for: a built-in, "pkg.module:fn" or "file.py:fn".
-    ValueError naming what is wrong (unknown name, a module or file that does not import, no
-    such function, not callable)."""
+    """The reward function `name` stands for: a built-in, "pkg.module:fn", "file.py:fn", or a
+    composite's JSON spec (reward_spec). ValueError naming what is wrong (unknown name, a module
+    or file that does not import, no such function, not callable)."""
     if name in REWARDS:
         return REWARDS[name]
+    if name.startswith("{"):
+        return Composite(json.loads(name))
     where, sep, attr = name.rpartition(":")
     if not sep or not where or not attr.isidentifier():
         raise ValueError(f"unknown reward {name!r}: use one of {sorted(REWARDS)}, 'pkg.module:fn' or 'file.py:fn'")

@@ -127,3 +127,32 @@ def test_sglang_engines_are_checked_before_any_model(tmp_path, model_dir, monkey
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ConfigError, match="rollout.engines.urls"):  # does not answer: the URL check, not SGLang's
         _driver(tmp_path, model_dir, *sglang, urls)
+
+
+def test_verl_data_with_rewards_routed_by_data_source(tmp_path, model_dir):
+    """A verl-layout parquet as it is: chat messages through the chat template, the answer at
+    reward_model.ground_truth, each record's reward picked by its data_source; a data_source
+    value with no reward is an error naming the record before any engine or model."""
+    from bapo_megatron.errors import BadInputError
+    from tests.helpers import verl_parquet
+
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "unk_token": "t0"})
+    )
+    data = verl_parquet(tmp_path / "train.parquet", ["t5 t6", "t7"], ["t9", "t8"], sources=["math_dapo", "aime"])
+    common = [
+        f"data.path={data}",
+        "data.answer_field=reward_model.ground_truth",
+        "data.reward_by=data_source",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    driver = _driver(tmp_path, model_dir, *common, "data.rewards={math_dapo: dapo, aime: exact}")
+    ids, meta = driver.prompts.first(1)[0]
+    assert ids == [1, 5, 6, 2, 3] and meta["answer"] == "t9" and meta["extra_info"]["split"] == "train"
+    reward = load_reward(driver.reward)
+    assert reward("t8", [], {"data_source": "aime", "answer": "t8"}) == 1.0
+    assert reward("Answer: t9", [], {"data_source": "math_dapo", "answer": "t9"}) == 1.0
+    with pytest.raises(BadInputError, match=r"parquet record 2: data_source='aime' has no reward in data.rewards"):
+        _driver(tmp_path, model_dir, *common, "data.rewards={math_dapo: dapo}")
+    with pytest.raises(BadInputError, match=r"record 1: no field 'source' \(data.reward_by\)"):
+        _driver(tmp_path, model_dir, *common[:2], common[3], "data.reward_by=source", "data.rewards={x: math}")
