@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import math
 import os
+import re
 import textwrap
 import typing
 
@@ -232,5 +233,46 @@ def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:
     )
 
 
-def world_size(args: argparse.Namespace) -> int:
-    return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+def world_size(args: argparse.Namespace, cfg: JobConfig | None = None) -> tuple[int, str | None]:
+    """The trainer processes a dry run plans for, and how that number was chosen when no one gave
+    it: --world-size, else $WORLD_SIZE (a launcher's), else the Slurm script of this repository
+    that runs the config (its trainer nodes x --gpus-per-node), else the smallest world the config's
+    parallel sizes need (TP x PP x CP)."""
+    if args.world_size:
+        return args.world_size, None
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"]), None
+    if cfg is None:
+        return 1, None
+    script = slurm_world(args.config) if args.config else None
+    if script is not None:
+        size, path = script
+        return size, f"no --world-size: planned for {size} trainer processes, as {path} runs this config"
+    p = cfg.parallel
+    size = p.tensor * p.pipeline * p.context
+    if size == 1:
+        return 1, None
+    return size, (
+        f"no --world-size: planned for the smallest world the layout needs, TP {p.tensor} x PP {p.pipeline} x "
+        f"CP {p.context} = {size} trainer processes (data parallel 1); --world-size N plans another"
+    )
+
+
+SLURM_CONFIG = re.compile(r"^CONFIG=\$\{CONFIG:-(\S+?)\}", re.M)
+SLURM_JOB = re.compile(r"^bapo_gpu_job\s+(\d+)\b", re.M)
+SLURM_GPUS = re.compile(r"^#SBATCH\s+--gpus-per-node=(\d+)", re.M)
+
+
+def slurm_world(config: str) -> tuple[int, str] | None:
+    """(trainer processes, script) of the slurm/*.sh script in this checkout whose default CONFIG
+    is `config`: its bapo_gpu_job trainer nodes x #SBATCH --gpus-per-node; None when none is."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    target = Path(config).resolve()
+    for script in sorted((root / "slurm").glob("*.sh")):
+        text = script.read_text()
+        found, job, gpus = SLURM_CONFIG.search(text), SLURM_JOB.search(text), SLURM_GPUS.search(text)
+        if found and job and gpus and (root / found.group(1)).resolve() == target:
+            return int(job.group(1)) * int(gpus.group(1)), f"slurm/{script.name}"
+    return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -529,6 +530,29 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalSetConfig:
+    """One named evaluation set of eval.sets, logged as eval/NAME/greedy_acc, avg@k, pass@k."""
+
+    path: str
+    """Its prompts (a file, a directory of shards or a glob, read with data's field map)."""
+    samples: int | None = None
+    """k (None: eval.samples)."""
+    max_prompts: int | None = None
+    """Its first this many records (None: eval.max_prompts)."""
+    greedy: bool | None = None
+    """None: eval.greedy."""
+
+    def __post_init__(self) -> None:
+        if self.samples is not None:
+            check(self.samples >= 0, "samples", self.samples, "must be >= 0")
+        if self.max_prompts is not None:
+            check(self.max_prompts >= 1, "max_prompts", self.max_prompts, "must be >= 1")
+
+
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     """Held-out evaluation through the engines (no gradient): greedy accuracy, avg@k and pass@k,
     logged as eval/*; scored with data.reward and read with data's field map."""
@@ -544,9 +568,19 @@ class EvalConfig:
     """Also one greedy answer a prompt: eval/greedy_acc."""
     max_prompts: int | None = None
     """Evaluate on the first this many records (None: all)."""
+    sets: dict[str, EvalSetConfig] = field(default_factory=dict)
+    """Named sets beside (or instead of) path, e.g. {aime24: {path: ..., samples: 16}, math500: {path: ...}};
+    each with data's field map and reward, logged under eval/NAME/."""
 
     def __post_init__(self) -> None:
         check(self.interval >= 0, "interval", self.interval, "must be >= 0")
+        for name in self.sets:
+            check(
+                EVAL_SET_NAME.fullmatch(name) is not None and not name.startswith(("greedy_acc", "avg@", "pass@")),
+                "sets",
+                name,
+                "a set's name is letters, digits, _ . - (it names eval/NAME/ metrics)",
+            )
         check(self.samples >= 0, "samples", self.samples, "must be >= 0")
         check(self.samples > 0 or self.greedy, "samples", self.samples, "0 samples and greedy off evaluate nothing")
         if self.max_prompts is not None:

@@ -41,7 +41,7 @@ from bapo_megatron.rollout.client import EngineUnavailable
 from bapo_megatron.rollout.core import RolloutCore
 from bapo_megatron.rollout.data import PromptLimits, PromptSource, load_tokenizer
 from bapo_megatron.rollout.engines import Engines
-from bapo_megatron.rollout.evaluation import HeldOut
+from bapo_megatron.rollout.evaluation import EvalSet, HeldOut
 from bapo_megatron.rollout.launcher import free_port
 from bapo_megatron.rollout.loop import EngineLoop
 from bapo_megatron.rollout.reward_workers import FailingRewards, RewardWorkers
@@ -94,10 +94,7 @@ class RolloutDriver:
         except ValueError as err:
             raise ConfigError(field, value, str(err)) from None
         self.prompts = self._prompts("data.path", data)
-        held_out = []
-        if cfg.eval.path is not None:
-            held_out = self._prompts("eval.path", dataclasses.replace(data, path=cfg.eval.path, shuffle=False))
-            held_out = held_out.first(cfg.eval.max_prompts)
+        held_out = self._eval_sets()
         self.buffer = RolloutBuffer(
             ro.samples_per_prompt, ro.sampling.max_new_tokens, ro.token_budget, ro.max_staleness, ro.mask_stale_prefix
         )
@@ -126,6 +123,23 @@ class RolloutDriver:
         self._batch: Future | None = None  # a step's rollout, across a refit
         self._evaluation: Future | None = None  # the held-out run in progress
         self._released = False  # colocated engines' memory given back (after a batch, before a sync)
+
+    def _eval_sets(self) -> list[EvalSet]:
+        """eval.path (metrics eval/*) and every eval.sets entry (eval/NAME/*), read with data's field
+        map and checked as data.path is (the micro-batch aside: no gradient)."""
+        e, sets = self.cfg.eval, []
+        named = [("eval.path", "eval/", e.path, e.samples, e.max_prompts, e.greedy)] if e.path is not None else []
+        for name, one in e.sets.items():
+            samples = e.samples if one.samples is None else one.samples
+            most = e.max_prompts if one.max_prompts is None else one.max_prompts
+            greedy = e.greedy if one.greedy is None else one.greedy
+            named.append((f"eval.sets.{name}.path", f"eval/{name}/", one.path, samples, most, greedy))
+        for field, prefix, path, samples, most, greedy in named:
+            if not samples and not greedy:
+                raise ConfigError(field.removesuffix(".path"), path, "0 samples and greedy off evaluate nothing")
+            source = self._prompts(field, dataclasses.replace(self.cfg.data, path=path, shuffle=False))
+            sets.append(EvalSet(prefix, source.first(most), samples, greedy))
+        return sets
 
     def _prompts(self, field: str, data) -> PromptSource:
         """data.path's prompts (or eval.path's): the first data.check_records checked now, each

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.common import quiet
 from bapo_megatron.config import JobConfig, dump_config, parse_stop_when, to_dict
 from bapo_megatron.errors import RunStopped
 from bapo_megatron.fsutil import write_text_atomic
@@ -213,6 +214,7 @@ class Job:
         if self.rank == 0:
             cfg.run_path.mkdir(parents=True, exist_ok=True)
             write_text_atomic(cfg.run_path / "config.yaml", dump_config(cfg))
+        quiet.flush(cfg.run_path if self.rank == 0 else None)
         logger = MetricLogger(
             cfg.logging,
             job_name=cfg.name,

@@ -25,7 +25,17 @@ CONSOLE_KEYS = (
     "train/skipped",
 )
 
-EVAL_SHOWN = ("eval/greedy_acc", "eval/avg@", "eval/pass@")
+EVAL_SHOWN = ("greedy_acc", "avg@", "pass@")
+"""Held-out figures shown on the console: eval/X and each named set's eval/NAME/X."""
+
+
+def shown_eval(key: str) -> bool:
+    return key.startswith("eval/") and key.rsplit("/", 1)[-1].startswith(EVAL_SHOWN)
+
+
+def console_label(key: str) -> str:
+    """The last part of a metric's name; a named evaluation set's keeps its name (aime24/pass@16)."""
+    return key.removeprefix("eval/") if shown_eval(key) else key.split("/")[-1]
 
 
 class MetricLogger:
@@ -73,8 +83,8 @@ class MetricLogger:
         if not self.enabled or step % self.cfg.interval:
             return
         if "console" in self.cfg.backends:
-            keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if k.startswith(EVAL_SHOWN))
-            shown = " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in keys)
+            keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if shown_eval(k))
+            shown = " ".join(f"{console_label(k)}={metrics[k]:.4g}" for k in keys)
             print(f"step {step:>5} {shown} ({time.monotonic() - self._start:.1f}s)", file=sys.stdout, flush=True)
         if self._jsonl is not None:
             clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}

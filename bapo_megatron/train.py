@@ -18,6 +18,7 @@ import sys
 import time
 
 from bapo_megatron import cli
+from bapo_megatron.common import quiet
 from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.config import JobConfig, load_config
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
@@ -107,6 +108,7 @@ def throughput(batch: RolloutBatch, seconds: float) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     """`bapo-train` (and python -m bapo_megatron.train): see cli.py for the options."""
+    quiet.install()  # before Megatron is imported: its known notices go to the run's warnings.log
     args = cli.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.help_config:
         print(cli.help_config())
@@ -114,7 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
-            print(cli.dry_run(cfg, cli.world_size(args), int(args.gpu_memory_gib * cli.GIB), args.gpus_per_node))
+            size, assumed = cli.world_size(args, cfg)
+            if assumed:
+                print(f"# {assumed}")
+            print(cli.dry_run(cfg, size, int(args.gpu_memory_gib * cli.GIB), args.gpus_per_node))
             return
         run(cfg)  # every check that needs no model runs before any process group starts
     except KeyboardInterrupt:

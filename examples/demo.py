@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         args.eval_prompts = min(args.eval_prompts, 100)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     sys.path.insert(0, str(ROOT))
+    from bapo_megatron.common import quiet
+
+    quiet.install()  # transformers' known notices in the evaluation: kept in RUNS/NAME/warnings.log
     from bapo_megatron.evaluate import evaluate_hf
 
     run = args.runs.resolve() / args.name
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "plots": [str(run / "plots.png"), str(run / "sft_plots.png")],
     }
     (run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    quiet.flush(run)
     gain = 100 * (summary["accuracy_after_rl"] - summary["accuracy_before_rl"])
     print(
         f"\nheld-out greedy accuracy {100 * summary['accuracy_before_rl']:.1f}% -> "

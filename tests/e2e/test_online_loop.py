@@ -160,6 +160,7 @@ def test_async_run_keeps_its_bound_evaluates_beside_training_and_survives_sigter
         f"eval.path={task / 'heldout.jsonl'}",
         "eval.interval=2",
         "eval.samples=2",
+        f"eval.sets={{small: {{path: {task / 'heldout.jsonl'}, samples: 1, max_prompts: 3}}}}",
     )
     argv = args(task, run, 7, *extra)
     proc = start(argv)
@@ -185,7 +186,10 @@ def test_async_run_keeps_its_bound_evaluates_beside_training_and_survives_sigter
             assert abs(sum(v for k, v in m.items() if k.startswith("rollout/staleness_share/")) - 1) < 1e-9
         if "eval/greedy_acc" in m:
             assert m["eval/version"] == m["step"], m  # measured at the version of its step
+            assert m["eval/small/prompts"] == 3 and {"eval/small/avg@1", "eval/small/pass@1"} <= m.keys()
+            assert m["eval/prompts"] > 3 and "eval/avg@2" in m  # the unnamed set keeps its own figures
     assert sorted(m["step"] for m in got if "eval/greedy_acc" in m) == [0, 2, 4, 6, 7]
+    assert sorted(m["step"] for m in got if "eval/small/greedy_acc" in m) == [0, 2, 4, 6, 7]
     assert any(m["rollout/token_staleness_max"] == 1 for m in got if "loss/pg" in m)  # it did run ahead
     assert_every_group_trained_once(run, argv, 7)
     no_engine_left(run)

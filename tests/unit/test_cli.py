@@ -126,3 +126,23 @@ def test_dry_run_refuses_a_layout_that_cannot_split(tmp_path, capsys):
         main(["parallel.tensor=3", "--dry-run", "--world-size", "3"])
     assert done.value.code == 2
     assert capsys.readouterr().err.strip() == "error: parallel.tensor=3: must divide the 4 attention heads"
+
+
+def test_a_dry_run_outside_a_launcher_plans_for_the_presets_own_world(tmp_path, capsys, monkeypatch):
+    """No --world-size and no $WORLD_SIZE: the world the repository's Slurm script gives the config,
+    else the smallest its parallel sizes need, said on the first line."""
+    from bapo_megatron.train import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    main(["examples/qwen2.5-32b/config.yaml", "--dry-run"])
+    out = capsys.readouterr().out
+    assert out.startswith("# no --world-size: planned for 32 trainer processes, as slurm/bapo_32b.sh runs this config")
+    assert "trainer: 32 processes = TP 8 x PP 2" in out and "DP 2" in out
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((ROOT / "examples" / "qwen2.5-32b" / "config.yaml").read_text())
+    main([str(mine), "--dry-run"])
+    out = capsys.readouterr().out
+    assert "smallest world the layout needs, TP 8 x PP 2 x CP 1 = 16 trainer processes" in out
+    assert "trainer: 16 processes" in out
+    main([str(mine), "--dry-run", "--world-size", "64"])
+    assert "# no --world-size" not in capsys.readouterr().out
