@@ -533,8 +533,9 @@ class DataConfig:
 class EvalSetConfig:
     """One named evaluation set of eval.sets, logged as eval/NAME/greedy_acc, avg@k, pass@k."""
 
-    path: str
-    """Its prompts (a file, a directory of shards or a glob, read with data's field map)."""
+    path: str | None = None
+    """Its prompts (a file, a directory of shards or a glob, read with data's field map); a
+    preset may leave it for the user to set (a run refuses a set without one)."""
     samples: int | None = None
     """k (None: eval.samples)."""
     max_prompts: int | None = None
@@ -851,16 +852,21 @@ def to_dict(obj: Any) -> Any:
     """Plain data (dicts, lists, scalars) of a config, loadable again by `build`."""
     if dataclasses.is_dataclass(obj):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
         return [to_dict(v) for v in obj]
     return obj
 
 
 def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
-    """Set data[a][b][c] = value for 'a.b.c', checking each name against the dataclass fields."""
+    """Set data[a][b][c] = value for 'a.b.c', checking each name against the dataclass fields; a
+    mapping field takes one free key ('rollout.engines.sglang_args.x=1') or, when its values are
+    sections, a key and a path into it ('eval.sets.aime24.path=...')."""
     keys = dotted.split(".")
-    node, node_cls, path = data, cls, ""
-    for i, key in enumerate(keys):
+    node, node_cls, path, i = data, cls, "", 0
+    while True:
+        key = keys[i]
         names = [f.name for f in dataclasses.fields(node_cls)]
         allowed = names + (["preset"] if node_cls in SECTION_PRESETS else [])
         if key not in allowed:
@@ -870,18 +876,28 @@ def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
             node[key] = value
             return
         hint = _hints(node_cls).get(key)
-        into_mapping = typing.get_origin(hint) is dict and i == len(keys) - 2  # one key into a free-form mapping
-        if not (into_mapping or (hint and dataclasses.is_dataclass(hint))):
+        mapping = typing.get_origin(hint) is dict
+        sections = mapping and dataclasses.is_dataclass(typing.get_args(hint)[1])
+        if not ((mapping and i == len(keys) - 2) or sections or (hint and dataclasses.is_dataclass(hint))):
             raise ConfigError(dotted, value, f"{path!r} is a value, not a section")
         child = node.get(key)
         if child is None:
             child = node[key] = {}
         elif not isinstance(child, dict):
             raise ConfigError(path, child, "must be a mapping")
-        if into_mapping:
+        if mapping and i == len(keys) - 2:  # one key into a free-form mapping (or a whole section)
             child[keys[-1]] = value
             return
-        node, node_cls = child, hint
+        if sections:  # a named section of the mapping, then its fields
+            name = keys[i + 1]
+            entry = child.get(name)
+            if entry is None:
+                entry = child[name] = {}
+            elif not isinstance(entry, dict):
+                raise ConfigError(f"{path}.{name}", entry, "must be a mapping")
+            node, node_cls, path, i = entry, typing.get_args(hint)[1], f"{path}.{name}", i + 2
+            continue
+        node, node_cls, i = child, hint, i + 1
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -135,6 +135,8 @@ class RolloutDriver:
             greedy = e.greedy if one.greedy is None else one.greedy
             named.append((f"eval.sets.{name}.path", f"eval/{name}/", one.path, samples, most, greedy))
         for field, prefix, path, samples, most, greedy in named:
+            if path is None:
+                raise ConfigError(field, None, "is not set: the set's prompts (file, shards, glob)")
             if not samples and not greedy:
                 raise ConfigError(field.removesuffix(".path"), path, "0 samples and greedy off evaluate nothing")
             source = self._prompts(field, dataclasses.replace(self.cfg.data, path=path, shuffle=False))

@@ -41,6 +41,10 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
         )
     if cfg.algo.loss == "sft" and cfg.rollout.replay is not None:
         raise ConfigError("rollout.replay", cfg.rollout.replay, "algo.loss=sft trains on data.path; unset one")
+    if cfg.algo.loss != "sft" and cfg.rollout.replay is None:
+        for name, held in cfg.eval.sets.items():  # a preset's set left for the user's file
+            if held.path is None:
+                raise ConfigError(f"eval.sets.{name}.path", None, "is not set: the set's prompts (file, shards, glob)")
     check_precision_support(cfg.model)
 
 

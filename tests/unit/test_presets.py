@@ -93,3 +93,30 @@ def test_dry_run_memory_matches_the_hand_count(name):
     distributed = next(line for line in out.splitlines() if line.startswith("trainer, distributed optimizer:"))
     assert float(re.search(r"peak ([\d.]+) GiB", distributed).group(1)) < 80  # the layout fits an H100
     assert "sglang server(s)" in out and "KV cache" in out
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_recipe_is_the_authors_shape_for_the_users_files(name, tmp_path):
+    """recipe.yaml: the authors' verl recipe (verl layout, DAPO reward, 8 updates a batch, AIME
+    every 10 steps with avg@16) on the preset's layout; the user's files go in by overrides, and a
+    run without them says which field to set."""
+    from bapo_megatron.errors import ConfigError
+    from bapo_megatron.preflight import model_spec, validate
+
+    base = ROOT / "examples" / name / "recipe.yaml"
+    files = ["data.path=/data/dapo-math-17k.parquet", "eval.sets.aime24.path=/data/aime-2024.parquet"]
+    cfg = load_config(base, [*files, "eval.sets.aime25.path=/data/aime-2025.parquet"])
+    assert (cfg.algo.updates_per_batch, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (8, 256, 16)
+    assert cfg.algo.bapo.low_start == 0.8 and cfg.algo.bapo.high_max == 2.0  # the authors' bounds
+    assert cfg.data.reward == "dapo" and cfg.data.answer_field == "reward_model.ground_truth"
+    assert cfg.data.max_prompt_tokens == 1024 and cfg.rollout.sampling.max_new_tokens == 8192
+    assert cfg.eval.interval == 10 and cfg.eval.samples == 16 and sorted(cfg.eval.sets) == ["aime24", "aime25"]
+    assert cfg.eval.sets["aime24"].path == "/data/aime-2024.parquet"
+    preset = load_config(ROOT / "examples" / name / "config.yaml")
+    assert (cfg.parallel.tensor, cfg.parallel.pipeline) == (preset.parallel.tensor, preset.parallel.pipeline)
+    command = [sys.executable, "-m", "bapo_megatron.train", str(base), *files, "--dry-run"]
+    done = subprocess.run([*command, f"--world-size={PRESETS[name][0]}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    unset = load_config(base, files)
+    with pytest.raises(ConfigError, match=r"eval.sets.aime25.path=None: is not set"):
+        validate(unset, model_spec(unset), PRESETS[name][0])  # at the job's start, before any model
