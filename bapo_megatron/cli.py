@@ -45,7 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--gpus-per-node", type=int, default=8, help="GPUs of the driver's node for --dry-run (default 8)"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
     args.config = args.args[0] if args.args and "=" not in args.args[0] else None
     args.overrides = args.args[1:] if args.config else args.args
     bad = [a for a in args.overrides if "=" not in a]

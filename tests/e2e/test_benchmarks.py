@@ -124,3 +124,13 @@ def test_weights_benchmark(tmp_path):
     rows = _table("bench_weights.py", "--size-gb", "0.02", "--repeat", "1", "--dir", str(tmp_path))
     names = [" ".join(r) for r in rows]
     assert any(n.startswith("hf-to-mcore") for n in names) and any(n.startswith("live export, TP=2") for n in names)
+
+
+def test_data_benchmark(tmp_path):
+    """Start-up to the first batch for verl-layout data, parquet and jsonl (the 1M-record figure
+    comes from here)."""
+    rows = _table("bench_data.py", "--records", "2000", "--repeat", "1", "--batch", "64", "--dir", str(tmp_path))
+    assert [(r[0], r[1]) for r in rows] == [("2000", "parquet"), ("2000", "jsonl")]
+    for _, fmt, start, _, cold, rss, start_mb, file_mb, _ in rows:
+        assert float(start) > 0 and float(rss) >= float(start_mb) > 0 and float(file_mb) > 0
+        assert (cold == "-") == (fmt == "jsonl")

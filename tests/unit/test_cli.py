@@ -146,3 +146,13 @@ def test_a_dry_run_outside_a_launcher_plans_for_the_presets_own_world(tmp_path, 
     assert "trainer: 16 processes" in out
     main([str(mine), "--dry-run", "--world-size", "64"])
     assert "# no --world-size" not in capsys.readouterr().out
+
+
+def test_overrides_may_follow_the_options():
+    args = cli.parse_args(["job.yaml", "--dry-run", "steps=3", "--world-size", "8", "algo.loss=ppo"])
+    assert (args.config, args.overrides, args.dry_run, args.world_size) == (
+        "job.yaml",
+        ["steps=3", "algo.loss=ppo"],
+        True,
+        8,
+    )
