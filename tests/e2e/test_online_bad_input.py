@@ -14,7 +14,7 @@ import socket
 import pytest
 
 from bapo_megatron.rollout.launcher import embedded_server
-from tests.helpers import make_hf_model
+from tests.helpers import make_hf_model, verl_parquet
 from tests.online import args, start, write_task
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +33,14 @@ def task(tmp_path_factory):
     vocab = {f"t{i}": i for i in range(300)}  # the model has 250 tokens
     tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")).save(str(big / "tokenizer.json"))
     make_hf_model(root, "other", ("qwen2", 1, False))  # another shape: one key-value head
+    chat = root / "chat"  # the model with a chat template
+    shutil.copytree(root / "m", chat)
+    template = "{% for m in messages %}t1 {{ m['content'] }} t2{% endfor %}{% if add_generation_prompt %} t3{% endif %}"
+    (chat / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "unk_token": "t0"}))
+    verl_parquet(root / "verl.parquet", ["t5 t6", "t7"], ["t9", "t8"], sources=["math_dapo", "aime"])
+    (root / "bad_messages.jsonl").write_text(json.dumps({"prompt": [{"text": "t5"}]}) + "\n")
+    verl_parquet(root / "shards" / "a.parquet", ["t5"], ["t9"])
+    (root / "shards" / "b.parquet").write_bytes(b"PAR1 not parquet PAR1")
     return root
 
 
@@ -53,18 +61,47 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
     [
         ("data.path={root}/missing.jsonl", ("data.path=", "missing.jsonl: no such file")),
         ("data.path={root}/empty.jsonl", ("data.path=", "no records")),
-        ("data.path={root}/no_prompt.jsonl", ("record 1: no field 'prompt'",)),
+        ("data.path={root}/no_prompt.jsonl", ("record 1 (line 1): no field 'prompt'",)),
         ("data.reward=nope", ("data.reward='nope'", "unknown reward")),
         ("data.reward={root}/broken_reward.py:score", ("data.reward=", "does not import", "ModuleNotFoundError")),
         ("data.reward={root}/reward.py:missing", ("data.reward=", "has no function 'missing'")),
         ("model.hf_path={root}/big-tokenizer", ("tokenizer has 300 tokens", "vocabulary of 250")),
         ("parallel.max_tokens_per_microbatch=16", ("record 1", "exceed parallel.max_tokens_per_microbatch=16")),
+        (("data.prompt_field=question.text", "data.path={root}/no_prompt.jsonl"), ("record 1", "'question.text'")),
+        (
+            ("model.hf_path={root}/chat", "data.path={root}/bad_messages.jsonl"),
+            ("bad_messages.jsonl record 1", "message 1 must be {'role': str, 'content': str}"),
+        ),
+        ("data.path={root}/verl.parquet", ("verl.parquet record 1", "chat messages need the model directory's chat")),
+        (
+            ("model.hf_path={root}/chat", "data.path={root}/verl.parquet", "data.reward_by=data_source"),
+            ("verl.parquet record 2", "data_source='aime' has no reward in data.rewards"),
+        ),
+        ("data.path={root}/shards", ("b.parquet: not a parquet file",)),
     ],
-    ids=["missing", "empty", "no-prompt", "unknown-reward", "reward-import", "reward-name", "tokenizer", "micro-batch"],
+    ids=[
+        "missing",
+        "empty",
+        "no-prompt",
+        "unknown-reward",
+        "reward-import",
+        "reward-name",
+        "tokenizer",
+        "micro-batch",
+        "field-path",
+        "messages",
+        "no-template",
+        "data-source",
+        "bad-shard",
+    ],
 )
 def test_bad_data_reward_and_tokenizer(task, tmp_path, override, phrases):
     """(A batch that does not split over the data-parallel ranks: tests/unit/test_train_cli.py.)"""
-    fails(task, tmp_path, override.format(root=task), phrases=phrases)
+    given = override if isinstance(override, tuple) else (override,)
+    overrides = [o.format(root=task) for o in given] + [f"data.cache_dir={task / 'cache'}"]
+    if "data.reward_by=data_source" in overrides:
+        overrides.append("data.rewards={math_dapo: dapo}")
+    fails(task, tmp_path, *overrides, phrases=phrases)
 
 
 def test_a_port_in_use(task, tmp_path):
