@@ -76,7 +76,20 @@ def update(trainer, batch: RolloutBatch, updates: int) -> dict[str, float]:
         metrics[key] = sum(values) / len(values)
     metrics["train/skipped"] = float(sum(r.skipped for r in results))
     metrics["train/step"] = results[-1].metrics["train/step"]
-    return metrics
+    return {**metrics, **shares(metrics)}
+
+
+def shares(metrics: dict[str, float]) -> dict[str, float]:
+    """The step's positive share of the loss and negative share of the tokens that carry an
+    advantage, from their parts (absent when the step had no advantage to share)."""
+    out = {}
+    pos, neg = metrics.get("policy/positive_loss", 0.0), metrics.get("policy/negative_loss", 0.0)
+    if pos + neg > 0:
+        out["policy/positive_loss_share"] = pos / (pos + neg)
+    negative, signal = metrics.get("policy/negative_tokens", 0.0), metrics.get("policy/signal_tokens", 0.0)
+    if signal > 0:
+        out["policy/negative_token_share"] = negative / signal
+    return out
 
 
 def split_groups(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:

@@ -195,15 +195,20 @@ def _output(
         out.add_mean("rollout/logprob_mismatch", (w * diff).sum(), count)
     if cfg.tis_cap is not None:
         out.add_mean("policy/tis_weight_mean", (w * tokens.is_weight).sum(), count)
-    # The same two shares for every method (the paper's Fig. 4): advantage < 0 tokens among the
-    # counted ones that carry an advantage (groups whose rewards are all equal carry none), and the
-    # positive share of the loss at the bounds this step used, measured on the loss whatever
-    # bapo.contribution says. Grids filled on the device (a tensor from host data would be a
-    # blocking copy in every micro-batch).
-    out.add_mean("policy/negative_token_share", (w * (a < 0)).sum(), (w * (a != 0)).sum())
+    # The parts of two shares measured alike for every method (the paper's Fig. 4), as means over
+    # the counted tokens, so that they add up over micro-batches, ranks and updates (a mini-batch
+    # whose groups all carry no advantage adds 0 to each, where a ratio of its own would be 0/0):
+    # the positive and negative parts of the loss at the bounds this step used, measured on the
+    # loss whatever bapo.contribution says, and the tokens with A < 0 and with A != 0. The shares
+    # are derived from them per step (train.update: policy/positive_loss_share,
+    # policy/negative_token_share). Grids filled on the device (a tensor from host data would be
+    # a blocking copy in every micro-batch).
+    out.add_mean("policy/negative_tokens", (w * (a < 0)).sum(), count)
+    out.add_mean("policy/signal_tokens", (w * (a != 0)).sum(), count)
     grid = (r.new_full((1,), c_low, dtype=torch.float64), r.new_full((1,), c_high, dtype=torch.float64))
     p, n, _ = contribution_sums(r, a, w * tokens.is_weight, *grid, "loss", dual_clip)
-    out.add_mean("policy/positive_loss_share", p.sum(), (p + n).sum())
+    out.add_mean("policy/positive_loss", p.sum(), count)
+    out.add_mean("policy/negative_loss", n.sum(), count)
     if bounds is None:
         # Fixed bounds: report the positive share there, reduced as sum(P) / sum(P + N).
         if cfg.bapo.contribution != "loss":

@@ -197,7 +197,10 @@ def test_negative_token_and_positive_loss_shares_are_measured_alike_for_every_me
     batch = _batch(4)  # advantages of both signs
     loss = "bapo" if name.startswith("bapo") else name
     cfg = PolicyLossConfig(loss=loss, bapo=BAPOConfig(contribution="gradient" if "gradient" in name else "loss"))
+    from bapo_megatron.train import shares
+
     m = reduce_metrics([policy_loss(batch, cfg)])
+    m |= shares(m)
     counted = batch.mask != 0
     ratio = (batch.logprobs.detach() - batch.old_logprobs).exp()[counted]
     adv = batch.advantages[counted]
@@ -210,6 +213,13 @@ def test_negative_token_and_positive_loss_shares_are_measured_alike_for_every_me
     assert 0 < m["policy/positive_loss_share"] < 1 and 0 < m["policy/negative_token_share"] < 1
     if name == "bapo-gradient":  # its own rho measures only the tokens the bounds let through
         assert m["bapo/rho"] != pytest.approx(m["policy/positive_loss_share"])
+    # an update whose groups carry no advantage (all right or all wrong) adds nothing to the step's
+    # shares: they come from the parts averaged over the updates, not from a 0/0 of its own
+    silent = PolicyBatch(**{**batch.__dict__, "advantages": torch.zeros_like(batch.advantages)})
+    none = reduce_metrics([policy_loss(silent, cfg)])
+    assert shares(none) == {}
+    both = {k: (m[k] + none[k]) / 2 for k in none}
+    assert shares(both) == pytest.approx({k: m[k] for k in shares(both)})
 
 
 def test_metrics_reduce_as_a_global_mean_over_microbatches():

@@ -95,7 +95,9 @@ def _loss_shares(responses: list[tuple[str, bool]], answer: str, max_new_tokens:
     mask = torch.tensor([[float(t < n) for t in range(max_new_tokens)] for n in lengths], dtype=torch.float64)
     old = torch.full_like(mask, -1.0)
     batch = PolicyBatch(logprobs=old.clone(), old_logprobs=old, advantages=token_advantages(adv[0], mask), mask=mask)
-    return reduce_metrics([policy_loss(batch, PolicyLossConfig(loss="ppo"))])
+    from bapo_megatron.train import shares
+
+    return shares(reduce_metrics([policy_loss(batch, PolicyLossConfig(loss="ppo"))]))
 
 
 def test_repeat_wrong_answers_run_longer_and_carry_more_of_the_loss():
