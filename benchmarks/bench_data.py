@@ -10,8 +10,11 @@ the answer at reward_model.ground_truth, data.check_records up front) and draws 
 --batch prompts in the shuffled order, as a run's first step does:
   start s      seconds from before PromptSource to the batch drawn (median of --repeat, min-max)
   cold s       the same on the first open of a parquet file (decoded into the Arrow cache)
-  rss MB       the process's peak resident memory at the batch, and over its start (imports done)
-  file MB      the data file's size; x file: the growth over the start as a multiple of it
+  rss MB       the process's peak resident memory at the batch (VmHWM), and at its start (imports done)
+  file MB      the data file's size; x file: the peak's growth over the start as a multiple of it
+  anon MB      private memory (RssAnon) gained from the start to the batch, and as a multiple of the
+               file: what the data costs beyond pages of files mapped read-only (the Arrow cache's
+               pages that random draws map count in rss, not here; the kernel reclaims them)
 Goal (issue 29): at 1M records, start under 10 s and memory growth within 2x the file.
 """
 
@@ -89,6 +92,15 @@ def tokenizer_dir(root: Path) -> Path:
     return root
 
 
+def status_mb(field: str) -> float:
+    """A memory figure of this process from /proc/self/status, in MiB: VmHWM (its own peak, where
+    getrusage's ru_maxrss keeps the parent's across exec), RssAnon (private memory now)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def probe(path: str, model: str, cache: str, batch: int) -> None:
     """(In a fresh process.) Open the data, draw one batch; print seconds and peak RSS as JSON."""
     sys.path.insert(0, str(ROOT))
@@ -96,15 +108,16 @@ def probe(path: str, model: str, cache: str, batch: int) -> None:
     from bapo_megatron.rollout.data import PromptSource, load_tokenizer
 
     tokenizer = load_tokenizer(model)
-    start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start_rss, start_anon = status_mb("VmHWM"), status_mb("RssAnon")
     t = time.perf_counter()
     config = DataConfig(path=path, answer_field="reward_model.ground_truth", cache_dir=cache, seed=1)
     source = PromptSource(config, tokenizer=tokenizer)
     drawn = [source.next() for _ in range(batch)]
     seconds = time.perf_counter() - t
     assert all(ids and meta["answer"] for _, ids, meta in drawn)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds": seconds, "start_mb": start_rss, "peak_mb": peak, "records": len(source)}))
+    peak, anon = status_mb("VmHWM"), status_mb("RssAnon") - start_anon
+    figures = {"seconds": seconds, "start_mb": start_rss, "peak_mb": peak, "anon_mb": anon}
+    print(json.dumps({**figures, "records": len(source)}))
 
 
 def measure(path: Path, model: Path, cache: Path, batch: int) -> dict:
@@ -131,8 +144,8 @@ def main() -> None:
     args = parser.parse_args()
     model = tokenizer_dir(args.dir / "model")
     print(f"{'records':>9} {'format':>8} {'start s':>8} {'min-max':>11} {'cold s':>7} {'rss MB':>7} "
-          f"{'start MB':>8} {'file MB':>8} {'x file':>7}")  # fmt: skip
-    print("-" * 82)
+          f"{'start MB':>8} {'file MB':>8} {'x file':>7} {'anon MB':>8} {'x file':>7}")  # fmt: skip
+    print("-" * 98)
     for records in (int(r) for r in args.records):
         for fmt in args.formats:
             path = args.dir / f"verl-{records}.{fmt}"
@@ -145,13 +158,14 @@ def main() -> None:
             seconds = [r["seconds"] for r in runs]
             peak = statistics.median(r["peak_mb"] for r in runs)
             start = statistics.median(r["start_mb"] for r in runs)
+            anon = statistics.median(r["anon_mb"] for r in runs)
             size = path.stat().st_size / 2**20
             cold_s = f"{cold['seconds']:.2f}" if fmt == "parquet" else "-"
             print(
                 f"{records:>9} {fmt:>8} {statistics.median(seconds):>8.2f} "
                 f"{f'{min(seconds):.2f}-{max(seconds):.2f}':>11} "
                 f"{cold_s:>7} {peak:>7.0f} {start:>8.0f} "
-                f"{size:>8.1f} {(peak - start) / size:>7.2f}",
+                f"{size:>8.1f} {(peak - start) / size:>7.2f} {anon:>8.0f} {anon / size:>7.2f}",
                 flush=True,
             )
     print(f"\nCPU: {os.cpu_count()} cores; load {os.getloadavg()[0]:.1f} at the end")
