@@ -132,5 +132,6 @@ def test_data_benchmark(tmp_path):
     rows = _table("bench_data.py", "--records", "2000", "--repeat", "1", "--batch", "64", "--dir", str(tmp_path))
     assert [(r[0], r[1]) for r in rows] == [("2000", "parquet"), ("2000", "jsonl")]
     for _, fmt, start, _, cold, rss, start_mb, file_mb, _, anon, _ in rows:
+        assert float(anon) < float(rss)  # private memory is part of the resident size
         assert float(start) > 0 and float(rss) >= float(start_mb) > 0 and float(file_mb) > 0
         assert (cold == "-") == (fmt == "jsonl")
