@@ -1,0 +1,60 @@
+"""A verl-layout parquet trains through `bapo-train` with nothing converted by hand: chat-message
+prompts through the model's chat template, the answer at reward_model.ground_truth, rewards
+routed by data_source (DAPO's for math_dapo), overlong prompts dropped and counted, two named
+evaluation sets logged side by side."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.helpers import verl_parquet
+from tests.online import args, metrics, no_engine_left, train, write_task
+
+pytestmark = pytest.mark.e2e
+
+TEMPLATE = "{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}{% if add_generation_prompt %}t3{% endif %}"
+
+
+def test_a_verl_parquet_trains_as_it_is(tmp_path):
+    import tokenizers
+
+    task = write_task(tmp_path / "task", 4)
+    chat = task / "chat"  # the task's model, its tokenizer splitting on spaces, with a chat template
+    shutil.copytree(task / "m", chat)
+    tok = tokenizers.Tokenizer.from_file(str(chat / "tokenizer.json"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(chat / "tokenizer.json"))
+    (chat / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "unk_token": "t0"}))
+    prompts = [" ".join(f"t{5 + (i * 7 + j) % 40}" for j in range(2 + i % 3)) for i in range(24)]
+    prompts[3] = " ".join(["t9"] * 40)  # over data.max_prompt_tokens: dropped
+    sources = ["math_dapo" if i % 2 else "even" for i in range(24)]
+    data = verl_parquet(task / "train" / "part-0.parquet", prompts, [str(i) for i in range(24)], sources)
+    verl_parquet(task / "aime.parquet", prompts[:4], ["1", "2", "3", "4"], ["math_dapo"] * 4)
+    verl_parquet(task / "mixed.parquet", prompts[4:8], ["5", "6", "7", "8"], sources[4:8])
+    run = tmp_path / "run"
+    argv = args(task, run, 2, f"model.hf_path={chat}", f"data.path={data.parent}")
+    argv += [
+        "data.answer_field=reward_model.ground_truth",
+        "data.reward_by=data_source",
+        f"data.rewards={{math_dapo: dapo, even: {task / 'reward.py'}:even}}",
+        "data.max_prompt_tokens=12",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.system_prompt=t4",
+        f"eval.sets={{aime: {{path: {task / 'aime.parquet'}, samples: 2}}, mixed: {{path: {task / 'mixed.parquet'}}}}}",
+        "eval.samples=1",
+    ]
+    train(argv)
+    got = metrics(run)
+    assert [m["step"] for m in got if "loss/pg" in m] == [1, 2]
+    for m in got:
+        if "loss/pg" in m:
+            assert m["data/prompts_dropped"] >= 1  # the long prompt, found among those checked up front
+            assert -1.0 <= m["rollout/reward_mean"] <= 1.0 and m["rollout/reward_errors"] == 0
+    evaluated = [m for m in got if "eval/aime/prompts" in m]
+    assert [m["step"] for m in evaluated] == [0, 2]
+    for m in evaluated:
+        assert m["eval/aime/prompts"] == 3 and m["eval/mixed/prompts"] == 4  # evaluation drops the long one too
+        assert {"eval/aime/avg@2", "eval/aime/pass@2", "eval/mixed/avg@1", "eval/mixed/greedy_acc"} <= m.keys()
+        assert m["eval/aime/greedy_acc"] == -1.0  # DAPO's -1: a tiny model writes no "Answer:" line
+    no_engine_left(run)
