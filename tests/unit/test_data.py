@@ -245,3 +245,23 @@ def test_the_jsonl_line_index_agrees_with_a_plain_read(tmp_path, monkeypatch):
             continue
         got = records.open_records(str(path))
         assert [got.record(i) for i in range(len(got))] == want, text
+
+
+def test_the_arrow_cache_holds_every_row_where_a_plain_read_has_it(tmp_path, monkeypatch):
+    """Row groups of any size become batches of CACHE_BATCH rows (the rest carried into the next
+    group): record i of the cache is row i of the parquet file, read with pyarrow as it is."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bapo_megatron.rollout import records
+
+    rows = [{"prompt": [i + 1, i + 2], "meta": {"k": i}} for i in range(23)]
+    for group, batch in [(5, 7), (23, 4), (3, 32), (7, 7)]:
+        path = tmp_path / f"g{group}-b{batch}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=group)
+        monkeypatch.setattr(records, "CACHE_BATCH", batch)
+        shard = records.ParquetShard(path, tmp_path / "cache")
+        assert len(shard) == 23
+        want = pq.read_table(path).to_pylist()
+        order = list(range(23)) + [22, 0, 13, 13, 5]
+        assert [shard.record(i) for i in order] == [want[i] for i in order], (group, batch)
