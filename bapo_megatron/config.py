@@ -470,7 +470,7 @@ class DataConfig:
     check_records: int = 1000
     """Records read, rendered and checked before anything starts; the rest when drawn."""
     cache_dir: str | None = None
-    """Where parquet files are kept decoded (Arrow, memory-mapped); None: $BAPO_DATA_CACHE, else
+    """Where parquet files are kept decoded (Arrow, read a batch at a time); None: $BAPO_DATA_CACHE, else
     ~/.cache/bapo-megatron/data."""
     shuffle: bool = True
     seed: int = 0
