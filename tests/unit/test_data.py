@@ -263,5 +263,5 @@ def test_the_arrow_cache_holds_every_row_where_a_plain_read_has_it(tmp_path, mon
         shard = records.ParquetShard(path, tmp_path / "cache")
         assert len(shard) == 23
         want = pq.read_table(path).to_pylist()
-        order = list(range(23)) + [22, 0, 13, 13, 5]
+        order = [*range(23), 22, 0, 13, 13, 5]
         assert [shard.record(i) for i in order] == [want[i] for i in order], (group, batch)
