@@ -88,6 +88,18 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+def json_record(line: str | bytes, where: str) -> dict:
+    """One line of a jsonl file as its object; ValueError naming `where` (file:line) when it is not
+    JSON or not an object."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where}: not JSON ({getattr(err, 'msg', err)})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a record must be a JSON object")
+    return record
+
+
 def read_jsonl(path: Path, problem: Callable[[dict], str | None] | None = None) -> list[dict]:
     """The JSON objects of a jsonl file, one a line (blank lines skipped); ValueError naming the
     first line that is not JSON, not an object, or (with `problem`) whose record it finds wanting."""
@@ -95,12 +107,7 @@ def read_jsonl(path: Path, problem: Callable[[dict], str | None] | None = None) 
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{n}: a record must be a JSON object")
+        record = json_record(line, f"{path}:{n}")
         wrong = problem(record) if problem is not None else None
         if wrong:
             raise ValueError(f"{path}:{n}: {wrong}")

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bapo_megatron.fsutil import publish, remove, temporary_sibling
+from bapo_megatron.fsutil import json_record, publish, remove, temporary_sibling
 
 SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 FORMATS = ("auto", *dict.fromkeys(SUFFIXES.values()))
@@ -149,14 +149,7 @@ class JsonlShard(Shard):
         return len(self.line)
 
     def record(self, i: int) -> dict[str, Any]:
-        raw = self._read(self.start[i], self.end[i])
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{self.path}:{self.line[i] + 1}: not JSON ({getattr(err, 'msg', err)})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{self.path}:{self.line[i] + 1}: a record must be a JSON object")
-        return record
+        return json_record(self._read(self.start[i], self.end[i]), f"{self.path}:{self.line[i] + 1}")
 
     def where(self, i: int) -> str:
         return f"{self.path} record {i + 1} (line {self.line[i] + 1})"
