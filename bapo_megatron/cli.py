@@ -199,7 +199,7 @@ def _schedule(r: RolloutConfig) -> str:
 
 
 def _sglang_placement(r: RolloutConfig, trainer_gpus: int, node_gpus: int) -> str:
-    from bapo_megatron.rollout.sglang_launcher import gpu_placement
+    from bapo_megatron.engines.sglang_launcher import gpu_placement
 
     try:
         bases = gpu_placement(r, trainer_gpus, node_gpus)
@@ -214,7 +214,7 @@ def _sglang_placement(r: RolloutConfig, trainer_gpus: int, node_gpus: int) -> st
 
 
 def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:
-    from bapo_megatron.rollout.sglang_launcher import mem_fraction
+    from bapo_megatron.engines.sglang_launcher import mem_fraction
     from bapo_megatron.trainer.memory import rollout_mem_fraction, stage_params
 
     e = cfg.rollout.engines

@@ -197,7 +197,7 @@ SGLANG_LAUNCHER_ARGS = {
     "admin-api-key": "set from rollout.engines.admin_key_file or $BAPO_ADMIN_API_KEY",
     "api-key": "never set: the rollout client sends only the admin key, so /generate would answer 401",
 }
-"""SGLang options that rollout/sglang_launcher.py derives from the config: never in sglang_args."""
+"""SGLang options that engines/sglang_launcher.py derives from the config: never in sglang_args."""
 
 SGLANG_DEPRECATED_ARGS = {
     "disable-cuda-graph": "disable-decode-cuda-graph: true and disable-prefill-cuda-graph: true",

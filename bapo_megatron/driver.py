@@ -7,7 +7,7 @@
     future = driver.evaluate(version)               # held-out figures of `version`, beside rollout
     driver.close()                                  # engines stopped, workers closed
 
-The rollout runs on the engines' event loop, on a thread of its own (rollout/loop.py), so that in
+The rollout runs on the engines' event loop, on a thread of its own (engines/loop.py), so that in
 asynchronous mode it goes on while the trainer trains; this thread keeps torch's collectives
 (the buckets of a weight sync) and blocks only where it waits for a batch or an answer. How
 generation is scheduled is the rollout strategy's (rollout/strategies.py, by rollout.mode,
@@ -35,19 +35,19 @@ from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.progress import Progress, bars_on
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import JobConfig
+from bapo_megatron.data.prompts import PromptLimits, PromptSource, load_tokenizer
+from bapo_megatron.engines.client import EngineUnavailable
+from bapo_megatron.engines.fleet import Engines
+from bapo_megatron.engines.launcher import free_port
+from bapo_megatron.engines.loop import EngineLoop
+from bapo_megatron.engines.supervisor import Supervisor
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
+from bapo_megatron.rewards.functions import load_reward, reward_spec
+from bapo_megatron.rewards.workers import FailingRewards, RewardWorkers
 from bapo_megatron.rollout.buffer import GroupState, RolloutBuffer
-from bapo_megatron.rollout.client import EngineUnavailable
 from bapo_megatron.rollout.core import RolloutCore
-from bapo_megatron.rollout.data import PromptLimits, PromptSource, load_tokenizer
-from bapo_megatron.rollout.engines import Engines
 from bapo_megatron.rollout.evaluation import EvalSet, HeldOut
-from bapo_megatron.rollout.launcher import free_port
-from bapo_megatron.rollout.loop import EngineLoop
-from bapo_megatron.rollout.reward_workers import FailingRewards, RewardWorkers
-from bapo_megatron.rollout.rewards import load_reward, reward_spec
 from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds, RetractSteps, Strategy
-from bapo_megatron.rollout.supervisor import Supervisor
 
 PROBE_TOKENS = 16
 REFIT, GIVEN_UP = "refit", "given up"

@@ -35,10 +35,10 @@ def evaluate_hf(
     import transformers
 
     from bapo_megatron.common.hf_io import HFCheckpoint
+    from bapo_megatron.data.prompts import load_tokenizer
     from bapo_megatron.fsutil import read_jsonl
-    from bapo_megatron.rollout.data import load_tokenizer
-    from bapo_megatron.rollout.rewards import load_reward
-    from bapo_megatron.rollout.rewards import score as scored
+    from bapo_megatron.rewards.functions import load_reward
+    from bapo_megatron.rewards.functions import score as scored
 
     # Everything checked before the model is built: the directory, the records, the lengths, the reward.
     if not (Path(model_dir) / "config.json").is_file():

@@ -21,7 +21,7 @@ from pathlib import Path
 def engine_server(cfg, index: int, run_dir: Path):
     """The (not started) ServerProcess of engine `index` of the job `cfg`: its command, environment
     and URL."""
-    from bapo_megatron.rollout.sglang_launcher import admin_key, sglang_servers
+    from bapo_megatron.engines.sglang_launcher import admin_key, sglang_servers
 
     ro = cfg.rollout
     n = ro.engines.servers
@@ -36,7 +36,7 @@ def engine_server(cfg, index: int, run_dir: Path):
     run_dir.mkdir(parents=True, exist_ok=True)
     if ro.engines.kind == "sglang":
         return sglang_servers(ro, cfg.model.hf_path, run_dir, seed=cfg.seed)[0][index]
-    from bapo_megatron.rollout.launcher import embedded_servers
+    from bapo_megatron.engines.launcher import embedded_servers
 
     # beyond loopback: the job's shared key, or a refusal
     return embedded_servers(ro, cfg.model.hf_path, run_dir, cfg.seed, admin_key(ro, run_dir), host=ro.engines.host)[
@@ -48,7 +48,7 @@ def wait_for_engines(urls: tuple[str, ...], timeout_s: float, poll_s: float = 2.
     """0 once every URL's /health answers 200; 2, naming those that never did, after timeout_s."""
     import time
 
-    from bapo_megatron.rollout.launcher import answers
+    from bapo_megatron.engines.launcher import answers
 
     if not urls:
         raise ValueError("--wait: rollout.engines.urls is empty")

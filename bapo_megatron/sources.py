@@ -135,7 +135,7 @@ class SFTSource(BatchSource):
     name = "sft"
 
     def __init__(self, cfg: JobConfig, spec: ModelSpec) -> None:
-        from bapo_megatron.rollout.data import Overlong, PromptSource, load_tokenizer
+        from bapo_megatron.data.prompts import Overlong, PromptSource, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.hf_path)
         if tokenizer is None or tokenizer.eos_token_id is None:

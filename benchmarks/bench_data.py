@@ -105,7 +105,7 @@ def probe(path: str, model: str, cache: str, batch: int) -> None:
     """(In a fresh process.) Open the data, draw one batch; print seconds and peak RSS as JSON."""
     sys.path.insert(0, str(ROOT))
     from bapo_megatron.config import DataConfig
-    from bapo_megatron.rollout.data import PromptSource, load_tokenizer
+    from bapo_megatron.data.prompts import PromptSource, load_tokenizer
 
     tokenizer = load_tokenizer(model)
     start_rss, start_anon = status_mb("VmHWM"), status_mb("RssAnon")

@@ -54,11 +54,11 @@ def tiny_model(directory: Path, seed: int = 0, head_scale: float = 1.0) -> None:
 
 async def run_mode(url: str, model: Path, partial: bool, oversample: float, args) -> dict[str, float]:
     from bapo_megatron.common.protocol import SamplingParams
+    from bapo_megatron.engines.client import EngineClient
+    from bapo_megatron.engines.pool import EnginePool
+    from bapo_megatron.rewards.workers import RewardWorkers
     from bapo_megatron.rollout.buffer import RolloutBuffer
-    from bapo_megatron.rollout.client import EngineClient
     from bapo_megatron.rollout.core import RolloutCore
-    from bapo_megatron.rollout.pool import EnginePool
-    from bapo_megatron.rollout.reward_workers import RewardWorkers
     from bapo_megatron.rollout.strategies import AbortSteps
 
     counter = iter(range(10**6))
@@ -183,7 +183,7 @@ def main() -> None:
         "--gpu-time-scale", type=float, default=0.25, help="the modelled engine runs this many times its modelled time"
     )
     args = parser.parse_args()
-    from bapo_megatron.rollout.launcher import embedded_server
+    from bapo_megatron.engines.launcher import embedded_server
 
     print(
         f"{args.prompts} prompts x {args.samples} samples per step; max_new_tokens {args.max_new}; partial: budget "

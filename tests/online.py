@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from bapo_megatron.rollout.launcher import free_port
+from bapo_megatron.engines.launcher import free_port
 from tests.helpers import make_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def assert_every_group_trained_once(run: Path, argv: list[str], steps: int) -> l
     from megatron.core import dist_checkpointing
 
     from bapo_megatron.config import load_config
-    from bapo_megatron.rollout.data import PromptSource
+    from bapo_megatron.data.prompts import PromptSource
 
     cfg = load_config(None, argv)
     trained = [g for step in trained_groups(run) for g in step]

@@ -1,1 +1,1 @@
-"""Generation: engines, partial-rollout buffer, rewards, data; and the rollout batch format."""
+"""Generation: the partial-rollout buffer, the rollout core, its strategies (sync modes, async), held-out evaluation."""

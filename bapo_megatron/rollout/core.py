@@ -5,7 +5,7 @@ continued sample's prefix when it is alive), records each completion's tokens, l
 versions in the buffer as it arrives, and scores finished samples beside generation. The
 strategies (rollout/strategies.py) decide only when to send, when to stop and what to cut.
 
-Faults: a request that fails with EngineUnavailable marks its engine dead (rollout/pool.py) and
+Faults: a request that fails with EngineUnavailable marks its engine dead (engines/pool.py) and
 is resubmitted elsewhere. A request the engine answers with a failure (an abort carrying an
 error status) keeps what it generated and is sent again; the same sample failing
 MAX_SAMPLE_FAILURES times in a row stops the rollout with its error (RolloutError), rather
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from bapo_megatron.common.protocol import Completion, SamplingParams
+from bapo_megatron.engines.client import EngineError, EngineUnavailable
+from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.errors import RunStopped
+from bapo_megatron.rewards.workers import RewardWorkers
 from bapo_megatron.rollout.buffer import Request, RolloutBuffer, SampleState
-from bapo_megatron.rollout.client import EngineError, EngineUnavailable
-from bapo_megatron.rollout.pool import EnginePool
-from bapo_megatron.rollout.reward_workers import RewardWorkers
 
 PromptFn = Callable[[], tuple[str, list[int], dict[str, Any]]]
 MAX_SAMPLE_FAILURES = 3

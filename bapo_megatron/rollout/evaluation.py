@@ -20,9 +20,9 @@ from typing import Any
 
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import EvalConfig, SamplingConfig
-from bapo_megatron.rollout.client import EngineUnavailable
-from bapo_megatron.rollout.pool import EnginePool
-from bapo_megatron.rollout.reward_workers import RewardWorkers
+from bapo_megatron.engines.client import EngineUnavailable
+from bapo_megatron.engines.pool import EnginePool
+from bapo_megatron.rewards.workers import RewardWorkers
 
 
 @dataclass(frozen=True)

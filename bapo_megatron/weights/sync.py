@@ -23,7 +23,7 @@ weights) are flushed once, with the last bucket, not after every bucket.
 `send` runs on the trainer's thread: the buckets' collectives (tensor- and pipeline-parallel
 gathers, the holders' gathers) and the broadcasts to the engines stay where the other ranks
 run theirs, on the trainer's CUDA device and stream, while the HTTP calls go through the
-engines' event loop (rollout/loop.py), which keeps the rollout going meanwhile.
+engines' event loop (engines/loop.py), which keeps the rollout going meanwhile.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from bapo_megatron.common import ipc, protocol, weight_group
-from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
-from bapo_megatron.rollout.loop import EngineLoop
+from bapo_megatron.engines.client import EngineClient, EngineError, EngineUnavailable
+from bapo_megatron.engines.loop import EngineLoop
 
 Bucket = list[tuple[str, torch.Tensor]]
 

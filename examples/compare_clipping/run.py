@@ -208,7 +208,7 @@ def run_study(args, results_path: Path) -> None:
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(HERE))
-from bapo_megatron.rollout.launcher import free_port  # noqa: E402
+from bapo_megatron.engines.launcher import free_port  # noqa: E402
 from bapo_megatron.tasks import TASKS  # noqa: E402
 
 if __name__ == "__main__":

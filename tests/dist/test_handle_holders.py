@@ -61,7 +61,7 @@ def _worker(rank: int, world: int, holders_n: int) -> None:
     import torch.distributed as dist
 
     from bapo_megatron.common import ipc
-    from bapo_megatron.rollout.loop import EngineLoop
+    from bapo_megatron.engines.loop import EngineLoop
     from bapo_megatron.weights.sync import HandleHolders, TensorWeightSender
 
     pids: list = [None] * world

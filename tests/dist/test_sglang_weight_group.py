@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo_megatron.rollout.launcher import ServerProcess, free_port
+from bapo_megatron.engines.launcher import ServerProcess, free_port
 from tests.dist.launch import run_workers
 from tests.sglang_wheel import WheelUnavailable, wheel_path
 
@@ -51,8 +51,8 @@ def _receiver(out: Path, index: int) -> ServerProcess:
 def _trainer(rank: int, world: int, control: str) -> None:
     """Rank 0 of the weight-update group; `control` is a directory through which the test
     restarts an engine between phases (the trainer waits for its new URL)."""
-    from bapo_megatron.rollout.client import EngineClient
-    from bapo_megatron.rollout.loop import EngineLoop
+    from bapo_megatron.engines.client import EngineClient
+    from bapo_megatron.engines.loop import EngineLoop
     from bapo_megatron.weights.sync import DistributedWeightSender
 
     def urls(phase: int) -> list[str]:

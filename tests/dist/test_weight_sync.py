@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo_megatron.rollout.launcher import embedded_server, free_port
+from bapo_megatron.engines.launcher import embedded_server, free_port
 from tests.dist.launch import run_workers
 from tests.helpers import make_hf_model
 
@@ -31,8 +31,8 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
     from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.common.protocol import SamplingParams
     from bapo_megatron.config import load_config
-    from bapo_megatron.rollout.client import EngineClient
-    from bapo_megatron.rollout.loop import EngineLoop
+    from bapo_megatron.engines.client import EngineClient
+    from bapo_megatron.engines.loop import EngineLoop
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer

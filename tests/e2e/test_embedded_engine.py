@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bapo_megatron.common.protocol import SamplingParams
-from bapo_megatron.rollout.client import EngineClient, EngineError
-from bapo_megatron.rollout.launcher import embedded_server
+from bapo_megatron.engines.client import EngineClient, EngineError
+from bapo_megatron.engines.launcher import embedded_server
 from tests.engine_state import generating, until
 from tests.helpers import make_hf_model
 
@@ -208,7 +208,7 @@ def test_memory_released_and_resumed_as_a_colocated_trainer_does(server, model_d
 
 def test_released_memory_is_freed(model_dir):
     """The engine core gives the memory back: no parameter storage, no cache, no prefix store."""
-    from bapo_megatron.rollout.engine_core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
 
     core = EngineCore(model_dir, max_batch=2)
     request = Request("r", [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -232,8 +232,8 @@ def test_released_memory_is_freed(model_dir):
 def test_a_failing_step_fails_its_requests_instead_of_hanging(model_dir):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from bapo_megatron.rollout.embedded import EmbeddedServer
-    from bapo_megatron.rollout.engine_core import EngineCore
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.server import EmbeddedServer
 
     core = EngineCore(model_dir)
 
@@ -259,7 +259,7 @@ def test_slotted_cache_under_arrivals_finishes_retracts_and_growth(model_dir):
     """The engine loop itself: requests arriving while others decode, a waiting queue (3 slots),
     finishes that move slots, a retract (caches dropped mid-generation) and caches growing past
     their first capacity; every token's log-prob is still transformers' own."""
-    from bapo_megatron.rollout.engine_core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
 
     core = EngineCore(model_dir, max_batch=3)
     lengths = [150, 7, 90, 3, 40, 12]
@@ -295,7 +295,7 @@ def test_resubmitted_partial_response_reuses_its_cache_until_weights_change(mode
     values are taken back (no prefill, also after the idle engine gave its cache's memory back)
     and the log-probs are still transformers' own; after a weight load the store is empty and
     it is prefilled again."""
-    from bapo_megatron.rollout.engine_core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
 
     core = EngineCore(model_dir, max_batch=4)
 
@@ -326,7 +326,7 @@ def test_batch_invariant_requests_do_not_depend_on_what_else_runs(model_dir):
     bit the same alone, beside others arriving at other times, and resubmitted after a cut (its
     continuation prefills anew either way), and still transformers' log-probs; the batched engine
     gives the same tokens but only close log-probs."""
-    from bapo_megatron.rollout.engine_core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
 
     def request(i, n=9):
         prompt = [(7 * i + j) % 90 + 1 for j in range(3 + 5 * i)]
@@ -376,7 +376,7 @@ def test_batch_invariant_requests_do_not_depend_on_what_else_runs(model_dir):
 
 
 def test_prefix_store_holds_no_more_positions_than_the_slots(model_dir):
-    from bapo_megatron.rollout.engine_core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
 
     core = EngineCore(model_dir, max_batch=1)
     for i in range(4):  # each leaves 39 cached positions; one slot of capacity 64 bounds the store at 64
@@ -391,8 +391,8 @@ def test_prefill_of_mixed_lengths_runs_in_length_sorted_forwards_and_stays_exact
     """Requests of very different lengths arriving together are prefilled in several forwards
     (unmasked, right-padded, logits at each row's last token only); every token's log-prob is
     still transformers' own, through the decode steps that follow in the shared slots."""
-    from bapo_megatron.rollout import engine_core
-    from bapo_megatron.rollout.engine_core import EngineCore, Request
+    from bapo_megatron.engines.embedded import core as engine_core
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
 
     monkeypatch.setattr(engine_core, "PREFILL_OVERHEAD_POSITIONS", 16)
     core = EngineCore(model_dir, max_batch=8)
@@ -427,8 +427,8 @@ def test_prefill_of_mixed_lengths_runs_in_length_sorted_forwards_and_stays_exact
 def test_server_logs_its_throughput(model_dir, capsys):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from bapo_megatron.rollout.embedded import EmbeddedServer
-    from bapo_megatron.rollout.engine_core import EngineCore
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.server import EmbeddedServer
 
     server = EmbeddedServer(EngineCore(model_dir), log_interval_s=1e-6)
 

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from bapo_megatron.rollout import embedded
-from bapo_megatron.rollout.embedded import EmbeddedServer
-from bapo_megatron.rollout.engine_core import EngineCore
+from bapo_megatron.engines.embedded import server as embedded
+from bapo_megatron.engines.embedded.core import EngineCore
+from bapo_megatron.engines.embedded.server import EmbeddedServer
 from tests.helpers import make_hf_model
 
 pytestmark = pytest.mark.e2e
@@ -168,8 +168,8 @@ def test_an_empty_admin_key_is_an_error_at_start(where, model_dir, tmp_path, mon
 
 def test_a_request_whose_sampling_fails_fails_alone(model_dir, monkeypatch):
     from bapo_megatron.common.protocol import SamplingParams
-    from bapo_megatron.rollout import engine_core
-    from bapo_megatron.rollout.engine_core import Request
+    from bapo_megatron.engines.embedded import core as engine_core
+    from bapo_megatron.engines.embedded.core import Request
 
     core = EngineCore(model_dir)
     real = engine_core.sample

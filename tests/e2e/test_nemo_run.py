@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bapo_megatron.rollout.launcher import free_port
+from bapo_megatron.engines.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "launch_nemo_run.py"

@@ -13,7 +13,7 @@ import socket
 
 import pytest
 
-from bapo_megatron.rollout.launcher import embedded_server
+from bapo_megatron.engines.launcher import embedded_server
 from tests.helpers import make_hf_model, verl_parquet
 from tests.online import args, start, write_task
 

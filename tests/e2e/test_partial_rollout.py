@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from bapo_megatron.common.protocol import SamplingParams
+from bapo_megatron.engines.client import EngineClient
+from bapo_megatron.engines.launcher import embedded_server
+from bapo_megatron.engines.pool import EnginePool
+from bapo_megatron.engines.supervisor import Supervisor
+from bapo_megatron.rewards.workers import RewardWorkers
 from bapo_megatron.rollout.buffer import RolloutBuffer
-from bapo_megatron.rollout.client import EngineClient
 from bapo_megatron.rollout.core import RolloutCore
-from bapo_megatron.rollout.launcher import embedded_server
-from bapo_megatron.rollout.pool import EnginePool
-from bapo_megatron.rollout.reward_workers import RewardWorkers
 from bapo_megatron.rollout.strategies import AbortSteps, RetractSteps
-from bapo_megatron.rollout.supervisor import Supervisor
 from tests.engine_state import generating
 from tests.helpers import make_hf_model
 

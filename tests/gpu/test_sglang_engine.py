@@ -1,7 +1,7 @@
 """Real SGLang 0.5.23 on a GPU: our launcher, client and weight sync against the server itself.
 
 One colocated server (memory saver on) of a small random bf16 Qwen2, started by
-rollout/sglang_launcher.py, is driven through rollout/client.py:
+engines/sglang_launcher.py, is driven through engines/client.py:
 
 - /generate with logprobs: each sampled token's log-prob equals log_softmax(logits / T) of the
   same weights in transformers (float32 reference; the server computes in bf16, hence the
@@ -69,8 +69,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     from bapo_megatron.config import load_config
-    from bapo_megatron.rollout.launcher import free_port
-    from bapo_megatron.rollout.sglang_launcher import start_sglang
+    from bapo_megatron.engines.launcher import free_port
+    from bapo_megatron.engines.sglang_launcher import start_sglang
 
     root, _ = models
     cfg = load_config(
@@ -118,7 +118,7 @@ def _buckets(model):
 
 
 def test_generate_abort_pause(server, models):
-    from bapo_megatron.rollout.client import EngineClient
+    from bapo_megatron.engines.client import EngineClient
 
     proc, key = server
     _, weights = models
@@ -146,7 +146,7 @@ def test_generate_abort_pause(server, models):
 
 
 def test_colocated_cycle_and_disk(server, models):
-    from bapo_megatron.rollout.client import EngineClient
+    from bapo_megatron.engines.client import EngineClient
     from bapo_megatron.weights.sync import TensorWeightSender
 
     proc, key = server
@@ -177,8 +177,8 @@ def test_colocated_cycle_and_disk(server, models):
     torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs the sender on a second GPU"
 )
 def test_update_over_nccl(server, models):
-    from bapo_megatron.rollout.client import EngineClient
-    from bapo_megatron.rollout.launcher import free_port
+    from bapo_megatron.engines.client import EngineClient
+    from bapo_megatron.engines.launcher import free_port
     from bapo_megatron.weights.sync import DistributedWeightSender
 
     proc, key = server

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from bapo_megatron.common.protocol import Completion
+from bapo_megatron.rewards.functions import last_boxed, score
+from bapo_megatron.rewards.workers import RewardWorkers
 from bapo_megatron.rollout.buffer import RolloutBuffer
-from bapo_megatron.rollout.reward_workers import RewardWorkers
-from bapo_megatron.rollout.rewards import last_boxed, score
 
 
 def _completion(n: int, finish: str, version: str, start: int = 0) -> Completion:

@@ -123,7 +123,7 @@ def test_endpoints_exist_and_control_ones_are_admin_protected(wheel):
 
 def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
     from bapo_megatron.config import SGLANG_LAUNCHER_ARGS, load_config
-    from bapo_megatron.rollout.sglang_launcher import server_args, sglang_servers
+    from bapo_megatron.engines.sglang_launcher import server_args, sglang_servers
 
     fields = set()
     for name in wheel.namelist():
@@ -218,7 +218,7 @@ def test_asynchronous_pauses_and_updates_are_sglangs(wheel):
     import typing
 
     from bapo_megatron.config import RolloutConfig
-    from bapo_megatron.rollout.embedded import EmbeddedServer
+    from bapo_megatron.engines.embedded.server import EmbeddedServer
 
     io = _source(wheel, "managers/io_struct.py")
     pause = next(

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from bapo_megatron.config import DataConfig
-from bapo_megatron.rollout.data import PromptLimits, PromptSource
+from bapo_megatron.data.prompts import PromptLimits, PromptSource
 from tests.helpers import verl_parquet, word_tokenizer
 
 
@@ -224,7 +224,7 @@ def test_the_jsonl_line_index_agrees_with_a_plain_read(tmp_path, monkeypatch):
     newline) finds the records a plain splitlines() does, at chunk sizes from 1 byte up."""
     import random
 
-    from bapo_megatron.rollout import records
+    from bapo_megatron.data import records
 
     rng = random.Random(0)
     for trial in range(150):
@@ -253,7 +253,7 @@ def test_the_arrow_cache_holds_every_row_where_a_plain_read_has_it(tmp_path, mon
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from bapo_megatron.rollout import records
+    from bapo_megatron.data import records
 
     rows = [{"prompt": [i + 1, i + 2], "meta": {"k": i}} for i in range(23)]
     for group, batch in [(5, 7), (23, 4), (3, 32), (7, 7)]:

@@ -11,10 +11,10 @@ import tokenizers
 from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import load_config
 from bapo_megatron.driver import RolloutDriver
+from bapo_megatron.engines.launcher import free_port
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.rollout.launcher import free_port
-from bapo_megatron.rollout.reward_workers import RewardWorkers
-from bapo_megatron.rollout.rewards import load_reward
+from bapo_megatron.rewards.functions import load_reward
+from bapo_megatron.rewards.workers import RewardWorkers
 
 TEMPLATE = "{% for m in messages %}t1 {{ m['content'] }} t2{% endfor %}{% if add_generation_prompt %} t3{% endif %}"
 

@@ -7,8 +7,8 @@ import types
 import pytest
 
 from bapo_megatron.config import load_config
-from bapo_megatron.rollout import sglang_launcher
-from bapo_megatron.rollout.launcher import EngineStartError, ServerProcess, embedded_server, free_port
+from bapo_megatron.engines import sglang_launcher
+from bapo_megatron.engines.launcher import EngineStartError, ServerProcess, embedded_server, free_port
 
 pytestmark = pytest.mark.unit
 
@@ -63,7 +63,7 @@ def test_server_that_exits_reports_why(tmp_path):
     ],
 )
 def test_embedded_engine_refuses_a_model_dir_it_cannot_serve(tmp_path, capsys, files, problem):
-    from bapo_megatron.rollout.embedded import main
+    from bapo_megatron.engines.embedded.server import main
 
     for name, text in files.items():
         (tmp_path / name).write_text(text)

@@ -1,11 +1,13 @@
 """The import direction of the package's layers and top-level modules, function-level imports included:
 
-    errors, fsutil -> algo -> config -> common -> trainer, rollout -> weights
+    errors, fsutil -> algo -> config -> common -> trainer, engines, data, rewards -> rollout, weights
         -> logger, tasks, evaluate, serve, preflight -> cli, driver -> sources -> job -> train
 
 A module may import its own layer and those before it, never one after, and never a sibling of its
-rank: the trainer knows nothing of the engines, the engines nothing of the trainer, only the weight
-tools and the top floor join the two, and the top-floor modules import each other in one direction
+rank: the trainer knows nothing of the engines, the engines nothing of the trainer, data or
+rewards (the embedded engine is the engines' own), rewards nothing of how records are read;
+generation (rollout) joins engines, data and rewards, the weight tools join the trainer and the
+engines, and only the top floor joins the two, and the top-floor modules import each other in one direction
 (cli, train, driver once imported each other in a circle that a single rank for them all could not
 see)."""
 
@@ -20,7 +22,10 @@ RANK = {
     "config": 2,
     "common": 3,
     "trainer": 4,
-    "rollout": 4,
+    "engines": 4,
+    "data": 4,
+    "rewards": 4,
+    "rollout": 5,
     "weights": 5,
     "logger": 6,
     "tasks": 6,
@@ -60,14 +65,14 @@ def imports(file: Path) -> list[tuple[int, str]]:
     return out
 
 
-def violations() -> list[str]:
+def violations(package: Path = PACKAGE) -> list[str]:
     bad = []
-    for file in sorted(PACKAGE.rglob("*.py")):
-        own = file.relative_to(PACKAGE).parts[0].removesuffix(".py")
+    for file in sorted(package.rglob("*.py")):
+        own = file.relative_to(package).parts[0].removesuffix(".py")
         for line, module in imports(file):
             target = layer(module)
             if rank(target) > rank(own) or (target != own and rank(target) == rank(own)):
-                bad.append(f"{file.relative_to(PACKAGE)}:{line} ({own}) imports {module} ({target})")
+                bad.append(f"{file.relative_to(package)}:{line} ({own}) imports {module} ({target})")
     return bad
 
 
@@ -88,7 +93,29 @@ def test_the_check_sees_function_level_imports_and_would_catch_the_old_circles(t
     file = tmp_path / "x.py"
     file.write_text("def f():\n    from bapo_megatron.weights.hf_io import HFCheckpoint\n")
     assert imports(file) == [(2, "bapo_megatron.weights.hf_io")]
-    assert rank(layer("bapo_megatron.weights.hf_io")) > rank("rollout")
-    assert rank(layer("bapo_megatron.rollout.batch")) == rank("trainer")  # a sibling: refused by violations()
+    assert rank(layer("bapo_megatron.weights.hf_io")) > rank("engines")
+    assert rank(layer("bapo_megatron.weights.sync")) == rank("rollout")  # a sibling: refused by violations()
+    assert rank(layer("bapo_megatron.rollout.buffer")) > rank("trainer")  # trainer -> rollout refused
+    assert rank(layer("bapo_megatron.engines.client")) == rank("trainer")  # a sibling: refused by violations()
     assert rank(layer("bapo_megatron.cli")) == rank("driver")  # driver -> cli (rollout_mem_fraction): a sibling
     assert rank(layer("bapo_megatron.train")) > rank("cli")  # cli -> train (validate, model_spec) refused
+
+
+def test_the_check_catches_arrows_between_the_rollout_packages(tmp_path):
+    """The packages split out of rollout/ stay apart: an engine that imports the buffer (back up), a
+    reward that reads records (a sibling), data that scores (a sibling) are each refused; generation
+    importing all three is not."""
+    cases = {
+        "engines/pool.py": "from bapo_megatron.rollout.buffer import RolloutBuffer\n",
+        "rewards/functions.py": "from bapo_megatron.data.records import open_records\n",
+        "data/prompts.py": "def f():\n    from bapo_megatron.rewards.workers import RewardWorkers\n",
+        "rollout/core.py": (
+            "from bapo_megatron.engines.pool import EnginePool\nfrom bapo_megatron.data.prompts import PromptSource\n"
+            "from bapo_megatron.rewards.workers import RewardWorkers\n"
+        ),
+    }
+    for path, text in cases.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    found = violations(tmp_path)
+    assert [v.split(":")[0] for v in found] == ["data/prompts.py", "engines/pool.py", "rewards/functions.py"], found

@@ -10,8 +10,8 @@ import os
 import pytest
 
 from bapo_megatron.errors import RunStopped
+from bapo_megatron.rewards.workers import FailingRewards, RewardWorkers
 from bapo_megatron.rollout.buffer import GroupState, SampleState
-from bapo_megatron.rollout.reward_workers import FailingRewards, RewardWorkers
 from tests.helpers import HOSTILE_REWARDS
 
 

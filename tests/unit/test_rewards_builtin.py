@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from bapo_megatron.rollout.rewards import load_reward, reward_spec, score
+from bapo_megatron.rewards.functions import load_reward, reward_spec, score
 from tests.helpers import verl_module
 
 CASES = [

@@ -16,10 +16,10 @@ import zlib
 import pytest
 
 from bapo_megatron.common.protocol import Completion, SamplingParams
+from bapo_megatron.engines.pool import EnginePool
+from bapo_megatron.rewards.workers import RewardWorkers
 from bapo_megatron.rollout.buffer import RolloutBuffer
 from bapo_megatron.rollout.core import MAX_SAMPLE_FAILURES, RolloutCore, RolloutError
-from bapo_megatron.rollout.pool import EnginePool
-from bapo_megatron.rollout.reward_workers import RewardWorkers
 from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds
 
 STOP = 0
@@ -431,8 +431,8 @@ def test_async_drain_leaves_nothing_in_flight_and_the_state_resumes_exactly():
 def test_with_no_engine_serving_for_wait_s_the_pool_stops_the_run():
     """Dead, or back but without the current weights: neither is picked; after wait_s, RunStopped
     naming both; an error the supervisor set (an engine that cannot come back) stops it at once."""
+    from bapo_megatron.engines.client import EngineClient
     from bapo_megatron.errors import RunStopped
-    from bapo_megatron.rollout.client import EngineClient
 
     pool = EnginePool(
         [EngineClient("http://127.0.0.1:9"), EngineClient("http://127.0.0.1:10")], wait_s=0.3, probe_s=0.05

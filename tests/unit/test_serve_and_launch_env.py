@@ -28,7 +28,7 @@ def test_engine_server_is_the_drivers_engine_at_port_plus_index(tmp_path):
     server = engine_server(cfg, 2, tmp_path / "engines")
     assert server.url == "http://0.0.0.0:31002"
     command = server.command
-    assert command[1:3] == ["-m", "bapo_megatron.rollout.embedded"]
+    assert command[1:3] == ["-m", "bapo_megatron.engines.embedded"]
     assert command[command.index("--port") + 1] == "31002" and command[command.index("--seed") + 1] == "9"
     assert server.env["BAPO_ADMIN_API_KEY"] == "k" * 32  # the job's shared key, never on the command line
     with pytest.raises(ValueError, match="--index 3: the job has rollout.engines.servers=3"):
@@ -50,7 +50,7 @@ def test_engine_server_refuses_what_cannot_be_served(tmp_path):
 
 
 def test_wait_names_the_engines_that_never_answered(capsys):
-    from bapo_megatron.rollout.launcher import free_port
+    from bapo_megatron.engines.launcher import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert wait_for_engines((url,), timeout_s=0.2, poll_s=0.05) == 2

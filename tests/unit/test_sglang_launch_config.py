@@ -18,8 +18,8 @@ import yaml
 
 from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
+from bapo_megatron.engines.sglang_launcher import server_args, sglang_servers
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.rollout.sglang_launcher import server_args, sglang_servers
 from bapo_megatron.trainer.memory import rollout_mem_fraction
 from tests.helpers import SGLANG_LAUNCH
 from tests.sglang_wheel import WheelUnavailable, extracted_wheel, parser_deps
@@ -87,7 +87,7 @@ def test_sglangs_deprecated_options_are_refused_at_config_time(sglang_parse):
 
 
 def test_the_memory_fraction_is_the_configs_or_derived_when_colocated():
-    from bapo_megatron.rollout.sglang_launcher import SEPARATE_MEM_FRACTION, mem_fraction
+    from bapo_megatron.engines.sglang_launcher import SEPARATE_MEM_FRACTION, mem_fraction
 
     separate = load_config(None, ["rollout.engines.kind=sglang"]).rollout
     assert mem_fraction(separate) == SEPARATE_MEM_FRACTION
@@ -120,7 +120,7 @@ def test_the_launcher_sets_exactly_the_options_the_config_lists():
 
 
 def _placement(trainer_gpus: int, node_gpus: int, *overrides: str) -> list[int]:
-    from bapo_megatron.rollout.sglang_launcher import gpu_placement
+    from bapo_megatron.engines.sglang_launcher import gpu_placement
 
     return gpu_placement(
         load_config(None, ["rollout.engines.kind=sglang", *overrides]).rollout, trainer_gpus, node_gpus

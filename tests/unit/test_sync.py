@@ -6,7 +6,7 @@ sync, by the last bucket, and not at all in an in-place pause."""
 import pytest
 import torch
 
-from bapo_megatron.rollout.loop import EngineLoop
+from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.weights.sync import DistributedWeightSender, TensorWeightSender, WeightSendFailed
 
 

@@ -86,7 +86,7 @@ def _loss_shares(responses: list[tuple[str, bool]], answer: str, max_new_tokens:
     from bapo_megatron.algo.advantages import AdvantageConfig, group_advantages, token_advantages
     from bapo_megatron.algo.losses import PolicyBatch, PolicyLossConfig, policy_loss
     from bapo_megatron.algo.metrics import reduce_metrics
-    from bapo_megatron.rollout.rewards import load_reward
+    from bapo_megatron.rewards.functions import load_reward
 
     reward = load_reward("exact")
     rewards = torch.tensor([[reward(text[:max_new_tokens], [], {"answer": answer}) for text, _ in responses]])

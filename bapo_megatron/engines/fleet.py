@@ -20,11 +20,11 @@ from pathlib import Path
 
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig
+from bapo_megatron.engines.client import EngineClient, EngineError, EngineUnavailable
+from bapo_megatron.engines.launcher import ServerProcess, embedded_servers
+from bapo_megatron.engines.loop import EngineLoop
+from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.errors import ConfigError, RunStopped
-from bapo_megatron.rollout.client import EngineClient, EngineError, EngineUnavailable
-from bapo_megatron.rollout.launcher import ServerProcess, embedded_servers
-from bapo_megatron.rollout.loop import EngineLoop
-from bapo_megatron.rollout.pool import EnginePool
 
 
 def check_port(host: str, port: int, field: str) -> None:
@@ -58,7 +58,7 @@ class Engines:
         self.key: str | None = None
         self.base_gpus = self._sglang_placement(local_ranks) if e.kind == "sglang" and not e.urls else None
         if e.urls:  # engines of another job: they answer and serve this shape, or nothing starts
-            from bapo_megatron.rollout.sglang_launcher import KEY_ENV, admin_key
+            from bapo_megatron.engines.sglang_launcher import KEY_ENV, admin_key
 
             given = e.admin_key_file or os.environ.get(KEY_ENV)
             self.key = admin_key(cfg.rollout, self.run_dir) if given else None  # theirs: never one generated here
@@ -80,7 +80,7 @@ class Engines:
                 for server in self.servers:
                     server.start()
             else:
-                from bapo_megatron.rollout.sglang_launcher import start_sglang
+                from bapo_megatron.engines.sglang_launcher import start_sglang
 
                 self.servers, self.key = start_sglang(
                     self.cfg.rollout,
@@ -105,7 +105,7 @@ class Engines:
         ConfigError, before any model is built."""
         import torch
 
-        from bapo_megatron.rollout.sglang_launcher import check_installed, gpu_placement
+        from bapo_megatron.engines.sglang_launcher import check_installed, gpu_placement
 
         e = self.cfg.rollout.engines
         try:

@@ -1,6 +1,6 @@
 """The embedded engine's model loop: a transformers model, a slotted KV cache, batched decoding.
 
-No HTTP here (rollout/embedded.py serves it). The running requests' keys and values live in
+No HTTP here (engines/embedded/server.py serves it). The running requests' keys and values live in
 one preallocated buffer per layer (SlotKV): running request i owns slot i, its cached
 positions [0, n_i). A decode step writes each request's new key/value at its own position
 in place and attends over the slots' first max(n_i) + 1 positions with a per-row mask, so

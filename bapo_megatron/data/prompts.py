@@ -1,4 +1,4 @@
-"""Prompts from the records of a data set (rollout/records.py), with a field map and a
+"""Prompts from the records of a data set (data/records.py), with a field map and a
 checkpointed cursor.
 
 A record's prompt (data.prompt_field, a dotted path) is text, a list of token ids, or a list
@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from bapo_megatron.common.fields import MissingField, get_field, has_field
 from bapo_megatron.config import DataConfig
+from bapo_megatron.data.records import open_records
 from bapo_megatron.errors import BadInputError
-from bapo_megatron.rollout.records import MissingField, get_field, has_field, open_records
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 

@@ -8,7 +8,7 @@ Every argument goes in a YAML file (mode 0600) passed with --config, so the admi
 shows in `ps`.
 Servers listen on rollout.engines.host: beyond loopback an admin key is required, read from
 rollout.engines.admin_key_file or $BAPO_ADMIN_API_KEY, or generated into the run directory; the
-client sends it (rollout/client.py). Colocated with the trainer, the memory saver is on
+client sends it (engines/client.py). Colocated with the trainer, the memory saver is on
 (weights and KV cache released while training, pushed again after resume).
 Readiness: /health_generate, with the server's log tail when it fails or times out.
 """
@@ -24,8 +24,7 @@ from typing import Any
 import yaml
 
 from bapo_megatron.config import SGLANG_LAUNCHER_ARGS, RolloutConfig
-from bapo_megatron.rollout.embedded import is_loopback
-from bapo_megatron.rollout.launcher import ServerProcess
+from bapo_megatron.engines.launcher import ServerProcess, is_loopback
 
 KEY_ENV = "BAPO_ADMIN_API_KEY"
 

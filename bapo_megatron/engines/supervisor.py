@@ -15,7 +15,7 @@ A restart that fails max_restarts times in a row sets pool.error, which stops th
 next pick. An engine given by URL (another job's) is polled until it answers, then refits.
 
 Restarts run on the driver's event-loop thread, which lives as long as the driver: the engine's
-death signal (launcher.die_with_parent) belongs to the thread that started it.
+death signal (common/processes.die_with_parent) belongs to the thread that started it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import contextlib
 import sys
 import time
 
-from bapo_megatron.rollout.launcher import ServerProcess
-from bapo_megatron.rollout.pool import EnginePool
+from bapo_megatron.engines.launcher import ServerProcess
+from bapo_megatron.engines.pool import EnginePool
 
 
 class Supervisor:

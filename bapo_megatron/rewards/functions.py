@@ -151,7 +151,7 @@ class Composite:
         self.overlong = spec.get("overlong")
 
     def route(self, meta: dict[str, Any]) -> RewardFn:
-        from bapo_megatron.rollout.records import get_field
+        from bapo_megatron.common.fields import get_field
 
         value = get_field(meta, self.by)
         if str(value) not in self.table:

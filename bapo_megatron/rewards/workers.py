@@ -10,7 +10,7 @@ the error said), never the run's end: a call past `timeout_s` has its worker kil
 past `memory_mb` (address space beyond what it had after importing the reward) fails the call
 with MemoryError and is replaced, a worker that exits mid-call is replaced.
 
-A worker is `python -m bapo_megatron.rollout.reward_workers NAME MEMORY_MB FD`: plain processes,
+A worker is `python -m bapo_megatron.rewards.workers NAME MEMORY_MB FD`: plain processes,
 not multiprocessing's (no semaphores in /dev/shm, no resource tracker to outlive a killed driver).
 It reads calls from stdin (length-prefixed pickles from the driver) and answers one JSON line a
 call on FD, so that the user's prints go to the job's output and the driver never unpickles what
@@ -36,9 +36,9 @@ import threading
 import time
 from typing import Any, NamedTuple
 
+from bapo_megatron.common.processes import usr1_shielded
 from bapo_megatron.errors import RunStopped
-from bapo_megatron.rollout.launcher import usr1_shielded
-from bapo_megatron.rollout.rewards import load_reward, score
+from bapo_megatron.rewards.functions import load_reward, score
 
 START_TIMEOUT_S = 120.0  # a worker's import of the reward module (math-verify pulls in sympy)
 

@@ -1,6 +1,6 @@
 """The embedded engine: SGLang's HTTP subset, served on CPU for the demo, tests and CI.
 
-    python -m bapo_megatron.rollout.embedded --model HF_DIR --port 30000 [--host 127.0.0.1]
+    python -m bapo_megatron.engines.embedded --model HF_DIR --port 30000 [--host 127.0.0.1]
 
 Same payloads as SGLang 0.5.23 (common/protocol.py): /generate with logprobs,
 /abort_request, /pause_generation (abort | retract | in_place), /continue_generation,
@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import functools
-import ipaddress
 import math
 import os
 import secrets
@@ -41,21 +40,13 @@ import torch.distributed as dist
 
 from bapo_megatron.common import protocol
 from bapo_megatron.common.weight_group import join_requested, leave_group
-from bapo_megatron.rollout.engine_core import EngineCore, Request, one_line
+from bapo_megatron.engines.embedded.core import EngineCore, Request, one_line
+from bapo_megatron.engines.launcher import is_loopback
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 METRIC_PREFIX = "bapo_engine_"
 """/metrics names: bapo_engine_busy_seconds_total (time in model steps), the core's counters, the queue."""
 CONTROL_BODY_LIMIT = 64 << 20  # weight updates carry names and handles, never the tensors themselves
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def authorized(path: str, header: str | None, api_key: str | None, admin_key: str | None) -> bool:
@@ -595,7 +586,11 @@ def _non_negative(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bapo_megatron.engines.embedded",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", required=True, help="HF model directory (safetensors)")
     parser.add_argument("--port", type=_in_range(1, 65535), required=True)
     parser.add_argument("--host", default="127.0.0.1")

@@ -2,7 +2,7 @@
 
 An engine is live, dead or refitting. A request that fails with EngineUnavailable (after the
 client's retries) marks its engine dead and is resubmitted to another. A dead engine comes back
-(rollout/supervisor.py: restarted, or answering again) as refitting: it holds weights that are
+(engines/supervisor.py: restarted, or answering again) as refitting: it holds weights that are
 not the policy's (a restart's are the starting ones), so it is never picked until the driver
 has sent it the current weights and checked them (`revive`). With no live engine, `pick` waits
 up to wait_s for one, then stops the run.
@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bapo_megatron.engines.client import EngineClient, EngineUnavailable
 from bapo_megatron.errors import RunStopped
-from bapo_megatron.rollout.client import EngineClient, EngineUnavailable
 
 
 class EnginePool:
