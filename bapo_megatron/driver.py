@@ -2,7 +2,7 @@
 
     driver = RolloutDriver(cfg, spec, run_dir)      # data, reward, tokenizer, ports, engine URLs checked
     driver.start(model_dir)                         # engines started (or connected) and ready
-    batch, metrics = driver.next_batch(version)     # prompts_per_step whole groups, rewarded
+    answer = driver.next_batch(version)             # Ready(batch, metrics), Refit() or GiveUp() (handoff.py)
     metrics = driver.publish(buckets, version)      # every engine now serves `version`
     future = driver.evaluate(version)               # held-out figures of `version`, beside rollout
     driver.close()                                  # engines stopped, workers closed
@@ -13,17 +13,15 @@ asynchronous mode it goes on while the trainer trains; this thread keeps torch's
 generation is scheduled is the rollout strategy's (rollout/strategies.py, by rollout.mode,
 partial.mode and deterministic). Weights travel over a weight-update group from rank 0, or by
 handle to colocated engines, whose memory is released while the trainer runs; after every sync
-each engine's weight version is checked against the trainer's.
+each engine's weight version is checked against the trainer's (weights/engine_updates.py). The
+driver is rank 0's outlet of weights/publish.py: that publish probes and revives through it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import json
 import secrets
-import socket
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -35,24 +33,19 @@ from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.progress import Progress, bars_on
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import JobConfig
-from bapo_megatron.data.prompts import PromptLimits, PromptSource, load_tokenizer
 from bapo_megatron.engines.client import EngineUnavailable
 from bapo_megatron.engines.fleet import Engines
-from bapo_megatron.engines.launcher import free_port
 from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.supervisor import Supervisor
-from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
-from bapo_megatron.rewards.functions import load_reward, reward_spec
+from bapo_megatron.handoff import GiveUp, Ready, Refit
 from bapo_megatron.rewards.workers import FailingRewards, RewardWorkers
 from bapo_megatron.rollout.buffer import GroupState, RolloutBuffer
 from bapo_megatron.rollout.core import RolloutCore
-from bapo_megatron.rollout.evaluation import EvalSet, HeldOut
+from bapo_megatron.rollout.evaluation import HeldOut
+from bapo_megatron.rollout.inputs import RolloutInputs
 from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds, RetractSteps, Strategy
 
 PROBE_TOKENS = 16
-REFIT, GIVEN_UP = "refit", "given up"
-"""next_batch's answers while the rollout waits for an engine that needs the weights, and when the
-job is stopping before the batch is complete."""
 
 
 def make_strategy(cfg: JobConfig, core: RolloutCore) -> Strategy:
@@ -69,32 +62,14 @@ def make_strategy(cfg: JobConfig, core: RolloutCore) -> Strategy:
 
 class RolloutDriver:
     def __init__(self, cfg: JobConfig, spec: ModelSpec, run_dir: Path) -> None:
-        """Everything that can be checked without an engine or a model, checked: the dataset (every
-        record), the reward (imported), the tokenizer (against the model's vocabulary), the held-out
-        set, the engines' ports or URLs."""
+        """Everything that can be checked without an engine or a model, checked: the data sets, the
+        reward and the tokenizer (rollout/inputs.py), the engines' ports or URLs."""
         from bapo_megatron.trainer.parallel import local_world_size
 
-        ro, data = cfg.rollout, cfg.data
+        ro = cfg.rollout
         self.cfg, self.spec, self.run_dir = cfg, spec, Path(run_dir)
-        if data.path is None:
-            raise ConfigError("data.path", None, "generation needs prompts: a jsonl or parquet file")
-        self.tokenizer = load_tokenizer(cfg.model.hf_path)
-        if self.tokenizer is not None and len(self.tokenizer) > spec.vocab_size:
-            raise BadInputError(
-                f"model.hf_path={cfg.model.hf_path}: the tokenizer has {len(self.tokenizer)} tokens, more than "
-                f"the model's vocabulary of {spec.vocab_size}"
-            )
-        self.reward = reward_spec(
-            data.reward, data.reward_by, data.rewards, data.overlong_buffer, data.overlong_penalty_factor,
-            ro.sampling.max_new_tokens,
-        )  # fmt: skip
-        field, value = ("data.rewards", data.rewards) if data.reward_by else ("data.reward", data.reward)
-        try:
-            load_reward(self.reward)
-        except ValueError as err:
-            raise ConfigError(field, value, str(err)) from None
-        self.prompts = self._prompts("data.path", data)
-        held_out = self._eval_sets()
+        self.inputs = RolloutInputs(cfg, spec)
+        self.prompts = self.inputs.prompts
         self.buffer = RolloutBuffer(
             ro.samples_per_prompt, ro.sampling.max_new_tokens, ro.token_budget, ro.max_staleness, ro.mask_stale_prefix
         )
@@ -105,83 +80,27 @@ class RolloutDriver:
         except BaseException:
             self.loop.close()
             raise
-        self.rewards = RewardWorkers(  # processes start at the first score
-            self.reward, data.reward_workers, timeout_s=data.reward_timeout_s, memory_mb=data.reward_memory_mb,
-            bounds=data.reward_range,
-        )  # fmt: skip
-        self.failing_rewards = FailingRewards(
-            data.reward if not data.reward_by else f"by {data.reward_by}", data.max_reward_failure_share,
-            data.reward_failure_steps,
-        )  # fmt: skip
+        self.rewards = RewardWorkers.from_config(cfg.reward, self.inputs.reward)  # processes start at the first score
+        self.failing_rewards = FailingRewards.from_config(cfg.reward)
         slots = ro.engines.max_batch * max(1, len(ro.engines.urls) or ro.engines.servers)
-        self.held_out = HeldOut(held_out, cfg.eval, ro.sampling, cfg.seed, self.rewards, self._decode, slots)
+        decode = self.inputs.decode
+        self.held_out = HeldOut(self.inputs.eval_sets, cfg.eval, ro.sampling, cfg.seed, self.rewards, decode, slots)
         self.strategy: Strategy | None = None
-        self.sender = None
+        self.updates = None  # weights/engine_updates.EngineUpdates, once the engines are up
         self.supervisor: Supervisor | None = None
-        self.members: list[int] = []  # the engines in the weight-update group
-        self.refit: list[int] = []  # engines sent the weights by the last publish while waiting for them
         self._batch: Future | None = None  # a step's rollout, across a refit
         self._evaluation: Future | None = None  # the held-out run in progress
-        self._released = False  # colocated engines' memory given back (after a batch, before a sync)
-
-    def _eval_sets(self) -> list[EvalSet]:
-        """eval.path (metrics eval/*) and every eval.sets entry (eval/NAME/*), read with data's field
-        map and checked as data.path is (the micro-batch aside: no gradient)."""
-        e, sets = self.cfg.eval, []
-        named = [("eval.path", "eval/", e.path, e.samples, e.max_prompts, e.greedy)] if e.path is not None else []
-        for name, one in e.sets.items():
-            samples = e.samples if one.samples is None else one.samples
-            most = e.max_prompts if one.max_prompts is None else one.max_prompts
-            greedy = e.greedy if one.greedy is None else one.greedy
-            named.append((f"eval.sets.{name}.path", f"eval/{name}/", one.path, samples, most, greedy))
-        for field, prefix, path, samples, most, greedy in named:
-            if path is None:
-                raise ConfigError(field, None, "is not set: the set's prompts (file, shards, glob)")
-            if not samples and not greedy:
-                raise ConfigError(field.removesuffix(".path"), path, "0 samples and greedy off evaluate nothing")
-            source = self._prompts(field, dataclasses.replace(self.cfg.data, path=path, shuffle=False))
-            sets.append(EvalSet(prefix, source.first(most), samples, greedy))
-        return sets
-
-    def _prompts(self, field: str, data) -> PromptSource:
-        """data.path's prompts (or eval.path's): the first data.check_records checked now, each
-        with room for max_new_tokens in the model's context (and, training, in one micro-batch)."""
-        new, context = self.cfg.rollout.sampling.max_new_tokens, self.spec.max_position_embeddings
-        limit = context - new
-        reason = f"+ rollout.sampling.max_new_tokens ({new}) exceed the model's context of {context} tokens"
-        microbatch = self.cfg.parallel.max_tokens_per_microbatch if field == "data.path" else None
-        if microbatch is not None and microbatch - new < limit:
-            limit = microbatch - new
-            reason = (
-                f"+ rollout.sampling.max_new_tokens ({new}) exceed parallel.max_tokens_per_microbatch={microbatch}: "
-                "a sample must fit one micro-batch (data.max_prompt_tokens drops longer prompts)"
-            )
-        limits = PromptLimits(vocab_size=self.spec.vocab_size, max_tokens=limit, reason=reason)
-        route = None
-        if data.reward_by is not None:
-            router = load_reward(self.reward)
-
-            def route(meta: dict) -> None:  # every record checked ahead has a reward
-                try:
-                    router.route(meta)
-                except KeyError as err:
-                    raise ValueError(f"{err.args[0]} (data.reward_by)") from None
-
-        try:
-            return PromptSource(data, tokenizer=self.tokenizer, limits=limits, field=field, check=route)
-        except ValueError as err:
-            raise BadInputError(str(err)) from None
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        self._busy: tuple[float, float] | None = None  # (time, the engines' busy seconds) at the last publish
 
     # ------------------------------------------------------------------------------------------
     # Engines.
 
     def start(self, model_dir: str | Path, holders=None, colocated_fraction: float | None = None) -> None:
         """Start the engines on `model_dir` (or connect to rollout.engines.urls) and wait until every
-        one answers; then the rollout strategy and the weight sender (colocated on several GPUs,
-        `holders`: weights/sync.HandleHolders)."""
+        one answers; then the rollout strategy and the weight-update group (colocated on several
+        GPUs, `holders`: weights/sync.HandleHolders)."""
+        from bapo_megatron.weights.engine_updates import EngineUpdates
+
         ro = self.cfg.rollout
         pool = self.engines.start(model_dir, colocated_fraction)
         s = ro.sampling
@@ -191,44 +110,30 @@ class RolloutDriver:
             self.prompts.next,
             self.rewards,
             SamplingParams(s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
-            decode=self._decode,
+            decode=self.inputs.decode,
             deterministic_seed=self.cfg.seed if ro.deterministic else None,
         )
         self.strategy = make_strategy(self.cfg, core)
-        self.sender = self._weight_sender(holders)
-        self.members = pool.serving()  # the engines in the weight-update group
+        self.updates = EngineUpdates(ro, self.engines, holders)
         e = ro.engines  # colocated engines share the trainer's GPUs: one that dies stops the run
         self.supervisor = Supervisor(pool, self.engines.servers, e.max_restarts, e.startup_timeout_s, not e.colocate)
         self.loop.run(self.supervisor.start())
-
-    def _weight_sender(self, holders=None):
-        from bapo_megatron.weights.sync import DistributedWeightSender, TensorWeightSender
-
-        ro, clients = self.cfg.rollout, self.engines.clients
-        if ro.engines.colocate:
-            return TensorWeightSender(clients, engine_tp=ro.engines.tensor_parallel, holders=holders)
-        host = ro.sync.host or ("127.0.0.1" if not ro.engines.urls else socket.getfqdn())
-        ranks = [ro.engines.tensor_parallel] * len(clients)
-        timeout = ro.engines.startup_timeout_s
-        sender = DistributedWeightSender(clients, ranks, host, free_port(host), timeout_s=timeout)
-        self.loop.run(sender.connect())
-        return sender
 
     # ------------------------------------------------------------------------------------------
     # One step.
 
     def needs_refit(self) -> bool:
         """No engine serves and one waits for the weights (brought back after a death): the step
-        cannot go on until every rank helps send them (sources.OnlineSource.next_batch)."""
-        pool = self.strategy.pool
+        cannot go on until every rank helps send them (sources.OnlineFollower.next_batch)."""
+        pool = self.engines.pool
         return bool(pool.refitting) and not pool.live()
 
-    def next_batch(self, version: int, stopping=lambda: False) -> tuple[RolloutBatch, dict[str, float]] | str:
-        """The next prompts_per_step complete groups, for policy version `version` to train on, and
-        their figures; or REFIT, when the rollout waits for an engine that needs the weights (the
-        step's rollout goes on where it was at the next call); or GIVEN_UP, when `stopping()` (a
-        signal) comes first: the run ends without this step, from the state of its last checkpoint
-        or its last step. Colocated engines then give their memory to the trainer until the sync."""
+    def next_batch(self, version: int, stopping=lambda: False) -> Ready | Refit | GiveUp:
+        """Ready: the next prompts_per_step complete groups, for policy version `version` to train
+        on, and their figures; Refit: the rollout waits for an engine that needs the weights (the
+        step's rollout goes on where it was at the next call); GiveUp: `stopping()` (a signal) came
+        first: the run ends without this step, from the state of its last checkpoint or its last
+        step. Colocated engines then give their memory to the trainer until the sync."""
         ro = self.cfg.rollout
         core = self.strategy.core
         with Progress(ro.prompts_per_step, f"rollout {version}", unit="group", enabled=self.progress) as bar:
@@ -243,12 +148,12 @@ class RolloutDriver:
                     self._batch = self.loop.submit(self.strategy.batch(version))
                 while not self._batch.done():
                     if self.needs_refit():  # no engine serves; one waits for the weights
-                        return REFIT
+                        return Refit()
                     if stopping():  # a signal: no step waits for slow engines or rewards
                         self._batch.cancel()
                         self._batch.unwound.wait(60)
                         self._batch = None
-                        return GIVEN_UP
+                        return GiveUp()
                     with contextlib.suppress(TimeoutError):
                         self.loop.wait(self._batch, timeout=0.2)
                 batch, self._batch = self._batch, None
@@ -264,98 +169,47 @@ class RolloutDriver:
         )
         with (self.run_dir / "samples.jsonl").open("a") as f:  # which prompt groups the step trains on
             f.write(json.dumps({"step": version + 1, "groups": [g.uid for g in groups]}) + "\n")
-        if ro.engines.colocate:
-            self.loop.run(self.strategy.pool.each(lambda client: client.release_memory()))
-            self._released = True
+        self.updates.release_memory()
         figures = {**stats, **checked, **batch_figures(groups, version, ro.sampling.max_new_tokens, self.buffer)}
         if self.cfg.data.max_prompt_tokens is not None:
             figures["data/prompts_dropped"] = float(self.prompts.dropped)  # so far, this run and before
-        return batch, figures
+        return Ready(batch, figures)
 
     def publish(self, buckets: Iterable, version: int) -> dict[str, float]:
         """Every bucket to every engine as weight version `version` (the engines paused as the mode
         wants meanwhile); each engine's version is then checked. An evaluation still running on the
         weights these replace finishes first."""
         self.wait_evaluation()
-        start, pool = time.monotonic(), self.strategy.pool
+        start, pool = time.monotonic(), self.engines.pool
         flush = not (self.cfg.rollout.mode == "async" and self.cfg.rollout.pause_mode == "in_place")
         with self.loop.context(self.strategy.paused(version)):
-            self._regroup()
-            if self._released:  # colocated: the engines hold no memory since the batch
-                self.loop.run(pool.each(lambda client: client.resume_memory(["weights"])))
-            sent = self._send(buckets, version, flush)
-            if self._released:
-                self.loop.run(pool.each(lambda client: client.resume_memory(["kv_cache", "cuda_graph"])))
-                self._released = False
-        for index in self.loop.run(self.engines.check_version(version, self.members)):
-            self.loop.call(pool.mark_dead, index)  # died since the update: restarted, and sent the weights then
-        self.refit = [i for i in self.members if i in pool.refitting]  # checked (sources.refit_probe), then revived
+            sent = self.updates.send(buckets, version, flush)
+        self.updates.check(version)
         return {
             "time/weight_sync": time.monotonic() - start,
             "sync/bytes": float(sent),
             "engine/live": len(pool.live()),
             "engine/restarts": float(self.supervisor.restarts),
+            **self._idle_share(),
         }
 
-    def _send(self, buckets: Iterable, version: int, flush: bool) -> int:
-        """The buckets to the group's engines; bytes sent. An engine that died during the update
-        leaves the others with a mix of versions: every member then waits for the weights again
-        (their requests aborted: what they generated before the pause is kept), and `members`
-        is emptied so that the next publish, or the refit the rollout asks for, sends them anew."""
-        from bapo_megatron.weights.sync import WeightSendFailed
+    def _idle_share(self) -> dict[str, float]:
+        """engine/idle_share: the share of the engines' time since the last publish in which they held
+        no request of ours (or were paused): the engines waiting for the trainer."""
+        pool = self.engines.pool
+        now, busy = time.monotonic(), pool.busy_seconds()
+        last, self._busy = self._busy, (now, busy)
+        if last is None or now <= last[0]:
+            return {}
+        return {"engine/idle_share": 1.0 - (busy - last[1]) / (len(pool) * (now - last[0]))}
 
-        if not self.members:  # no engine answers: the trainer's ranks still gather (they come back to a refit)
-            return sum(0 for _ in buckets)
-        try:
-            return self.sender.send(buckets, str(version), self.loop, flush_cache=flush)
-        except WeightSendFailed as err:
-            print(f"weight sync of version {version} failed ({err}): the engines get it again before serving")
-            pool = self.strategy.pool
-
-            async def set_aside(index: int) -> None:
-                client = self.engines.clients[index]
-                if await client.health():
-                    pool.came_back(index)
-                    with contextlib.suppress(Exception):
-                        await client.abort()
-                else:
-                    pool.mark_dead(index)
-
-            async def set_all_aside() -> None:
-                await asyncio.gather(*(set_aside(i) for i in self.members))
-
-            self.loop.run(set_all_aside())
-            self.members = []
-            return 0
+    def waiting(self) -> list[int]:
+        """The engines the last publish sent the weights to while they waited for them."""
+        return self.updates.waiting
 
     def revive(self, engines: list[int]) -> None:
         """These engines took the current weights and passed the checks: they serve again."""
-        pool = self.strategy.pool
-        for index in engines:
-            if index in pool.refitting:  # (not dead since)
-                print(f"engine {self.engines.clients[index].base_url} has the current weights: it serves again")
-                self.loop.call(pool.revive, index)
-
-    def _regroup(self) -> None:
-        """The weight-update group holds the engines that answer (live, or back and waiting for the
-        weights); a new group when that changed (an engine died, or came back). Colocated engines
-        share the trainer's GPUs: one that died stops the run."""
-        pool = self.strategy.pool
-        members = pool.serving()
-        if members == self.members:
-            return
-        gone = [self.engines.clients[i].base_url for i in self.members if i not in members]
-        if gone and self.cfg.rollout.engines.colocate:
-            raise RunStopped(f"colocated engine(s) {', '.join(gone)} died: their GPUs' weights cannot be served")
-        if gone:
-            print(
-                f"engine(s) {', '.join(gone)} stopped answering: the weights go to the {len(members)} left", flush=True
-            )
-        self.members = members
-        self.sender.clients = [self.engines.clients[i] for i in members]
-        self.sender.engine_ranks = [self.cfg.rollout.engines.tensor_parallel] * len(members)
-        if members:
-            self.loop.run(self.sender.connect())  # the old group is left first (a dead end's refusal ignored)
+        self.updates.revive(engines)
 
     def probe(self, engine: int | None = None) -> Sample | None:
         """A fixed response (the first prompt, sampled with a fixed seed) with the log-probs of
@@ -368,7 +222,7 @@ class RolloutDriver:
             ignore_eos=True,
             sampling_seed=self.cfg.seed,
         )
-        pool = self.strategy.pool
+        pool = self.engines.pool
         for index in pool.live() if engine is None else [engine]:
             try:
                 completion = self.loop.run(
@@ -395,7 +249,7 @@ class RolloutDriver:
         if not self.held_out.due(version, self.cfg.steps):
             return None
         self.wait_evaluation()
-        self._evaluation = self.loop.submit(self.held_out.run(self.strategy.pool, version))
+        self._evaluation = self.loop.submit(self.held_out.run(self.engines.pool, version))
         return self._evaluation
 
     def wait_evaluation(self) -> None:
@@ -443,12 +297,12 @@ class RolloutDriver:
             if self.strategy is not None:
                 self.loop.run(self.strategy.close(), timeout=30)
             self.loop.cancel_all(30)  # requests of a step cut short (an error, Ctrl-C): before their clients close
-            if self.sender is not None and hasattr(self.sender, "close"):
-                self.loop.run(self.sender.close(), timeout=30)
+            if self.updates is not None:
+                self.updates.close()
         except Exception:  # the engines may be gone already: their end of the group is gone too
             pass
         finally:
-            self.sender = None
+            self.updates = None
             self.engines.close()
             self.rewards.close()
             self.loop.close()

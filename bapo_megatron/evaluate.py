@@ -1,5 +1,5 @@
 """Evaluate a Hugging Face model directory on held-out prompts with transformers (no engine, no
-Megatron): greedy accuracy, avg@k and pass@k, scored with a reward of `rollout.rewards`.
+Megatron): greedy accuracy, avg@k and pass@k, scored with a reward (--reward: any name reward.function takes).
 
     python -m bapo_megatron.evaluate MODEL_DIR HELDOUT.jsonl --reward exact --samples 4
 

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from bapo_megatron.algo.bapo import PRESETS, BAPOConfig, search_clip_bounds, search_clip_bounds_reference, search_path
+from bapo_megatron.algo.bapo import PRESETS, BAPOConfig, search_clip_bounds, search_path
+from bapo_megatron.algo.bapo_reference import search_clip_bounds_reference
 from bapo_megatron.algo.losses import PolicyBatch, PolicyLossConfig, policy_loss
 
 

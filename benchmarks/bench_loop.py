@@ -102,7 +102,7 @@ def run(directory: Path, mode: str, index: int, args) -> list[dict]:
         "bapo_megatron.train",
         f"model.hf_path={directory / 'model'}",
         f"data.path={directory / 'prompts.jsonl'}",
-        "data.reward=exact_ids",
+        "reward.function=exact_ids",
         f"steps={args.steps}",
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.samples_per_prompt={args.samples}",

@@ -189,7 +189,7 @@ def main() -> None:
 
     from bapo_megatron.config import ModelConfig, ParallelConfig
     from bapo_megatron.trainer import megatron_config as mc
-    from bapo_megatron.trainer.checkpoint import load_model
+    from bapo_megatron.trainer.dist_ckpt import load_model
     from bapo_megatron.trainer.parallel import init_model_parallel as init_mp
     from bapo_megatron.weights.export import stream_hf_buckets
 

@@ -61,8 +61,8 @@ def anchored_paths(preset: Path, root: Path) -> list[str]:
 
     cfg = load_config(preset)
     fields = {"model.hf_path": cfg.model.hf_path, "data.path": cfg.data.path, "eval.path": cfg.eval.path}
-    if cfg.data.reward.rpartition(":")[0].endswith(".py"):  # a reward function from a file
-        fields["data.reward"] = cfg.data.reward
+    if cfg.reward.function.rpartition(":")[0].endswith(".py"):  # a reward function from a file
+        fields["reward.function"] = cfg.reward.function
     anchored = []
     for key, value in fields.items():
         if value and not Path(value).is_absolute() and (ROOT / value.split(":")[0]).exists():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import random
 from pathlib import Path
 
@@ -108,7 +110,7 @@ def arity(text):
 def raises(text, ids, record):
     return 1 / 0
 """
-"""Reward functions as users write them by mistake (data.reward="FILE:name"): they hang, leak,
+"""Reward functions as users write them by mistake (reward.function="FILE:name"): they hang, leak,
 exit, die, or return what is not a reward."""
 
 
@@ -175,3 +177,40 @@ def verl_module(path: str):
     with zipfile.ZipFile(wheel) as whl:
         exec(compile(whl.read(path).decode(), f"verl-{VERL_VERSION}/{path}", "exec"), module.__dict__)
     return module
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant of it."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def shm_files(pids: list[int]) -> set[str]:
+    """The /dev/shm files these processes hold open or mapped now (named semaphores, shared memory):
+    what a kill of them could leave behind, and nothing of any other job's. A named semaphore is
+    mapped under the temporary name glibc made it with (deleted since), so files are matched by
+    inode, not by the name in the map."""
+    inodes = set()
+    for pid in pids:
+        proc = Path(f"/proc/{pid}")
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    inodes.add(int(fields[4]))
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd).startswith("/dev/shm/"):
+                    inodes.add(os.stat(fd).st_ino)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # gone meanwhile
+    found = set()
+    for path in Path("/dev/shm").iterdir() if inodes else ():
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+            if path.stat().st_ino in inodes:
+                found.add(str(path))
+    return found

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from bapo_megatron.engines.launcher import free_port
-from tests.helpers import make_hf_model
+from tests.helpers import make_hf_model, process_tree, shm_files
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_TMP = re.compile(r"^\.step_\d{8}\..+\.tmp$")
@@ -59,7 +59,7 @@ def args(task: Path, run: Path, steps: int, *extra: str) -> list[str]:
     return [
         f"model.hf_path={task / 'm'}",
         f"data.path={task / 'prompts.jsonl'}",
-        f"data.reward={task / 'reward.py'}:even",
+        f"reward.function={task / 'reward.py'}:even",
         f"steps={steps}",
         "rollout.prompts_per_step=4",
         "rollout.samples_per_prompt=4",
@@ -87,6 +87,23 @@ def train(argv: list[str], launcher: list[str] | None = None) -> str:
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
     return out
+
+
+def train_holding_shm(argv: list[str]) -> tuple[str, set[str]]:
+    """train(argv), and the /dev/shm files its processes held along the way (sampled every 0.2 s):
+    what must be gone once it ended."""
+    import concurrent.futures
+
+    proc = start(argv)
+    held: set[str] = set()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        output = pool.submit(proc.communicate, timeout=900)  # its pipe drained meanwhile
+        while not output.done():
+            held |= shm_of_run(proc)
+            time.sleep(0.2)
+        out, _ = output.result()
+    assert proc.returncode == 0, out[-4000:]
+    return out, held
 
 
 def metrics(run: Path) -> list[dict]:
@@ -134,7 +151,7 @@ def no_engine_left(path: Path) -> None:
     deadline = time.monotonic() + 30
     while True:
         ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
-        left = [line for line in ps.splitlines() if "rollout.embedded" in line and any(m in line + " " for m in mine)]
+        left = [line for line in ps.splitlines() if "engines.embedded" in line and any(m in line + " " for m in mine)]
         if not left:
             return
         assert time.monotonic() < deadline, f"engine processes still running: {left}"
@@ -183,7 +200,7 @@ def engine_pids(run: Path) -> dict[int, int]:
         pid, _, command = line.strip().partition(" ")
         for port in PORTS.get(run, []):
             for i in range(8):
-                if "rollout.embedded" in command and f"--port {port + i} " in command + " ":
+                if "engines.embedded" in command and f"--port {port + i} " in command + " ":
                     out[port + i] = int(pid)
     return out
 
@@ -194,7 +211,7 @@ def reward_workers_left(path: Path) -> list[str]:
     return [
         line
         for line in ps.splitlines()
-        if "rollout.reward_workers" in line and str(path) in line and not line.lstrip().startswith("Z")
+        if "rewards.workers" in line and str(path) in line and not line.lstrip().startswith("Z")
     ]
 
 
@@ -206,9 +223,10 @@ def no_reward_worker_left(path: Path) -> None:
         time.sleep(0.2)
 
 
-def mp_semaphores() -> set[str]:
-    """multiprocessing's named semaphores in /dev/shm (a killed run's would stay there)."""
-    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp")}
+def shm_of_run(proc: subprocess.Popen) -> set[str]:
+    """The /dev/shm files the run's processes (the trainer and every child: reward workers,
+    multiprocessing's resource tracker, engines) hold now: what a kill could leave behind."""
+    return shm_files(process_tree(proc.pid))
 
 
 def assert_logs_match_checkpoint(run: Path) -> int:

@@ -8,9 +8,9 @@ from bapo_megatron.algo.bapo import (
     ClipBounds,
     bapo_preset,
     search_clip_bounds,
-    search_clip_bounds_reference,
     search_path,
 )
+from bapo_megatron.algo.bapo_reference import search_clip_bounds_reference
 from bapo_megatron.algo.losses import POLICY_LOSSES, PolicyBatch, PolicyLossConfig, policy_loss
 from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
 

@@ -146,7 +146,7 @@ def bapo_preset(name: str, **overrides: object) -> BAPOConfig:
 # The search path: the plain loop of the spec, with the stopping test supplied by the caller.
 
 
-def _walk(config: BAPOConfig, meets: Callable[[float, float], bool]) -> list[tuple[float, float]]:
+def walk(config: BAPOConfig, meets: Callable[[float, float], bool]) -> list[tuple[float, float]]:
     """Every (c_low, c_high) the spec's loop visits, in order; the last one is its answer.
 
     Bounds are recomputed from step counts (a + i * d, rounded to 12 decimals) rather than
@@ -195,7 +195,7 @@ class SearchPath:
 
 def search_path(config: BAPOConfig) -> SearchPath:
     """The full path of `config` (the loop never stopping early); its length is K of the spec."""
-    points = tuple(_walk(config, lambda c_low, c_high: False))
+    points = tuple(walk(config, lambda c_low, c_high: False))
     low_grid = tuple(sorted({p[0] for p in points}))
     high_grid = tuple(sorted({p[1] for p in points}))
     return SearchPath(
@@ -211,7 +211,7 @@ def search_path(config: BAPOConfig) -> SearchPath:
 # One pass over the tokens: P for every upper bound, N for every lower bound.
 
 
-def _check_shapes(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> None:
+def check_shapes(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> None:
     if ratio.shape != advantages.shape or ratio.shape != mask.shape:
         raise ValueError(
             f"ratio, advantages and mask must have one shape; got ratio {tuple(ratio.shape)}, "
@@ -271,7 +271,7 @@ def contribution_sums(
         P [len(high_grid)], N [len(low_grid)], and counts [4] = (invalid ratios, invalid
         advantages or weights, counted weight, counted tokens), all float64, no collective.
     """
-    _check_shapes(ratio, advantages, mask)
+    check_shapes(ratio, advantages, mask)
     device = ratio.device
     pos_r, pos_w = (torch.zeros(len(high_grid) + 1, dtype=torch.float64, device=device) for _ in range(2))
     neg_r, neg_w = (torch.zeros(len(low_grid) + 1, dtype=torch.float64, device=device) for _ in range(2))
@@ -395,10 +395,10 @@ class BoundSearch:
         try:
             return self.select(self.table(ratio, advantages, mask), group)
         except NonFiniteInputError as err:
-            raise NonFiniteInputError(f"{err}{_first_invalid(ratio, advantages, mask)}") from None
+            raise NonFiniteInputError(f"{err}{first_invalid(ratio, advantages, mask)}") from None
 
 
-def _first_invalid(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> str:
+def first_invalid(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> str:
     """Where this rank's first invalid counted token is, for the error message (error path only)."""
     counted = mask.reshape(-1) != 0
     checks = (
@@ -441,66 +441,3 @@ def search_clip_bounds(
     if config not in _SEARCHES:
         _SEARCHES[config] = BoundSearch(config)
     return _SEARCHES[config](ratio, advantages, mask, group)
-
-
-# ----------------------------------------------------------------------------------------------
-# The plain loop: one full pass over the tokens per search step, as the authors' code does.
-
-
-def contributions_at(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    c_low: float,
-    c_high: float,
-    contribution: Contribution,
-    dual_clip: float | None,
-) -> tuple[float, float]:
-    """P and N at one pair of bounds, written as the spec states them (float64, one pass)."""
-    r, a, m = (t.reshape(-1).to(torch.float64) for t in (ratio, advantages, mask))
-    counted = m != 0
-    pos = counted & (a > 0)
-    neg = counted & (a < 0)
-    r = torch.where(counted, r, 1.0)
-    if contribution == "gradient":
-        p = torch.where(pos & (r < c_high), m * r * a, 0.0).sum()
-        neg_grad = neg & (r > c_low) if dual_clip is None else neg & (r > c_low) & (r < dual_clip)
-        n = torch.where(neg_grad, m * r * -a, 0.0).sum()
-    else:
-        p = torch.where(pos, m * a * torch.clamp(r, max=c_high), 0.0).sum()
-        neg_value = torch.clamp(r, min=c_low)
-        if dual_clip is not None:
-            neg_value = torch.clamp(neg_value, max=dual_clip)
-        n = torch.where(neg, m * -a * neg_value, 0.0).sum()
-    return p.item(), n.item()
-
-
-def search_clip_bounds_reference(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    config: BAPOConfig,
-) -> ClipBounds:
-    """The spec's iterative search, literally: evaluate rho, step, repeat. For tests and benchmarks."""
-    _check_shapes(ratio, advantages, mask)
-    counted = mask.reshape(-1) != 0
-    finite = torch.isfinite(ratio.reshape(-1)) & (ratio.reshape(-1) >= 0) & torch.isfinite(advantages.reshape(-1))
-    valid_mask = torch.isfinite(mask.reshape(-1).double()) & (mask.reshape(-1) >= 0)
-    if bool((counted & ~(finite & valid_mask)).any()):
-        raise NonFiniteInputError(
-            f"BAPO bound search: counted tokens have invalid inputs{_first_invalid(ratio, advantages, mask)}"
-        )
-
-    def rho(c_low: float, c_high: float) -> float:
-        p, n = contributions_at(ratio, advantages, mask, c_low, c_high, config.contribution, config.search_dual_clip)
-        return 1.0 if p + n <= 0 else p / (p + n)
-
-    visited = _walk(config, lambda c_low, c_high: rho(c_low, c_high) >= config.target_rho - TOL)
-    c_low, c_high = visited[-1]
-    return ClipBounds(
-        c_low=c_low,
-        c_high=c_high,
-        rho=rho(c_low, c_high),
-        rho_start=rho(*visited[0]),
-        steps=len(visited) - 1,
-    )

@@ -24,7 +24,7 @@ INTEGER_FIELDS = ("prompt_ids", "prompt_lengths", "response_ids", "response_leng
 
 
 class Group(Protocol):
-    """A prompt's group of samples as the rollout side keeps it (rollout/partial.py: GroupState)."""
+    """A prompt's group of samples as the rollout side keeps it (rollout/buffer.py: GroupState)."""
 
     uid: str
     samples: list

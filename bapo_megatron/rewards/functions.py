@@ -8,10 +8,10 @@ else -1); "exact" ("exact_text") compares the text, "exact_ids" the tokens. Any 
 user function: "pkg.module:fn" (imported) or "path/to/file.py:fn" (loaded from the file),
 resolved once per process (`load_reward`).
 
-A run's reward may be composite (`reward_spec`): routed by a record field (data.reward_by and
-data.rewards, verl's data_source), and/or shaped by DAPO's overlong penalty (data.overlong_buffer):
+A run's reward may be composite (`reward_spec`): routed by a record field (reward.by and
+reward.routes, verl's data_source), and/or shaped by DAPO's overlong penalty (reward.overlong_buffer):
 its spec is a JSON text that travels to the workers as a name does.
-Scoring runs in worker processes (reward_workers.py), each call bounded in time and memory;
+Scoring runs in worker processes (workers.py), each call bounded in time and memory;
 math-verify also bounds its own stages with SIGALRM, which works only in a main thread, as each
 worker's call is.
 """
@@ -155,7 +155,7 @@ class Composite:
 
         value = get_field(meta, self.by)
         if str(value) not in self.table:
-            raise ValueError(f"{self.by}={value!r} has no reward in data.rewards ({', '.join(sorted(self.table))})")
+            raise ValueError(f"{self.by}={value!r} has no reward in reward.routes ({', '.join(sorted(self.table))})")
         return self.table[str(value)]
 
     def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> float:
@@ -202,11 +202,11 @@ def score(
     name: str, text: str, ids: list[int], meta: dict[str, Any], bounds: tuple[float, float] = (-1e6, 1e6)
 ) -> tuple[float, str | None]:
     """(reward, None), or (0.0, why) when the verifier throws (sys.exit included), or returns a
-    non-number, NaN, an infinity or a value outside `bounds` (data.reward_range)."""
+    non-number, NaN, an infinity or a value outside `bounds` (reward.range)."""
     try:
         value = float(load_reward(name)(text, ids, meta))
     except (Exception, SystemExit) as err:  # a verifier's failure is the sample's, never the run's
         return 0.0, f"{type(err).__name__}: {err}"
     if not math.isfinite(value) or not bounds[0] <= value <= bounds[1]:
-        return 0.0, f"the verifier returned {value!r}, outside data.reward_range {list(bounds)}"
+        return 0.0, f"the verifier returned {value!r}, outside reward.range {list(bounds)}"
     return value, None

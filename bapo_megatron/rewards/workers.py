@@ -34,11 +34,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from bapo_megatron.common.processes import usr1_shielded
 from bapo_megatron.errors import RunStopped
 from bapo_megatron.rewards.functions import load_reward, score
+
+if TYPE_CHECKING:  # a worker process starts from this module: it must not import the config's torch
+    from bapo_megatron.config.reward import RewardConfig
 
 START_TIMEOUT_S = 120.0  # a worker's import of the reward module (math-verify pulls in sympy)
 
@@ -70,6 +73,11 @@ class RewardWorkers:
         self._all: set[_Worker] = set()
         self._free: asyncio.Semaphore | None = None
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_config(cls, config: RewardConfig, name: str) -> RewardWorkers:
+        """Workers scoring with `name` (the run's reward_spec), bounded as the reward section says."""
+        return cls(name, config.workers, timeout_s=config.timeout_s, memory_mb=config.memory_mb, bounds=config.range)
 
     async def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> Scored:
         if self.inline:
@@ -139,6 +147,12 @@ class FailingRewards:
         self.name, self.max_share, self.steps = name, max_share, steps
         self.streak = 0  # failing steps in a row, up to the last batch
 
+    @classmethod
+    def from_config(cls, config: RewardConfig) -> FailingRewards:
+        """The check for the reward section's reward, named by its function or the field routing it."""
+        name = config.function if config.by is None else f"by {config.by}"
+        return cls(name, config.max_failure_share, config.failure_steps)
+
     def check(self, groups: list, step: int) -> dict[str, float]:
         failed = [(s, g) for g in groups for s in g.samples if s.reward_error is not None]
         calls = sum(len(g.samples) for g in groups)
@@ -151,7 +165,7 @@ class FailingRewards:
             why = (
                 f"every one of its {calls} calls failed in step {step}"
                 if len(failed) == calls
-                else f"more than data.max_reward_failure_share={self.max_share:g} of its calls failed in "
+                else f"more than reward.max_failure_share={self.max_share:g} of its calls failed in "
                 f"{self.streak} steps in a row ({len(failed)} of {calls} in step {step})"
             )
             raise RunStopped(
@@ -222,7 +236,7 @@ class _Worker:
             answer = self._answer(timeout_s)
         except TimeoutError:
             self.kill()
-            return Scored(0.0, f"timed out after {timeout_s:g} s (data.reward_timeout_s): its worker was replaced")
+            return Scored(0.0, f"timed out after {timeout_s:g} s (reward.timeout_s): its worker was replaced")
         except _Gone as err:
             self.kill()
             return Scored(0.0, f"the reward's worker exited during the call ({self._exit(err)}): it was replaced")
@@ -337,7 +351,7 @@ def worker_main(argv: list[str]) -> None:
         text, ids, meta = pickle.loads(requests.read(struct.unpack(">I", header)[0]))
         value, error = score(name, text, ids, meta, (low, high))
         if error is not None and error.startswith("MemoryError"):  # what it allocated may still be held
-            answers.write(json.dumps({"value": 0.0, "error": f"{error} (over data.reward_memory_mb)", "exit": True}))
+            answers.write(json.dumps({"value": 0.0, "error": f"{error} (over reward.memory_mb)", "exit": True}))
             answers.write("\n")
             os._exit(0)
         answers.write(json.dumps({"value": value, "error": error}) + "\n")

@@ -6,7 +6,7 @@ prompt + partial response as input_ids, with what is left of its new-token allow
 
 The buffer owns three rules that the rollout strategies only ask about:
 - the token budget: a request carries at most `token_budget` new tokens of its sample's
-  current round; a sample whose round is used up begins another (`requests`), and the
+  current round; a sample whose round is used up begins another (`begin_requests`), and the
   rounds a step has begun are counted (`begin_step`, `rounds`);
 - the staleness bound: no token trained by policy version v may come from a version older
   than v - max_staleness. A sample that would break it is reset and generated again
@@ -15,8 +15,10 @@ The buffer owns three rules that the rollout strategies only ask about:
 - whole groups: a group goes to training only when every sample is finished and rewarded,
   oldest (first admitted) first (`take`).
 
-The whole buffer round-trips through state_dict() exactly (plain lists, JSON-safe), so
-checkpoints carry it.
+A sample's state changes only through the buffer's methods: `begin_requests` (its rounds),
+`record` (a completion's tokens), `restart` and `drop_stale` (generated again), `apply_reward`
+(what the scorer returned). The whole buffer round-trips through state_dict() exactly (plain
+lists, JSON-safe), so checkpoints carry it.
 """
 
 from __future__ import annotations
@@ -150,10 +152,11 @@ class RolloutBuffer:
         """The most rounds one sample has begun since the step began."""
         return max((s.step_rounds for s in self.samples()), default=0)
 
-    def requests(self, busy: frozenset[str] = frozenset()) -> list[Request]:
-        """Requests for every unfinished sample not being generated (`busy` uids), oldest groups first:
-        at most the rest of the sample's round of token_budget new tokens; a sample whose round is
-        used up (or that has begun none this step) begins another."""
+    def begin_requests(self, busy: frozenset[str] = frozenset()) -> list[Request]:
+        """The next request of every unfinished sample not being generated (`busy` uids), oldest
+        groups first, to be sent: at most the rest of the sample's round of token_budget new
+        tokens; a sample whose round is used up (or that has begun none this step) begins another
+        here (its round counters advance)."""
         out = []
         for s in self.samples():
             if s.finished or s.uid in busy:
@@ -186,6 +189,19 @@ class RolloutBuffer:
         elif len(s.response_ids) >= self.max_new_tokens:
             s.finish = "length"
         # "abort", or "length" at the round's budget: unfinished, continued later
+
+    def restart(self, sample: SampleState) -> None:
+        """Discard the sample's response: it is generated again from its prompt (a request cut
+        short whose output is not kept)."""
+        sample.reset()
+
+    def apply_reward(self, sample: SampleState, response: list[int], scored: tuple[float, str | None]) -> bool:
+        """The scorer's (reward, error) for `response`, applied when the sample still holds that
+        finished response (it was not reset while it was scored); whether it was applied."""
+        if not sample.finished or sample.response_ids != response:
+            return False
+        sample.reward, sample.reward_error = scored
+        return True
 
     # -- staleness ----------------------------------------------------------------------------
     def oldest_allowed(self, version: int) -> int:

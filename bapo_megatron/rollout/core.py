@@ -98,7 +98,7 @@ class RolloutCore:
         """Send every idle unfinished sample (rounds and budget: the buffer's) and score every finished
         one that nothing scores (after a restore); returns how many requests went out."""
         self.rescore()
-        requests = self.buffer.requests(self.busy())
+        requests = self.buffer.begin_requests(self.busy())
         for req in requests:
             self.launch(req, version)
         return len(requests)
@@ -191,7 +191,7 @@ class RolloutCore:
         for task in tasks:
             flight = self.cutting.pop(task)
             if not keep:
-                flight.request.sample.reset()
+                self.buffer.restart(flight.request.sample)
             elif not (task.cancelled() or isinstance(task.exception(), EngineUnavailable)):
                 self._record(flight, task.result())
                 kept += len(task.result().output_ids)
@@ -242,8 +242,7 @@ class RolloutCore:
         group = self.buffer.group_of(s)
         response = list(s.response_ids)
         scored = await self.reward(self.decode(response), response, group.meta)
-        if s.finished and s.response_ids == response:  # not reset while it was being scored
-            s.reward, s.reward_error = scored
+        if self.buffer.apply_reward(s, response, scored):
             self._home.pop(s.uid, None)
 
     # -- a step's figures -----------------------------------------------------------------------

@@ -133,7 +133,7 @@ class DeterministicRounds(Strategy):
         self.buffer.begin_step()
         self.core.rescore()  # (finished samples a checkpoint saved unscored)
         while self.buffer.complete < self.prompts_per_step:
-            requests = self.buffer.requests()
+            requests = self.buffer.begin_requests()
             if not requests:
                 raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
             tasks = [self.core.launch(req, version) for req in requests]

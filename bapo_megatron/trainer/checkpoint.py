@@ -13,31 +13,33 @@ Checkpoints store sharded tensors by global name, so they load at any TP/PP layo
 
 from __future__ import annotations
 
-import errno
-import queue
 import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Protocol
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from bapo_megatron.config import CheckpointConfig
-from bapo_megatron.errors import BadInputError, ConfigError, DiskFull
-from bapo_megatron.fsutil import publish, remove, temporary_sibling, write_text_atomic
+from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.fsutil import remove, write_text_atomic
 from bapo_megatron.trainer import safe_load
-from bapo_megatron.trainer.integrity import (
-    CorruptCheckpointError,
-    checksums,
-    listed_files,
-    verify,
-    write_checksums,
+from bapo_megatron.trainer.dist_ckpt import (
+    barrier,
+    is_rank0,
+    load_module_state,
+    load_sharded,
+    model_sharded_state_dict,
+    rng_states,
+    save_sharded,
+    set_rng_states,
+    unwrap,
+    verify_on_all_ranks,
 )
-from bapo_megatron.trainer.megatron_config import EXTRA_STATE
-from bapo_megatron.trainer.safe_load import UnsafeCheckpointError, read_metadata
+from bapo_megatron.trainer.integrity import (
+    verify,
+)
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -48,263 +50,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-def model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
-    """Every chunk's sharded tensors (global names, so any layout can read them back)."""
-    return {f"chunk{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside a DDP wrapper (or the module itself)."""
-    return getattr(chunk, "module", chunk)
-
-
-def _rank0() -> bool:
-    return _rank() == 0
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def in_process_results_queue() -> None:
-    """Let torch_dist report write results through a plain in-process queue.
-
-    Its writer creates, on first use, a module-level spawn-context Manager queue: a second
-    Python process that imports our main module again (seconds, once per process), needed
-    only for asynchronous saves. Ours are synchronous and in this process. Pinned to
-    megatron-core 0.16.1 (tests/unit/test_cpu_shim.py has the canary).
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
-def save_sharded(
-    sharded: dict, directory: str | Path, strategy=None, extra_files: dict[str, str] | None = None
-) -> None:
-    """dist_checkpointing.save into `directory` through a fresh temporary sibling, renamed when
-    complete, with `extra_files` (name -> text) written beside it and every file checksummed;
-    `strategy`: a sharded save strategy other than Megatron's default torch_dist one."""
-    from megatron.core import dist_checkpointing
-
-    in_process_results_queue()
-    directory = Path(directory)
-    if directory.exists():  # every rank sees the same (shared) filesystem: all refuse together
-        raise FileExistsError(f"checkpoint {directory} exists already; refusing to overwrite it")
-    check_space(sharded, directory)
-    box = [str(temporary_sibling(directory, directory=True)) if _rank0() else None]
-    if _world() > 1:
-        dist.broadcast_object_list(box, src=0)
-    tmp = Path(box[0])
-    try:
-        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy)
-        _barrier()
-        mine = checksums(tmp, sorted(p.name for p in tmp.glob(f"__{_rank()}_*.distcp")))  # what this rank wrote
-        gathered = [mine]
-        if _world() > 1:
-            gathered = [None] * _world()
-            dist.all_gather_object(gathered, mine)
-        if _rank0():
-            for name, text in (extra_files or {}).items():
-                (tmp / name).write_text(text)
-            entries = {k: v for part in gathered for k, v in part.items()}
-            others = [p.name for p in tmp.iterdir() if p.is_file() and p.name not in entries]
-            entries.update(checksums(tmp, others))
-            write_checksums(tmp, entries)
-            publish(tmp, directory)
-    except BaseException as err:
-        if _rank0():
-            remove(tmp)
-        if _no_space(err):  # the disk filled meanwhile (another writer): one clear error, nothing left
-            raise DiskFull(f"no space left writing checkpoint {directory}; nothing of it was kept") from None
-        raise
-    _barrier()
-
-
-def _no_space(err: BaseException, depth: int = 0) -> bool:
-    """Whether ENOSPC is behind this error (its causes, and torch's per-rank checkpoint failures)."""
-    if err is None or depth > 8:
-        return False
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        return True
-    if isinstance(err, CheckpointException):
-        nested = [e[0] if isinstance(e, tuple) else e for e in err.failures.values()]
-        if any(isinstance(e, BaseException) and _no_space(e, depth + 1) for e in nested):
-            return True
-    return _no_space(err.__cause__, depth + 1) or _no_space(err.__context__, depth + 1)
-
-
-SPACE_MARGIN = 1.05  # the format's own metadata, and what the file system rounds up
-"""The free space a save needs: this much times the bytes of the tensors it writes."""
-
-
-def check_space(sharded: dict, directory: Path) -> None:
-    """DiskFull (an OSError, ENOSPC) naming the directory and the bytes needed when its file system cannot hold
-    the tensors this save writes (every rank's, summed: one shared file system), before anything
-    is written: a full disk is found before a partial checkpoint is, never after."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
-
-    mine = sum(
-        v.data.numel() * v.data.element_size()
-        for v in nested_values(sharded)
-        if isinstance(v, ShardedTensor) and v.data is not None and is_main_replica(v.replica_id)
-    )
-    total = torch.tensor([float(mine)])
-    if _world() > 1 and dist.get_backend() == "gloo":
-        dist.all_reduce(total)
-    elif _world() > 1:
-        total = total.cuda()
-        dist.all_reduce(total)
-    check_free_space(directory, int(total.item() * SPACE_MARGIN), "checkpoint")
-
-
-def check_free_space(directory: Path, needed: int, what: str) -> None:
-    """DiskFull naming `directory` when the file system it will be made on has less than `needed`
-    bytes free (checked on its nearest existing ancestor)."""
-    import shutil
-
-    parent = Path(directory).parent
-    while not parent.exists() and parent != parent.parent:  # (made with the save)
-        parent = parent.parent
-    free = shutil.disk_usage(parent).free
-    if needed > free:
-        raise DiskFull(
-            f"no space for {what} {directory}: it needs about {needed / 2**20:,.1f} MiB, "
-            f"{parent} has {free / 2**20:,.1f} MiB free"
-        )
-
-
-# EXTRA_STATE: Transformer Engine modules' own state (fp8 scaling history). A checkpoint written
-# without TE (the converters, a local-spec run) has none: where the loading model asks for it, it
-# is left as the model made it, as at the start of a run.
-
-
-def load_sharded(sharded: dict, directory: str | Path) -> dict:
-    """The tensors of `directory` for the shards this rank's `sharded` dict asks for; a requested
-    `_extra_state` the checkpoint lacks is left out of the request (and of the result)."""
-    from megatron.core import dist_checkpointing
-
-    directory = Path(directory)
-    if not (directory / "metadata.json").is_file():
-        raise ValueError(f"checkpoint {directory}: not a complete dist checkpoint (no metadata.json)")
-    present = set(read_metadata(directory).state_dict_metadata)
-    sharded = _without_absent_extra_states(sharded, present)
-    absent = sorted(_requested_keys(sharded) - present)
-    if absent:
-        raise ValueError(
-            f"checkpoint {directory} lacks {len(absent)} tensors this model needs, e.g. {absent[:3]} "
-            "(a checkpoint of another model or layout?)"
-        )
-    safe_load.install()
-    try:
-        return dist_checkpointing.load(sharded, str(directory))
-    except CheckpointException as wrapped:  # DCP's BaseException wrapper: raise what a rank raised
-        first = next(iter(wrapped.failures.values()))
-        first = first[0] if isinstance(first, tuple) else first
-        if isinstance(first, UnsafeCheckpointError):
-            raise UnsafeCheckpointError(f"checkpoint {directory}: {first}") from None
-        raise first from None
-
-
-def _requested_keys(sharded: dict) -> set[str]:
-    """The checkpoint keys a sharded state dict reads (tensors by key, objects by unique key)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-
-    keys = set()
-    for value in nested_values(sharded):
-        if isinstance(value, ShardedObject):
-            keys.add(value.unique_key)
-        elif isinstance(value, (ShardedTensor, ShardedTensorFactory)):
-            keys.add(value.key)
-    return keys
-
-
-def _without_absent_extra_states(sharded, present: set[str]):
-    """`sharded` minus the ShardedObjects of `_extra_state` whose keys the checkpoint does not hold."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    if isinstance(sharded, dict):
-        out = {}
-        for k, v in sharded.items():
-            if isinstance(v, ShardedObject) and v.key.endswith(EXTRA_STATE) and v.unique_key not in present:
-                continue
-            out[k] = _without_absent_extra_states(v, present)
-        return out
-    if isinstance(sharded, list):
-        return [_without_absent_extra_states(v, present) for v in sharded]
-    return sharded
-
-
-def load_module_state(module: torch.nn.Module, state: dict, source: str | Path) -> None:
-    """load_state_dict where only TE's `_extra_state` may be absent from `state`."""
-    result = module.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"checkpoint {source} does not fit the model: missing {missing[:3]}, "
-            f"unexpected {result.unexpected_keys[:3]}"
-        )
-
-
-def save_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> None:
-    save_sharded(model_sharded_state_dict(model_chunks), directory)
-
-
-def verify_on_all_ranks(directory: str | Path) -> None:
-    """integrity.verify with the contents' checksums split over the ranks (each reads 1/world of
-    the files); every rank raises the same CorruptCheckpointError when any found a problem."""
-    files = listed_files(directory)
-    problem = None
-    try:
-        verify(directory, files=files[_rank() :: _world()])
-    except CorruptCheckpointError as err:
-        problem = str(err)
-    problems = [problem]
-    if _world() > 1:
-        problems = [None] * _world()
-        dist.all_gather_object(problems, problem)
-    found = [p for p in problems if p]
-    if found:
-        raise CorruptCheckpointError(found[0])
-
-
-def load_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> None:
-    verify_on_all_ranks(directory)
-    loaded = load_sharded(model_sharded_state_dict(model_chunks), directory)
-    for i, chunk in enumerate(model_chunks):
-        load_module_state(unwrap(chunk), loaded[f"chunk{i}"], directory)
-
-
-def _rng_states() -> dict:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    states = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def _set_rng_states(states: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    torch.set_rng_state(states["cpu"])
-    get_cuda_rng_tracker().set_states(states["tracker"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
 
 
 def weights_dir(path: str | Path) -> Path:
@@ -346,7 +91,7 @@ class CheckpointManager:
             from megatron.core.dist_checkpointing.mapping import ShardedObject
 
             rank, world = dist.get_rank(), dist.get_world_size()
-            sharded["rng"] = ShardedObject("rng_state", _rng_states(), (world,), (rank,), replica_id=0)
+            sharded["rng"] = ShardedObject("rng_state", rng_states(), (world,), (rank,), replica_id=0)
         return sharded
 
     def save(self, trainer, iteration: int | None = None) -> Path:
@@ -369,10 +114,10 @@ class CheckpointManager:
                 "config": self.config_yaml,
             }
             save_sharded(sharded, directory)
-        if _rank0():
+        if is_rank0():
             write_text_atomic(self.root / LATEST, directory.name + "\n")
             self._prune(protect={directory.name})
-        _barrier()
+        barrier()
         return directory
 
     @staticmethod
@@ -480,7 +225,7 @@ class CheckpointManager:
                 f"checkpoint {newest.name} and repairing the pointer",
                 stacklevel=2,
             )
-            if _rank0():
+            if is_rank0():
                 write_text_atomic(self.root / LATEST, newest.name + "\n")
         return newest
 
@@ -527,7 +272,7 @@ class CheckpointManager:
         trainer.optimizer.load_state_dict(loaded["optimizer"])
         trainer.scheduler.load_state_dict(common["scheduler"])
         if same_world:
-            _set_rng_states(loaded["rng"])
+            set_rng_states(loaded["rng"])
         else:
             warnings.warn(
                 f"checkpoint {directory} was saved by {common['world_size']} ranks, this job has "

@@ -107,7 +107,7 @@ class PolicyTrainer:
         optimizer's state. The optimizer's fp32 main parameters are refreshed from them
         (Megatron's reload_model_params): with bf16/fp8 parameters, the next step would
         otherwise go on from the old values and write them back over the loaded weights."""
-        from bapo_megatron.trainer.checkpoint import load_model
+        from bapo_megatron.trainer.dist_ckpt import load_model
 
         load_model(self.model, directory)
         self.optimizer.reload_model_params()

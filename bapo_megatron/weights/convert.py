@@ -79,7 +79,7 @@ def hf_to_mcore(
     tensor at a time is held (fc1's gate and up halves are the HF tensors themselves).
     """
     from bapo_megatron.trainer import megatron_config as mc
-    from bapo_megatron.trainer.checkpoint import model_sharded_state_dict, save_sharded
+    from bapo_megatron.trainer.dist_ckpt import model_sharded_state_dict, save_sharded
 
     hf = HFCheckpoint(hf_dir)
     check_layout(hf.spec, tp, pp)
@@ -159,7 +159,7 @@ def mcore_to_hf(
         def split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
             return [sglang_shards.rank_tensors(spec, group, sglang_tp, r) for r in range(sglang_tp)]
 
-    from bapo_megatron.trainer.checkpoint import SPACE_MARGIN, check_free_space
+    from bapo_megatron.trainer.dist_ckpt import SPACE_MARGIN, check_free_space
 
     with atomic_directory(out) as tmp:
         writers = layout(tmp)
@@ -187,7 +187,7 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int 
     hf = HFCheckpoint(hf_dir)
     _megatron_world_of_one()
     model = _model(hf.spec)
-    from bapo_megatron.trainer.checkpoint import load_model
+    from bapo_megatron.trainer.dist_ckpt import load_model
 
     load_model([model], mcore_dir)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.common.model_spec import ModelSpec
-from bapo_megatron.trainer.checkpoint import unwrap
+from bapo_megatron.trainer.dist_ckpt import unwrap
 from bapo_megatron.trainer.parallel import ParallelInfo
 from bapo_megatron.weights.layout import layer_impl, megatron_layer_to_hf
 

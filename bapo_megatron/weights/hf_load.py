@@ -16,7 +16,7 @@ import torch
 
 from bapo_megatron.common.hf_io import HFCheckpoint
 from bapo_megatron.common.model_spec import ModelSpec
-from bapo_megatron.trainer.checkpoint import unwrap
+from bapo_megatron.trainer.dist_ckpt import unwrap
 from bapo_megatron.weights.layout import layer_impl, megatron_recipes, recipe_region
 
 EMBEDDING = "embedding.word_embeddings.weight"

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bapo_megatron.algo.bapo import BAPOConfig, search_clip_bounds, search_clip_bounds_reference
+from bapo_megatron.algo.bapo import BAPOConfig, search_clip_bounds
+from bapo_megatron.algo.bapo_reference import search_clip_bounds_reference
 from bapo_megatron.algo.losses import PolicyBatch, PolicyLossConfig, policy_loss
 from bapo_megatron.algo.metrics import reduce_metrics
 from bapo_megatron.errors import NonFiniteInputError

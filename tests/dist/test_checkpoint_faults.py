@@ -49,21 +49,21 @@ def _kills(rank: int, world: int, root: str) -> None:
 
     from bapo_megatron.config import CheckpointConfig
     from bapo_megatron.errors import ConfigError
-    from bapo_megatron.trainer import checkpoint
+    from bapo_megatron.trainer import checkpoint, dist_ckpt
     from tests.helpers import make_batch
 
     trainer, _ = _trainer()
     trainer.train_step(make_batch(1))  # optimizer state to save and restore
-    for point, patched in (
-        ("before-rename", "publish"),
-        ("before-latest", "write_text_atomic"),
-        ("before-prune", "CheckpointManager._prune"),
+    for point, module, patched in (
+        ("before-rename", dist_ckpt, "publish"),
+        ("before-latest", checkpoint, "write_text_atomic"),
+        ("before-prune", checkpoint, "CheckpointManager._prune"),
     ):
         directory = Path(root) / point
         manager = checkpoint.CheckpointManager(CheckpointConfig(dir=str(directory), keep_last=1))
         manager.save(trainer, 1)
         owner, _, name = patched.rpartition(".")
-        target = getattr(checkpoint, owner) if owner else checkpoint
+        target = getattr(module, owner) if owner else module
         original = getattr(target, name)
 
         def kill(*args, _point=point, **kwargs):
@@ -122,7 +122,7 @@ def _crafted(rank: int, world: int, root: str) -> None:
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from bapo_megatron.trainer.checkpoint import load_sharded, save_model, save_sharded
+    from bapo_megatron.trainer.dist_ckpt import load_sharded, save_model, save_sharded
     from bapo_megatron.trainer.safe_load import UnsafeCheckpointError, read_metadata
 
     root = Path(root)

@@ -51,7 +51,7 @@ def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
     from bapo_megatron.common.hf_io import HFCheckpoint
     from bapo_megatron.config import ModelConfig, ParallelConfig
     from bapo_megatron.trainer import megatron_config as mc
-    from bapo_megatron.trainer.checkpoint import save_model
+    from bapo_megatron.trainer.dist_ckpt import save_model
     from bapo_megatron.weights.convert import _megatron_world_of_one, _model
     from bapo_megatron.weights.layout import hf_to_megatron
 
@@ -283,7 +283,7 @@ def _streaming_save_on_two_ranks(rank: int, world: int, root: str) -> None:
     import pytest
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from bapo_megatron.trainer.checkpoint import save_sharded
+    from bapo_megatron.trainer.dist_ckpt import save_sharded
     from bapo_megatron.weights.mcore_io import streaming_save_strategy
 
     sharded = {"w": ShardedTensor.from_rank_offsets("w", torch.full((2, 3), float(rank)), (0, rank, world))}

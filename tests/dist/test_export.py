@@ -35,7 +35,7 @@ def _export(rank: int, world: int, root: str, name: str) -> None:
     trainer.load_weights(root / f"{name}-mcore")
     # A model built to be loaded (no random init) carries the same tensor-parallel marks the gathers read.
     from bapo_megatron.trainer import megatron_config as mc
-    from bapo_megatron.trainer.checkpoint import unwrap
+    from bapo_megatron.trainer.dist_ckpt import unwrap
 
     live = unwrap(trainer.model[0])
     bare = mc.build_gpt_model(

@@ -24,8 +24,8 @@ NAME = "qwen2-gqa2"  # 4 heads, 2 key/value heads, QKV bias, untied, vocab 250 (
 def _resave_at(rank: int, world: int, root: str, tp: int, pp: int) -> None:
     from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.config import load_config
-    from bapo_megatron.trainer.checkpoint import save_model
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+    from bapo_megatron.trainer.dist_ckpt import save_model
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 

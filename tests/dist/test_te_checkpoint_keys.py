@@ -41,7 +41,7 @@ def _load(rank: int, world: int, root: str) -> None:
     from pathlib import Path
 
     from bapo_megatron.common.hf_io import HFCheckpoint
-    from bapo_megatron.trainer.checkpoint import load_model, model_sharded_state_dict
+    from bapo_megatron.trainer.dist_ckpt import load_model, model_sharded_state_dict
     from bapo_megatron.weights.convert import _megatron_world_of_one, _model, hf_to_mcore
 
     root = Path(root)

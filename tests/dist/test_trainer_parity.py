@@ -73,7 +73,7 @@ def _setup(tp: int, pp: int, loss: str = "bapo", vpp: int | None = None):
 
 
 def _make_weights(rank: int, world: int, root: str) -> None:
-    from bapo_megatron.trainer.checkpoint import save_model
+    from bapo_megatron.trainer.dist_ckpt import save_model
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     spec, cfg, info = _setup(1, 1)
@@ -83,7 +83,8 @@ def _make_weights(rank: int, world: int, root: str) -> None:
 
 def _train_layout(rank: int, world: int, root: str, name: str) -> None:
     from bapo_megatron.config import CheckpointConfig
-    from bapo_megatron.trainer.checkpoint import CheckpointManager, save_model
+    from bapo_megatron.trainer.checkpoint import CheckpointManager
+    from bapo_megatron.trainer.dist_ckpt import save_model
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
     tp, pp, vpp, _ = LAYOUTS[name]

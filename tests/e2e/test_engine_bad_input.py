@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from bapo_megatron.engines.embedded import server as embedded
+from bapo_megatron.engines.embedded import cli as embedded
 from bapo_megatron.engines.embedded.core import EngineCore
 from bapo_megatron.engines.embedded.server import EmbeddedServer
 from tests.helpers import make_hf_model

@@ -62,9 +62,12 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
         ("data.path={root}/missing.jsonl", ("data.path=", "missing.jsonl: no such file")),
         ("data.path={root}/empty.jsonl", ("data.path=", "no records")),
         ("data.path={root}/no_prompt.jsonl", ("record 1 (line 1): no field 'prompt'",)),
-        ("data.reward=nope", ("data.reward='nope'", "unknown reward")),
-        ("data.reward={root}/broken_reward.py:score", ("data.reward=", "does not import", "ModuleNotFoundError")),
-        ("data.reward={root}/reward.py:missing", ("data.reward=", "has no function 'missing'")),
+        ("reward.function=nope", ("reward.function='nope'", "unknown reward")),
+        (
+            "reward.function={root}/broken_reward.py:score",
+            ("reward.function=", "does not import", "ModuleNotFoundError"),
+        ),
+        ("reward.function={root}/reward.py:missing", ("reward.function=", "has no function 'missing'")),
         ("model.hf_path={root}/big-tokenizer", ("tokenizer has 300 tokens", "vocabulary of 250")),
         ("parallel.max_tokens_per_microbatch=16", ("record 1", "exceed parallel.max_tokens_per_microbatch=16")),
         (("data.prompt_field=question.text", "data.path={root}/no_prompt.jsonl"), ("record 1", "'question.text'")),
@@ -74,8 +77,8 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
         ),
         ("data.path={root}/verl.parquet", ("verl.parquet record 1", "chat messages need the model directory's chat")),
         (
-            ("model.hf_path={root}/chat", "data.path={root}/verl.parquet", "data.reward_by=data_source"),
-            ("verl.parquet record 2", "data_source='aime' has no reward in data.rewards"),
+            ("model.hf_path={root}/chat", "data.path={root}/verl.parquet", "reward.by=data_source"),
+            ("verl.parquet record 2", "data_source='aime' has no reward in reward.routes"),
         ),
         ("data.path={root}/shards", ("b.parquet: not a parquet file",)),
     ],
@@ -99,8 +102,8 @@ def test_bad_data_reward_and_tokenizer(task, tmp_path, override, phrases):
     """(A batch that does not split over the data-parallel ranks: tests/unit/test_train_cli.py.)"""
     given = override if isinstance(override, tuple) else (override,)
     overrides = [o.format(root=task) for o in given] + [f"data.cache_dir={task / 'cache'}"]
-    if "data.reward_by=data_source" in overrides:
-        overrides.append("data.rewards={math_dapo: dapo}")
+    if "reward.by=data_source" in overrides:
+        overrides.append("reward.routes={math_dapo: dapo}")
     fails(task, tmp_path, *overrides, phrases=phrases)
 
 

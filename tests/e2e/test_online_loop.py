@@ -24,10 +24,10 @@ from tests.online import (
     assert_logs_match_checkpoint,
     engine_pids,
     metrics,
-    mp_semaphores,
     no_engine_left,
     no_reward_worker_left,
     same,
+    shm_of_run,
     start,
     torchrun,
     train,
@@ -125,14 +125,14 @@ def test_deterministic_runs_and_their_resumptions_agree(task, tmp_path):
 def test_sync_partial_run_killed_and_resumed_loses_and_repeats_no_sample(task, tmp_path):
     run = tmp_path / "partial"
     argv = args(task, run, 6, "rollout.oversample=2", "checkpoint.interval=2")
-    semaphores = mp_semaphores()
     proc = start(argv)
     wait_for(lambda: (run / "metrics.jsonl").is_file() and len(metrics(run)) >= 3, proc, "the third step")
+    held = shm_of_run(proc)
     proc.kill()
     proc.wait()
     assert assert_logs_match_checkpoint(run) >= 2
-    no_reward_worker_left(task)  # nothing of the killed run is left: no worker, no semaphore in /dev/shm
-    assert mp_semaphores() <= semaphores
+    no_reward_worker_left(task)  # nothing of the killed run is left: no worker, nothing it held in /dev/shm
+    assert not [name for name in held if os.path.exists(name)], held
     train(args(task, run, 6, "rollout.oversample=2", "checkpoint.interval=2"))
     assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4, 5, 6]
     assert_every_group_trained_once(run, argv, 6)

@@ -38,7 +38,7 @@ def _token_logprobs(model, prompt, response, temperature=1.0):
 
 async def _round(client, buffer, version):
     buffer.drop_stale(version)
-    for req in buffer.requests():
+    for req in buffer.begin_requests():
         sampling = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=1.0, ignore_eos=True)
         buffer.record(req, await client.generate(req.input_ids, sampling, req.sample.uid + f"@{version}"), version)
 
@@ -63,7 +63,7 @@ def test_tokens_keep_the_version_and_logprob_they_were_sampled_with(models, tmp_
                     await client.update_weight_version(str(version))
                     await _round(client, stale, version)  # tokens of versions 1 and 2
                 stale.drop_stale(3)  # 3 - 1 > 1: both samples dropped, restarted from the prompt
-                requests = stale.requests()
+                requests = stale.begin_requests()
                 return kept, drops_before, stale.counters["dropped_stale"], requests
 
         kept, drops_before, drops, requests = asyncio.run(run())

@@ -36,8 +36,8 @@ def test_a_verl_parquet_trains_as_it_is(tmp_path):
     argv = args(task, run, 2, f"model.hf_path={chat}", f"data.path={data.parent}")
     argv += [
         "data.answer_field=reward_model.ground_truth",
-        "data.reward_by=data_source",
-        f"data.rewards={{math_dapo: dapo, even: {task / 'reward.py'}:even}}",
+        "reward.by=data_source",
+        f"reward.routes={{math_dapo: dapo, even: {task / 'reward.py'}:even}}",
         "data.max_prompt_tokens=12",
         f"data.cache_dir={tmp_path / 'cache'}",
         "data.system_prompt=t4",

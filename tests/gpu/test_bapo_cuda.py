@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from bapo_megatron.algo.bapo import PRESETS, search_clip_bounds, search_clip_bounds_reference
+from bapo_megatron.algo.bapo import PRESETS, search_clip_bounds
+from bapo_megatron.algo.bapo_reference import search_clip_bounds_reference
 from bapo_megatron.algo.losses import PolicyBatch, PolicyLossConfig, policy_loss
 
 

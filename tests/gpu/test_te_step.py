@@ -41,7 +41,7 @@ def _trainer(precision: str):
 def _worker(rank: int, world: int, root: str) -> None:
     import json
 
-    from bapo_megatron.trainer.checkpoint import load_model, save_model
+    from bapo_megatron.trainer.dist_ckpt import load_model, save_model
 
     save_model(_trainer("bf16").model, Path(root) / "init")
     results = {}

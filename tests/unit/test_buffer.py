@@ -19,20 +19,20 @@ def _completion(n: int, finish: str, version: str, start: int = 0) -> Completion
 
 def _step(buffer: RolloutBuffer, version: int, finish: str = "length") -> None:
     buffer.drop_stale(version)
-    for req in buffer.requests():
+    for req in buffer.begin_requests():
         buffer.record(req, _completion(req.max_new_tokens, finish, str(version), len(req.sample.response_ids)), version)
 
 
 def test_budgeted_requests_resume_with_the_partial_response():
     buffer = RolloutBuffer(samples_per_prompt=2, max_new_tokens=10, token_budget=4, max_staleness=5)
     buffer.add_group("p", [7, 8, 9])
-    first = buffer.requests()
+    first = buffer.begin_requests()
     assert [r.max_new_tokens for r in first] == [4, 4] and first[0].input_ids == [7, 8, 9]
     _step(buffer, 0)
-    second = buffer.requests()
+    second = buffer.begin_requests()
     assert second[0].input_ids == [7, 8, 9, 0, 1, 2, 3] and second[0].max_new_tokens == 4
     _step(buffer, 1)
-    third = buffer.requests()
+    third = buffer.begin_requests()
     assert [r.max_new_tokens for r in third] == [2, 2]  # the remaining allowance, not the budget
     _step(buffer, 2)
     sample = buffer.groups["p"].samples[0]
@@ -48,21 +48,21 @@ def test_budgeted_requests_resume_with_the_partial_response():
 def test_stop_finishes_abort_does_not_and_duplicates_are_refused():
     buffer = RolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
     buffer.add_group("p", [1])
-    req = buffer.requests()[0]
+    req = buffer.begin_requests()[0]
     buffer.record(req, _completion(3, "abort", "0"), 0)
     assert not req.sample.finished and len(req.sample.response_ids) == 3
-    req = buffer.requests()[0]
+    req = buffer.begin_requests()[0]
     buffer.record(req, _completion(2, "stop", "0", 3), 0)
     assert req.sample.finish == "stop"
     with pytest.raises(RuntimeError, match="duplicate completion"):
         buffer.record(req, _completion(1, "stop", "0"), 0)
-    assert buffer.requests() == []
+    assert buffer.begin_requests() == []
 
 
 def test_versions_come_from_the_engine_spans():
     buffer = RolloutBuffer(samples_per_prompt=1, max_new_tokens=10)
     buffer.add_group("p", [1])
-    req = buffer.requests()[0]
+    req = buffer.begin_requests()[0]
     completion = _completion(5, "length", "4")
     completion.version_spans = [("3", 0, 2), ("4", 2, 5)]
     buffer.record(req, completion, 3)
@@ -78,7 +78,7 @@ def test_staleness_drops_exactly_when_the_oldest_token_is_too_old():
     assert buffer.counters["dropped_stale"] == 0
     busy = frozenset({"p/1"})
     assert buffer.drop_stale(3, busy) == 1  # 3 - 0 > 2: p/0 dropped and restarted; p/1 is generating: kept
-    requests = buffer.requests(busy)
+    requests = buffer.begin_requests(busy)
     assert buffer.counters["dropped_stale"] == 1 and [r.sample.uid for r in requests] == ["p/0"]
     assert requests[0].input_ids == [1, 2] and buffer.groups["p"].samples[0].regenerated == 1
     assert len(buffer.groups["p"].samples[1].response_ids) == 6
@@ -94,7 +94,7 @@ def test_state_dict_round_trip_is_exact():
     restored = RolloutBuffer(samples_per_prompt=3, max_new_tokens=9, token_budget=3, max_staleness=1)
     restored.load_state_dict(state)
     assert restored.state_dict() == buffer.state_dict()
-    assert [r.input_ids for r in restored.requests()] == [r.input_ids for r in buffer.requests()]
+    assert [r.input_ids for r in restored.begin_requests()] == [r.input_ids for r in buffer.begin_requests()]
     other = RolloutBuffer(samples_per_prompt=3, max_new_tokens=12, token_budget=3, max_staleness=1)
     with pytest.raises(ValueError, match="saved with"):
         other.load_state_dict(state)
@@ -118,16 +118,16 @@ def test_rounds_begin_at_each_step_and_when_a_round_is_used_up():
     buffer = RolloutBuffer(samples_per_prompt=1, max_new_tokens=20, token_budget=4)
     buffer.add_group("p", [1])
     buffer.begin_step()
-    (req,) = buffer.requests()
+    (req,) = buffer.begin_requests()
     buffer.record(req, _completion(3, "abort", "0"), 0)  # cut short inside its round
-    (req,) = buffer.requests()
+    (req,) = buffer.begin_requests()
     assert req.max_new_tokens == 1 and buffer.rounds == 1  # the rest of the round, not a new one
     buffer.record(req, _completion(1, "length", "0", 3), 0)
-    (req,) = buffer.requests()
+    (req,) = buffer.begin_requests()
     assert req.max_new_tokens == 4 and buffer.rounds == 2  # used up: the next round
     buffer.record(req, _completion(2, "abort", "0", 4), 0)
     buffer.begin_step()  # a new step begins a new round, whatever is left of the last one
-    (req,) = buffer.requests()
+    (req,) = buffer.begin_requests()
     assert req.max_new_tokens == 4 and buffer.rounds == 1
 
 

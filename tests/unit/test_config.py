@@ -3,7 +3,7 @@
 import pytest
 
 from bapo_megatron.algo.bapo import PRESETS
-from bapo_megatron.config import JobConfig, build, dump_config, load_config, parse_override, parse_stop_when
+from bapo_megatron.config import MOVED, JobConfig, build, dump_config, load_config, parse_override, parse_stop_when
 from bapo_megatron.errors import ConfigError
 
 
@@ -53,6 +53,11 @@ def test_round_trip_through_yaml(tmp_path):
         ("algo.bapo.preset=fast", "algo.bapo.preset='fast': must be one of"),
         ("logging.backends=[console, tensorboard]", "logging.backends[1]='tensorboard': must be one of"),
         ("algo.updates_per_batch=3", "algo.updates_per_batch=3: must divide rollout.prompts_per_step=8"),
+        ("reward.workers=0", "reward.workers=0: must be >= 1"),
+        ("reward.range=[1, -1]", "reward.range=[1.0, -1.0]: needs low < high"),
+        ("reward.by=data_source", "reward.routes={}: goes with by (both or neither)"),
+        ("reward.overlong_buffer=65", "reward.overlong_buffer=65: must not exceed rollout.sampling.max_new_tokens=64"),
+        ("reward.max_failure_share=1", "reward.max_failure_share=1.0: must be in [0, 1)"),
         ("noequals", "override='noequals'"),
     ],
 )
@@ -178,3 +183,27 @@ def test_asynchronous_mode_refuses_what_cannot_work_with_it():
         load_config(None, ["rollout.mode=async", "rollout.pause_mode=pause"])
     cfg = load_config(None, ["rollout.mode=async", "rollout.max_staleness=2", "rollout.pause_mode=abort"]).rollout
     assert (cfg.mode, cfg.max_staleness, cfg.pause_mode, cfg.token_budget) == ("async", 2, "abort", 64)
+
+
+def test_the_reward_section_from_yaml_and_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("reward:\n  by: data_source\n  routes: {math_dapo: dapo}\n  range: [-1, 1]\n  workers: 4\n")
+    cfg = load_config(path, ["reward.routes.aime=math", "reward.timeout_s=5", "reward.overlong_buffer=16"])
+    r = cfg.reward
+    assert r.by == "data_source" and r.routes == {"math_dapo": "dapo", "aime": "math"}
+    assert (r.range, r.workers, r.timeout_s, r.overlong_buffer, r.function) == ((-1.0, 1.0), 4, 5.0, 16, "math")
+    (tmp_path / "resolved.yaml").write_text(dump_config(cfg))
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+def test_the_reward_fields_that_were_under_data_are_refused_naming_their_new_place(tmp_path):
+    with pytest.raises(ConfigError, match=r"^data.reward_by: unknown key; moved to reward.by$"):
+        load_config(None, ["data.reward_by=data_source"])
+    (tmp_path / "old.yaml").write_text("data:\n  path: x.jsonl\n  reward: dapo\n")
+    with pytest.raises(ConfigError, match=r"^data.reward: unknown key; moved to reward.function$"):
+        load_config(tmp_path / "old.yaml")
+    old = [key for key, new in MOVED.items() if new.startswith("reward.")]
+    assert len(old) == 11
+    for key in old:
+        with pytest.raises(ConfigError, match=f"moved to {MOVED[key]}"):
+            load_config(None, [f"{key}=1"])

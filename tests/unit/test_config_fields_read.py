@@ -10,7 +10,7 @@ from pathlib import Path
 from bapo_megatron.config import JobConfig
 
 PACKAGE = Path(__file__).resolve().parents[2] / "bapo_megatron"
-DEFINING = {"config.py", "cli.py"}  # the definitions, --help-config and --dry-run's printout
+DEFINING = ("config", "cli.py")  # the definitions and loader, --help-config and --dry-run's printout
 
 
 def sections(cls: type, path: str = "job") -> dict[str, type]:
@@ -24,10 +24,10 @@ def sections(cls: type, path: str = "job") -> dict[str, type]:
     return out
 
 
-def names_read() -> set[str]:
+def names_read(package: Path = PACKAGE) -> set[str]:
     found: set[str] = set()
-    for file in PACKAGE.rglob("*.py"):
-        if file.name in DEFINING and file.parent == PACKAGE:
+    for file in package.rglob("*.py"):
+        if file.relative_to(package).parts[0] in DEFINING:
             continue
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
@@ -59,3 +59,19 @@ def test_the_check_finds_an_unread_field():
 
     assert "surely_nobody_reads_this_field" not in names_read()
     assert {"oversample", "max_staleness", "mask_stale_prefix"} <= names_read()
+
+
+def test_only_the_defining_modules_are_left_out(tmp_path):
+    """Reads in config/ (any depth) and cli.py do not count; a read in any other module does, a
+    module named config.py elsewhere included."""
+    files = {
+        "config/job.py": "x.only_in_config_job",
+        "config/nested/deep.py": "x.only_in_config_deep",
+        "cli.py": "x.only_in_cli",
+        "rollout/config.py": "x.read_in_rollout_config",
+        "driver.py": "x.read_in_driver",
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text + "\n")
+    assert names_read(tmp_path) == {"read_in_rollout_config", "read_in_driver"}

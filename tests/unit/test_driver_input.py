@@ -37,7 +37,7 @@ def _driver(tmp_path, model_dir, *overrides):
         [
             f"model.hf_path={model_dir}",
             f"data.path={tmp_path / 'data.jsonl'}",
-            "data.reward=exact",
+            "reward.function=exact",
             f"rollout.engines.port={free_port()}",
             *overrides,
         ],
@@ -50,7 +50,7 @@ def _driver(tmp_path, model_dir, *overrides):
 def test_text_prompts_are_tokenised_with_the_models_tokenizer(tmp_path, model_dir):
     driver = _driver(tmp_path, model_dir)
     assert driver.prompts.first(1)[0][0] == [5, 6, 7]
-    assert driver._decode([9, 10]) == "t9 t10"
+    assert driver.inputs.decode([9, 10]) == "t9 t10"
     assert not (tmp_path / "run").exists()  # nothing written before the run starts
 
 
@@ -85,8 +85,8 @@ def test_reward_functions_by_module_or_file(tmp_path, monkeypatch):
 
 
 def test_a_prompt_beyond_the_context_is_refused(tmp_path, model_dir):
-    with pytest.raises(ConfigError, match="data.reward='nope'"):
-        _driver(tmp_path, model_dir, "data.reward=nope")
+    with pytest.raises(ConfigError, match="reward.function='nope'"):
+        _driver(tmp_path, model_dir, "reward.function=nope")
     from bapo_megatron.errors import BadInputError
 
     with pytest.raises(BadInputError, match="exceed the model's context of 4096 tokens"):
@@ -143,16 +143,16 @@ def test_verl_data_with_rewards_routed_by_data_source(tmp_path, model_dir):
     common = [
         f"data.path={data}",
         "data.answer_field=reward_model.ground_truth",
-        "data.reward_by=data_source",
+        "reward.by=data_source",
         f"data.cache_dir={tmp_path / 'cache'}",
     ]
-    driver = _driver(tmp_path, model_dir, *common, "data.rewards={math_dapo: dapo, aime: exact}")
+    driver = _driver(tmp_path, model_dir, *common, "reward.routes={math_dapo: dapo, aime: exact}")
     ids, meta = driver.prompts.first(1)[0]
     assert ids == [1, 5, 6, 2, 3] and meta["answer"] == "t9" and meta["extra_info"]["split"] == "train"
-    reward = load_reward(driver.reward)
+    reward = load_reward(driver.inputs.reward)
     assert reward("t8", [], {"data_source": "aime", "answer": "t8"}) == 1.0
     assert reward("Answer: t9", [], {"data_source": "math_dapo", "answer": "t9"}) == 1.0
-    with pytest.raises(BadInputError, match=r"parquet record 2: data_source='aime' has no reward in data.rewards"):
-        _driver(tmp_path, model_dir, *common, "data.rewards={math_dapo: dapo}")
-    with pytest.raises(BadInputError, match=r"record 1: no field 'source' \(data.reward_by\)"):
-        _driver(tmp_path, model_dir, *common[:2], common[3], "data.reward_by=source", "data.rewards={x: math}")
+    with pytest.raises(BadInputError, match=r"parquet record 2: data_source='aime' has no reward in reward.routes"):
+        _driver(tmp_path, model_dir, *common, "reward.routes={math_dapo: dapo}")
+    with pytest.raises(BadInputError, match=r"record 1: no field 'source' \(reward.by\)"):
+        _driver(tmp_path, model_dir, *common[:2], common[3], "reward.by=source", "reward.routes={x: math}")

@@ -15,7 +15,7 @@ def test_greedy_answers_are_what_transformers_generates(tmp_path):
     that are wrong score 0 (the evaluator's KV-cached, left-padded loop against upstream)."""
     import transformers
 
-    from bapo_megatron.driver import load_tokenizer
+    from bapo_megatron.data.prompts import load_tokenizer
     from bapo_megatron.evaluate import evaluate_hf
     from bapo_megatron.tasks import write_task
 

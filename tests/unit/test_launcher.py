@@ -63,7 +63,7 @@ def test_server_that_exits_reports_why(tmp_path):
     ],
 )
 def test_embedded_engine_refuses_a_model_dir_it_cannot_serve(tmp_path, capsys, files, problem):
-    from bapo_megatron.engines.embedded.server import main
+    from bapo_megatron.engines.embedded.cli import main
 
     for name, text in files.items():
         (tmp_path / name).write_text(text)

@@ -33,6 +33,7 @@ RANK = {
     "serve": 6,
     "preflight": 6,
     "cli": 7,
+    "handoff": 6,
     "driver": 7,
     "sources": 8,
     "job": 9,

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from bapo_megatron.algo.bapo import BAPOConfig, ClipBounds, search_clip_bounds_reference
+from bapo_megatron.algo.bapo import BAPOConfig, ClipBounds
+from bapo_megatron.algo.bapo_reference import search_clip_bounds_reference
 from bapo_megatron.algo.losses import (
     POLICY_LOSSES,
     PolicyBatch,

@@ -7,7 +7,7 @@ def test_torch_dist_results_queue_is_where_the_checkpoint_module_sets_it():
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from bapo_megatron.trainer.checkpoint import in_process_results_queue
+    from bapo_megatron.trainer.dist_ckpt import in_process_results_queue
 
     source = inspect.getsource(filesystem_async._get_write_results_queue)
     assert "global _results_queue" in source and "if _results_queue is None" in source

@@ -108,7 +108,7 @@ def test_the_recipe_is_the_authors_shape_for_the_users_files(name, tmp_path):
     cfg = load_config(base, [*files, "eval.sets.aime25.path=/data/aime-2025.parquet"])
     assert (cfg.algo.updates_per_batch, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (8, 256, 16)
     assert cfg.algo.bapo.low_start == 0.8 and cfg.algo.bapo.high_max == 2.0  # the authors' bounds
-    assert cfg.data.reward == "dapo" and cfg.data.answer_field == "reward_model.ground_truth"
+    assert cfg.reward.function == "dapo" and cfg.data.answer_field == "reward_model.ground_truth"
     assert cfg.data.max_prompt_tokens == 1024 and cfg.rollout.sampling.max_new_tokens == 8192
     assert cfg.eval.interval == 10 and cfg.eval.samples == 16 and sorted(cfg.eval.sets) == ["aime24", "aime25"]
     assert cfg.eval.sets["aime24"].path == "/data/aime-2024.parquet"

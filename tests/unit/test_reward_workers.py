@@ -12,7 +12,7 @@ import pytest
 from bapo_megatron.errors import RunStopped
 from bapo_megatron.rewards.workers import FailingRewards, RewardWorkers
 from bapo_megatron.rollout.buffer import GroupState, SampleState
-from tests.helpers import HOSTILE_REWARDS
+from tests.helpers import HOSTILE_REWARDS, shm_files
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,8 @@ def alive(pid: int) -> bool:
         ("leak", "MemoryError"),
         ("exits", "SystemExit"),
         ("dies", "exited during the call (exit code 3)"),
-        ("infinite", "returned inf, outside data.reward_range"),
-        ("huge", "returned 1e+308, outside data.reward_range"),
+        ("infinite", "returned inf, outside reward.range"),
+        ("huge", "returned 1e+308, outside reward.range"),
         ("nothing", "TypeError"),
         ("text_out", "ValueError"),
         ("arity", "TypeError"),
@@ -68,17 +68,17 @@ def test_a_bad_call_fails_alone_and_the_pool_serves_on(rewards_file, name, error
 
 def test_good_calls_after_a_replaced_worker_and_nothing_left(rewards_file, tmp_path):
     """A worker killed for its time is replaced; the next calls are answered by the new one; close
-    leaves no worker and nothing in /dev/shm."""
-    shm_before = set(os.listdir("/dev/shm"))
+    leaves no worker and nothing its workers held in /dev/shm."""
     workers = RewardWorkers(f"{rewards_file}:slow_once", workers=2, timeout_s=1.0)
     flag = str(tmp_path / "flag")
 
     async def calls():
         results = await asyncio.gather(*(workers("x", [1], {"flag": flag}) for _ in range(6)))
-        return results, [w.proc.pid for w in workers._all]
+        pids = [w.proc.pid for w in workers._all]
+        return results, pids, shm_files(pids)
 
     try:
-        results, pids = asyncio.run(calls())
+        results, pids, held = asyncio.run(calls())
     finally:
         workers.close()
     errors = [r.error for r in results if r.error is not None]
@@ -86,7 +86,7 @@ def test_good_calls_after_a_replaced_worker_and_nothing_left(rewards_file, tmp_p
     assert sorted(r.value for r in results) == [0.0] + [1.0] * 5
     assert workers.replaced == 1 and workers.failures == 1
     assert pids and not any(alive(pid) for pid in pids)
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert not [name for name in held if os.path.exists(name)], held
 
 
 def _groups(errors: list[list[str | None]]) -> list[GroupState]:
@@ -108,3 +108,35 @@ def test_a_reward_that_never_works_stops_the_run():
     fresh = FailingRewards("my.py:fn", max_share=0.5, steps=5)
     with pytest.raises(RunStopped, match=r"every one of its 4 calls failed in step 7.*TypeError.*\{\"answer\": 0\}"):
         fresh.check(_groups([["TypeError: bad"] * 2, ["TypeError: bad", "ValueError: v"]]), step=7)
+
+
+def test_the_reward_section_goes_straight_to_the_workers_and_the_stop_rule():
+    from bapo_megatron.config import RewardConfig
+
+    config = RewardConfig(workers=3, timeout_s=5, memory_mb=0, range=(-2, 2), max_failure_share=0.2, failure_steps=4)
+    w = RewardWorkers.from_config(config, "exact")
+    assert (w.name, w.size, w.timeout_s, w.memory_mb, w.bounds) == ("exact", 3, 5, 0, (-2, 2))
+    rule = FailingRewards.from_config(config)
+    assert (rule.name, rule.max_share, rule.steps) == ("math", 0.2, 4)
+    routed = FailingRewards.from_config(RewardConfig(by="data_source", routes={"aime": "math"}))
+    assert routed.name == "by data_source"
+
+
+def test_shm_files_sees_a_semaphore_a_child_holds():
+    """The leak checks above look at what their own processes hold in /dev/shm: a named semaphore
+    (mapped under glibc's deleted temporary name) is found by its inode, and only that process's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import multiprocessing as mp, time; lock = mp.get_context('spawn').Lock(); "
+        "print(lock._semlock.name, flush=True); time.sleep(30)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = child.stdout.readline().strip()
+        assert shm_files([child.pid]) == {f"/dev/shm/sem.{name.lstrip('/')}"}
+        assert f"/dev/shm/sem.{name.lstrip('/')}" not in shm_files([os.getpid()])
+    finally:
+        child.kill()
+        child.wait()

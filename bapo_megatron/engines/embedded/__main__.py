@@ -2,7 +2,7 @@
 
 import sys
 
-from bapo_megatron.engines.embedded.server import main
+from bapo_megatron.engines.embedded.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,48 @@
+"""data: the prompt records, where they are and which fields hold what."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from bapo_megatron.errors import check
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompts: a jsonl or parquet file and which fields hold what; None: the synthetic task."""
+
+    path: str | None = None
+    """Prompts, one record each (needed unless rollout.replay is set): a file, a directory of
+    shards, or a glob pattern ("data/train-*.parquet")."""
+    format: Literal["auto", "jsonl", "json", "parquet"] = "auto"
+    """auto: from each file's suffix (.jsonl, .json, .parquet)."""
+    prompt_field: str = "prompt"
+    """The record's prompt, a dotted path: text (tokenised with the model directory's tokenizer),
+    token ids, or a list of chat messages [{"role": ..., "content": ...}] (verl's layout)."""
+    answer_field: str = "answer"
+    """The record's reference answer, a dotted path ("reward_model.ground_truth"), handed to the
+    reward (reward.function) as record["answer"] beside the whole record."""
+    system_prompt: str | None = None
+    """A system turn put before chat prompts that have none (text prompts need chat_template)."""
+    max_prompt_tokens: int | None = None
+    """Prompts longer than this many tokens are dropped, or refused (overlong_prompts)."""
+    overlong_prompts: Literal["drop", "error"] = "drop"
+    """drop: left out, counted (data/prompts_dropped); error: the run stops naming the record."""
+    check_records: int = 1000
+    """Records read, rendered and checked before anything starts; the rest when drawn."""
+    cache_dir: str | None = None
+    """Where parquet files are kept decoded (Arrow, read a batch at a time); None: $BAPO_DATA_CACHE, else
+    ~/.cache/bapo-megatron/data."""
+    shuffle: bool = True
+    seed: int = 0
+    chat_template: bool = False
+    """Wrap each text prompt in the tokenizer's chat template (one user turn, generation prompt)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_field", "answer_field"):
+            value = getattr(self, name)
+            check(bool(value) and "" not in value.split("."), name, value, "must be a field name or a dotted path")
+        if self.max_prompt_tokens is not None:
+            check(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
+        check(self.check_records >= 1, "check_records", self.check_records, "must be >= 1")

@@ -1,0 +1,165 @@
+"""rollout: what a step generates and how: sampling, partial rollout, the engines, the weight sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bapo_megatron.config.engines import EnginesConfig
+from bapo_megatron.errors import check
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """rollout.sampling: how responses are sampled (SGLang's sampling_params)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    """The trainer divides its logits by it too, as the engines do."""
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def __post_init__(self) -> None:
+        check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        # the trainer divides logits by it: below 0.01 a logit gap of 1 is 100 nats, past what
+        # float32 log-probs (and bf16 logits) resolve, and every update comes out non-finite
+        check(self.temperature >= 0.01, "temperature", self.temperature, "must be >= 0.01 (sampling for RL)")
+        check(0 < self.top_p <= 1, "top_p", self.top_p, "must lie in (0, 1]")
+        check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartialConfig:
+    """rollout.partial: synchronous partial rollout, responses continued in later steps under newer weights."""
+
+    enabled: bool = False
+    """Keep what a response has generated when its step ends and continue it next step (else it is
+    generated again from the start)."""
+    token_budget: int | None = None
+    """mode abort: new tokens per request (None: rollout.sampling.max_new_tokens, no cutting). A
+    response cut there continues at once while fewer than prompts_per_step groups are complete,
+    else next step under newer weights."""
+    mode: Literal["abort", "retract"] = "abort"
+    """"abort" cuts responses at the token budget and at the end of each step and resubmits them;
+    "retract" keeps requests inside the engines across steps and weight updates (paused in retract
+    mode, continued under the new weights), with no token budget."""
+
+    def __post_init__(self) -> None:
+        if self.token_budget is not None:
+            check(self.enabled, "token_budget", self.token_budget, "only applies with enabled=true")
+            check(self.token_budget >= 1, "token_budget", self.token_budget, "must be >= 1")
+            check(
+                self.mode == "abort",
+                "token_budget",
+                self.token_budget,
+                "does not apply with mode=retract (requests are never cut)",
+            )
+        if self.mode == "retract":
+            check(self.enabled, "mode", self.mode, "needs enabled=true")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSyncConfig:
+    """rollout.sync: the trainer's weights to the engines after every step, and the check that they arrived."""
+
+    host: str | None = None
+    """Address the engines reach this trainer's rank 0 at for the weight-update group (None:
+    127.0.0.1 when the engines are local, else this host's name)."""
+    bucket_mb: int = 512
+    """Tensors travel in buckets of at most this many MiB."""
+    check_every: int = 0
+    """Every this many steps (0: never), after the weight sync, the engine's log-probs of a fixed
+    probe response are compared with the trainer's (sync/probe_logprob_gap)."""
+    check_max_gap: float = 1e-3
+    """A probe gap above this stops the run with an error (a broken weight sync) instead of training
+    on what the engines generate. Raise it for bf16/fp8 engines, whose kernels differ."""
+
+    def __post_init__(self) -> None:
+        check(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, "must be >= 1")
+        check(self.check_every >= 0, "check_every", self.check_every, "must be >= 0")
+        check(self.check_max_gap > 0, "check_max_gap", self.check_max_gap, "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Generation: what a step trains on, how it is scheduled against training, and the engines."""
+
+    mode: Literal["sync", "async"] = "sync"
+    """"sync": each step generates its batch, then trains, then syncs the weights (the engines wait
+    while the trainer trains). "async": the engines keep generating while the trainer trains; a
+    step takes the oldest complete groups, within max_staleness versions of the policy it trains."""
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    oversample: float = 1.0
+    """Keep this many times prompts_per_step groups generating, so slow groups do not stall a step
+    (sync: 2 to 3 with partial rollout keeps the engines busy, benchmarks/bench_rollout.py)."""
+    max_staleness: int = 4
+    """K: no token trained by policy version v was sampled by a version older than v - K. A sample
+    that would break it is generated again (or, mask_stale_prefix, its older tokens are left out of
+    the loss). Async: no new group starts while those queued and generating could not all be
+    trained within K versions."""
+    mask_stale_prefix: bool = False
+    """Enforce max_staleness by leaving tokens older than v - K out of the loss (they stay in the
+    context) instead of generating the sample again."""
+    pause_mode: Literal["retract", "abort", "in_place"] = "retract"
+    """Async: how the engines pause for a weight update while requests are in flight (SGLang's
+    /pause_generation). "retract": requests wait inside the engines, their KV cache is dropped and
+    recomputed under the new weights; "abort": requests end and return their tokens, which the
+    driver sends back to continue; "in_place": requests keep their KV cache of the old weights
+    (nothing recomputed; the cache is not flushed, and tokens sampled after the update attend to
+    keys and values of the older policy while counting as the new version)."""
+    deterministic: bool = False
+    """One request order and per-request sampling seeds (from the job seed, the sample's id and its
+    length so far), and batch-invariant engines (the embedded one runs each request alone; SGLang
+    gets --enable-deterministic-inference): two runs, or a run and its resumption, generate the
+    same samples with the same log-probs. Synchronous rounds, so slower; mode sync only."""
+    replay: str | None = None
+    """Train from saved rollout batches instead of generating: a .safetensors file (used every
+    step) or a directory of them (one per step, in name order, cycling)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    partial: PartialConfig = field(default_factory=PartialConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt"):
+            check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        check(self.oversample >= 1.0, "oversample", self.oversample, "must be >= 1")
+        check(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+        budget, new = self.partial.token_budget, self.sampling.max_new_tokens
+        if budget is not None:
+            check(budget <= new, "partial.token_budget", budget, f"must not exceed sampling.max_new_tokens={new}")
+            reach = budget * (self.max_staleness + 1)
+            check(
+                self.mask_stale_prefix or reach >= new,
+                "partial.token_budget",
+                budget,
+                f"x (max_staleness + 1) = {reach} tokens is all a response can get before it is stale; "
+                f"it must reach sampling.max_new_tokens={new}, or long responses never finish",
+            )
+        if self.deterministic:
+            check(self.mode == "sync", "deterministic", True, "needs mode=sync (asynchronous timing decides batches)")
+            check(
+                self.partial.mode == "abort",
+                "deterministic",
+                True,
+                "needs partial.mode=abort (in retract mode the engines decide when a request continues)",
+            )
+        if self.mode == "async":
+            check(
+                not self.partial.enabled,
+                "partial.enabled",
+                True,
+                "applies to mode=sync; mode=async keeps requests going across weight updates (pause_mode)",
+            )
+            check(
+                not self.engines.colocate,
+                "engines.colocate",
+                True,
+                "mode=async generates while the trainer trains: the engines need GPUs of their own",
+            )
+
+    @property
+    def token_budget(self) -> int:
+        """New tokens one request may generate: partial.token_budget where set, else max_new_tokens."""
+        return self.partial.token_budget or self.sampling.max_new_tokens

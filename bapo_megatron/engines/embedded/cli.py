@@ -1,0 +1,143 @@
+"""python -m bapo_megatron.engines.embedded: the embedded engine's command line (keys, model checks, options)."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+from bapo_megatron.engines.embedded import server as embedded_server
+from bapo_megatron.engines.embedded.core import EngineCore
+from bapo_megatron.engines.embedded.server import EmbeddedServer
+from bapo_megatron.engines.launcher import is_loopback
+
+
+def _key(env: str, file: str | None) -> str | None:
+    """A key from its file, else from $env; None when neither is given. A key file or variable
+    that is given but empty or blank is an error: taken as no key, it would turn auth off."""
+    if file:
+        key, source = Path(file).read_text().strip(), f"key file {file}"
+    elif env in os.environ:
+        key, source = os.environ[env].strip(), f"${env}"
+    else:
+        return None
+    if not key:
+        raise ValueError(f"{source} is empty: set a key, or leave it out to run without one on loopback")
+    return key
+
+
+def _model_dir_problem(model: Path) -> str | None:
+    """What keeps `model` from being served (checked before the model is built), or None."""
+    if not model.is_dir():
+        return "no such directory"
+    if not (model / "config.json").is_file():
+        return "no config.json (a Hugging Face model directory is needed)"
+    if not any(model.glob("*.safetensors")):
+        return "no *.safetensors weights (only safetensors are read, never pickles)"
+    from bapo_megatron.common.hf_io import HFCheckpoint
+
+    try:
+        HFCheckpoint(model)  # every tensor config.json implies, with its shape, in floating point
+    except (ValueError, KeyError, OSError) as err:
+        return str(err)
+    return None
+
+
+def _in_range(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside [{low}, {high}]")
+        return value
+
+    return parse
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bapo_megatron.engines.embedded",
+        description=embedded_server.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", required=True, help="HF model directory (safetensors)")
+    parser.add_argument("--port", type=_in_range(1, 65535), required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-batch", type=_in_range(1, 1 << 16), default=64, help="requests decoded together")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every request alone in its forwards: its output never depends on what else runs (deterministic runs)",
+    )
+    parser.add_argument(
+        "--log-interval",
+        type=_non_negative,
+        default=30.0,
+        help="seconds between throughput lines on stderr while busy (0: none)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=_non_negative,
+        default=60.0,
+        help="seconds a client has to send a request's headers and body (slow clients hold a connection each)",
+    )
+    parser.add_argument("--admin-api-key-file", help="file holding the admin key (else $BAPO_ADMIN_API_KEY)")
+    parser.add_argument("--api-key-file", help="file holding the API key (else $BAPO_API_KEY)")
+    args = parser.parse_args(argv)
+    try:
+        admin_key = _key("BAPO_ADMIN_API_KEY", args.admin_api_key_file)
+        api_key = _key("BAPO_API_KEY", args.api_key_file)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not is_loopback(args.host) and admin_key is None:
+        print(
+            f"error: --host {args.host} is not loopback: set an admin key (BAPO_ADMIN_API_KEY or "
+            "--admin-api-key-file) so that weight updates and pauses are protected",
+            file=sys.stderr,
+        )
+        return 2
+    problem = _model_dir_problem(Path(args.model))
+    if problem:
+        print(f"error: --model {args.model}: {problem}", file=sys.stderr)
+        return 2
+    from aiohttp import web
+
+    # Slurm's warning signal (SIGUSR1) is for the driver, which saves and then stops its engines
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    engine_thread = concurrent.futures.ThreadPoolExecutor(1, "engine")  # the model is built where it will run
+    core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch, args.batch_invariant).result()
+    server = EmbeddedServer(core, api_key, admin_key, engine_thread, args.log_interval, args.request_timeout)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request;
+    # keepalive_timeout also closes a connection that has not sent its request's headers by then
+    web.run_app(
+        server.app(),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+        keepalive_timeout=args.request_timeout,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

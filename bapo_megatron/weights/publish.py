@@ -1,0 +1,188 @@
+"""The weights' way out of the trainer, on every rank: buckets made, sent, and checked in one call.
+
+    publisher = WeightPublisher(cfg, trainer, outlet)   # outlet: where this rank's buckets go
+    metrics = publisher.publish(version)                # every rank at once
+
+A publish makes the model's HF buckets (every rank takes its part in the gathers), hands them to
+this rank's outlet (rank 0: the engines; a rank holding a copy for a colocated engine: its
+holders; the others: nowhere), then checks what the engines serve: every
+rollout.sync.check_every versions a probe's log-probs from a serving engine against the
+trainer's, and for each engine that took the weights while it waited for them (restarted), the
+same probe from that engine before it serves again. The probe is rank 0's: every rank receives it
+and scores its copies, so that the outlet is the only thing that differs between ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.common.batch import RolloutBatch, Sample
+from bapo_megatron.common.hf_io import TOKENIZER_FILES
+from bapo_megatron.config import JobConfig
+from bapo_megatron.errors import ConfigError, RunStopped
+from bapo_megatron.fsutil import atomic_directory, remove
+
+
+class Outlet(Protocol):
+    """Where one rank's buckets go, and (rank 0) what the engines answer about them."""
+
+    def publish(self, buckets: Iterable, version: int) -> dict[str, float]:
+        """Consume the buckets (every one: the gathers are collectives); the publish's figures."""
+
+    def probe(self, engine: int | None) -> Sample | None:
+        """A fixed response with engine `engine`'s log-probs (None: a serving one); None on other ranks."""
+
+    def waiting(self) -> list[int]:
+        """The engines this publish sent the weights to while they waited for them (rank 0)."""
+
+    def revive(self, engines: list[int]) -> None:
+        """These engines passed the checks: they serve again (rank 0)."""
+
+
+class Gathering:
+    """A rank other than 0: its part of the gathers; with holders, its own copy for the engine on
+    its GPU (colocated on several GPUs)."""
+
+    def __init__(self, holders=None) -> None:
+        self.holders = holders
+
+    def publish(self, buckets: Iterable, version: int) -> dict[str, float]:
+        if self.holders is not None:
+            self.holders.hold(buckets)
+        else:
+            for _ in buckets:
+                pass
+        return {}
+
+    def probe(self, engine: int | None) -> Sample | None:
+        return None
+
+    def waiting(self) -> list[int]:
+        return []
+
+    def revive(self, engines: list[int]) -> None:
+        pass
+
+
+class WeightPublisher:
+    def __init__(self, cfg: JobConfig, trainer, outlet: Outlet, holders=None) -> None:
+        self.cfg, self.trainer, self.outlet, self.holders = cfg, trainer, outlet, holders
+
+    def publish(self, version: int) -> dict[str, float]:
+        """The trainer's weights out as version `version` and checked (every rank together):
+        the outlet's figures, sync/probe_logprob_gap when a probe was due, sync/refit_probe_gap when
+        engines that came back were checked. RunStopped when an engine serves other weights."""
+        metrics = self.outlet.publish(self._buckets(), version)
+        if self.cfg.rollout.sync.check_every and version % self.cfg.rollout.sync.check_every == 0:
+            gap = self._gap(version, None)
+            if gap is not None:
+                metrics["sync/probe_logprob_gap"] = gap
+        metrics.update(self._refit_checks(version))
+        return metrics
+
+    def _buckets(self):
+        """The model's HF buckets as this rank makes them: on rank 0 the whole model (every
+        data-parallel rank 0 helping gather it); with holders, every holder its own copy."""
+        from bapo_megatron.weights.export import stream_hf_buckets
+        from bapo_megatron.weights.gather import hf_buckets_to_rank0
+
+        size = self.cfg.rollout.sync.bucket_mb << 20
+        if self.holders is None:
+            return hf_buckets_to_rank0(self.trainer, size)
+        # the tensor-parallel groups with a holder make the buckets; the others wait
+        mine = min(dist.get_process_group_ranks(self.trainer.info.tp_group)) < self.holders.n
+        trainer = self.trainer
+        return stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size) if mine else iter(())
+
+    def _refit_checks(self, version: int) -> dict[str, float]:
+        """Engines that took the weights in this publish while they waited for them serve again once
+        they pass the probe (with rollout.sync.check_every; without it, at once)."""
+        if not self.cfg.rollout.sync.check_every:
+            self.outlet.revive(self.outlet.waiting())
+            return {}
+        engines = broadcast(self.outlet.waiting())
+        gaps = [self._gap(version, engine) for engine in engines]
+        self.outlet.revive([e for e, gap in zip(engines, gaps, strict=True) if gap is not None])
+        answered = [gap for gap in gaps if gap is not None]
+        return {"sync/refit_probe_gap": max(answered)} if answered else {}
+
+    def _gap(self, version: int, engine: int | None) -> float | None:
+        """The largest gap between the trainer's log-probs of rank 0's probe and the engine's (None:
+        no engine answered the probe; one that did not is restarted and probed after its refit);
+        RunStopped beyond rollout.sync.check_max_gap."""
+        probe = broadcast(self.outlet.probe(engine))
+        if probe is None:
+            return None
+        sync = self.cfg.rollout.sync
+        copies = 2 * self.trainer.info.dp_size  # every data-parallel rank scores a copy; a group of >= 2
+        batch = RolloutBatch(
+            samples=[dataclasses.replace(probe) for _ in range(copies)],
+            temperature=self.cfg.rollout.sampling.temperature,
+        )
+        gap = self.trainer.logprob_gap(batch)
+        if gap > sync.check_max_gap:
+            raise RunStopped(
+                f"weight sync check: the engines' log-probs of the probe differ from the trainer's by {gap:.3g} "
+                f"(> rollout.sync.check_max_gap={sync.check_max_gap}) after the sync of version "
+                f"{version}: the engines are not serving the trainer's weights; stopping rather than training on them"
+            )
+        return gap
+
+
+def handle_holders(cfg: JobConfig, trainer):
+    """weights/sync.HandleHolders when engines the driver starts are colocated on several GPUs
+    (each engine rank then loads the copy of the trainer rank on its GPU); else None: rank 0's
+    copy serves every engine rank (one engine GPU, or pipeline stages, which only rank 0 joins).
+    A collective: every rank calls it."""
+    from bapo_megatron.weights.sync import HandleHolders
+
+    e = cfg.rollout.engines
+    n = e.servers * e.tensor_parallel
+    if not e.colocate or e.urls or trainer.info.pp_size > 1 or not 1 < n <= dist.get_world_size():
+        return None
+    try:
+        return HandleHolders(n)
+    except ValueError as err:
+        raise ConfigError("rollout.engines.colocate", e.colocate, str(err)) from None
+
+
+def engine_model_dir(cfg: JobConfig, trainer) -> Path | None:
+    """A directory the engines can start from (rank 0; None elsewhere): model.hf_path when it has
+    weights (whatever they are: the first sync sends the trainer's, a resumed run's included), else
+    the trainer's weights written once to the run directory's engine_model/ (every data-parallel
+    rank 0 helping gather them; a random or mcore_path start of a model without HF weights)."""
+    from safetensors.torch import save_file
+
+    from bapo_megatron.weights.gather import hf_buckets_to_rank0
+
+    if cfg.model.hf_path and any(Path(cfg.model.hf_path).glob("*.safetensors")):
+        return Path(cfg.model.hf_path) if dist.get_rank() == 0 else None
+    tensors = {name: t.cpu() for bucket in hf_buckets_to_rank0(trainer, 512 << 20) for name, t in bucket}
+    if dist.get_rank() != 0:
+        return None
+    target = cfg.run_path / "engine_model"
+    if target.exists():
+        remove(target)  # this run's own, from an earlier start
+    with atomic_directory(target) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(trainer.spec.to_hf_config(), indent=1))
+        if cfg.model.hf_path:
+            for name in TOKENIZER_FILES:
+                if (Path(cfg.model.hf_path) / name).is_file():
+                    shutil.copy(Path(cfg.model.hf_path) / name, tmp / name)
+    return target
+
+
+def broadcast(obj=None):
+    """Rank 0's object on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return box[0]
