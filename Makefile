@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TESTS ?= tests
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ demo: $(STAMP)  ## The main job on the CPU: task, SFT warm start, BAPO with the 
 
 test: $(STAMP) lint  ## Lint, then every test tier; GPU tests skip without CUDA (pytest exit 5, no tests, is not a failure)
 	$(PY) -m pytest $(TESTS) || [ $$? -eq 5 ]
+
+test-fast: $(STAMP) lint  ## The everyday loop: every tier but the files marked slow (the full run is `make test`)
+	$(PY) -m pytest -m "not slow" $(TESTS) || [ $$? -eq 5 ]
 
 lint: $(STAMP)  ## ruff check and ruff format --check over the whole tree
 	$(VENV)/bin/ruff check .

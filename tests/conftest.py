@@ -16,3 +16,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "gpu" and not torch.cuda.is_available():
             item.add_marker(no_cuda)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory):
+    """hf_model(name, case=None): tests/helpers.make_hf_model's random HF directory (weights, tokenizer),
+    built once a session and shared: read it, copy it to change it."""
+    from tests.helpers import make_hf_model
+
+    root, built = tmp_path_factory.mktemp("hf-models"), {}
+
+    def get(name: str, case: tuple[str, int, bool] | None = None) -> Path:
+        if name not in built:
+            make_hf_model(root, name, case)
+            built[name] = (case, root / name)
+        assert built[name][0] == case, f"{name} was built as {built[name][0]}, asked as {case}"
+        return built[name][1]
+
+    return get

@@ -23,9 +23,18 @@ VOLATILE = ("time/", "perf/", "engine/", "rollout/seconds", "rollout/tokens_per_
 REWARD = "def even(text, ids, record):\n    return sum(t % 2 == 0 for t in ids) / max(1, len(ids))\n"
 
 
-def write_task(root: Path, prompts: int) -> Path:
-    """Under root: a tiny Qwen2 with weights (m/), `prompts` token-id prompts, the reward file."""
-    make_hf_model(root, "m", ("qwen2", 2, False))
+MODEL = ("m", ("qwen2", 2, False))
+"""The online tests' model: hf_model(*MODEL) (tests/conftest.py), built once a session."""
+
+
+def write_task(root: Path, prompts: int, model: Path | None = None) -> Path:
+    """Under root: a tiny Qwen2 with weights (m/: `model`, linked, or one made here), `prompts`
+    token-id prompts, the reward file."""
+    root.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        make_hf_model(root, *MODEL)
+    else:
+        (root / "m").symlink_to(model, target_is_directory=True)
     with open(root / "prompts.jsonl", "w") as f:
         for i in range(prompts):
             f.write(json.dumps({"prompt": [3 + i % 50, 7 + i % 13, 11], "answer": str(i)}) + "\n")

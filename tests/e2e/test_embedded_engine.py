@@ -15,7 +15,6 @@ from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.engines.client import EngineClient, EngineError
 from bapo_megatron.engines.launcher import embedded_server
 from tests.engine_state import generating, until
-from tests.helpers import make_hf_model
 
 pytestmark = pytest.mark.e2e
 NAME = "qwen2-gqa2"
@@ -23,10 +22,8 @@ ADMIN = "s3cret-admin-key"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine")
-    make_hf_model(root, NAME)
-    return root / NAME
+def model_dir(hf_model):
+    return hf_model(NAME)
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,8 @@ GOOD_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine")
-    make_hf_model(root, "qwen2-gqa2")
-    return root / "qwen2-gqa2"
+def model_dir(hf_model):
+    return hf_model("qwen2-gqa2")
 
 
 def _generate(ids, **sampling) -> dict:

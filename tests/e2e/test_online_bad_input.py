@@ -15,14 +15,14 @@ import pytest
 
 from bapo_megatron.engines.launcher import embedded_server
 from tests.helpers import make_hf_model, verl_parquet
-from tests.online import args, start, write_task
+from tests.online import MODEL, args, start, write_task
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    root = write_task(tmp_path_factory.mktemp("bad"), 8)
+def task(tmp_path_factory, hf_model):
+    root = write_task(tmp_path_factory.mktemp("bad"), 8, hf_model(*MODEL))
     (root / "broken_reward.py").write_text("import a_module_that_is_not_there\n")
     (root / "empty.jsonl").write_text("\n")
     (root / "no_prompt.jsonl").write_text(json.dumps({"question": [1, 2]}) + "\n")

@@ -15,6 +15,7 @@ import signal
 import pytest
 
 from tests.online import (
+    MODEL,
     args,
     assert_every_group_trained_once,
     engine_pids,
@@ -56,8 +57,8 @@ def breaks(text, ids, record):
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    root = write_task(tmp_path_factory.mktemp("rewards"), 64)
+def task(tmp_path_factory, hf_model):
+    root = write_task(tmp_path_factory.mktemp("rewards"), 64, hf_model(*MODEL))
     (root / "bad.py").write_text(FLAKY)
     return root
 

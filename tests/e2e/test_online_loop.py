@@ -18,6 +18,7 @@ import signal
 import pytest
 
 from tests.online import (
+    MODEL,
     STEP_TMP,
     args,
     assert_every_group_trained_once,
@@ -40,8 +41,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    return write_task(tmp_path_factory.mktemp("online"), 64)
+def task(tmp_path_factory, hf_model):
+    return write_task(tmp_path_factory.mktemp("online"), 64, hf_model(*MODEL))
 
 
 def test_online_run_syncs_every_step_and_resumes(task, tmp_path):
@@ -229,19 +230,28 @@ def test_async_run_at_tp2_pp2_serves_the_trainers_weights_and_outlives_an_engine
     no_engine_left(run)
 
 
+DETERMINISTIC = ("rollout.deterministic=true", "rollout.sync.check_every=1", "algo.bapo.target_rho=0.45")
+
+
+@pytest.fixture(scope="module")
+def one_process(task, tmp_path_factory):
+    """A deterministic 2-step run in one process: the reference every parallel layout is held to."""
+    run = tmp_path_factory.mktemp("one-process") / "one"
+    train(args(task, run, 2, *DETERMINISTIC))
+    return run
+
+
 @pytest.mark.parametrize(
     ("world", "layout"),
     [(4, ("parallel.tensor=2", "parallel.pipeline=2")), (2, ())],
     ids=["tp2-pp2", "dp2"],
 )
-def test_parallel_trainers_sync_their_engines_and_match_one_process(task, tmp_path, world, layout):
+def test_parallel_trainers_sync_their_engines_and_match_one_process(task, tmp_path, one_process, world, layout):
     """Under torchrun: the engine's log-probs after every sync equal the trainer's (the probe, and
     the first update's mismatch), and from the same HF weights the first step's loss, gradient norm
     and clip bounds equal one process's (deterministic rollout: the same samples)."""
-    det = ("rollout.deterministic=true", "rollout.sync.check_every=1", "algo.bapo.target_rho=0.45")
-    single, parallel = tmp_path / "one", tmp_path / "many"
-    train(args(task, single, 2, *det))
-    train(args(task, parallel, 2, *det, *layout), launcher=torchrun(world))
+    single, parallel = one_process, tmp_path / "many"
+    train(args(task, parallel, 2, *DETERMINISTIC, *layout), launcher=torchrun(world))
     ours, theirs = metrics(parallel), metrics(single)
     assert [m["step"] for m in ours] == [1, 2]
     for m in ours:

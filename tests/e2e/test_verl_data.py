@@ -9,17 +9,17 @@ import shutil
 import pytest
 
 from tests.helpers import verl_parquet
-from tests.online import args, metrics, no_engine_left, train, write_task
+from tests.online import MODEL, args, metrics, no_engine_left, train, write_task
 
 pytestmark = pytest.mark.e2e
 
 TEMPLATE = "{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}{% if add_generation_prompt %}t3{% endif %}"
 
 
-def test_a_verl_parquet_trains_as_it_is(tmp_path):
+def test_a_verl_parquet_trains_as_it_is(tmp_path, hf_model):
     import tokenizers
 
-    task = write_task(tmp_path / "task", 4)
+    task = write_task(tmp_path / "task", 4, hf_model(*MODEL))
     chat = task / "chat"  # the task's model, its tokenizer splitting on spaces, with a chat template
     shutil.copytree(task / "m", chat)
     tok = tokenizers.Tokenizer.from_file(str(chat / "tokenizer.json"))
