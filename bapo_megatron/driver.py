@@ -19,6 +19,7 @@ driver is rank 0's outlet of weights/publish.py: that publish probes and revives
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -147,13 +148,13 @@ class RolloutDriver:
                 if self._batch is None:
                     self._batch = self.loop.submit(self.strategy.batch(version))
                 while not self._batch.done():
-                    if self.needs_refit():  # no engine serves; one waits for the weights
-                        return Refit()
-                    if stopping():  # a signal: no step waits for slow engines or rewards
+                    if stopping():  # a signal: no step waits for slow engines or rewards, nor for a refit
                         self._batch.cancel()
                         self._batch.unwound.wait(60)
                         self._batch = None
                         return GiveUp()
+                    if self.needs_refit():  # no engine serves; one waits for the weights
+                        return Refit()
                     with contextlib.suppress(TimeoutError):
                         self.loop.wait(self._batch, timeout=0.2)
                 batch, self._batch = self._batch, None
@@ -243,14 +244,28 @@ class RolloutDriver:
             group=0,
         )
 
-    def evaluate(self, version: int) -> Future | None:
+    def evaluate(self, version: int, stopping=lambda: False) -> Future | None:
         """Start the held-out evaluation of the weights the engines serve (version `version`) when
-        eval.* says it is due; it runs beside rollout, and the next publish waits for it."""
+        eval.* says it is due; it runs beside rollout, and the next publish waits for it. Given up,
+        with no figures, when `stopping()` (a signal) comes first: its requests could wait for
+        engines that are gone, and the run's last line and checkpoint must not wait for them."""
         if not self.held_out.due(version, self.cfg.steps):
             return None
         self.wait_evaluation()
-        self._evaluation = self.loop.submit(self.held_out.run(self.engines.pool, version))
+        self._evaluation = self.loop.submit(self._evaluate(version, stopping))
         return self._evaluation
+
+    async def _evaluate(self, version: int, stopping) -> dict[str, float]:
+        run = asyncio.ensure_future(self.held_out.run(self.engines.pool, version))
+        while not run.done():
+            if stopping():
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+                print(f"the held-out evaluation of version {version} is given up: the run is stopping", flush=True)
+                return {}
+            await asyncio.wait([run], timeout=0.2)
+        return run.result()
 
     def wait_evaluation(self) -> None:
         if self._evaluation is not None:

@@ -285,8 +285,9 @@ class Job:
         if self.rank != 0 or self.log is None:
             return
         with contextlib.suppress(Exception):  # the error being reported matters more than these lines
-            self.log.flush()
-        status = {"state": "failed", "reason": "error", "error": str(err), "step": self.log.step or self.step}
+            self.log.flush(evaluations=False)
+        error = str(err) or type(err).__name__
+        status = {"state": "failed", "reason": "error", "error": error, "step": self.log.step or self.step}
         with contextlib.suppress(OSError):  # (a full disk may refuse this too: the error line still says it)
             write_text_atomic(self.cfg.run_path / "status.json", json.dumps({**status, "steps": self.cfg.steps}) + "\n")
 

@@ -144,13 +144,15 @@ class StepLog:
         """Figures for the next line (a checkpoint's time, taken after its step's line was written)."""
         self._carried.update(metrics)
 
-    def flush(self) -> None:
-        self._write(wait=True)
+    def flush(self, evaluations: bool = True) -> None:
+        """Write every pending line; evaluations=False (a failing run): without the figures of an
+        evaluation still running, which could wait on what made the run fail."""
+        self._write(wait=evaluations, drop_running=not evaluations)
 
-    def _write(self, wait: bool) -> None:
+    def _write(self, wait: bool, drop_running: bool = False) -> None:
         while self.pending:
             step, metrics, evaluation = self.pending[0]
-            if evaluation is not None:
+            if evaluation is not None and not (drop_running and not evaluation.done()):
                 if not (wait or evaluation.done()):
                     return
                 metrics.update(evaluation.result())

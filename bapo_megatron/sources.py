@@ -283,7 +283,7 @@ class OnlineSource(OnlineFollower):
         return message
 
     def evaluate(self, version: int) -> Future | None:
-        return self.driver.evaluate(version)
+        return self.driver.evaluate(version, self.stopping)
 
     def quiesced(self) -> contextlib.AbstractContextManager:
         return self.driver.quiesced()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 
 from bapo_megatron import cli
 from bapo_megatron.common import quiet
@@ -31,7 +32,7 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
     job = Job.start(cfg)
     try:
         return train(job)
-    except RunStopped as err:
+    except Exception as err:  # every way a run fails is in status.json (RunStopped, bad data drawn mid-run, a bug)
         job.failed(err)
         raise
     finally:
@@ -145,6 +146,10 @@ def main(argv: list[str] | None = None) -> None:
         # A config mistake or an unusable file is the user's to fix: say what, without a traceback.
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as err:  # a bug: its traceback, then the one line every failure ends with
+        traceback.print_exc()
+        print(f"error: {type(err).__name__}: {err} (internal: the traceback above says where)", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ class Flight:
     rid: str
     sent: int
     engine: int | None = None
+    cut: bool = False  # aborted by `cut`: never resubmitted when its engine dies meanwhile
 
 
 class RolloutCore:
@@ -149,10 +150,10 @@ class RolloutCore:
         slow verifier): their samples stay finished and unscored, and are scored again (`rescore`,
         or launch_idle after a restore)."""
         tasks = list(self.scoring)
+        self.scoring.clear()  # before they end: a waiter that sees them end must not take them as its own
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.scoring.clear()
 
     def rescore(self) -> None:
         """Score every finished sample that nothing scores."""
@@ -181,6 +182,7 @@ class RolloutCore:
         on_engines = []  # (engine, request id) now: a request that returns meanwhile forgets its engine
         for task in tasks:
             flight = self.cutting[task] = self.running.pop(task)
+            flight.cut = True
             if flight.engine is not None:
                 on_engines.append((flight.engine, flight.rid))
             elif not task.done():
@@ -216,6 +218,8 @@ class RolloutCore:
         uid = req.sample.uid
         try:
             while True:
+                if flight.cut:  # its engine died as it was cut: what it generated there is lost, nothing waits
+                    raise asyncio.CancelledError(f"{flight.rid} was cut and its engine died")
                 flight.engine = await self.pool.pick(prefer=self._home.get(uid) if req.sample.response_ids else None)
                 try:
                     with self.pool.holding(flight.engine) as client:

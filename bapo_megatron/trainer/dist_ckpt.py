@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from bapo_megatron.errors import DiskFull
+from bapo_megatron.common.processes import forked_children_die_with_this_process
+from bapo_megatron.errors import BadInputError, DiskFull
 from bapo_megatron.fsutil import publish, remove, temporary_sibling
 from bapo_megatron.trainer import safe_load
 from bapo_megatron.trainer.integrity import (
@@ -76,6 +77,7 @@ def save_sharded(
     from megatron.core import dist_checkpointing
 
     in_process_results_queue()
+    forked_children_die_with_this_process()  # the writer processes Megatron forks for the save
     directory = Path(directory)
     if directory.exists():  # every rank sees the same (shared) filesystem: all refuse together
         raise FileExistsError(f"checkpoint {directory} exists already; refusing to overwrite it")
@@ -242,18 +244,21 @@ def save_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> No
 
 def verify_on_all_ranks(directory: str | Path) -> None:
     """integrity.verify with the contents' checksums split over the ranks (each reads 1/world of
-    the files); every rank raises the same CorruptCheckpointError when any found a problem."""
+    the files); every rank raises when any found a problem (a rank that found none: the first
+    one's message, as a CorruptCheckpointError), so none is left waiting in a collective."""
     files = listed_files(directory)
-    problem = None
+    mine = problem = None
     try:
         verify(directory, files=files[rank() :: world()])
-    except CorruptCheckpointError as err:
-        problem = str(err)
+    except BadInputError as err:  # missing, corrupt, or crafted (a name leading outside it, a pickled command)
+        mine, problem = err, str(err)
     problems = [problem]
     if world() > 1:
         problems = [None] * world()
         dist.all_gather_object(problems, problem)
     found = [p for p in problems if p]
+    if mine is not None:
+        raise mine
     if found:
         raise CorruptCheckpointError(found[0])
 

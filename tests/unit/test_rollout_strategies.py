@@ -16,6 +16,7 @@ import zlib
 import pytest
 
 from bapo_megatron.common.protocol import Completion, SamplingParams
+from bapo_megatron.engines.client import EngineUnavailable
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.rewards.workers import RewardWorkers
 from bapo_megatron.rollout.buffer import RolloutBuffer
@@ -452,3 +453,98 @@ def test_with_no_engine_serving_for_wait_s_the_pool_stops_the_run():
     pool.error = "engine X did not come back"
     with pytest.raises(RunStopped, match="engine X did not come back"):
         asyncio.run(pool.pick())
+
+
+class SlowRewards:
+    """RewardWorkers' interface, each call taking `seconds`: calls are in progress when a drain comes."""
+
+    failures = replaced = 0
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def __call__(self, text, ids, meta):
+        await asyncio.sleep(self.seconds)
+        return 1.0, None
+
+
+def test_async_drain_with_rewards_in_flight_leaves_the_producer_running():
+    """A checkpoint's drain cancels the reward calls in progress while the producer waits on them: the
+    producer must not take their cancellation for its own (it died, and the next batch ended the run
+    with a CancelledError, issue 34's F1). Every batch after as many drains is complete."""
+    engine = VersionedEngine()
+    stream = async_stream(engine, pause_mode="abort")
+    stream.core.reward = SlowRewards(0.05)
+
+    async def run():
+        batches = []
+        for version in range(4):
+            batches.append(await stream.batch(version))
+            for _ in range(500):  # until a reward call is in progress
+                if stream.core.scoring:
+                    break
+                await asyncio.sleep(0.002)
+            assert stream.core.scoring, "no reward in progress: the drain below tests nothing"
+            await stream.drain()
+            await stream.resume()
+        await stream.close()
+        return batches
+
+    batches = asyncio.run(run())
+    assert [len(groups) for groups, _ in batches] == [stream.prompts_per_step] * 4
+
+
+class DyingEngine(VersionedEngine):
+    """Dies on `die()`: its requests then fail as a dead engine's do (a moment later, after the
+    client's retries) and it answers nothing, aborts included."""
+
+    dead = False
+
+    def die(self):
+        self.dead = True
+
+    async def generate(self, input_ids, sampling, rid):
+        if self.dead:
+            raise EngineUnavailable("dead")
+        task = asyncio.ensure_future(super().generate(input_ids, sampling, rid))
+        while not task.done():
+            await asyncio.sleep(0.002)
+            if self.dead:
+                task.cancel()
+                await asyncio.sleep(0.01)  # the client's retries
+                raise EngineUnavailable("dead")
+        return task.result()
+
+    async def abort(self, rid=None):
+        if self.dead:
+            raise EngineUnavailable("dead")
+        await super().abort(rid)
+
+    async def health(self):
+        return not self.dead
+
+
+def test_a_drain_does_not_wait_for_an_engine_that_died_under_its_requests():
+    """An engine that dies while its requests are cut (a checkpoint, or a run stopping on a signal,
+    issue 34's F2): their abort fails and they fail over to the pool, where no engine serves. They
+    were cut: they are given up (nothing they generated there is kept), not resubmitted, so the drain
+    returns at once instead of waiting rollout.engines.wait_s for an engine."""
+    engine = DyingEngine()
+    stream = async_stream(engine)
+    stream.pool.wait_s = 3600.0
+
+    async def run():
+        first = asyncio.ensure_future(stream.batch(0))
+        for _ in range(1000):
+            if engine.running:
+                break
+            await asyncio.sleep(0.002)
+        assert engine.running, "nothing in flight: the drain below tests nothing"
+        engine.die()
+        await asyncio.wait_for(stream.drain(), timeout=30)  # hangs for an hour if the cut requests wait
+        flights = len(stream.core.running) + len(stream.core.cutting)
+        first.cancel()
+        await stream.close()
+        return flights
+
+    assert asyncio.run(run()) == 0
