@@ -1,7 +1,8 @@
 """Hugging Face checkpoint directories: read safetensors shards (validated), write them atomically.
 
 Only safetensors are read: a checkpoint is never unpickled. Every problem names the file
-or tensor at fault before any expensive work is done with it.
+or tensor at fault before any expensive work is done with it; a shard outside the directory
+(named so by the index, or a symbolic link leading out) is refused before any is opened.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.safetensors_stream import StreamingWriter, TensorEntry, plan_files
+from bapo_megatron.errors import inside
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -84,33 +86,40 @@ class HFCheckpoint:
         self.dir = Path(directory)
         self.spec = ModelSpec.from_hf_dir(self.dir)
         self.config = json.loads((self.dir / "config.json").read_text())
-        self.files = self._shard_map()
+        self.files, paths = self._shard_map()
         self._handles = {}
         for file in sorted(set(self.files.values())):
             try:
-                self._handles[file] = safe_open(str(self.dir / file), framework="pt")
+                self._handles[file] = safe_open(str(paths[file]), framework="pt")
             except Exception as err:  # safetensors reports truncation and bad headers with its own types
-                raise ValueError(f"{self.dir / file}: not a readable safetensors file ({err})") from None
+                raise ValueError(f"{paths[file]}: not a readable safetensors file ({err})") from None
         self._check_shapes()
 
-    def _shard_map(self) -> dict[str, str]:
+    def _shard_map(self) -> tuple[dict[str, str], dict[str, Path]]:
+        """Tensor name -> shard file name, and each shard's path (inside the directory)."""
         index = self.dir / INDEX
+        # the hub's cache keeps a snapshot's files as links to the blobs of its entry (snapshots/REV/../..)
+        links_within = self.dir.parent.parent if self.dir.parent.name == "snapshots" else self.dir
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index}: no weight_map")
-            missing = sorted({f for f in weight_map.values() if not (self.dir / f).is_file()})
+            paths = {}
+            for file in weight_map.values():  # each checked before any is opened (a name may be no string)
+                paths[file] = inside(self.dir, file, index, links_within)
+            missing = sorted(f for f, path in paths.items() if not path.is_file())
             if missing:
                 raise ValueError(f"{self.dir}: shard(s) named in {INDEX} are missing: {', '.join(missing)}")
-            return dict(weight_map)
+            return dict(weight_map), paths
         if (self.dir / SINGLE).is_file():
             from safetensors import safe_open
 
+            path = inside(self.dir, SINGLE, self.dir, links_within)
             try:
-                with safe_open(str(self.dir / SINGLE), framework="pt") as f:
-                    return dict.fromkeys(f.keys(), SINGLE)
+                with safe_open(str(path), framework="pt") as f:
+                    return dict.fromkeys(f.keys(), SINGLE), {SINGLE: path}
             except Exception as err:
-                raise ValueError(f"{self.dir / SINGLE}: not a readable safetensors file ({err})") from None
+                raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
         raise ValueError(f"{self.dir}: no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
 
     def _check_shapes(self) -> None:

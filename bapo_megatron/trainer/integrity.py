@@ -5,7 +5,9 @@ size, computed by the rank that wrote it right after the write, gathered by rank
 load, `verify` checks that the files the metadata refers to are there and long enough, and,
 where the checkpoint lists checksums, that every file still matches: a truncated, corrupted or
 missing file is named instead of loaded (or of failing deep inside torch). Checkpoints written
-before checksums existed (or by other tools) get the presence and size checks only.
+before checksums existed (or by other tools) get the presence and size checks only. A name in
+`.metadata` or `checksums.json` that leads outside the checkpoint is refused before anything is
+read (errors.inside).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import json
 import zlib
 from pathlib import Path
 
-from bapo_megatron.errors import BadInputError
-from bapo_megatron.trainer.safe_load import read_metadata
+from bapo_megatron.errors import BadInputError, inside
+from bapo_megatron.trainer.safe_load import METADATA_FILE, read_metadata
 
 CHECKSUMS = "checksums.json"
 REQUIRED = ("metadata.json", ".metadata", "common.pt")
@@ -49,7 +51,7 @@ def check_storage(directory: Path, metadata) -> None:
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(needed.items()):
-        path = directory / name
+        path = inside(directory, name, directory / METADATA_FILE)
         if not path.is_file():
             raise CorruptCheckpointError(f"checkpoint {directory}: {name} is missing")
         if path.stat().st_size < end:
@@ -73,12 +75,10 @@ def verify(directory: str | Path, check_contents: bool = True, files: list[str] 
     listed = directory / CHECKSUMS
     if not check_contents or not listed.is_file():
         return metadata
-    try:
-        entries = json.loads(listed.read_text())
-    except ValueError as err:
-        raise CorruptCheckpointError(f"checkpoint {directory}: {CHECKSUMS} is not valid JSON ({err})") from None
+    entries = read_checksums(listed)
+    paths = {name: inside(directory, name, listed) for name in entries}  # every name, before any is read
     for name, want in sorted(entries.items()):
-        path = directory / name
+        path = paths[name]
         if not path.is_file():
             raise CorruptCheckpointError(f"checkpoint {directory}: {name} is missing")
         if path.stat().st_size != want["size"]:
@@ -90,10 +90,26 @@ def verify(directory: str | Path, check_contents: bool = True, files: list[str] 
     return metadata
 
 
+def read_checksums(listed: Path) -> dict[str, dict[str, int]]:
+    """A checksums.json: {file name: {"crc32": int, "size": int}}; CorruptCheckpointError otherwise."""
+    try:
+        entries = json.loads(listed.read_text())
+    except ValueError as err:
+        raise CorruptCheckpointError(f"{listed}: not valid JSON ({err})") from None
+    fields = {"crc32", "size"}
+    if not isinstance(entries, dict) or not all(
+        isinstance(want, dict) and fields <= want.keys() and all(isinstance(want[k], int) for k in fields)
+        for want in entries.values()
+    ):
+        raise CorruptCheckpointError(f'{listed}: not a mapping of file names to {{"crc32": int, "size": int}}')
+    return entries
+
+
 def listed_files(directory: str | Path) -> list[str]:
-    """The files a checkpoint's checksums list (empty for one written without them)."""
+    """The files a checkpoint's checksums list (empty for one written without them, or with a broken
+    list: verify names its problem)."""
     listed = Path(directory) / CHECKSUMS
     try:
-        return sorted(json.loads(listed.read_text())) if listed.is_file() else []
-    except ValueError:
+        return sorted(read_checksums(listed)) if listed.is_file() else []
+    except CorruptCheckpointError:
         return []

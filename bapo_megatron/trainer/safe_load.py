@@ -7,28 +7,36 @@ would run code in every tool and on resume. Here:
   - `.metadata` is read by a restricted unpickler that resolves only DCP's metadata and save-plan
     classes, torch sizes, dtypes, layouts and memory formats, and OrderedDict (the set found in
     the checkpoints Megatron writes, optimizer and RNG state included);
+  - every file `.metadata` stores data in must lie in the checkpoint's directory (errors.inside):
+    checked before anything is read;
   - each byte item is first read with torch.load(weights_only=True) (tensors, containers,
-    primitives) and handed to Megatron's planner only when that succeeds.
-Anything else is refused with an UnsafeCheckpointError naming the file and what it met.
+    primitives) and handed to Megatron's planner only when that succeeds;
+  - `common.pt` is read with torch.load(weights_only=True) and must hold a dict (Megatron reads it
+    with torch.load's default, which an environment variable can turn off).
+Anything else is refused with an UnsafeCheckpointError naming the file and what it met, in our
+words: torch's own message advises loading the file with weights_only=False.
 
 `install()` puts the reader and the planner into Megatron's torch_dist load strategy (its
-module-level reader factory and planner class), once per process. Pinned to megatron-core
-0.16.1: tests/unit/test_safe_load.py fails when those names move.
+module-level reader factory and planner class) and the common.pt reader into its strategy
+registry, once per process. Pinned to megatron-core 0.16.1: tests/unit/test_confined_paths.py
+fails when those names move.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import re
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from bapo_megatron.errors import BadInputError
+from bapo_megatron.errors import BadInputError, inside
 
 METADATA_FILE = ".metadata"
+COMMON_FILE = "common.pt"
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",
@@ -91,7 +99,22 @@ def read_metadata(path: str | Path) -> Metadata:
             raise BadInputError(f"{path}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint metadata")
+    storage = metadata.storage_data if metadata.storage_data is not None else {}
+    if not isinstance(storage, dict):
+        raise UnsafeCheckpointError(f"{path}: its storage table is a {type(storage).__name__}, not a mapping")
+    for info in storage.values():
+        inside(path.parent, getattr(info, "relative_path", None), path)
     return metadata
+
+
+def not_plain_data(err: Exception) -> str:
+    """What torch.load(weights_only=True) refused, without torch's advice to load it unchecked."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    if found:
+        return f"it refers to {found.group(1)}"
+    if isinstance(err, pickle.UnpicklingError) or "weights_only" in str(err):
+        return "it holds objects other than tensors, numbers, strings and containers"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -125,7 +148,7 @@ def _safe_planner_class():
                 where = getattr(info, "relative_path", "a .distcp file")
                 raise UnsafeCheckpointError(
                     f"{where}: item {read_item.storage_index.fqn!r} is not plain data, "
-                    f"refusing to load it ({str(err).splitlines()[0]})"
+                    f"refusing to load it ({not_plain_data(err)})"
                 ) from None
             value.seek(0)
             super().load_bytes(read_item, value)
@@ -133,15 +156,52 @@ def _safe_planner_class():
     return SafeLoadPlanner
 
 
+def read_common(directory: str | Path) -> dict:
+    """A checkpoint's common.pt (its state outside the sharded tensors) as plain data."""
+    path = Path(directory) / COMMON_FILE
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as err:  # a crafted pickle, or not a torch.save archive at all
+        raise UnsafeCheckpointError(
+            f"{path}: not a checkpoint this trainer wrote ({not_plain_data(err)}); refusing to load it"
+        ) from None
+    if not isinstance(common, dict):
+        raise UnsafeCheckpointError(
+            f"{path}: not a checkpoint this trainer wrote (it holds a {type(common).__name__}, not a dict)"
+        )
+    return common
+
+
+def _safe_common_strategy():
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+        """Megatron's common.pt reader, through read_common."""
+
+        def load_common(self, checkpoint_dir):
+            return read_common(checkpoint_dir)
+
+    return SafeCommonLoadStrategy()
+
+
 _installed: dict[str, object] = {}
 
 
 def install() -> None:
-    """Megatron's torch_dist loads read checkpoints through SafeFileSystemReader and SafeLoadPlanner."""
+    """Megatron's torch_dist loads read checkpoints through SafeFileSystemReader and SafeLoadPlanner,
+    and common.pt (dist_checkpointing.load, load_common_state_dict) through read_common."""
     if _installed:
         return
     from megatron.core.dist_checkpointing.strategies import torch as strategy
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, default_strategies
 
-    _installed["originals"] = (strategy._get_filesystem_reader, strategy.MCoreLoadPlanner)
+    _installed["originals"] = (
+        strategy._get_filesystem_reader,
+        strategy.MCoreLoadPlanner,
+        default_strategies[StrategyAction.LOAD_COMMON.value][("torch", 1)],
+    )
     strategy._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: SafeFileSystemReader(checkpoint_dir)
     strategy.MCoreLoadPlanner = _safe_planner_class()
+    default_strategies[StrategyAction.LOAD_COMMON.value][("torch", 1)] = _safe_common_strategy()

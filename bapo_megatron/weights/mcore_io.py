@@ -33,7 +33,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.errors import inside
 from bapo_megatron.trainer.integrity import check_storage, verify
+from bapo_megatron.trainer.safe_load import METADATA_FILE
 from bapo_megatron.weights.layout import megatron_layer_to_hf
 
 HF_CONFIG = "hf_config.json"
@@ -190,7 +192,7 @@ class StoredChunks:
 
     def _file(self, relative: str) -> torch.Tensor:
         if relative not in self._files:
-            path = self.dir / relative
+            path = inside(self.dir, relative, self.dir / METADATA_FILE)
             self._files[relative] = torch.from_file(
                 str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8
             )
