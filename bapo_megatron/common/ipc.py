@@ -151,6 +151,8 @@ def rebuild_shared(path: str, dtype: str, shape: list[int]) -> torch.Tensor:
     file once the receiver has answered). Only files this module writes can be named: by name, in
     the shared-memory directory, opened without following a link, a regular file owned by this
     user, of exactly the tensor's size."""
+    if not isinstance(shape, list | tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        raise pickle.UnpicklingError(f"shape {shape!r:.200}: not a list of sizes >= 0")
     dtype_, numel = protocol.torch_dtype(dtype), math.prod(shape)
     if numel == 0 and not path:
         return torch.empty(shape, dtype=dtype_)
@@ -209,6 +211,22 @@ class _PayloadUnpickler(pickle.Unpickler):
 
 def loads(data: str | bytes):
     """A CPU payload made by `serialized` back as tensors. Anything but shared-memory tensors and
-    plain data is refused, so a payload cannot run code or read other files."""
+    plain data is refused, so a payload cannot run code or read other files, nor make this process
+    allocate more than the payload's own size."""
     raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
+    _check_lengths(raw)
     return _PayloadUnpickler(io.BytesIO(raw)).load()
+
+
+def _check_lengths(raw: bytes) -> None:
+    """UnpicklingError unless every length the pickle declares (of a byte string, a text, a frame) is
+    there in `raw`: the unpickler allocates a byte string's declared length before reading it, so a
+    payload of 20 bytes declaring 10^12 would be a MemoryError. pickletools reads each argument
+    with read(n) on the payload, which returns what is there, and refuses a short one."""
+    import pickletools
+
+    try:
+        for _ in pickletools.genops(raw):
+            pass
+    except ValueError as err:  # a short argument, an unknown opcode, no STOP
+        raise pickle.UnpicklingError(f"not a whole pickle: {err}") from None

@@ -73,7 +73,12 @@ class SamplingParams:
             return isinstance(value, int) and not isinstance(value, bool)
 
         def number(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return False
+            try:
+                return math.isfinite(value)
+            except OverflowError:  # a JSON integer past float's range (10^400)
+                return False
 
         if not integer(self.max_new_tokens) or self.max_new_tokens < 0:
             raise bad("max_new_tokens", "must be an integer >= 0")
@@ -89,6 +94,9 @@ class SamplingParams:
             raise bad("ignore_eos", "must be true or false")
         if self.sampling_seed is not None and (not integer(self.sampling_seed) or not 0 <= self.sampling_seed < 2**63):
             raise bad("sampling_seed", "must be an integer in [0, 2^63)")
+        # as floats: a JSON integer (10^300) in a tensor of temperatures overflowed int64 in the batched step
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -252,7 +260,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype

@@ -30,10 +30,14 @@ class DataConfig:
     overlong_prompts: Literal["drop", "error"] = "drop"
     """drop: left out, counted (data/prompts_dropped); error: the run stops naming the record."""
     check_records: int = 1000
-    """Records read, rendered and checked before anything starts; the rest when drawn."""
+    """Training records read, rendered and checked before anything starts; the rest when drawn. (An
+    evaluation set's records are all checked at the start, and with reward.by every training record's
+    route, by one read of that field.)"""
     cache_dir: str | None = None
-    """Where parquet files are kept decoded (Arrow, read a batch at a time); None: $BAPO_DATA_CACHE, else
-    ~/.cache/bapo-megatron/data."""
+    """Where parquet files are kept decoded (Arrow, read a batch at a time; checked against the parquet
+    file's size, time and footer hash at every start, decoded again when stale or damaged); None:
+    $BAPO_DATA_CACHE, else ~/.cache/bapo-megatron/data. It must be writable with room for the decoded
+    file unless it holds a valid cache already: one that cannot be used is an error naming it."""
     shuffle: bool = True
     seed: int = 0
     chat_template: bool = False

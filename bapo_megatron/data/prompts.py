@@ -142,13 +142,17 @@ class PromptSource:
         limits: PromptLimits = PromptLimits(),
         field: str = "data.path",
         check: Callable[[dict[str, Any]], None] | None = None,
+        check_field: str | None = None,
     ) -> None:
-        """check: more to ask of each record checked ahead (its reward route): ValueError if wanting."""
+        """field: the config key that gave config.path, named by every error. check: more to ask of
+        each record checked ahead and of each one `first` returns (its reward route): ValueError if
+        wanting. check_field: the one field `check` reads; given, every record's value of it is
+        checked now too (one read of that field: the first record of each value is checked)."""
         if config.path is None:
-            raise ValueError("data.path is not set")
-        self.config, self.limits, self.field = config, limits, field
+            raise ValueError(f"{field} is not set")
+        self.config, self.limits, self.field, self.check = config, limits, field, check
         self.render = Renderer(config, tokenizer, tokenize)
-        self.records = open_records(config.path, config.format, config.cache_dir)
+        self.records = open_records(config.path, config.format, config.cache_dir, field)
         self.dropped = 0
         """Prompts over data.max_prompt_tokens left out so far (drop mode), checked ahead included."""
         ahead = min(len(self.records), config.check_records)
@@ -160,19 +164,43 @@ class PromptSource:
             except Overlong:
                 self.dropped += 1
                 continue
-            if check is not None:
-                try:
-                    check(meta)
-                except ValueError as err:
-                    raise ValueError(f"{field}: {self.records.where(i)}: {err}") from None
+            self._check(i, meta)
         if not checked:
             raise ValueError(
                 f"{field}={config.path}: every one of the first {ahead} prompts is longer than "
                 f"data.max_prompt_tokens={config.max_prompt_tokens}"
             )
+        if check_field is not None:
+            for i in sorted(self.records.first_of_each(check_field).values()):
+                if i >= ahead:
+                    self._check(i, self._meta(self._record(i), i))
         self.checked_ahead = ahead
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
+
+    def _check(self, index: int, meta: dict[str, Any]) -> None:
+        if self.check is not None:
+            try:
+                self.check(meta)
+            except ValueError as err:
+                raise ValueError(f"{self.field}: {self.records.where(index)}: {err}") from None
+
+    def _record(self, index: int) -> dict[str, Any]:
+        try:
+            return self.records.record(index)
+        except ValueError as err:
+            raise ValueError(f"{self.field}: {err}") from None
+
+    def _meta(self, record: dict[str, Any], index: int) -> dict[str, Any]:
+        """The record as the reward gets it: without the prompt, with the answer and the index."""
+        c = self.config
+        meta = dict(record)
+        if c.prompt_field in meta:
+            del meta[c.prompt_field]
+        if has_field(record, c.answer_field):
+            meta["answer"] = get_field(record, c.answer_field)
+        meta["index"] = index
+        return meta
 
     def __len__(self) -> int:
         return len(self.records)
@@ -182,10 +210,7 @@ class PromptSource:
         the record, Overlong past data.max_prompt_tokens in drop mode."""
         c = self.config
         where = f"{self.field}: {self.records.where(index)}"
-        try:
-            record = self.records.record(index)
-        except ValueError as err:
-            raise ValueError(f"{self.field}: {err}") from None
+        record = self._record(index)
         try:
             prompt = get_field(record, c.prompt_field)
         except MissingField as err:
@@ -208,25 +233,23 @@ class PromptSource:
             )
         if lim.max_tokens is not None and len(ids) > lim.max_tokens:
             raise ValueError(f"{where}: its prompt ({len(ids)} tokens) {lim.reason}")
-        meta = dict(record)
-        if c.prompt_field in meta:
-            del meta[c.prompt_field]
-        if has_field(record, c.answer_field):
-            meta["answer"] = get_field(record, c.answer_field)
-        meta["index"] = index
-        return ids, meta
+        return ids, self._meta(record, index)
 
     def first(self, count: int | None = None) -> list[tuple[list[int], dict[str, Any]]]:
         """The first `count` usable records in file order (all: None), overlong ones left out (an
-        evaluation set, the probe's prompt)."""
+        evaluation set, the probe's prompt), each checked as those checked ahead are: ValueError
+        naming the first that cannot work."""
         out = []
         for i in range(len(self.records)):
             if count is not None and len(out) == count:
                 break
             try:
-                out.append(self.item(i))
+                ids, meta = self.item(i)
             except Overlong:
                 continue
+            if i >= self.checked_ahead:
+                self._check(i, meta)
+            out.append((ids, meta))
         return out
 
     def _permutation(self, epoch: int) -> torch.Tensor:

@@ -229,6 +229,7 @@ class RolloutCore:
                     return completion
                 except EngineUnavailable:
                     self.pool.mark_dead(flight.engine)  # resubmitted elsewhere (or here, once it answers again)
+                    flight.engine = None  # on no engine while it waits for one: a cut cancels it there
         finally:
             flight.engine = None  # only requests still generating are aborted by id
 

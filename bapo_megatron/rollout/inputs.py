@@ -4,9 +4,11 @@ training prompts and the held-out sets.
     inputs = RolloutInputs(cfg, spec)   # ConfigError / BadInputError naming the field or the record
     inputs.prompts.next(); inputs.eval_sets; inputs.reward (the name the reward workers load)
 
-The first data.check_records records of every set are read, rendered and checked now (each with
-room for rollout.sampling.max_new_tokens in the model's context and, for training, in one
-micro-batch; routed rewards: each has a route), the others when drawn.
+Checked now: the first data.check_records training records (read, rendered, with room for
+rollout.sampling.max_new_tokens in the model's context and in one micro-batch), the others when
+drawn; every record of every evaluation set (they are all read now); with reward.by, every training
+record's route (one read of that field). An error names the field that gave the path (data.path,
+eval.path, eval.sets.NAME.path) and the record.
 """
 
 from __future__ import annotations
@@ -68,11 +70,17 @@ class RolloutInputs:
             if not samples and not greedy:
                 raise ConfigError(field.removesuffix(".path"), path, "0 samples and greedy off evaluate nothing")
             source = self._prompts(field, dataclasses.replace(self.cfg.data, path=path, shuffle=False))
-            sets.append(EvalSet(prefix, source.first(most), samples, greedy))
+            try:
+                prompts = source.first(most)  # every record evaluated, read and checked now
+            except ValueError as err:
+                raise BadInputError(str(err)) from None
+            sets.append(EvalSet(prefix, prompts, samples, greedy))
         return sets
 
     def _prompts(self, field: str, data: DataConfig) -> PromptSource:
-        """data.path's prompts (or an evaluation set's), the first data.check_records checked now."""
+        """data.path's prompts (or an evaluation set's), the first data.check_records checked now,
+        and for training every record's reward route (an evaluation set's are checked as `first`
+        reads them: its records past max_prompts are never scored)."""
         new, context = self.cfg.rollout.sampling.max_new_tokens, self.spec.max_position_embeddings
         limit = context - new
         reason = f"+ rollout.sampling.max_new_tokens ({new}) exceed the model's context of {context} tokens"
@@ -84,8 +92,13 @@ class RolloutInputs:
                 "a sample must fit one micro-batch (data.max_prompt_tokens drops longer prompts)"
             )
         limits = PromptLimits(vocab_size=self.spec.vocab_size, max_tokens=limit, reason=reason)
+        by = self.cfg.reward.by if field == "data.path" else None
         try:
-            return PromptSource(data, tokenizer=self.tokenizer, limits=limits, field=field, check=self._route_check())
+            return PromptSource(
+                data, tokenizer=self.tokenizer, limits=limits, field=field, check=self._route_check(), check_field=by
+            )
+        except ConfigError:
+            raise
         except ValueError as err:
             raise BadInputError(str(err)) from None
 

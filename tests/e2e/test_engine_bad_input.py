@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.engines.embedded import cli as embedded
 from bapo_megatron.engines.embedded.core import EngineCore
 from bapo_megatron.engines.embedded.server import EmbeddedServer
@@ -51,6 +52,12 @@ def _bad_requests(context: int) -> list[tuple[str, str, str | dict, int, str]]:
         ("list to release", "/release_memory_occupation", '["weights"]', 400, "JSON object"),
         ("string version", "/update_weight_version", '"3"', 400, "JSON object"),
         ("bad tensor payload", "/update_weights_from_tensor", {"serialized_named_tensors": 5}, 400, ""),
+        ("min_p", "/generate", _generate([1, 2], min_p=0.1), 400, "unsupported field(s) ['min_p']"),
+        ("zero top_p", "/generate", _generate([1, 2], top_p=0), 400, "top_p=0"),
+        ("zero top_k", "/generate", _generate([1, 2], top_k=0), 400, "top_k=0"),
+        ("negative tiny temperature", "/generate", _generate([1, 2], temperature=-1e-300), 400, "temperature"),
+        ("temperature past float", "/generate", _generate([1, 2], temperature=10**400), 400, "temperature"),
+        ("top_p past float", "/generate", _generate([1, 2], top_p=10**400), 400, "top_p"),
         ("oversized body", "/generate", json.dumps(_generate([1] * 200_000)), 413, ""),
     ]
 
@@ -84,6 +91,214 @@ def test_bad_requests_get_400s_and_running_ones_finish(model_dir):
     for answer in finished:
         assert answer["meta_info"]["finish_reason"]["type"] == "length"
         assert len(answer["output_ids"]) == GOOD_TOKENS
+
+
+EXTREMES = {  # sampling values at the ends of their ranges, each with an answer (SGLang's semantics)
+    "greedy": {"temperature": 0},
+    "top_p 1e-300": {"top_p": 1e-300},
+    "top_p 5e-324": {"top_p": 5e-324},
+    "top_p 5e-324, seeded": {"top_p": 5e-324, "sampling_seed": 3},
+    "top_k 1": {"top_k": 1},
+    "temperature 1e-300": {"temperature": 1e-300},
+    "top_k past the vocabulary": {"top_k": 10**30},
+    "temperature 1e300": {"temperature": 1e300},
+    "temperature 10^300, an integer": {"temperature": 10**300},
+    "temperature 1e300, top_p 1e-300": {"temperature": 1e300, "top_p": 1e-300},
+    "max_new_tokens 0": {"max_new_tokens": 0},
+}
+
+
+def test_extreme_sampling_values_get_sglangs_answers_and_fail_nothing_else(model_dir):
+    """top_p keeps the smallest set of tokens whose probability reaches it, never fewer than the most
+    likely one, so a top_p of 1e-300 or 5e-324 (0 once scaled in float32) samples greedily (before:
+    its request aborted, "invalid multinomial distribution"); so do top_k 1 and a temperature below
+    1e-6. A temperature of 1e300, or the JSON integer 10^300 (before: it failed the step that every
+    request in flight shared), samples from the uniform distribution; max_new_tokens 0 answers no
+    tokens; a top_k past the vocabulary is no top_k. The request running beside them finishes."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    core = EngineCore(model_dir)
+    vocab = core.model.config.vocab_size
+    good = _generate([5, 6, 7], max_new_tokens=GOOD_TOKENS, ignore_eos=True)
+
+    async def run():
+        async with TestClient(TestServer(EmbeddedServer(core).app())) as client:
+            running = asyncio.create_task(client.post("/generate", json=good))
+            while not core.running:
+                await asyncio.sleep(0.01)
+            posts = [
+                client.post("/generate", json=_generate([3, 4, 5], ignore_eos=True, **s)) for s in EXTREMES.values()
+            ]
+            answers = {
+                name: await resp.json() for name, resp in zip(EXTREMES, await asyncio.gather(*posts), strict=True)
+            }
+            return answers, await (await running).json()
+
+    answers, finished = asyncio.run(asyncio.wait_for(run(), 300))
+    reasons = {name: a["meta_info"]["finish_reason"] for name, a in answers.items()}
+    assert all(r["type"] == "length" for r in reasons.values()), reasons
+    greedy = answers["greedy"]
+    assert len(greedy["output_ids"]) == 8
+    for name in ("top_p 1e-300", "top_p 5e-324", "top_p 5e-324, seeded", "top_k 1", "temperature 1e-300"):
+        assert answers[name]["output_ids"] == greedy["output_ids"], name
+        got = [lp for lp, _, _ in answers[name]["meta_info"]["output_token_logprobs"]]
+        want = [lp for lp, _, _ in greedy["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(want, abs=1e-4), name  # log_softmax(logits / 1): T = 1 for greedy too
+    for name in ("temperature 1e300", "temperature 10^300, an integer", "temperature 1e300, top_p 1e-300"):
+        logprobs = [lp for lp, _, _ in answers[name]["meta_info"]["output_token_logprobs"]]
+        assert logprobs == pytest.approx([-math.log(vocab)] * 8, abs=1e-5), name
+    assert len(answers["top_k past the vocabulary"]["output_ids"]) == 8
+    assert answers["max_new_tokens 0"]["output_ids"] == [] and reasons["max_new_tokens 0"]["length"] == 0
+    assert finished["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(finished["output_ids"]) == GOOD_TOKENS
+
+
+def test_a_step_that_fails_mid_prefill_aborts_its_requests_instead_of_losing_them(model_dir, monkeypatch):
+    """A prefill forward that raises (a bug) fails the step: the requests it had taken off the queue
+    are aborted with a 500 like the others. (Before: they were in neither queue, and their clients
+    waited forever.)"""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    core = EngineCore(model_dir)
+
+    def broken(batch):
+        raise RuntimeError("simulated prefill failure")
+
+    monkeypatch.setattr(core, "_prefill_chunk", broken)
+
+    async def run():
+        async with TestClient(TestServer(EmbeddedServer(core).app())) as client:
+            resp = await asyncio.wait_for(client.post("/generate", json=_generate([1, 2, 3])), 60)
+            return await resp.json()
+
+    reason = asyncio.run(run())["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 500
+    assert not core.busy
+
+
+class _Rebuilt:
+    """A payload's tensor as the sender's pickler writes it: ipc.rebuild_shared and its arguments."""
+
+    def __init__(self, path: str, dtype: str, shape: list[int]) -> None:
+        self.args = (path, dtype, shape)
+
+    def __reduce__(self):
+        from bapo_megatron.common import ipc
+
+        return ipc.rebuild_shared, self.args
+
+
+def test_weight_payloads_the_model_cannot_take_get_400s_and_change_nothing(model_dir):
+    """In a weight-update session, a payload whose names, dtypes or shapes cannot be the served
+    model's is refused with a 400 naming what is wrong, and the weights stay as they were. (Before:
+    a payload of a few bytes that declared a terabyte of them was allocated first: 500 MemoryError.)"""
+    import base64
+    import pickle
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from bapo_megatron.common import ipc, protocol
+
+    core = EngineCore(model_dir)
+    before = {k: v.clone() for k, v in core.model.state_dict().items()}
+    numel = core.model.model.norm.weight.numel()
+
+    def raw(data: bytes) -> list[str]:
+        return [base64.b64encode(data).decode()]
+
+    terabyte = b"\x80\x04\x8e" + (10**12).to_bytes(8, "little") + bytes(8)  # BINBYTES8 of 10^12 bytes
+    empty_rows = pickle.dumps([("model.norm.weight", _Rebuilt("", "float32", [10**12, 0]))], protocol=4)
+    negative = pickle.dumps([("model.norm.weight", _Rebuilt("", "float32", [-1, 0]))], protocol=4)
+    huge_meta = ipc.flattened_bucket([("model.norm.weight", torch.ones(numel))])
+    huge_meta["metadata"][0].shape = torch.Size([10**12])
+
+    async def run():
+        async with TestClient(TestServer(EmbeddedServer(core).app())) as client:
+            await client.post("/begin_weight_update", json={})
+            with (
+                ipc.serialized([("model.layers.99.mlp.up_proj.weight", torch.ones(numel))]) as unknown,
+                ipc.serialized([("model.norm.weight", torch.ones(numel, dtype=torch.int32))]) as integer,
+                ipc.serialized(ipc.flattened_bucket([("model.norm.weight", torch.ones(2 * numel))])) as bigger,
+                ipc.serialized(huge_meta) as huge,
+            ):
+                cases = [
+                    ("declares a terabyte", raw(terabyte), None, "bytes8"),
+                    ("10^12 empty rows", raw(empty_rows), None, f"shape (1000000000000, 0), the model's is ({numel},)"),
+                    ("a negative dimension", raw(negative), None, "[-1, 0]"),
+                    ("unknown name", unknown, None, "model.layers.99.mlp.up_proj.weight: the model has no such"),
+                    ("integer dtype", integer, None, "weights must be floating point"),
+                    (
+                        "a bigger model's",
+                        bigger,
+                        protocol.FLATTENED,
+                        f"shape ({2 * numel},), the model's is ({numel},)",
+                    ),
+                    ("10^12 in metadata", huge, protocol.FLATTENED, "shape (1000000000000,)"),
+                ]
+                answers = []
+                for name, payload, load_format, phrase in cases:
+                    body = {"serialized_named_tensors": payload, "load_format": load_format}
+                    resp = await client.post("/update_weights_from_tensor", json=body)
+                    answers.append((name, phrase, resp.status, await resp.text()))
+            await client.post("/end_weight_update", json={})
+            return answers
+
+    for name, phrase, status, text in asyncio.run(run()):
+        assert status == 400 and phrase in text and "Traceback" not in text, (name, status, text)
+    for key, value in core.model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_a_distributed_update_the_model_cannot_take_is_refused_before_the_broadcast(model_dir, tmp_path):
+    """update_weights_from_distributed announces names, dtypes and shapes before the sender
+    broadcasts: ones the served model cannot take are refused (400) before anything is allocated
+    or the broadcast joined (before: a shape of [10^12] answered 500, out of memory), and the
+    refusing engine leaves the group, so that its sender's broadcast ends at once (its bytes must
+    not wait in the group for the next update to receive) and the sender fails, then builds a new
+    group that updates the engine."""
+    import time
+
+    from bapo_megatron.engines.client import EngineClient, EngineError
+    from bapo_megatron.engines.launcher import embedded_server, free_port
+    from bapo_megatron.engines.loop import EngineLoop
+    from bapo_megatron.weights.sync import DistributedWeightSender, WeightSendFailed
+
+    engine = embedded_server(model_dir, tmp_path / "engine.log").start().wait_ready(120)
+    loop = EngineLoop()
+    timeout_s = 120.0
+    try:
+        with loop.context(EngineClient(engine.url)) as client:
+            sender = DistributedWeightSender(
+                [client], [1], "127.0.0.1", free_port(), backend="gloo", timeout_s=timeout_s
+            )
+            loop.run(sender.connect())
+            loop.run(client.begin_weight_update())
+            with pytest.raises(EngineError, match=r"HTTP 400: .*model.norm.weight: shape \(1000000000000,\)"):
+                loop.run(client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[10**12]], "x"))
+            with pytest.raises(EngineError, match="no weight-update group"):  # it left the group
+                loop.run(client.destroy_weights_update_group())
+            loop.run(client.end_weight_update())
+            loop.run(sender.close())  # our end too (its engine has left)
+            bad = [
+                [("model.layers.99.mlp.up_proj.weight", torch.ones(64))],
+                [("model.norm.weight", torch.ones(65))],
+                [("model.norm.weight", torch.ones(64, dtype=torch.int32))],
+            ]
+            for bucket in bad:
+                loop.run(sender.connect())
+                start = time.monotonic()
+                with pytest.raises(WeightSendFailed):
+                    sender.send([bucket], "bad", loop)
+                assert time.monotonic() - start < timeout_s / 2, bucket  # not the group's timeout
+            loop.run(sender.connect())
+            sender.send([[("model.norm.weight", torch.full((64,), 0.5))]], "good", loop)
+            info = loop.run(client.request("/model_info", method="GET"))
+            result = loop.run(client.generate([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True), "after"))
+            loop.run(sender.close())
+    finally:
+        loop.close()
+        engine.stop()
+    assert info["weight_version"] == "good" and len(result.output_ids) == 4
 
 
 def test_a_client_that_disconnects_stops_its_request_and_the_memory_returns(model_dir):

@@ -1,10 +1,12 @@
 """`bapo-train` online, on input it cannot use: one `error:` line naming the field and the value,
 exit 2, no traceback, and nothing built or started (no run directory, no checkpoint, no engine).
 
-The dataset (missing, empty, a record without the prompt field), the reward (unknown, a file
-that does not import), the tokenizer (a vocabulary larger than the model's), the engines (a
-port in use, URLs that do not answer, an engine serving another shape); the data-parallel split
-is checked in tests/unit/test_train_cli.py.
+The dataset (missing, empty, a record without the prompt field, a reward route missing past
+data.check_records, a data.cache_dir that is a file), an evaluation set (missing, a bad record past
+data.check_records: named by its own key), the reward (unknown, a file that does not import), the
+tokenizer (a vocabulary larger than the model's), the engines (a port in use, URLs that do not
+answer, an engine serving another shape); the data-parallel split is checked in
+tests/unit/test_train_cli.py.
 """
 
 import json
@@ -39,6 +41,7 @@ def task(tmp_path_factory, hf_model):
     (chat / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "unk_token": "t0"}))
     verl_parquet(root / "verl.parquet", ["t5 t6", "t7"], ["t9", "t8"], sources=["math_dapo", "aime"])
     (root / "bad_messages.jsonl").write_text(json.dumps({"prompt": [{"text": "t5"}]}) + "\n")
+    (root / "bad_eval.jsonl").write_text(json.dumps({"prompt": [3, 7], "answer": "1"}) + '\n{"prompt": {}}\n')
     verl_parquet(root / "shards" / "a.parquet", ["t5"], ["t9"])
     (root / "shards" / "b.parquet").write_bytes(b"PAR1 not parquet PAR1")
     return root
@@ -81,6 +84,24 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
             ("verl.parquet record 2", "data_source='aime' has no reward in reward.routes"),
         ),
         ("data.path={root}/shards", ("b.parquet: not a parquet file",)),
+        (
+            (
+                "model.hf_path={root}/chat",
+                "data.path={root}/verl.parquet",
+                "reward.by=data_source",
+                "data.check_records=1",
+            ),
+            ("data.path: ", "verl.parquet record 2", "data_source='aime' has no reward in reward.routes"),
+        ),
+        (
+            ("eval.sets.aime.path={root}/bad_eval.jsonl", "data.check_records=1"),
+            ("eval.sets.aime.path: ", "bad_eval.jsonl record 2 (line 2): 'prompt' must be text"),
+        ),
+        ("eval.path={root}/missing.jsonl", ("eval.path=", "missing.jsonl: no such file")),
+        (
+            ("data.path={root}/verl.parquet", "data.cache_dir={root}/reward.py"),
+            ("data.cache_dir=", "reward.py': a file, not a directory"),
+        ),
     ],
     ids=[
         "missing",
@@ -96,12 +117,18 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
         "no-template",
         "data-source",
         "bad-shard",
+        "route-past-checked",
+        "eval-record",
+        "eval-missing",
+        "cache-dir",
     ],
 )
 def test_bad_data_reward_and_tokenizer(task, tmp_path, override, phrases):
     """(A batch that does not split over the data-parallel ranks: tests/unit/test_train_cli.py.)"""
     given = override if isinstance(override, tuple) else (override,)
-    overrides = [o.format(root=task) for o in given] + [f"data.cache_dir={task / 'cache'}"]
+    overrides = [o.format(root=task) for o in given]
+    if not any(o.startswith("data.cache_dir=") for o in overrides):
+        overrides.append(f"data.cache_dir={task / 'cache'}")
     if "reward.by=data_source" in overrides:
         overrides.append("reward.routes={math_dapo: dapo}")
     fails(task, tmp_path, *overrides, phrases=phrases)

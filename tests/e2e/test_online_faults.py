@@ -177,3 +177,42 @@ def test_sigterm_while_every_reward_hangs_ends_the_run_and_its_workers(task, tmp
         assert proc.returncode == 143, out[-3000:]
     no_reward_worker_left(task)
     no_engine_left(run)
+
+
+def test_sigterm_while_the_engine_restarts_saves_and_stops_in_seconds(task, tmp_path):
+    """Async, with held-out evaluations: the only engine killed, its restarts failing slowly (the
+    model directory gone), and SIGTERM meanwhile (Slurm's warning before the time limit): the step in
+    progress, its cut requests and the evaluation waiting for an engine are given up, the steps
+    trained are saved, exit 0, status "stopped". Before, the run waited rollout.engines.wait_s
+    (set long here) and exited 1 without saving (issue 34's F2)."""
+    run = tmp_path / "restarting"
+    model = tmp_path / "model"
+    shutil.copytree(task / "m", model)
+    (task / "heldout.jsonl").write_text((task / "prompts.jsonl").read_text().split("\n", 8)[8])
+    extra = (
+        f"model.hf_path={model}",
+        "rollout.mode=async",
+        "rollout.partial.enabled=false",
+        "rollout.partial.token_budget=null",
+        "rollout.max_staleness=1",
+        "rollout.engines.max_restarts=1000",
+        "rollout.engines.wait_s=3600",
+        f"eval.path={task / 'heldout.jsonl'}",
+        "eval.interval=1",
+        "eval.samples=2",
+    )
+    proc = start(args(task, run, 50, *extra))
+    log = run / "metrics.jsonl"
+    wait_for(lambda: log.is_file() and log.read_text().count("\n") >= 2 and engine_pids(run), proc, "two steps")
+    model.rename(tmp_path / "moved")
+    ((_, pid),) = engine_pids(run).items()
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: pid not in engine_pids(run).values(), proc, "the engine's death")  # no engine serves from here
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)  # seconds; the bug waited an hour here
+    assert proc.returncode == 0, out[-4000:]
+    status = json.loads((run / "status.json").read_text())
+    trained = max(m["step"] for m in metrics(run))
+    assert status["state"] == "stopped" and status["reason"] == "signal" and status["step"] == trained, status
+    assert (run / "ckpt" / "latest").read_text().strip() == f"step_{trained:08d}"
+    no_engine_left(run)

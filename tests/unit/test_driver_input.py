@@ -156,3 +156,81 @@ def test_verl_data_with_rewards_routed_by_data_source(tmp_path, model_dir):
         _driver(tmp_path, model_dir, *common, "reward.routes={math_dapo: dapo}")
     with pytest.raises(BadInputError, match=r"record 1: no field 'source' \(reward.by\)"):
         _driver(tmp_path, model_dir, *common[:2], common[3], "reward.by=source", "reward.routes={x: math}")
+
+
+@pytest.mark.parametrize("key", ["eval.path", "eval.sets.aime.path"])
+def test_every_record_of_an_evaluation_set_is_checked_at_the_start(tmp_path, model_dir, key):
+    """An evaluation set is read whole at the start: a record past data.check_records that cannot
+    work is a BadInputError then (one error line), and every error about the set names its key."""
+    import re
+
+    from bapo_megatron.errors import BadInputError
+
+    good = json.dumps({"prompt": [1, 2], "answer": "t1"})
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text(f"{good}\n{good}\n" + json.dumps({"prompt": {"text": "t5"}}) + "\n")
+    shown = re.escape(key)
+    with pytest.raises(BadInputError, match=rf"^{shown}: \S+eval.jsonl record 3 \(line 3\): 'prompt' must be text"):
+        _driver(tmp_path, model_dir, f"{key}={bad}", "data.check_records=1")
+    bad.write_text(f"{good}\n{good}\n{{oops\n")
+    with pytest.raises(BadInputError, match=rf"^{shown}: \S+eval.jsonl:3: not JSON"):
+        _driver(tmp_path, model_dir, f"{key}={bad}", "data.check_records=1")
+    for path, message in [("missing.jsonl", "no such file"), ("none-*.jsonl", "the pattern matches no file")]:
+        with pytest.raises(BadInputError, match=rf"^{shown}=\S+{re.escape(path)}: {message}"):
+            _driver(tmp_path, model_dir, f"{key}={tmp_path / path}")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(BadInputError, match=rf"^{shown}=\S+empty.jsonl: no records"):
+        _driver(tmp_path, model_dir, f"{key}={tmp_path / 'empty.jsonl'}")
+    bad.write_text(f"{good}\n{good}\n")
+    assert len(_driver(tmp_path, model_dir, f"{key}={bad}", "data.check_records=1").inputs.eval_sets[0].items) == 2
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_every_training_records_reward_route_is_checked_at_the_start(tmp_path, model_dir, fmt):
+    """reward.by: every record's value is read at the start (the one field, not the records whole),
+    so a value without an entry in reward.routes, or a record without the field, past
+    data.check_records, is an error naming the record before any engine, not failed reward calls."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bapo_megatron.errors import BadInputError
+
+    def data(rows):
+        path = tmp_path / f"train.{fmt}"
+        if fmt == "parquet":
+            pq.write_table(pa.Table.from_pylist(rows), path)
+        else:
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return [f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", "data.check_records=2"]
+
+    rows = [{"prompt": [1], "answer": "t1", "src": s, "info": {"src": s}} for s in ["a", "a", "a", "b", "c"]]
+    routes = "reward.routes={a: exact, b: exact}"
+    where = r"train.parquet record 5" if fmt == "parquet" else r"train.jsonl record 5 \(line 5\)"
+    for by in ["src", "info.src"]:
+        with pytest.raises(BadInputError, match=rf"data.path: \S+{where}: {by}='c' has no reward in reward.routes"):
+            _driver(tmp_path, model_dir, *data(rows), f"reward.by={by}", routes)
+        _driver(tmp_path, model_dir, *data(rows), f"reward.by={by}", "reward.routes={a: exact, b: exact, c: exact}")
+    if fmt == "jsonl":  # not text: read record by record, as exact
+        numbers = [{**r, "src": n} for r, n in zip(rows, [1, 1, 1, 2, 3], strict=True)]
+        with pytest.raises(BadInputError, match=rf"{where}: src=3 has no reward in reward.routes"):
+            _driver(tmp_path, model_dir, *data(numbers), "reward.by=src", "reward.routes={1: exact, 2: exact}")
+        absent = [*rows[:4], {"prompt": [1], "answer": "t1"}]
+        with pytest.raises(BadInputError, match=rf"{where}: no field 'src' \(reward.by\)"):
+            _driver(tmp_path, model_dir, *data(absent), "reward.by=src", routes)
+
+
+def test_an_evaluation_sets_reward_routes_are_checked_as_it_is_read(tmp_path, model_dir):
+    """Every record an evaluation set scores has a route (past data.check_records too); those past
+    its max_prompts are never read nor scored."""
+    from bapo_megatron.errors import BadInputError
+
+    def jsonl(name, sources):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"prompt": [1], "answer": "t1", "src": s}) + "\n" for s in sources))
+        return path
+
+    common = [f"data.path={jsonl('train.jsonl', 'aa')}", "data.check_records=1", "reward.by=src"]
+    common += ["reward.routes={a: exact}", f"eval.sets.aime.path={jsonl('aime.jsonl', 'aac')}"]
+    with pytest.raises(BadInputError, match=r"eval.sets.aime.path: \S+aime.jsonl record 3 \(line 3\): src='c' has no"):
+        _driver(tmp_path, model_dir, *common)
+    assert len(_driver(tmp_path, model_dir, *common, "eval.sets.aime.max_prompts=2").inputs.eval_sets[0].items) == 2

@@ -90,3 +90,17 @@ def test_a_link_in_the_shared_memory_directory_is_not_followed(tmp_path):
         assert real.read_bytes() == torch.arange(4.0).numpy().tobytes()
     finally:
         real.unlink()
+
+
+def test_loads_refuses_a_payload_that_declares_more_than_it_holds_before_allocating_it():
+    """A pickle's byte string is allocated at its declared length before it is read: 20 bytes that
+    declare 10^12 of them were a MemoryError. Shapes other than lists of sizes >= 0 are refused too."""
+    terabyte = b"\x80\x04\x8e" + (10**12).to_bytes(8, "little") + bytes(8)
+    with pytest.raises(pickle.UnpicklingError, match="expected 1000000000000 bytes in a bytes8, but only 8 remain"):
+        ipc.loads(base64.b64encode(terabyte).decode())
+    with pytest.raises(pickle.UnpicklingError, match="not a whole pickle"):
+        ipc.loads(base64.b64encode(pickle.dumps([1, 2])[:-1]).decode())
+    for shape in ([-1, 0], [2.0], "ab", [True]):
+        with pytest.raises(pickle.UnpicklingError, match="not a list of sizes >= 0"):
+            ipc.rebuild_shared("", "float32", shape)
+    assert ipc.loads(base64.b64encode(pickle.dumps([("w", 1.5)])).decode()) == [("w", 1.5)]

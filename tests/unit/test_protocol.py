@@ -59,6 +59,11 @@ def test_sampling_params_and_dtypes():
                 SamplingParams.from_json({"max_new_tokens": 4, name: value})
     greedy = SamplingParams.from_json({"max_new_tokens": 4, "temperature": 1e-41})  # SGLang: greedy below 1e-6
     assert greedy.temperature == 1e-41
+    for name in ("temperature", "top_p"):  # JSON integers past float's range: once an OverflowError, unnamed
+        with pytest.raises(ValueError, match=rf"sampling_params\.{name}=1000"):
+            SamplingParams.from_json({"max_new_tokens": 4, name: 10**400})
+    hot = SamplingParams.from_json({"max_new_tokens": 4, "temperature": 10**300, "top_p": 1})
+    assert (hot.temperature, hot.top_p) == (1e300, 1.0) and type(hot.temperature) is type(hot.top_p) is float
     with pytest.raises(ValueError, match="top_p=1.5"):
         SamplingParams(max_new_tokens=1, top_p=1.5)
     with pytest.raises(ValueError, match=r"unsupported field\(s\) \['logit_bias'\]"):

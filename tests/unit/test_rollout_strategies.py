@@ -524,11 +524,13 @@ class DyingEngine(VersionedEngine):
         return not self.dead
 
 
-def test_a_drain_does_not_wait_for_an_engine_that_died_under_its_requests():
-    """An engine that dies while its requests are cut (a checkpoint, or a run stopping on a signal,
-    issue 34's F2): their abort fails and they fail over to the pool, where no engine serves. They
-    were cut: they are given up (nothing they generated there is kept), not resubmitted, so the drain
-    returns at once instead of waiting rollout.engines.wait_s for an engine."""
+@pytest.mark.parametrize("died", ["as-cut", "before"])
+def test_a_drain_does_not_wait_for_an_engine_that_died_under_its_requests(died):
+    """An engine that dies as its requests are cut (a checkpoint, or a run stopping on a signal,
+    issue 34's F2): their abort fails and they fail over to the pool, where no engine serves; or it
+    died before, and they wait there for one. Cut, they are given up (nothing they generated there
+    is kept), not resubmitted, so the drain returns at once instead of waiting
+    rollout.engines.wait_s for an engine."""
     engine = DyingEngine()
     stream = async_stream(engine)
     stream.pool.wait_s = 3600.0
@@ -541,6 +543,8 @@ def test_a_drain_does_not_wait_for_an_engine_that_died_under_its_requests():
             await asyncio.sleep(0.002)
         assert engine.running, "nothing in flight: the drain below tests nothing"
         engine.die()
+        while died == "before" and not stream.pool.dead:  # the requests failed over: they wait for an engine
+            await asyncio.sleep(0.002)
         await asyncio.wait_for(stream.drain(), timeout=30)  # hangs for an hour if the cut requests wait
         flights = len(stream.core.running) + len(stream.core.cutting)
         first.cancel()

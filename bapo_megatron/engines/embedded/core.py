@@ -279,20 +279,26 @@ class EngineCore:
         return None
 
     # -- weights --------------------------------------------------------------------------
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the model; all are checked before any is copied."""
+    def check_weights(self, announced: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> None:
+        """ValueError naming the first (name, dtype, shape) that cannot be loaded into the served model:
+        a name it has no parameter of, a dtype not floating point, another shape. What an update
+        announces is checked with this before anything of it is allocated."""
         if "weights" in self.released:
             raise ValueError("the weights are released: resume_memory_occupation(weights) before loading them")
         state = self.model.state_dict(keep_vars=True)
-        pending = []
-        for name, tensor in tensors:
+        for name, dtype, shape in announced:
             if name not in state:
-                raise KeyError(f"{name}: the model has no such parameter")
-            if not tensor.is_floating_point():
-                raise ValueError(f"{name}: dtype {tensor.dtype}; weights must be floating point")
-            if tuple(tensor.shape) != tuple(state[name].shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model's is {tuple(state[name].shape)}")
-            pending.append((name, tensor))
+                raise ValueError(f"{name}: the model has no such parameter")
+            if not dtype.is_floating_point:
+                raise ValueError(f"{name}: dtype {dtype}; weights must be floating point")
+            if tuple(shape) != tuple(state[name].shape):
+                raise ValueError(f"{name}: shape {tuple(shape)}, the model's is {tuple(state[name].shape)}")
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the model; all are checked before any is copied."""
+        pending = list(tensors)
+        self.check_weights((name, tensor.dtype, tensor.shape) for name, tensor in pending)
+        state = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in pending:
                 state[name].copy_(tensor)
@@ -306,19 +312,26 @@ class EngineCore:
         ones (up to max_batch running), which samples their first tokens."""
         finished: list[Request] = []
         self._admit()
-        with torch.no_grad():
-            admitted = []
-            while self.waiting and len(self.running) + len(admitted) < self.max_batch:
-                request = self.waiting.pop(0)
-                if request.sampling.max_new_tokens <= len(request.output_ids):
-                    self._finish(request, {"type": "length", "length": len(request.output_ids)})
-                    finished.append(request)
-                elif not self._resume(request):  # cached: it decodes with the others, no prefill
-                    admitted.append(request)
-            if self.running:  # decode the running ones first: arrivals never starve them
-                finished += self._decode()
-            if admitted:
-                finished += self._prefill(admitted)
+        admitted: list[Request] = []
+        try:
+            with torch.no_grad():
+                while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+                    request = self.waiting.pop(0)
+                    if request.sampling.max_new_tokens <= len(request.output_ids):
+                        self._finish(request, {"type": "length", "length": len(request.output_ids)})
+                        finished.append(request)
+                    elif not self._resume(request):  # cached: it decodes with the others, no prefill
+                        admitted.append(request)
+                if self.running:  # decode the running ones first: arrivals never starve them
+                    finished += self._decode()
+                if admitted:
+                    finished += self._prefill(admitted)
+        except BaseException:
+            # the step failed: requests taken off the queue and not yet running go back on it, where
+            # the caller's abort finds them (else their clients would wait forever)
+            running = {id(r) for r in self.running}
+            self.waiting[:0] = [r for r in admitted if r.finish is None and id(r) not in running]
+            raise
         return finished
 
     def _resume(self, request: Request) -> bool:
@@ -557,7 +570,8 @@ def _prefix_key(request: Request) -> tuple[int, ...]:
 
 def sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
     """(token, its logprob): logprob from log_softmax(logits / T) over the whole vocabulary; below
-    SAMPLING_EPS, greedy with the logprob of T = 1, as SGLang does."""
+    SAMPLING_EPS, greedy with the logprob of T = 1, as SGLang does. A temperature past float32's
+    range divides by inf: the uniform distribution, its limit."""
     if s.temperature < SAMPLING_EPS:
         logprobs = torch.log_softmax(logits, -1)
         token = int(torch.argmax(logprobs))
@@ -567,11 +581,13 @@ def sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) 
     if s.top_k > 0:
         kth = torch.topk(weights, min(s.top_k, weights.numel())).values[-1]
         weights = torch.where(weights >= kth, weights, 0.0)
-    if s.top_p < 1:
+    if s.top_p < 1:  # the smallest set of tokens whose mass reaches top_p: never less than the likeliest
         ordered, order = torch.sort(weights, descending=True)
         before = torch.cumsum(ordered, 0) - ordered  # mass of the tokens ahead of each
+        kept = before < s.top_p * ordered.sum()
+        kept[0] = True  # also when top_p * mass rounds to 0 in float32 (top_p 1e-300): no mass ahead is below 0
         keep = torch.zeros_like(weights, dtype=torch.bool)
-        keep[order] = before < s.top_p * ordered.sum()
+        keep[order] = kept
         weights = torch.where(keep, weights, 0.0)
     token = int(torch.multinomial(weights, 1, generator=generator))
     return token, float(logprobs[token])

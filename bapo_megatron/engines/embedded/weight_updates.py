@@ -44,41 +44,64 @@ class WeightUpdateEndpoints:
         return ok(f"left {name}")
 
     async def update_from_distributed(self, request):
+        """The sender announces a bucket here, then broadcasts it. What the model cannot take is refused
+        before anything is allocated or received, and the refusing engine leaves the group: the
+        sender's broadcast then fails at once (it would otherwise wait for a receiver that never
+        comes, or leave its bytes for the next update to receive) and the sender builds a new group."""
         body = await json_object(request)
-        self._need_session()
         name = body.get("group_name", protocol.DEFAULT_GROUP)
-        if name not in self.groups:
-            raise ValueError(f"no weight-update group {name!r}: call /init_weights_update_group first")
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError("names, dtypes and shapes differ in length")
+        if not isinstance(name, str):
+            raise ValueError(f"group_name={name!r}: must be a string")
+        try:
+            self._need_session()
+            if name not in self.groups:
+                raise ValueError(f"no weight-update group {name!r}: call /init_weights_update_group first")
+            names, dtypes, shapes, layout = self._announced(body)
+        except BAD_REQUEST as err:
+            if name in self.groups:
+                await asyncio.to_thread(leave_group, self.groups.pop(name))
+                raise ValueError(f"{err} (refused before the broadcast: left group {name!r})") from None
+            raise
         group = self.groups[name]
-        torch_dtypes = [protocol.torch_dtype(d) for d in dtypes]
-        flattened = body.get("load_format") == protocol.FLATTENED
-        if body.get("load_format") not in (None, protocol.FLATTENED):
-            raise ValueError(f"load_format {body['load_format']!r}: expected none or {protocol.FLATTENED!r}")
-        layout = protocol.flattened_layout(torch_dtypes, shapes) if flattened else None
 
         def receive() -> list[tuple[str, torch.Tensor]]:
-            if flattened:
+            if layout is not None:
                 flat = torch.empty(layout[-1][1] if layout else 0, dtype=torch.uint8)
                 dist.broadcast(flat, src=0, group=group)
                 return [
                     (n, flat[a:b].view(d).reshape(s))
-                    for n, d, s, (a, b) in zip(names, torch_dtypes, shapes, layout, strict=True)
+                    for n, d, s, (a, b) in zip(names, dtypes, shapes, layout, strict=True)
                 ]
             out = []
-            for n, d, s in zip(names, torch_dtypes, shapes, strict=True):
+            for n, d, s in zip(names, dtypes, shapes, strict=True):
                 tensor = torch.empty(s, dtype=d)
                 dist.broadcast(tensor, src=0, group=group)
                 out.append((n, tensor))
             return out
 
         async with self._model_lock:
-            tensors = await asyncio.to_thread(receive)  # every broadcast is joined before anything is checked
+            tensors = await asyncio.to_thread(receive)  # every broadcast is joined before anything is loaded
             await self._on_engine(self.core.load_weights, tensors)
             refused = self._after_update(body)
         return ok(f"updated {len(tensors)} tensors", refused)
+
+    def _announced(self, body: dict) -> tuple[list[str], list[torch.dtype], list[list[int]], list | None]:
+        """An announced bucket's names, dtypes and shapes, each one the model's, and its flattened
+        layout (None: one broadcast per tensor); ValueError naming the first that is not."""
+        names, dtypes, shapes = lists = body["names"], body["dtypes"], body["shapes"]
+        if not all(isinstance(x, list) for x in lists) or len({len(x) for x in lists}) != 1:
+            raise ValueError("names, dtypes and shapes must be lists of one length")
+        if not all(isinstance(n, str) for n in names):
+            raise ValueError("names must be strings")
+        if not all(isinstance(s, list) and all(type(d) is int and d >= 0 for d in s) for s in shapes):
+            raise ValueError(f"shapes must be lists of sizes >= 0, got {shapes!r:.200}")
+        if body.get("load_format") not in (None, protocol.FLATTENED):
+            raise ValueError(f"load_format {body['load_format']!r}: expected none or {protocol.FLATTENED!r}")
+        torch_dtypes = [protocol.torch_dtype(d) for d in dtypes]
+        self.core.check_weights(zip(names, torch_dtypes, shapes, strict=True))
+        flattened = body.get("load_format") == protocol.FLATTENED
+        layout = protocol.flattened_layout(torch_dtypes, shapes) if flattened else None
+        return names, torch_dtypes, shapes, layout
 
     async def update_from_tensor(self, request):
         import pickle
