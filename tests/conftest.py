@@ -34,3 +34,15 @@ def hf_model(tmp_path_factory):
         return built[name][1]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_behind():
+    """A `bapo-train` run that a failed test left running (tests/online.start) is killed after it:
+    it would hold a core and its ports for the rest of the suite."""
+    yield
+    import sys
+
+    online = sys.modules.get("tests.online")
+    if online is not None:
+        online.kill_leftovers()

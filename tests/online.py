@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -88,7 +89,37 @@ def args(task: Path, run: Path, steps: int, *extra: str) -> list[str]:
 def start(argv: list[str], launcher: list[str] | None = None) -> subprocess.Popen:
     command = (launcher or [sys.executable, "-m"]) + ["bapo_megatron.train", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=_interruptible,
+    )
+    STARTED.append(proc)
+    return proc
+
+
+STARTED: list[subprocess.Popen] = []
+"""Every run `start` began: one a failed test left running is killed after it (tests/conftest.py)."""
+
+
+def kill_leftovers() -> None:
+    """Kill the runs `start` began that are still running (a test that failed waiting for one), and
+    with them their engines and reward workers (they die with their parent)."""
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _interruptible() -> None:
+    """SIGINT as a terminal's Ctrl-C: a suite started in the background (`&`, nohup) ignores it,
+    and a child keeps an ignored SIGINT ignored (Python too), so the Ctrl-C test saw nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def train(argv: list[str], launcher: list[str] | None = None) -> str:

@@ -36,6 +36,7 @@ import torch
 
 from bapo_megatron.common import ipc, protocol, weight_group
 from bapo_megatron.engines.client import EngineClient, EngineError, EngineUnavailable
+from bapo_megatron.engines.launcher import free_port
 from bapo_megatron.engines.loop import EngineLoop
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -68,6 +69,7 @@ class DistributedWeightSender:
         self.timeout_s = timeout_s
         self.flatten = flatten  # one broadcast per bucket (load_format flattened_bucket), not one per tensor
         self.group = None
+        self._joined_before = False
 
     @property
     def world_size(self) -> int:
@@ -75,9 +77,15 @@ class DistributedWeightSender:
 
     async def connect(self) -> None:
         """Ask every engine to join and build our end (rank 0, hosting the store); returns once all
-        have joined. Connected already (e.g. after an engine restart): the old group is left first."""
+        have joined. Connected already (e.g. after an engine restart): the old group is left first,
+        and the new one meets at a port of its own: a store left on the old one (this process shares
+        one server per port, multi-tenant) still holds the old group's keys under the same names,
+        which a rejoining engine would read, and both ends would wait for ever."""
         if self.group is not None:
             await self.close()
+        if self._joined_before:
+            self.port = free_port(self.host)
+        self._joined_before = True
         offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.clients))]
         ours = asyncio.to_thread(
             weight_group.join_group,
@@ -120,12 +128,15 @@ class DistributedWeightSender:
                     sent += self._send_bucket(bucket, last, version, loop, flush_cache)
         except (RuntimeError, EngineUnavailable, EngineError, TimeoutError) as err:
             # An engine died during the update (its end of the broadcast closed, or it stopped
-            # answering): leave the group, so that the others' ends fail too instead of waiting
-            # for tensors, and make the rest of the buckets (the other ranks gather them with us).
+            # answering), or refused it: leave the group, so that the others' ends fail too instead
+            # of waiting for tensors, and make the rest of the buckets (the other ranks gather them
+            # with us).
             self._abandon(loop)
             for _ in stream:
                 pass
-            raise WeightSendFailed(f"{type(err).__name__}: {str(err)[:300]}") from err
+            refused = err if isinstance(err, EngineError) and 400 <= err.status < 500 else None
+            kind = WeightsRefused if refused is not None else WeightSendFailed
+            raise kind(f"{type(err).__name__}: {str(err)[:300]}") from err
         return sent
 
     def _send_bucket(self, bucket: Bucket, last: bool, version: str, loop: EngineLoop, flush_cache: bool) -> int:
@@ -145,7 +156,10 @@ class DistributedWeightSender:
         try:
             self._broadcast(tensors)
         except BaseException:
+            refusal = _refusal(answers, loop)
             answers.cancel()
+            if refusal is not None:  # the engine left the group as it refused: its reason is the error
+                raise refusal from None
             raise
         loop.wait(answers)
         return _nbytes(bucket)
@@ -173,6 +187,23 @@ class DistributedWeightSender:
 class WeightSendFailed(Exception):
     """A weight update did not reach every engine (one died during it): the engines that took part
     hold a mix of versions and must be sent the weights again before they serve."""
+
+
+class WeightsRefused(WeightSendFailed):
+    """An engine refused the update itself (4xx: names, dtypes or shapes its model cannot take):
+    sending the same weights again cannot help."""
+
+
+def _refusal(answers, loop: EngineLoop, seconds: float = 5.0) -> EngineError | None:
+    """After a broadcast that failed: an engine's refusal of the update (4xx, its reason), if one
+    comes within `seconds` (a refusing engine leaves the group, which is what failed the broadcast)."""
+    try:
+        loop.wait(answers, timeout=seconds)
+    except EngineError as err:
+        return err if 400 <= err.status < 500 else None
+    except Exception:
+        return None
+    return None
 
 
 def _payload(bucket: Bucket, flatten: bool):
