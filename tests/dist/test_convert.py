@@ -10,10 +10,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.dist.launch import run_workers
 from tests.helpers import CASES, make_hf_model
+
+pytestmark = pytest.mark.slow  # the longest of the tier: `make test-fast` leaves it out
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 

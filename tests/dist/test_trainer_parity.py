@@ -16,6 +16,8 @@ from bapo_megatron.common.batch import RolloutBatch
 from tests.dist.launch import run_workers
 from tests.helpers import make_batch
 
+pytestmark = pytest.mark.slow  # the longest of the tier: `make test-fast` leaves it out
+
 LOSSES = ("bapo", "ppo")
 # name: (tensor, pipeline, virtual pipeline, processes)
 LAYOUTS = {

@@ -30,7 +30,7 @@ from tests.online import (
     write_task,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FLAKY = """
 import os, sys, time

@@ -4,9 +4,9 @@ partial rollout, a reward function from a file, the weight sync every step, chec
 - The engines serve the trainer's weights after every sync: at staleness 0 the first update's
   log-prob mismatch is within 1e-5, and so is the probe's gap (rollout.sync.check_every).
 - A second run resumes from the first's checkpoint and the run's logs hold one timeline.
-- Deterministic mode: two uninterrupted runs give identical metrics; a run stopped by SIGTERM
-  and one killed by SIGKILL (while it saves, when the kill lands there), each resumed, give the
-  uninterrupted run's metrics after their resume point.
+- Deterministic mode: a run stopped by SIGTERM and one killed by SIGKILL (while it saves, when the
+  kill lands there), each resumed, give an uninterrupted run's metrics at every step, before the
+  interruption (two runs agree) and after their resume point.
 - The asynchronous default, killed and resumed: no prompt group is trained twice or lost
   (the groups trained, plus those still in the saved buffer, are exactly the prompts drawn).
 """
@@ -37,7 +37,7 @@ from tests.online import (
     write_task,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +78,13 @@ def test_deterministic_runs_and_their_resumptions_agree(task, tmp_path):
         "checkpoint.keep_last=10",
         "algo.bapo.target_rho=0.45",
     )
-    runs = {name: tmp_path / name for name in ("a", "b", "term", "kill")}
-    for name in ("a", "b"):
-        train(args(task, runs[name], 5, *det))
+    # (two uninterrupted runs agreeing is the special case of the interrupted ones below, whose
+    # steps before the signal or the kill are an uninterrupted run's: one reference run is enough)
+    runs = {name: tmp_path / name for name in ("a", "term", "kill")}
+    train(args(task, runs["a"], 5, *det))
     reference = metrics(runs["a"])
     assert [m["step"] for m in reference] == [1, 2, 3, 4, 5]
     assert any(m["rollout/token_staleness_max"] > 0 for m in reference)  # partial samples crossed steps
-    for m, n in zip(reference, metrics(runs["b"]), strict=True):
-        assert not same(m, n), same(m, n)
 
     # SIGTERM during the run: it finishes the step, saves, exits 0; the same command resumes
     proc = start(args(task, runs["term"], 5, *det))

@@ -1,12 +1,11 @@
 """The job scripts under a real Slurm (tests/slurm/localslurm.py: Debian's slurm-wlm and munge,
 installed here when missing; the test is skipped, saying why, only where they cannot be).
 
-- slurm/bapo_tiny_cpu.sh runs to the end: metrics of every step, a checkpoint, status.json
-  "finished", and a Hugging Face export that transformers loads.
-- A second submission gets the time-limit warning (USR1 to the batch shell, as
+- slurm/bapo_tiny_cpu.sh gets the time-limit warning (USR1 to the batch shell, as
   #SBATCH --signal=B:USR1 sends it) after its first checkpoints: the trainer saves, the job
-  requeues itself, the requeued run resumes from the checkpoint and finishes; every step is in
-  metrics.jsonl exactly once.
+  requeues itself, the requeued run resumes from the checkpoint and runs to the end: every step
+  in metrics.jsonl exactly once, the last checkpoint, status.json "finished", every command
+  echoed, and a Hugging Face export that transformers loads.
 - slurm/bapo_7b.sh and slurm/bapo_32b.sh pass bash -n, shellcheck and sbatch --test-only against
   fake 8-GPU H100 nodes; a request those nodes cannot meet is refused, so the check can fail.
 """
@@ -72,23 +71,11 @@ def _job_output(run_dir: Path, job: int) -> str:
     return "".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in paths if p.is_file())
 
 
-def test_tiny_cpu_job_runs_to_an_hf_export(slurm, tmp_path):
-    run_dir = tmp_path / "run"
-    job = _submit(slurm, "slurm/bapo_tiny_cpu.sh", _env(slurm, run_dir, STEPS="3"), *TINY)
-    fields = slurm.wait_job(job, _finished, timeout_s=900)
-    output = _job_output(run_dir, job)
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", output[-3000:]
-    assert _steps(run_dir) == [1, 2, 3]
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
-    assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_00000003"
-    assert "+ srun" in output and "bapo_megatron.train" in output  # every command echoed
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
-    assert model.config.vocab_size == 16 and sum(p.numel() for p in model.parameters()) > 0
-
-
 def test_time_limit_warning_saves_requeues_and_resumes(slurm, tmp_path):
+    """The tiny CPU job under a real Slurm, to its HF export: Slurm's warning before the time limit
+    (USR1 to the batch shell) saves the run at a checkpoint and requeues the job, which resumes and
+    finishes; every command is echoed, and transformers loads the export. (One job covers what a
+    plain run to the export and the requeue each checked before.)"""
     run_dir = tmp_path / "run"
     env = _env(slurm, run_dir, STEPS="6")
     job = _submit(slurm, "slurm/bapo_tiny_cpu.sh", env, *TINY)
@@ -106,7 +93,12 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm, tmp_path):
     assert "saved step" in output  # the trainer's own word that it checkpointed on the signal
     assert _steps(run_dir) == [1, 2, 3, 4, 5, 6]  # the resumed run went on from its checkpoint
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
-    assert (run_dir / "hf" / "config.json").is_file()
+    assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_00000006"
+    assert "+ srun" in output and "bapo_megatron.train" in output  # every command echoed
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf")  # the job's last act: its HF export
+    assert model.config.vocab_size == 16 and sum(p.numel() for p in model.parameters()) > 0
 
 
 @pytest.mark.parametrize("script", ["slurm/bapo_7b.sh", "slurm/bapo_32b.sh", "slurm/bapo_tiny_cpu.sh"])
