@@ -96,6 +96,11 @@ class RolloutDriver:
     # ------------------------------------------------------------------------------------------
     # Engines.
 
+    def launch(self, model_dir: str | Path) -> None:
+        """Start the engine processes on `model_dir` now, without waiting for them: `start` waits,
+        so their start-up overlaps the trainer's."""
+        self.engines.launch(model_dir)
+
     def start(self, model_dir: str | Path, holders=None, colocated_fraction: float | None = None) -> None:
         """Start the engines on `model_dir` (or connect to rollout.engines.urls) and wait until every
         one answers; then the rollout strategy and the weight-update group (colocated on several

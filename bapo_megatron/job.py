@@ -198,6 +198,7 @@ class Job:
         from bapo_megatron.weights.hf_load import load_hf_into_trainer
 
         cfg = self.cfg
+        self.source.prepare()  # (rank 0 of a generating run: the engines start up beside the trainer)
         self.own_group = not dist.is_initialized()
         init_distributed()
         if not torch.cuda.is_available():

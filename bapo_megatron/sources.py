@@ -45,6 +45,9 @@ class BatchSource:
     """Whether the job has been asked to stop (a signal): a rollout waiting on slow engines or
     rewards gives its step up (job.py sets it)."""
 
+    def prepare(self) -> None:
+        """Before the trainer is built: what can start without it (its start-up overlaps the trainer's)."""
+
     def start(self, trainer, step: int, resumed: bool) -> None:
         pass
 
@@ -254,6 +257,16 @@ class OnlineSource(OnlineFollower):
 
         super().__init__(cfg)
         self.driver = RolloutDriver(cfg, spec, cfg.run_path)  # data, reward, tokenizer, ports, URLs checked
+
+    def prepare(self) -> None:
+        """The engines launched on model.hf_path's weights while the trainer is built, when that is
+        what they start from and nothing of the trainer decides how (a colocated SGLang server's
+        memory fraction is the trainer's estimate): they take the trainer's weights at the first
+        publish whatever they start from."""
+        e, hf = self.cfg.rollout.engines, self.cfg.model.hf_path
+        needs_trainer = e.kind == "sglang" and e.colocate and e.mem_fraction_static is None
+        if hf and any(Path(hf).glob("*.safetensors")) and not needs_trainer:
+            self.driver.launch(hf)
 
     def start(self, trainer, step: int, resumed: bool) -> None:
         holders = handle_holders(self.cfg, trainer)

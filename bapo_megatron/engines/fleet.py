@@ -2,6 +2,7 @@
 or already running elsewhere (rollout.engines.urls), as one pool of clients.
 
     engines = Engines(cfg, spec, run_dir, loop)      # ports free, SGLang placeable, URLs answering: checked
+    engines.launch(model_dir)                        # (optional) processes started, not waited for
     engines.start(model_dir)                         # started (or connected) and ready
     loop.run(engines.check_version(7))               # every engine serves weight version 7
     engines.close()                                  # what was started, stopped
@@ -56,6 +57,7 @@ class Engines:
         self.clients: list[EngineClient] = []
         self.pool: EnginePool | None = None
         self.key: str | None = None
+        self.launched = False
         self.base_gpus = self._sglang_placement(local_ranks) if e.kind == "sglang" and not e.urls else None
         if e.urls:  # engines of another job: they answer and serve this shape, or nothing starts
             from bapo_megatron.engines.sglang_launcher import KEY_ENV, admin_key
@@ -72,32 +74,47 @@ class Engines:
     def start(self, model_dir: str | Path, colocated_fraction: float | None = None) -> EnginePool:
         """Start the engines on `model_dir` (or take rollout.engines.urls) and wait until every one
         answers; colocated_fraction: what a colocated SGLang server may take of its GPU."""
+        if not self.launched:
+            self.launch(model_dir, colocated_fraction)
         e = self.cfg.rollout.engines
-        if not e.urls:
-            if e.kind == "embedded":
-                self.key = secrets.token_urlsafe(32)
-                self.servers = embedded_servers(self.cfg.rollout, model_dir, self.run_dir, self.cfg.seed, self.key)
-                for server in self.servers:
-                    server.start()
-            else:
-                from bapo_megatron.engines.sglang_launcher import start_sglang
+        if e.kind == "sglang" and not e.urls:
+            from bapo_megatron.engines.sglang_launcher import wait_sglang
 
-                self.servers, self.key = start_sglang(
-                    self.cfg.rollout,
-                    str(model_dir),
-                    self.run_dir,
-                    e.startup_timeout_s,
-                    seed=self.cfg.seed,
-                    colocated_fraction=colocated_fraction,
-                    base_gpus=self.base_gpus,
-                )
+            wait_sglang(self.servers, self.key, e.startup_timeout_s)
+        else:
             for server in self.servers:
                 server.wait_ready(e.startup_timeout_s, key=self.key)
+        if not e.urls:
             self.clients = [
                 EngineClient(s.url, admin_key=self.key, timeout_s=e.request_timeout_s) for s in self.servers
             ]
         self.pool = EnginePool(self.clients, wait_s=e.wait_s)
         return self.pool
+
+    def launch(self, model_dir: str | Path, colocated_fraction: float | None = None) -> None:
+        """Start the engine processes without waiting for them (`start` waits): a run launches them
+        before it builds its trainer when their model directory is known by then, so that the two
+        start-ups overlap. Nothing to launch for rollout.engines.urls."""
+        e = self.cfg.rollout.engines
+        self.launched = True
+        if e.urls:
+            return
+        if e.kind == "embedded":
+            self.key = secrets.token_urlsafe(32)
+            self.servers = embedded_servers(self.cfg.rollout, model_dir, self.run_dir, self.cfg.seed, self.key)
+            for server in self.servers:
+                server.start()
+        else:
+            from bapo_megatron.engines.sglang_launcher import launch_sglang
+
+            self.servers, self.key = launch_sglang(
+                self.cfg.rollout,
+                str(model_dir),
+                self.run_dir,
+                seed=self.cfg.seed,
+                colocated_fraction=colocated_fraction,
+                base_gpus=self.base_gpus,
+            )
 
     def _sglang_placement(self, local_ranks: int) -> list[int]:
         """SGLang servers to start here: SGLang installed, GPUs on this node, and each server's

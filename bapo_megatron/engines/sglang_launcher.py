@@ -200,6 +200,21 @@ def start_sglang(
     base_gpus: list[int] | None = None,
 ) -> tuple[list[ServerProcess], str | None]:
     """Start every server and wait until each generates; on any failure all are stopped."""
+    servers, key = launch_sglang(cfg, model_path, run_dir, weight_version, seed, colocated_fraction, base_gpus)
+    wait_sglang(servers, key, timeout_s)
+    return servers, key
+
+
+def launch_sglang(
+    cfg: RolloutConfig,
+    model_path: str,
+    run_dir: str | Path,
+    weight_version: str = "0",
+    seed: int = 0,
+    colocated_fraction: float | None = None,
+    base_gpus: list[int] | None = None,
+) -> tuple[list[ServerProcess], str | None]:
+    """Start every server, not waiting for them (`wait_sglang`); on a failure to start, all are stopped."""
     try:
         import sglang  # noqa: F401 (a clear error before any process starts)
     except ImportError:
@@ -211,10 +226,19 @@ def start_sglang(
     try:
         for s in servers:
             s.start()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers, key
+
+
+def wait_sglang(servers: list[ServerProcess], key: str | None, timeout_s: float) -> None:
+    """Wait until every server generates (/health_generate); on any failure all are stopped."""
+    try:
         for s in servers:
             s.wait_ready(timeout_s, path="/health_generate", key=key)
     except BaseException:
         for s in servers:
             s.stop()
         raise
-    return servers, key

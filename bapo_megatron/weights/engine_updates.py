@@ -78,18 +78,13 @@ class EngineUpdates:
                 self.loop.call(self.pool.revive, index)
 
     def _send(self, buckets: Iterable, version: int, flush: bool) -> int:
-        from bapo_megatron.weights.sync import WeightSendFailed, WeightsRefused
+        from bapo_megatron.weights.sync import WeightSendFailed
 
         if not self.members:  # no engine answers: the trainer's ranks still gather (they come back to a refit)
             return sum(0 for _ in buckets)
         try:
             return self.sender.send(buckets, str(version), self.loop, flush_cache=flush)
-        except WeightsRefused as err:  # the same weights would be refused again: no engine could ever serve them
-            raise RunStopped(
-                f"weight sync of version {version}: an engine refused the trainer's weights ({err}); its model "
-                "is not the trainer's (rollout.engines.urls serving another model, or another checkpoint)"
-            ) from None
-        except WeightSendFailed as err:
+        except WeightSendFailed as err:  # (a refusal too: a restarted engine that lost the group refuses)
             print(f"weight sync of version {version} failed ({err}): the engines get it again before serving")
             self.loop.run(self._set_aside(self.members))
             self.members = []

@@ -190,8 +190,8 @@ class WeightSendFailed(Exception):
 
 
 class WeightsRefused(WeightSendFailed):
-    """An engine refused the update itself (4xx: names, dtypes or shapes its model cannot take):
-    sending the same weights again cannot help."""
+    """An engine refused the update (4xx, with its reason): names, dtypes or shapes its model cannot
+    take, or a group it no longer holds (restarted meanwhile)."""
 
 
 def _refusal(answers, loop: EngineLoop, seconds: float = 5.0) -> EngineError | None:
