@@ -206,11 +206,15 @@ class AsyncStream(Strategy):
         if version != self.version or self._producer is None:
             await self._to_version(version)
         self._ensure_producer()
+        look = True  # the producer looks again at what this version may send
         while True:
-            self.buffer.drop_stale(version, self.core.busy())
+            if self.buffer.drop_stale(version, self.core.busy()):
+                look = True  # samples to generate again
             if self.buffer.complete >= self.prompts_per_step:
                 break
-            self._poke()
+            if look:  # (only then: a poke every round made the two tasks wake each other in a busy loop)
+                self._poke()
+                look = False
             self._progress.clear()
             progress = asyncio.ensure_future(self._progress.wait())
             try:

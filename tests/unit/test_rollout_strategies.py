@@ -487,6 +487,8 @@ def test_async_drain_with_rewards_in_flight_leaves_the_producer_running():
             assert stream.core.scoring, "no reward in progress: the drain below tests nothing"
             await stream.drain()
             await stream.resume()
+            async with stream.paused(version + 1):  # the update: the engine serves the next version
+                engine.version = version + 1
         await stream.close()
         return batches
 
