@@ -252,8 +252,8 @@ class RolloutDriver:
     def evaluate(self, version: int, stopping=lambda: False) -> Future | None:
         """Start the held-out evaluation of the weights the engines serve (version `version`) when
         eval.* says it is due; it runs beside rollout, and the next publish waits for it. Given up,
-        with no figures, when `stopping()` (a signal) comes first: its requests could wait for
-        engines that are gone, and the run's last line and checkpoint must not wait for them."""
+        with no figures, when `stopping()` (a signal) comes while no engine serves: its requests
+        would wait for engines that are gone, and the run's last line and checkpoint must not."""
         if not self.held_out.due(version, self.cfg.steps):
             return None
         self.wait_evaluation()
@@ -263,7 +263,7 @@ class RolloutDriver:
     async def _evaluate(self, version: int, stopping) -> dict[str, float]:
         run = asyncio.ensure_future(self.held_out.run(self.engines.pool, version))
         while not run.done():
-            if stopping():
+            if stopping() and not self.engines.pool.live():
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await run
