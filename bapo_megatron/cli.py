@@ -127,7 +127,7 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int 
 
     spec = model_spec(cfg)
     p = cfg.parallel
-    check_layout(spec, p.tensor, p.pipeline, p.virtual_pipeline)
+    check_layout(spec, p.tensor, p.pipeline, p.virtual_pipeline, p.expert, p.sequence_parallel)
     dp = p.data_parallel_size(world_size)
     if cfg.rollout.replay is not None:
         validate(cfg, spec, world_size)

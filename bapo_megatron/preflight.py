@@ -23,7 +23,14 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
     precision against this machine, and what the job's sources need."""
     from bapo_megatron.trainer.megatron_config import check_precision_support
 
-    check_layout(spec, cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline)
+    check_layout(
+        spec,
+        cfg.parallel.tensor,
+        cfg.parallel.pipeline,
+        cfg.parallel.virtual_pipeline,
+        cfg.parallel.expert,
+        cfg.parallel.sequence_parallel,
+    )
     dp = cfg.parallel.data_parallel_size(world_size)
     per_update = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.algo.updates_per_batch
     if per_update % dp:

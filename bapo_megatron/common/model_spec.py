@@ -1,8 +1,11 @@
 """The architecture facts of a Hugging Face config.json that Megatron and the weight maps need.
 
 Pure Python: parsing and layout checks run before any process group or model exists.
-Qwen2 / Qwen2.5 (Qwen2ForCausalLM) and Llama 3 (LlamaForCausalLM) are mapped; anything
-else is a clear error naming what is not mapped.
+Qwen2 / Qwen2.5 (Qwen2ForCausalLM), Llama 3 (LlamaForCausalLM), Qwen3 (Qwen3ForCausalLM: q/k
+RMSNorm over each head, head_dim of its own) and Qwen3-MoE (Qwen3MoeForCausalLM: routed experts,
+no shared expert) are mapped; anything else, and any feature of theirs not mapped (shared
+experts, sliding windows, a RoPE scaling other than Llama 3.1's, biases beyond q/k/v), is a clear
+error naming it before any model is built.
 """
 
 from __future__ import annotations
@@ -15,14 +18,43 @@ from typing import Literal
 
 from bapo_megatron.errors import ConfigError, check
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+Architecture = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """The routed experts of a mixture-of-experts model (Qwen3-MoE: softmax router, top-k, no shared expert)."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    """Each expert's MLP width (moe_intermediate_size)."""
+    norm_topk_prob: bool
+    """The top-k probabilities are renormalised to sum to 1 (Megatron: softmax after top-k)."""
+    sparse_layers: tuple[int, ...]
+    """0-based indices of the layers whose MLP is the experts (the others are dense)."""
+
+    def __post_init__(self) -> None:
+        check(self.num_experts >= 2, "num_experts", self.num_experts, "must be >= 2")
+        check(1 <= self.top_k <= self.num_experts, "num_experts_per_tok", self.top_k, "must lie in [1, num_experts]")
+        check(self.ffn_hidden_size >= 1, "moe_intermediate_size", self.ffn_hidden_size, "must be >= 1")
+        check(bool(self.sparse_layers), "mlp_only_layers", self.sparse_layers, "leave no layer with experts")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """One decoder-only model's shape, as Megatron builds it."""
 
-    architecture: Literal["qwen2", "llama"]
+    architecture: Architecture
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -37,6 +69,10 @@ class ModelSpec:
     tie_embeddings: bool
     rope_scaling_factor: float | None = None
     """Llama 3.1-style RoPE scaling (low/high frequency factors 1 and 4, original length 8192)."""
+    qk_norm: bool = False
+    """RMSNorm of each query and key head before RoPE (Qwen3)."""
+    moe: MoESpec | None = None
+    """The routed experts (None: every layer dense)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -56,6 +92,17 @@ class ModelSpec:
             self.num_kv_heads,
             f"must divide num_attention_heads={self.num_heads}",
         )
+        if self.moe is not None:
+            check(
+                max(self.moe.sparse_layers) < self.num_layers,
+                "mlp_only_layers",
+                self.moe.sparse_layers,
+                f"name layers beyond the {self.num_layers}",
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether 0-based layer `layer` routes its tokens to experts."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @property
     def query_groups(self) -> int:
@@ -73,12 +120,7 @@ class ModelSpec:
             if key not in hf:
                 raise ConfigError(key, None, "missing from config.json")
         heads = hf["num_attention_heads"]
-        if hf.get("use_sliding_window", False):
-            raise ConfigError("use_sliding_window", True, "sliding-window attention is not mapped")
-        if arch == "llama":
-            for key in ("attention_bias", "mlp_bias"):
-                if hf.get(key, False):
-                    raise ConfigError(key, True, "biases beyond q/k/v are not mapped")
+        _refuse_unmapped(arch, hf)
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -89,11 +131,13 @@ class ModelSpec:
             ffn_hidden_size=hf["intermediate_size"],
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=float(_rope_theta(hf)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qkv_bias=arch == "qwen2",
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_scaling_factor=_rope_scaling(hf.get("rope_scaling")),
+            rope_scaling_factor=_rope_scaling(_rope_parameters(hf)),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            moe=_moe(hf) if arch == "qwen3_moe" else None,
         )
 
     @classmethod
@@ -133,6 +177,23 @@ class ModelSpec:
             }
         if self.architecture == "qwen2":
             return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **common}
+        if self.architecture == "qwen3":
+            return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, **common}
+        if self.architecture == "qwen3_moe":
+            moe = self.moe
+            step_one = tuple(range(self.num_layers))
+            return {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "attention_bias": False,
+                "num_experts": moe.num_experts,
+                "num_experts_per_tok": moe.top_k,
+                "moe_intermediate_size": moe.ffn_hidden_size,
+                "norm_topk_prob": moe.norm_topk_prob,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i in step_one if i not in moe.sparse_layers],
+                **common,
+            }
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -143,6 +204,59 @@ class ModelSpec:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _refuse_unmapped(arch: str, hf: dict) -> None:
+    """ConfigError naming the first feature of `hf` that the Megatron build or the weight maps would
+    silently get wrong."""
+    if hf.get("use_sliding_window", False):
+        raise ConfigError("use_sliding_window", True, "sliding-window attention is not mapped")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError("hidden_act", hf["hidden_act"], "only SiLU-gated MLPs (silu) are mapped")
+    if arch in ("llama", "qwen3", "qwen3_moe"):
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key, False):
+                raise ConfigError(key, True, "biases beyond Qwen2's q/k/v are not mapped")
+    if arch == "qwen3_moe":
+        if hf.get("shared_expert_intermediate_size"):
+            raise ConfigError(
+                "shared_expert_intermediate_size",
+                hf["shared_expert_intermediate_size"],
+                "shared experts are not mapped",
+            )
+        if "num_experts" not in hf and "num_local_experts" not in hf:
+            raise ConfigError("num_experts", None, "missing from config.json (Qwen3MoeForCausalLM)")
+        for key in ("num_experts_per_tok", "moe_intermediate_size"):
+            if key not in hf:
+                raise ConfigError(key, None, "missing from config.json (Qwen3MoeForCausalLM)")
+
+
+def _moe(hf: dict) -> MoESpec:
+    """Qwen3-MoE's experts; layer i has them unless it is in mlp_only_layers or (i + 1) is not a
+    multiple of decoder_sparse_step (transformers' rule)."""
+    step = int(hf.get("decoder_sparse_step", 1))
+    check(step >= 1, "decoder_sparse_step", step, "must be >= 1")
+    dense = set(hf.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return MoESpec(
+        # the hub's configs say num_experts; transformers 5 writes it as num_local_experts
+        num_experts=int(hf.get("num_experts", hf.get("num_local_experts"))),
+        top_k=int(hf["num_experts_per_tok"]),
+        ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )
+
+
+def _rope_parameters(hf: dict) -> dict | None:
+    """RoPE scaling as config.json states it: transformers 5's rope_parameters or the older rope_scaling."""
+    return hf.get("rope_scaling") or hf.get("rope_parameters")
+
+
+def _rope_theta(hf: dict) -> float:
+    if "rope_theta" in hf:
+        return hf["rope_theta"]
+    return (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
 
 
 def _rope_scaling(scaling: dict | None) -> float | None:
@@ -159,8 +273,12 @@ def _rope_scaling(scaling: dict | None) -> float | None:
     return float(scaling["factor"])
 
 
-def tiny_spec(architecture: Literal["qwen2", "llama"] = "qwen2") -> ModelSpec:
-    """The built-in model of the CPU demo and the tests: a few layers, GQA, a vocab that needs padding."""
+def tiny_spec(architecture: Architecture = "qwen2") -> ModelSpec:
+    """The built-in model of the CPU demo and the tests: a few layers, GQA, a vocab that needs padding;
+    "qwen3_moe": 4 experts, top-2, every layer sparse but the first (a dense layer in a MoE model)."""
+    moe = None
+    if architecture == "qwen3_moe":
+        moe = MoESpec(num_experts=4, top_k=2, ffn_hidden_size=32, norm_topk_prob=True, sparse_layers=(1, 2, 3))
     return ModelSpec(
         architecture=architecture,
         vocab_size=250,
@@ -175,6 +293,8 @@ def tiny_spec(architecture: Literal["qwen2", "llama"] = "qwen2") -> ModelSpec:
         rms_norm_eps=1e-6,
         qkv_bias=architecture == "qwen2",
         tie_embeddings=False,
+        qk_norm=architecture in ("qwen3", "qwen3_moe"),
+        moe=moe,
     )
 
 
@@ -184,8 +304,33 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int, 
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def check_layout(spec: ModelSpec, tensor: int, pipeline: int, virtual_pipeline: int | None = None) -> None:
-    """ConfigError unless the model splits evenly over this tensor/pipeline layout."""
+def check_layout(
+    spec: ModelSpec,
+    tensor: int,
+    pipeline: int,
+    virtual_pipeline: int | None = None,
+    expert: int = 1,
+    sequence_parallel: bool | None = None,
+) -> None:
+    """ConfigError unless the model splits evenly over this tensor/pipeline/expert layout (and, for
+    training, sequence_parallel not None: a MoE model at TP > 1 trains only with sequence parallel)."""
+    if spec.moe is not None and sequence_parallel is not None:
+        check(
+            tensor == 1 or sequence_parallel,
+            "parallel.sequence_parallel",
+            sequence_parallel,
+            f"must be true for a mixture-of-experts model at tensor={tensor} (Megatron's MoE layer refuses "
+            "to train with tensor parallel and no sequence parallel)",
+        )
+    if spec.moe is None:
+        check(expert == 1, "parallel.expert", expert, "needs a mixture-of-experts model (this one is dense)")
+    else:
+        check(
+            spec.moe.num_experts % expert == 0,
+            "parallel.expert",
+            expert,
+            f"must divide the {spec.moe.num_experts} experts",
+        )
     check(spec.num_heads % tensor == 0, "parallel.tensor", tensor, f"must divide the {spec.num_heads} attention heads")
     check(
         spec.num_kv_heads % tensor == 0,

@@ -16,7 +16,7 @@ from bapo_megatron.config.loader import (
 from bapo_megatron.config.reward import RewardConfig
 from bapo_megatron.config.rollout import PartialConfig, RolloutConfig, SamplingConfig, WeightSyncConfig
 from bapo_megatron.config.run import CheckpointConfig, LoggingConfig
-from bapo_megatron.config.trainer import AlgoConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from bapo_megatron.config.trainer import AlgoConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
 
 __all__ = [
     "EVAL_SET_NAME",
@@ -32,6 +32,7 @@ __all__ = [
     "EvalSetConfig",
     "JobConfig",
     "LoggingConfig",
+    "MoEConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",

@@ -24,6 +24,29 @@ class AlgoConfig(PolicyLossConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """model.moe: how the trainer runs a mixture-of-experts model's routers and experts, with the
+    defaults RL stacks run (a dense model ignores it). Tokens reach experts on other expert-parallel
+    ranks through Megatron's alltoall dispatcher (its allgather one refuses micro-batches of varying
+    lengths in megatron-core 0.16.1)."""
+
+    router_dtype: Literal["fp32", "fp64"] = "fp32"
+    """The router's logits and softmax in fp32 (or fp64) whatever the parameters' precision: routing
+    decisions close to a tie flip otherwise between the engine and the trainer."""
+    aux_loss_coeff: float = 0.0
+    """The auxiliary load-balancing loss (0: off). Off by default: in GRPO it made the trainer's
+    log-probs drift from the engine's (NeMo-RL's finding); the policy loss alone shapes the router."""
+    freeze_router: bool = False
+    """The routers' weights are not trained (no gradient, no optimizer state)."""
+    grouped_gemm: bool | None = None
+    """All of a rank's experts in one grouped GEMM (Transformer Engine's); None: where Transformer
+    Engine is the layer implementation, else one expert after another (the CPU)."""
+
+    def __post_init__(self) -> None:
+        check(self.aux_loss_coeff >= 0, "aux_loss_coeff", self.aux_loss_coeff, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The policy network: a Hugging Face checkpoint or config, and how Megatron builds it."""
 
@@ -55,6 +78,7 @@ class ModelConfig:
     fused_logprobs: bool = True
     """On GPU, run the log-prob and entropy work of each chunk as kernels fused by torch.compile
     (op by op it took 37% of a Qwen2.5-1.5B step on an H100); false: op by op, as on the CPU."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         check(self.logprob_memory_mb >= 1, "logprob_memory_mb", self.logprob_memory_mb, "must be >= 1")
@@ -65,6 +89,12 @@ class ModelConfig:
             "must be >= 1",
         )
         check(self.vocab_pad_tp >= 1, "vocab_pad_tp", self.vocab_pad_tp, "must be >= 1")
+        check(
+            not (self.moe.grouped_gemm and self.transformer_impl != "transformer_engine"),
+            "moe.grouped_gemm",
+            self.moe.grouped_gemm,
+            "needs transformer_impl='transformer_engine' (the grouped GEMM is Transformer Engine's)",
+        )
         if self.precision == "fp8":
             check(
                 self.transformer_impl == "transformer_engine",
@@ -87,6 +117,10 @@ class ParallelConfig:
 
     tensor: int = 1
     pipeline: int = 1
+    expert: int = 1
+    """Expert parallel: each MoE layer's experts are split over this many ranks (expert tensor
+    parallel is 1: an expert is never split). The expert-parallel ranks are consecutive data- and
+    tensor-parallel ranks of one pipeline stage; it must divide tensor x data parallel."""
     context: int = 1
     """Context parallel: not supported yet (1). Megatron does not split sequences itself: each CP
     rank must be fed its 2 x CP load-balanced chunks, with TE attention; until that exists, a
@@ -98,7 +132,7 @@ class ParallelConfig:
     """Micro-batches are filled by token count (length-sorted), up to this many tokens each."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "context", "max_tokens_per_microbatch"):
+        for name in ("tensor", "pipeline", "expert", "context", "max_tokens_per_microbatch"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         check(
             self.context == 1,
@@ -126,7 +160,15 @@ class ParallelConfig:
             f"tensor*pipeline*context={model}",
             f"does not divide the world size {world_size}",
         )
-        return world_size // model
+        data = world_size // model
+        check(
+            (self.tensor * data * self.context) % self.expert == 0,
+            "parallel.expert",
+            self.expert,
+            f"must divide tensor x data parallel ({self.tensor} x {data}): the expert-parallel ranks "
+            "of a pipeline stage are among its tensor- and data-parallel ranks",
+        )
+        return data
 
 
 @dataclass(frozen=True, kw_only=True)

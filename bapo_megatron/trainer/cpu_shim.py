@@ -8,13 +8,25 @@ the pipeline schedules, `torch.cuda.current_device()` and `torch.cuda.synchroniz
 p2p communication, rotary embeddings, the DDP buffers and the global memory buffer, and
 the CUDA RNG tracker's get/set state. The shim sends every CUDA placement to the CPU (a
 torch function mode), makes the stream and synchronisation calls no-ops, and backs the
-RNG tracker with the CPU generator. It is pinned to one megatron-core version: the canary
-test (tests/unit/test_cpu_shim.py) fails when the version or the patched call sites change.
+RNG tracker with the CPU generator. Mixture-of-experts layers and sequence parallel add four
+more: the router's gating GEMM names Transformer Engine's `te_general_gemm`, left undefined when
+TE is absent (moe_utils.py); the alltoall dispatcher makes a `torch.cuda.Stream` and records an
+event on it (token_dispatcher.py); its split sizes stay tensors on CPU, which gloo's
+`all_to_all_single` refuses (it takes lists); sequence parallel's norm is refused without apex
+(torch_norm.py): the shim builds torch's norm and marks its weight `sequence_parallel`, as apex's
+and TE's norms do, so that Megatron sums its gradient over the tensor-parallel ranks. A fifth is
+avoided, not patched: a backward started by `Tensor.backward` runs outside the mode (a torch
+function mode is off inside its own handler), so the all-to-all's backward would place its buffer
+on CUDA; the trainer's TransformerConfig sets `deallocate_pipeline_outputs`, whose backward calls
+the autograd engine directly, with the mode on.
+It is pinned to one megatron-core version: the canary test (tests/unit/test_cpu_shim.py) fails
+when the version or the patched call sites change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
 
 import torch
@@ -28,9 +40,14 @@ PATCHED_CALL_SITES: dict[str, tuple[str, ...]] = {
     "megatron.core.pipeline_parallel.p2p_communication": ("torch",),
     "megatron.core.models.common.embeddings.rotary_pos_embedding": ("torch",),
     "megatron.core.optimizer.optimizer": ("clip_grad_by_total_norm_fp32",),
+    "megatron.core.transformer.moe.moe_utils": ("RouterGatingLinearFunction", "maybe_move_tensor_to_cpu"),
+    "megatron.core.transformer.moe.token_dispatcher": ("MoEAlltoAllTokenDispatcher",),
+    "megatron.core.tensor_parallel.mappings": ("_AllToAll",),
+    "megatron.core.transformer.torch_norm": ("WrappedTorchNorm",),
 }
 
 _state: dict[str, object] = {}
+_MISSING = object()
 
 
 def _is_cuda(device: object) -> bool:
@@ -55,17 +72,47 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NullEvent:
+    """Stands in for a CUDA event."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+
 class _NullStream:
     """Stands in for a CUDA stream: waits and records are no-ops on CPU."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
     def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
         pass
 
     def synchronize(self) -> None:
         pass
 
     def record_event(self, event=None):
-        return event
+        return event if event is not None else _NullEvent()
+
+
+def _split_list(sizes):
+    return sizes if sizes is None or isinstance(sizes, list) else [int(n) for n in sizes]
+
+
+def _all_to_all_single_with_list_splits(original):
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        return original(output, input, _split_list(output_split_sizes), _split_list(input_split_sizes), **kwargs)
+
+    return all_to_all_single
 
 
 def _cpu_rng_get(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
@@ -86,6 +133,23 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
         torch._foreach_mul_([g.detach() for g in grads], clip_coeff)
 
 
+def _norm_allowing_sequence_parallel(original):
+    """WrappedTorchNorm.__new__ that builds under sequence parallel too: the norm is per token, so a
+    rank's slice of the sequence needs nothing but its weight's gradient summed over the TP ranks."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, eps, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return __new__
+
+
 def megatron_core_version() -> str:
     return importlib.metadata.version("megatron-core")
 
@@ -102,8 +166,11 @@ def activate_cpu_shim() -> None:
         )
     if torch.cuda.is_available():
         raise RuntimeError("activate_cpu_shim() is for machines without CUDA; this one has it")
+    import torch.distributed as dist
     from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.moe import moe_utils
 
     patches = [
         (torch.cuda, "current_device", lambda: 0),
@@ -118,8 +185,18 @@ def activate_cpu_shim() -> None:
         (mrandom, "_get_cuda_rng_state", _cpu_rng_get),
         (mrandom, "_set_cuda_rng_state", _cpu_rng_set),
         (moptimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu),
+        (torch.cuda, "Stream", _NullStream),
+        (torch.cuda, "Event", _NullEvent),
+        (dist, "all_to_all_single", _all_to_all_single_with_list_splits(dist.all_to_all_single)),
+        (
+            torch_norm.WrappedTorchNorm,
+            "__new__",
+            staticmethod(_norm_allowing_sequence_parallel(torch_norm.WrappedTorchNorm.__new__)),
+        ),
     ]
-    _state["originals"] = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    if not hasattr(moe_utils, "te_general_gemm"):  # imported only with TE: the router's GEMM falls back to torch
+        patches.append((moe_utils, "te_general_gemm", None))
+    _state["originals"] = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in patches]
     for owner, name, replacement in patches:
         setattr(owner, name, replacement)
     mode = _CudaToCpu()
@@ -133,7 +210,10 @@ def deactivate_cpu_shim() -> None:
         return
     _state["mode"].__exit__(None, None, None)
     for owner, name, original in _state["originals"]:
-        setattr(owner, name, original)
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
     _state.clear()
 
 

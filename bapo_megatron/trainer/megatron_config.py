@@ -97,7 +97,9 @@ def transformer_config(
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_layout(spec, parallel.tensor, parallel.pipeline, parallel.virtual_pipeline)
+    check_layout(
+        spec, parallel.tensor, parallel.pipeline, parallel.virtual_pipeline, parallel.expert, parallel.sequence_parallel
+    )
     dtype = PARAMS_DTYPE[model.precision]
     fp8 = {}
     if model.precision == "fp8":
@@ -139,8 +141,16 @@ def transformer_config(
         # gloo: a gradient of another micro-batch's shape). Megatron's unbatched p2p splits the two
         # directions over two process groups for exactly this case.
         batch_p2p_comm=parallel.pipeline != 2,
-        # Unused by dense models, but 0.16.1 rejects its default ("allgather") with variable lengths.
+        # Frees each stage's output activations once sent (Megatron-LM's default): less memory, and its
+        # backward calls the autograd engine directly; `Tensor.backward` would leave the CPU shim's
+        # device mode (a MoE all-to-all's backward then asks for a CUDA buffer)
+        deallocate_pipeline_outputs=True,
+        qk_layernorm=spec.qk_norm,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=1,  # an expert is never split (every anchor runs MoE at expert TP 1)
+        # Dense models ignore the dispatcher, but 0.16.1 rejects its default ("allgather") with variable lengths.
         moe_token_dispatcher_type="alltoall",
+        **_moe(spec, model),
         use_cpu_initialization=cpu_init or not torch.cuda.is_available(),
         perform_initialization=initialize or parallel.tensor > 1,
         **({} if initialize else {"init_method": _leave_as_is, "output_layer_init_method": _leave_as_is}),
@@ -148,6 +158,35 @@ def transformer_config(
         **_fusions(model.transformer_impl == "transformer_engine"),
         **fp8,
     )
+
+
+def _moe(spec: ModelSpec, model: ModelConfig) -> dict:
+    """TransformerConfig's mixture-of-experts fields (none for a dense model)."""
+    if spec.moe is None:
+        return {}
+    moe, settings = spec.moe, model.moe
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.top_k,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        # Qwen3-MoE: softmax over all experts, then top-k, renormalised when norm_topk_prob;
+        # Megatron's pre-softmax router is exactly the unnormalised case
+        "moe_router_pre_softmax": not moe.norm_topk_prob,
+        "moe_layer_freq": [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+        "moe_router_dtype": settings.router_dtype,
+        "moe_router_load_balancing_type": "aux_loss" if settings.aux_loss_coeff > 0 else "none",
+        "moe_aux_loss_coeff": settings.aux_loss_coeff,
+        "moe_grouped_gemm": grouped_gemm(model),
+        # every token reaches its experts: no capacity factor, nothing dropped (as the engines route)
+        "moe_expert_capacity_factor": None,
+    }
+
+
+def grouped_gemm(model: ModelConfig) -> bool:
+    """Whether a rank's experts run as one grouped GEMM (Transformer Engine's) or one after another."""
+    if model.moe.grouped_gemm is not None:
+        return model.moe.grouped_gemm
+    return model.transformer_impl == "transformer_engine"
 
 
 def _leave_as_is(weight: torch.Tensor) -> None:
@@ -182,15 +221,22 @@ def wgrad_fusion_available() -> bool:
     return True
 
 
-def layer_spec(model: ModelConfig):
-    """The transformer layer spec: Transformer Engine modules on GPU, Megatron's local ones otherwise."""
-    if model.transformer_impl == "transformer_engine":
+def layer_spec(spec: ModelSpec, model: ModelConfig, config=None, vp_stage: int | None = None):
+    """The transformer layer spec: Transformer Engine modules on GPU, Megatron's local ones otherwise.
+    A mixture-of-experts model gets a block spec instead (its layers differ: dense or experts), which
+    needs the TransformerConfig `config` and the virtual stage being built."""
+    te = model.transformer_impl == "transformer_engine"
+    if spec.moe is not None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage)
+    if te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
 
 
 def padded_vocab(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> int:
@@ -213,9 +259,9 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = transformer_config(spec, model, parallel, initialize, cpu_init)
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model),
+        transformer_layer_spec=layer_spec(spec, model, config, vp_stage),
         vocab_size=padded_vocab(spec, model, parallel),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
@@ -228,6 +274,15 @@ def build_gpt_model(
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    for name, param in gpt.named_parameters():
+        if ".mlp.experts." in name:
+            # Expert gradients are reduced over the expert-data-parallel group and the experts get an
+            # optimizer of their own (Megatron chains it after the dense one) at every EP, 1 included:
+            # Megatron does so only from EP 2, and the optimizer's checkpoint then changed shape with EP
+            param.allreduce = False
+        if model.moe.freeze_router and name.endswith("mlp.router.weight"):
+            param.requires_grad_(False)
+    return gpt
 
 
 def ddp_config(model: ModelConfig):

@@ -27,6 +27,10 @@ class ParallelInfo:
     """Data x context parallel: where BAPO's statistics and the loss's token counts are summed."""
     dp_rank: int
     dp_size: int
+    ep_group: dist.ProcessGroup | None = None
+    """Expert parallel: the ranks whose experts together make a MoE layer's (None: EP = 1)."""
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @property
     def is_last_stage(self) -> bool:
@@ -111,6 +115,8 @@ def init_model_parallel(parallel: ParallelConfig, seed: int) -> ParallelInfo:
             pipeline_model_parallel_size=parallel.pipeline,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
             context_parallel_size=parallel.context,
+            expert_model_parallel_size=parallel.expert,
+            expert_tensor_parallel_size=1,
         )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -124,6 +130,9 @@ def init_model_parallel(parallel: ParallelConfig, seed: int) -> ParallelInfo:
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
+        ep_group=ps.get_expert_model_parallel_group() if parallel.expert > 1 else None,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
     )
 
 

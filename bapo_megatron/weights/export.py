@@ -1,10 +1,11 @@
-"""Live export of a running TP x PP Megatron model to HF names, in buckets, layer by layer.
+"""Live export of a running TP x PP x EP Megatron model to HF names, in buckets, layer by layer.
 
-Every rank of a pipeline stage runs the generator (the tensor-parallel gathers are
+Every rank of a pipeline stage runs the generator (the tensor- and expert-parallel gathers are
 collectives) and gets the same buckets: the stage's HF tensors, in the order the receiver
 can load them (embedding, layers in order, final norm and output layer), each exactly once
-per stage. The caller decides which rank sends them (e.g. tensor- and data-parallel rank 0
-of every stage). Memory beyond the model: one layer's gathered tensors plus one bucket.
+per stage, a MoE layer's experts one tensor per expert under global expert numbers. The caller
+decides which rank sends them (e.g. tensor- and data-parallel rank 0 of every stage). Memory
+beyond the model: one layer's gathered tensors plus one bucket.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.trainer.dist_ckpt import unwrap
 from bapo_megatron.trainer.parallel import ParallelInfo
+from bapo_megatron.weights.hf_load import LOCAL_EXPERT as _LOCAL_EXPERT
 from bapo_megatron.weights.layout import layer_impl, megatron_layer_to_hf
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -39,11 +41,40 @@ def gather_tensor_parallel(param: torch.Tensor, info: ParallelInfo, gated: bool 
     return torch.cat(shards, dim=dim)
 
 
+def gather_expert_parallel(layer: torch.nn.Module, local: dict[str, torch.Tensor], info: ParallelInfo) -> dict:
+    """A MoE layer's expert tensors of every expert-parallel rank, by global expert name (`local`:
+    this rank's, by local name). Each rank holds the same number of experts, rank r experts
+    [r * n, (r + 1) * n); an expert is never tensor-parallel (expert TP = 1)."""
+    out = {}
+    n = len(layer.mlp.local_expert_indices)
+    assert layer.mlp.local_expert_indices[0] == info.ep_rank * n, "experts are not laid out by EP rank"
+    for name, tensor in local.items():
+        match = _LOCAL_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        head, index, tail = (match[1], int(match[2]), match[3]) if match[1] else (match[4], int(match[5]), "")
+        shards = [tensor]
+        if info.ep_size > 1:
+            shards = [torch.empty_like(tensor) for _ in range(info.ep_size)]
+            dist.all_gather(shards, tensor.contiguous(), group=info.ep_group)
+        for rank, shard in enumerate(shards):
+            out[f"{head}{rank * n + index}{tail}"] = shard
+    return out
+
+
 def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torch.Tensor]:
-    return {
-        name: gather_tensor_parallel(p, info, gated=name.endswith("mlp.linear_fc1.weight"))
+    local = {
+        name: p.detach()
+        if _is_expert(name)
+        else gather_tensor_parallel(p, info, gated=name.endswith("mlp.linear_fc1.weight"))
         for name, p in layer.named_parameters()
     }
+    return gather_expert_parallel(layer, local, info) if hasattr(layer.mlp, "local_expert_indices") else local
+
+
+def _is_expert(name: str) -> bool:
+    return name.startswith("mlp.experts.")
 
 
 def _stage_tensors(

@@ -1,7 +1,9 @@
-"""The whole model's HF buckets on global rank 0, from a TP x PP x DP trainer, for the weight sync.
+"""The whole model's HF buckets on global rank 0, from a TP x PP x EP x DP trainer, for the weight sync.
 
 Every rank of data-parallel rank 0 runs `hf_buckets_to_rank0` (the tensor-parallel gathers
-are collectives of its stage); other data-parallel ranks hold copies and do nothing. Rank 0
+are collectives of its stage); other data-parallel ranks hold copies and do nothing, unless
+experts are split (EP > 1): the expert-parallel ranks of a stage are among its data-parallel
+ranks, so every rank takes part in the expert gathers and data-parallel rank 0 sends. Rank 0
 yields its own stage's buckets, then each later stage's, received from that stage's
 tensor-parallel rank 0 over the pipeline group (one bucket at a time: metadata, then the
 bucket's bytes as one tensor). So memory on rank 0 is one bucket beyond its own stage, and the
@@ -23,6 +25,9 @@ def hf_buckets_to_rank0(trainer, bucket_bytes: int) -> Iterator[Bucket]:
     parallel rank 0 of every stage): nothing is yielded; iterate it to the end all the same."""
     info = trainer.info
     if info.dp_rank != 0:
+        if info.ep_size > 1:
+            for _ in stream_hf_buckets(trainer.model, trainer.spec, info, bucket_bytes):
+                pass  # this rank's part of the expert-parallel gathers
         return
     local = stream_hf_buckets(trainer.model, trainer.spec, info, bucket_bytes)
     stage_leaders = dist.get_process_group_ranks(info.pp_group) if info.pp_size > 1 else [0]

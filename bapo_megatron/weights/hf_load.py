@@ -10,6 +10,7 @@ is an error naming it. The caller refreshes the optimizer's copies (load_hf_into
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -17,21 +18,35 @@ import torch
 from bapo_megatron.common.hf_io import HFCheckpoint
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.trainer.dist_ckpt import unwrap
-from bapo_megatron.weights.layout import layer_impl, megatron_recipes, recipe_region
+from bapo_megatron.weights.layout import grouped_experts, layer_impl, megatron_recipes, recipe_region
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 
 
 def _global_names(model: torch.nn.Module) -> dict[int, str]:
-    """id(parameter) -> its TP=1 name in the whole model (layer numbers global, as with PP/VPP)."""
-    names = {}
-    for name, param in model.named_parameters():
-        if name.startswith("decoder.layers."):
-            _, _, local, suffix = name.split(".", 3)
-            name = f"decoder.layers.{model.decoder.layers[int(local)].layer_number - 1}.{suffix}"
-        names[id(param)] = name
-    return names
+    """id(parameter) -> its TP=1, EP=1 name in the whole model (layer numbers global, as with PP/VPP;
+    expert numbers global, as with EP)."""
+    return {id(param): global_name(model, name) for name, param in model.named_parameters()}
+
+
+LOCAL_EXPERT = re.compile(  # a layer's expert parameter: (prefix, local index, rest) in either naming
+    r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$|^(mlp\.experts\.linear_fc[12]\.weight)(\d+)$"
+)
+
+
+def global_name(model: torch.nn.Module, name: str) -> str:
+    """A parameter's name in the whole model, from its name in this rank's chunk `model`: the
+    chunk's layer index made the global layer, a local expert index the global expert."""
+    if not name.startswith("decoder.layers."):
+        return name
+    _, _, local, suffix = name.split(".", 3)
+    layer = model.decoder.layers[int(local)]
+    match = LOCAL_EXPERT.match(suffix)
+    if match:
+        head, index, tail = (match[1], match[2], match[3]) if match[1] else (match[4], match[5], "")
+        suffix = f"{head}{layer.mlp.local_expert_indices[int(index)]}{tail}"
+    return f"decoder.layers.{layer.layer_number - 1}.{suffix}"
 
 
 def load_hf_weights(model_chunks: list[torch.nn.Module], spec: ModelSpec, hf: HFCheckpoint, padded_vocab: int) -> int:
@@ -46,7 +61,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], spec: ModelSpec, hf: HF
         model = unwrap(chunk)
         params = dict(model.named_parameters())
         impl = layer_impl(n for n in params if n.startswith("decoder.layers.")) if model.decoder.layers else "local"
-        recipes = megatron_recipes(spec, padded_vocab, impl)
+        recipes = megatron_recipes(spec, padded_vocab, impl, grouped_experts(params))
         if spec.tie_embeddings:  # the last stage's copy of a tied embedding (PP > 1) is the embedding too
             recipes[OUTPUT] = recipes[EMBEDDING]
         names = _global_names(model)

@@ -1,8 +1,9 @@
 """Megatron built from a HF config, with HF weights mapped in, gives transformers' logits.
 
-Random Qwen2 and Llama models (transformers, offline, every weight randomised including the
-norms) cover GQA ratios 1, 2 and 4, a vocabulary that needs padding (250 -> 1024), tied and
-untied embeddings, QKV bias on and off. The map back to HF names is bitwise exact.
+Random Qwen2, Llama, Qwen3 and Qwen3-MoE models (transformers, offline, every weight randomised
+including the norms and the routers) cover GQA ratios 1, 2 and 4, a vocabulary that needs padding
+(250 -> 1024), tied and untied embeddings, QKV bias on and off, q/k norms, a MoE model with a dense
+first layer (4 experts, top-2, renormalised and not). The map back to HF names is bitwise exact.
 """
 
 import dataclasses
@@ -11,12 +12,22 @@ import torch
 
 from tests.dist.launch import run_workers
 
-CASES = [("qwen2", 4, False), ("qwen2", 2, True), ("qwen2", 1, False), ("llama", 1, True), ("llama", 2, False)]
+CASES = [
+    ("qwen2", 4, False),
+    ("qwen2", 2, True),
+    ("qwen2", 1, False),
+    ("llama", 1, True),
+    ("llama", 2, False),
+    ("qwen3", 2, False),
+    ("qwen3_moe", 2, False),
+    ("qwen3_moe-unnormalised", 1, True),
+]
 
 
 def _worker(rank: int, world: int) -> None:
     import transformers
 
+    from bapo_megatron.common.hf_experts import per_expert
     from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer import megatron_config as mc
@@ -28,15 +39,18 @@ def _worker(rank: int, world: int) -> None:
     cfg = load_config(None, [])
     init_model_parallel(cfg.parallel, cfg.seed)
     g = torch.Generator().manual_seed(0)
-    for arch, kv_heads, tied in CASES:
+    for case, kv_heads, tied in CASES:
+        arch = case.split("-")[0]
         spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv_heads, tie_embeddings=tied)
+        if case.endswith("unnormalised"):
+            spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, norm_topk_prob=False))
         hf_config = transformers.AutoConfig.for_model(**spec.to_hf_config())
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
         with torch.no_grad():
             for name, p in hf_model.named_parameters():
                 base = 1.0 if "norm" in name else 0.0
                 p.copy_(base + 0.08 * torch.randn(p.shape, generator=g))
-        hf_state = hf_model.state_dict()
+        hf_state = dict(per_expert(hf_model.state_dict()))  # per expert, as on disk
         padded = mc.padded_vocab(spec, cfg.model, cfg.parallel)
         model = mc.build_gpt_model(spec, cfg.model, cfg.parallel, pre_process=True, post_process=True).eval()
         missing, unexpected = model.load_state_dict(hf_to_megatron(spec, hf_state, padded), strict=False)

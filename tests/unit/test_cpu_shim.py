@@ -63,3 +63,33 @@ def test_shim_sends_cuda_placements_to_cpu_and_undoes_itself():
     assert not cpu_shim.cpu_shim_active()
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1, device="cuda")
+
+
+def test_moe_call_sites_still_assume_cuda_or_te():
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    assert "torch.cuda.Stream()" in inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher.__init__)
+    assert "record_event()" in inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher)
+    assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
+    assert "torch.distributed.all_to_all_single" in inspect.getsource(mappings._AllToAll.forward)
+    assert "as_numpy" in inspect.getsource(moe_utils.maybe_move_tensor_to_cpu)
+    from megatron.core.transformer import torch_norm
+
+    assert "not config.sequence_parallel" in inspect.getsource(torch_norm.WrappedTorchNorm)
+
+
+def test_moe_shims_stream_event_and_splits():
+
+    cpu_shim.activate_cpu_shim()
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        stream.record_event().synchronize()
+        assert cpu_shim._split_list(torch.tensor([2, 1])) == [2, 1] and cpu_shim._split_list(None) is None
+
+    finally:
+        cpu_shim.deactivate_cpu_shim()
+    from megatron.core.transformer.moe import moe_utils
+
+    assert not hasattr(moe_utils, "te_general_gemm")  # undone: back to what upstream left

@@ -1,0 +1,147 @@
+"""A Qwen3-MoE model trains at EP=2 (with data, tensor or pipeline parallel) as one process does.
+
+The tiny Qwen3-MoE (4 experts, top-2, a dense first layer) is made once at EP=1 and saved; each
+layout loads it, takes one BAPO optimizer step on the same replayed rollout batch, reports its
+metrics and saves the updated weights; one process then loads every result and compares it with
+the single-process run. The EP=2 x DP=2 run also saves a full checkpoint (model, optimizer,
+schedule) that resumes at EP=1 with the same weights and the same next step, and exports the
+model to HF names live (experts gathered from both EP ranks), compared with the EP=1 export.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo_megatron.common.batch import RolloutBatch
+from tests.dist.launch import run_workers
+from tests.helpers import make_batch
+
+# name: (tensor, pipeline, expert, processes)
+LAYOUTS = {
+    "ep1": (1, 1, 1, 1),
+    "ep2": (1, 1, 2, 2),  # experts split over the two data-parallel ranks
+    "tp2": (2, 1, 1, 2),  # every expert on both tensor-parallel ranks, sequence parallel
+    "tp2ep2": (2, 1, 2, 2),  # experts split over the two tensor-parallel ranks, sequence parallel
+    "pp2ep2": (1, 2, 2, 4),
+}
+COMPARED = ("loss/pg", "bapo/clip_low", "bapo/clip_high", "train/grad_norm", "policy/entropy")
+
+
+def _setup(tp: int, pp: int, ep: int, extra: tuple[str, ...] = ()):
+    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.config import load_config
+    from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+    from bapo_megatron.trainer.parallel import init_model_parallel
+
+    activate_cpu_shim()
+    overrides = [
+        "algo.loss=bapo",
+        "algo.bapo.target_rho=0.45",
+        f"parallel.tensor={tp}",
+        f"parallel.pipeline={pp}",
+        f"parallel.expert={ep}",
+        f"parallel.sequence_parallel={tp > 1}",
+        "parallel.max_tokens_per_microbatch=48",
+        "optimizer.lr=1e-3",
+        "optimizer.adam_eps=1e-6",
+        *extra,
+    ]
+    cfg = load_config(None, overrides)
+    return tiny_spec("qwen3_moe"), cfg, init_model_parallel(cfg.parallel, cfg.seed)
+
+
+def _make_weights(rank: int, world: int, root: str) -> None:
+    from bapo_megatron.trainer.dist_ckpt import save_model
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    spec, cfg, info = _setup(1, 1, 1)
+    save_model(PolicyTrainer(spec, cfg, info).model, Path(root) / "init")
+    make_batch(0, max_len=14, temperature=0.9).save(Path(root) / "batch.safetensors")
+
+
+def _export(trainer) -> dict[str, torch.Tensor]:
+    from bapo_megatron.weights.gather import hf_buckets_to_rank0
+
+    return {name: t.clone() for bucket in hf_buckets_to_rank0(trainer, 1 << 16) for name, t in bucket}
+
+
+def _train_layout(rank: int, world: int, root: str, name: str) -> None:
+    from bapo_megatron.config import CheckpointConfig
+    from bapo_megatron.trainer.checkpoint import CheckpointManager
+    from bapo_megatron.trainer.dist_ckpt import save_model
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    tp, pp, ep, _ = LAYOUTS[name]
+    batch = RolloutBatch.load(Path(root) / "batch.safetensors")
+    spec, cfg, info = _setup(tp, pp, ep)
+    trainer = PolicyTrainer(spec, cfg, info)
+    trainer.load_weights(Path(root) / "init")
+    result = trainer.train_step(batch)
+    assert not result.skipped
+    save_model(trainer.model, Path(root) / name)
+    exported = _export(trainer)
+    if name in ("ep1", "ep2"):
+        CheckpointManager(CheckpointConfig(dir=str(Path(root) / f"full-{name}"))).save(trainer)
+        second = trainer.train_step(batch).metrics  # the step a resumed run must repeat
+        result.metrics["next/loss_pg"] = second["loss/pg"]
+    if rank == 0:
+        torch.save(exported, Path(root) / f"{name}-export.pt")
+        (Path(root) / f"{name}.json").write_text(json.dumps(result.metrics))
+
+
+def _compare(rank: int, world: int, root: str) -> None:
+    from bapo_megatron.config import CheckpointConfig
+    from bapo_megatron.trainer.checkpoint import CheckpointManager
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    spec, cfg, info = _setup(1, 1, 1)
+    trainer = PolicyTrainer(spec, cfg, info)
+
+    def weights(directory: str) -> dict[str, torch.Tensor]:
+        trainer.load_weights(Path(root) / directory)
+        state = trainer.model[0].module.state_dict()
+        return {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+    initial, want = weights("init"), weights("ep1")
+    moved = [k for k in want if not torch.equal(want[k], initial[k])]
+    assert any(".local_experts." in k for k in moved) and any("router" in k for k in moved), "experts and routers train"
+    for name in LAYOUTS:
+        got = weights(name)
+        worst = max((torch.linalg.norm(t - want[k]) / torch.linalg.norm(want[k])).item() for k, t in got.items())
+        assert worst <= 1e-5, f"{name}: updated weights differ by {worst:.3g} (relative norm)"
+    # The EP=2 checkpoint resumes at EP=1: the same weights and the same next step.
+    batch = RolloutBatch.load(Path(root) / "batch.safetensors")
+    resumed = PolicyTrainer(spec, cfg, info)
+    assert CheckpointManager(CheckpointConfig(dir=str(Path(root) / "full-ep2"))).load(resumed) == 1
+    ep2 = weights("ep2")
+    for key, tensor in resumed.model[0].module.state_dict().items():
+        if key in ep2:
+            assert torch.equal(tensor, ep2[key]), key
+    next_pg = resumed.train_step(batch).metrics["loss/pg"]
+    expected = json.loads((Path(root) / "ep2.json").read_text())["next/loss_pg"]
+    assert next_pg == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    # The live exports (experts gathered over EP ranks) are the single process's, under per-expert HF names.
+    single = torch.load(Path(root) / "ep1-export.pt")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in single and "model.layers.0.mlp.gate_proj.weight" in single
+    for name in LAYOUTS:
+        exported = torch.load(Path(root) / f"{name}-export.pt")
+        assert list(exported) == list(single), name
+        for key, tensor in exported.items():
+            torch.testing.assert_close(tensor, single[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+
+
+def test_expert_parallel_layouts_match_single_process(tmp_path):
+    root = str(tmp_path)
+    run_workers(_make_weights, 1, root)
+    for name, (*_, world) in LAYOUTS.items():
+        run_workers(_train_layout, world, root, name)
+    metrics = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in LAYOUTS}
+    want = metrics["ep1"]
+    assert want["bapo/search_steps"] > 0
+    for name in LAYOUTS:
+        for key in COMPARED:
+            assert metrics[name][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (name, key)
+    assert metrics["ep2"]["next/loss_pg"] == pytest.approx(want["next/loss_pg"], rel=1e-5, abs=1e-7)
+    run_workers(_compare, 1, root)
