@@ -21,7 +21,10 @@ import re
 import textwrap
 import typing
 
-from bapo_megatron.config import JobConfig, RolloutConfig, dump_config
+from bapo_megatron.config import JobConfig, ParallelConfig, RolloutConfig, dump_config
+
+if typing.TYPE_CHECKING:
+    from bapo_megatron.common.model_spec import ModelSpec
 
 USAGE = "bapo-train [CONFIG.yaml] [key=value ...] [--dry-run] [--world-size N] [--gpu-memory-gib G]"
 GIB = 2**30
@@ -145,6 +148,8 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int 
         f"{math.ceil(samples / dp / per_mb)} micro-batches of <= {p.max_tokens_per_microbatch} tokens "
         f"(responses up to {r.sampling.max_new_tokens} tokens); {cfg.algo.updates_per_batch} steps per batch"
     )
+    if spec.moe is not None:
+        out.append(_experts_layout(spec, p, dp))
     if r.replay is not None:
         out.append(f"rollout: replayed batches from {r.replay} (no engine)")
     else:
@@ -168,9 +173,47 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int 
             f"optimizer {m.optimizer / GIB:.2f} GiB, activations of one micro-batch {m.activations / GIB:.2f} "
             f"GiB; peak {m.peak / GIB:.2f} GiB"
         )
+    if spec.moe is not None:
+        out += _moe_memory(cfg, spec, dp)
     if r.replay is None and r.engines.kind == "sglang":
         out.append(_sglang_memory(cfg, spec, gpu_bytes, dp))
     return "\n".join(out)
+
+
+def _experts_layout(spec: ModelSpec, p: ParallelConfig, dp: int) -> str:
+    """Where a mixture-of-experts model's experts live, in one line."""
+    moe = spec.moe
+    return (
+        f"experts: {moe.num_experts} a layer in {len(moe.sparse_layers)} of {spec.num_layers} layers, "
+        f"top-{moe.top_k}; EP {p.expert}: {moe.num_experts // p.expert} whole experts on each rank (expert TP 1), "
+        f"their optimizer state sharded over expert data parallel {p.tensor * dp // p.expert} (the rest over DP {dp})"
+    )
+
+
+def _moe_memory(cfg: JobConfig, spec: ModelSpec, dp: int) -> list[str]:
+    """The experts' share of a trainer GPU, and the routes a step stores for routing replay."""
+    from bapo_megatron.trainer.memory import routing_replay_bytes, trainer_memory
+
+    moe, r = spec.moe, cfg.rollout
+    experts = trainer_memory(spec, cfg.model, cfg.parallel, dp, distributed_optimizer=True).experts
+    layers, index = len(moe.sparse_layers), 1 if moe.num_experts <= 256 else 2
+    prompt = cfg.data.max_prompt_tokens or 512  # as the micro-batch count above, when prompts are not capped
+    tokens = r.prompts_per_step * r.samples_per_prompt * (prompt + r.sampling.max_new_tokens)
+    replay = routing_replay_bytes(spec, tokens)
+    steps = r.max_staleness + 1  # async: the groups queued or generating, (K + 1) steps' worth
+    queued = (
+        f"; async, {steps} steps' worth queued or generating: {steps * replay / GIB:.2f} GiB"
+        if r.mode == "async"
+        else ""
+    )
+    return [
+        f"experts on a trainer GPU (distributed optimizer): parameters, gradients and optimizer state "
+        f"{experts / GIB:.2f} GiB of the above",
+        f"routing replay (R3): {layers} MoE layers x top-{moe.top_k} x {index} byte{'s' if index > 1 else ''} = "
+        f"{layers * moe.top_k * index} B a token; a step's {r.prompts_per_step} prompts x {r.samples_per_prompt} "
+        f"samples x ({prompt} prompt + {r.sampling.max_new_tokens} new) tokens = {tokens:,} tokens: "
+        f"{replay / GIB:.2f} GiB{queued}",
+    ]
 
 
 def _schedule(r: RolloutConfig) -> str:
@@ -218,8 +261,9 @@ def _sglang_memory(cfg: JobConfig, spec, gpu_bytes: int, dp: int) -> str:
     from bapo_megatron.trainer.memory import rollout_mem_fraction, stage_params
 
     e = cfg.rollout.engines
-    # bf16 weights of one server rank: the whole model at TP = the server's, one stage, no vocabulary padding
-    weights = stage_params(spec, spec.vocab_size, e.tensor_parallel, 1, 0) * 2
+    # bf16 weights of one server rank: the whole model at TP = the server's, one stage, no vocabulary
+    # padding; SGLang splits each expert over its TP ranks, the same bytes as EP = TP whole experts
+    weights = stage_params(spec, spec.vocab_size, e.tensor_parallel, 1, 0, expert=e.tensor_parallel) * 2
     try:
         colocated = rollout_mem_fraction(cfg, spec, gpu_bytes, dp) if e.colocate else None
         fraction = mem_fraction(cfg.rollout, colocated)

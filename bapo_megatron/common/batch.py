@@ -3,7 +3,8 @@
 The rollout side writes a RolloutBatch per step (`save`), the trainer reads it
 (`load`, `rollout.replay=PATH`), so training can be run and debugged without generation.
 Every response token keeps the behaviour log-prob it was sampled with and the policy
-version that sampled it (partial rollout mixes versions inside one response).
+version that sampled it (partial rollout mixes versions inside one response); a mixture-of-experts
+model's samples may keep the experts the engine routed each position to (common/routes.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ import torch
 from bapo_megatron.fsutil import publish, temporary_sibling
 
 FORMAT_VERSION = "1"
-INTEGER_FIELDS = ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths", "versions", "groups", "loss_mask")
+INTEGER_FIELDS = (
+    "prompt_ids",
+    "prompt_lengths",
+    "response_ids",
+    "response_lengths",
+    "versions",
+    "groups",
+    "loss_mask",
+    "routes",
+    "route_positions",
+)
 
 
 class Group(Protocol):
@@ -46,6 +57,8 @@ class Sample:
     """Which prompt group (the n samples of one prompt) this sample belongs to."""
     loss_mask: list[int] | None = None
     """Per response token: 0 leaves the token out of the loss (e.g. a stale prefix). None: all count."""
+    routes: torch.Tensor | None = None
+    """The engine's routed experts, [length - 1, moe_layers, top_k] (common/routes.py); None: not recorded."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -56,6 +69,11 @@ class Sample:
             raise ValueError(f"Sample.loss_mask has {len(self.loss_mask)} entries for {n} response tokens")
         if not self.prompt_ids:
             raise ValueError("Sample.prompt_ids is empty: a response needs at least one prompt token")
+        if self.routes is not None and (self.routes.dim() != 3 or self.routes.shape[0] != self.length - 1):
+            raise ValueError(
+                f"Sample.routes has shape {tuple(self.routes.shape)}: expected [{self.length - 1}, moe_layers, top_k] "
+                "(one route per position but the last)"
+            )
 
     @property
     def length(self) -> int:
@@ -162,6 +180,7 @@ class RolloutBatch:
             ),
             "rewards": torch.tensor([s.reward for s in self.samples], dtype=torch.float32),
             "groups": torch.tensor([s.group for s in self.samples], dtype=torch.int64),
+            **_routes_tensors(self.samples),
         }
         meta = {"format": FORMAT_VERSION, "temperature": repr(self.temperature), "metadata": json.dumps(self.metadata)}
         path = Path(path)
@@ -203,6 +222,7 @@ class RolloutBatch:
             logprobs = _split(t["behaviour_logprobs"], lengths)
             versions = _split(t["versions"], lengths)
             masks = _split(t["loss_mask"], lengths)
+            routes = _split_routes(t, len(prompts))
             samples = [
                 Sample(
                     prompt_ids=p,
@@ -212,8 +232,9 @@ class RolloutBatch:
                     reward=float(rw),
                     group=int(g),
                     loss_mask=m,
+                    routes=ro,
                 )
-                for p, r, lp, v, m, rw, g in zip(
+                for p, r, lp, v, m, rw, g, ro in zip(
                     prompts,
                     responses,
                     logprobs,
@@ -221,6 +242,7 @@ class RolloutBatch:
                     masks,
                     t["rewards"].tolist(),
                     t["groups"].tolist(),
+                    routes,
                     strict=True,
                 )
             ]
@@ -231,6 +253,27 @@ class RolloutBatch:
         except ValueError:
             raise ValueError(f"rollout batch {path}: its metadata is not JSON") from None
         return cls(samples=samples, temperature=temperature, metadata=metadata)
+
+
+def _routes_tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """The samples' routes, concatenated over positions, and each one's count of positions (0: none)."""
+    kept = [s.routes for s in samples if s.routes is not None]
+    if not kept:
+        return {}
+    return {
+        "routes": torch.cat(kept),
+        "route_positions": torch.tensor([0 if s.routes is None else len(s.routes) for s in samples]),
+    }
+
+
+def _split_routes(t: dict[str, torch.Tensor], n: int) -> list[torch.Tensor | None]:
+    if "routes" not in t:
+        return [None] * n
+    counts = t["route_positions"].tolist()
+    if len(counts) != n or sum(counts) != t["routes"].shape[0] or t["routes"].dim() != 3:
+        raise ValueError(f"routes of shape {tuple(t['routes'].shape)} do not split into positions {counts}")
+    parts = torch.split(t["routes"], counts)
+    return [part.clone() if count else None for part, count in zip(parts, counts, strict=True)]
 
 
 def _flat(rows: list[list], dtype: torch.dtype) -> torch.Tensor:

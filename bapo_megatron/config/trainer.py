@@ -17,6 +17,11 @@ class AlgoConfig(PolicyLossConfig):
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     updates_per_batch: int = 1
     """Optimizer steps taken on one rollout batch (the batch is split into this many mini-batches)."""
+    routing_replay: bool = False
+    """Rollout routing replay (R3), for mixture-of-experts models: the engines return the experts
+    they routed every position to, and the trainer's routers take those instead of choosing
+    their own, in every forward pass of the step (the prepass and every update). A sample without
+    recorded routes (e.g. a replayed batch file from before) routes as the trainer chooses."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

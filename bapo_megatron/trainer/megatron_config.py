@@ -179,6 +179,8 @@ def _moe(spec: ModelSpec, model: ModelConfig) -> dict:
         "moe_grouped_gemm": grouped_gemm(model),
         # every token reaches its experts: no capacity factor, nothing dropped (as the engines route)
         "moe_expert_capacity_factor": None,
+        # each router can take given routes (rollout routing replay); it routes as usual until told to
+        "moe_enable_routing_replay": True,
     }
 
 

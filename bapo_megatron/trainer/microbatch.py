@@ -91,6 +91,13 @@ class MicroBatch:
     once a micro-batch."""
     prox_logprobs: torch.Tensor | None = None
     """log pi at the start of the step, filled by the trainer's forward-only pass when needed."""
+    token_mask: torch.Tensor | None = None
+    """[batch, seq] True at the samples' tokens (False at padding)."""
+    routes: torch.Tensor | None = None
+    """The engine's experts per position [batch, seq, moe_layers, top_k] (int64), when every sample
+    has them; positions without one (each sample's last, padding) hold experts 0 .. top_k - 1."""
+    route_mask: torch.Tensor | None = None
+    """True where `routes` holds a recorded route."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -120,10 +127,12 @@ def pack_microbatch(
     old = torch.zeros(b, seq)
     adv = torch.zeros(b, seq)
     versions = torch.full((b, seq), -1, dtype=torch.long)
+    token_mask = torch.zeros(b, seq, dtype=torch.bool)
     for row, (i, s) in enumerate(zip(indices, chosen, strict=True)):
         tokens = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[row, : len(tokens)] = tokens
+        token_mask[row, : len(tokens)] = True
         targets[row, : len(tokens) - 1] = tokens[1:]
         span = slice(p - 1, p - 1 + r)  # position p-1 predicts the first response token
         mask = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
@@ -132,6 +141,7 @@ def pack_microbatch(
         adv[row, span] = advantages[i] * (mask != 0)
         versions[row, span] = torch.tensor(s.versions, dtype=torch.long)
     position_ids = torch.arange(seq).unsqueeze(0).expand(b, seq).contiguous()
+    routes, route_mask = pack_routes(chosen, b, seq)
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -142,4 +152,22 @@ def pack_microbatch(
         versions=versions,
         sample_index=list(indices),
         num_tokens=int(sum(len(s.response_ids) if s.loss_mask is None else sum(s.loss_mask) for s in chosen)),
+        token_mask=token_mask,
+        routes=routes,
+        route_mask=route_mask,
     )
+
+
+def pack_routes(chosen: list[Sample], rows: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """([rows, seq, moe_layers, top_k] routes, [rows, seq] mask of recorded ones), or (None, None)
+    unless every sample has routes."""
+    if not chosen or any(s.routes is None for s in chosen):
+        return None, None
+    layers, top_k = chosen[0].routes.shape[1:]
+    routes = torch.arange(top_k).expand(rows, seq, layers, top_k).clone()
+    mask = torch.zeros(rows, seq, dtype=torch.bool)
+    for row, s in enumerate(chosen):
+        n = s.routes.shape[0]
+        routes[row, :n] = s.routes.long()
+        mask[row, :n] = True
+    return routes, mask

@@ -36,6 +36,7 @@ from bapo_megatron.trainer import megatron_config as mc
 from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
 from bapo_megatron.trainer.microbatch import MicroBatch, pack_microbatch, plan_microbatches, uniform_shape
 from bapo_megatron.trainer.parallel import ParallelInfo
+from bapo_megatron.trainer.routing import Routers, aux_loss_metric
 
 
 @dataclass
@@ -83,6 +84,9 @@ class PolicyTrainer:
         self.vocab_local = mc.padded_vocab(spec, cfg.model, cfg.parallel) // info.tp_size
         self.step = 0
         self.progress = bars_on(cfg.logging.progress) and dist.get_rank() == 0  # on the rank that logs
+        self.routers = None
+        if spec.moe is not None:
+            self.routers = Routers(self.model, spec, info, cfg.parallel.sequence_parallel, self.device)
 
     def _build_chunks(self) -> list[torch.nn.Module]:
         from megatron.core import parallel_state as ps
@@ -147,26 +151,35 @@ class PolicyTrainer:
     def _forward_step(self, loss_fn, bar: Progress, data_iterator, model):
         mb = next(data_iterator)
         bar.update()
+        if self.routers is not None:
+            self.routers.before_forward(model, mb, replay=self.cfg.algo.routing_replay)
         output = model(mb.input_ids, mb.position_ids, attention_mask=None)
         return output, partial(loss_fn, mb)
 
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, label: str = "") -> list:
         """The schedule over `mbs`; with self.progress and a label, a bar over its micro-batches
         (forward steps: one a micro-batch and virtual stage)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         iterator = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
         total = len(mbs) * len(self.model)
         with Progress(total, label, unit="mb", enabled=self.progress and bool(label)) as bar:
-            return get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, loss_fn, bar),
-                data_iterator=iterator,
-                model=self.model if len(self.model) > 1 else self.model[0],
-                num_microbatches=len(mbs),
-                seq_length=max(mb.input_ids.shape[1] for mb in mbs),
-                micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
-                forward_only=forward_only,
-            )
+            try:
+                return self._schedule(mbs, loss_fn, forward_only, bar, iterator)
+            finally:
+                if self.routers is not None:
+                    self.routers.end_pass()
+
+    def _schedule(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, bar: Progress, iterator) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn, bar),
+            data_iterator=iterator,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(mbs),
+            seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+            micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
+            forward_only=forward_only,
+        )
 
     def _logprobs(self, mb: MicroBatch, logits: torch.Tensor, temperature: float, with_top: bool = False):
         """(log-probs, entropy) of mb's targets, and with_top each position's greedy log-prob."""
@@ -256,7 +269,15 @@ class PolicyTrainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         step.bounds = self._step_bounds(step, mbs) if self._needs_prepass() else None
-        outputs: list[LossOutput] = self._run(mbs, partial(self._policy_loss, step), forward_only=False, label="update")
+        if self.routers is not None:
+            self.routers.counting = True  # the update's routing decisions make the step's router figures
+        try:
+            outputs: list[LossOutput] = self._run(
+                mbs, partial(self._policy_loss, step), forward_only=False, label="update"
+            )
+        finally:
+            if self.routers is not None:
+                self.routers.counting = False
         skipped = self._nonfinite(step, outputs)
         grad_norm = float("nan")
         if not skipped:
@@ -265,6 +286,9 @@ class PolicyTrainer:
             self.scheduler.step(increment=1)
             self.step += 1
         metrics = self._metrics(outputs, adv_metrics, grad_norm, skipped)
+        if self.routers is not None:
+            metrics.update(self.routers.metrics())
+            metrics.update(aux_loss_metric(len(mbs)))
         return StepResult(metrics=metrics, skipped=skipped)
 
     def logprob_gap(self, batch: RolloutBatch) -> float:

@@ -1,5 +1,6 @@
 """The trainer memory estimate counts exactly the parameters Megatron builds on each rank
-(TP=2 x PP=2; an untied and a tied-embedding model), and its byte figures follow from them."""
+(TP=2 x PP=2: an untied, a tied-embedding and a q/k-norm model; the tiny Qwen3-MoE at EP=2 too, its
+experts split over the two tensor-parallel ranks), and its byte figures follow from them."""
 
 import dataclasses
 
@@ -20,13 +21,16 @@ def _count(rank: int, world: int) -> None:
     from bapo_megatron.trainer.parallel import init_model_parallel
 
     activate_cpu_shim()
-    parallel = ParallelConfig(tensor=2, pipeline=2)
-    init_model_parallel(parallel, 0)
+    dense = ParallelConfig(tensor=2, pipeline=2)
+    moe = ParallelConfig(tensor=2, pipeline=2, expert=2, sequence_parallel=True)
+    init_model_parallel(moe, 0)  # the expert groups exist; a dense model's config leaves them unused
     stage = ps.get_pipeline_model_parallel_rank()
-    for spec in (tiny_spec("qwen2"), dataclasses.replace(tiny_spec("llama"), tie_embeddings=True)):
+    specs = (tiny_spec("qwen2"), dataclasses.replace(tiny_spec("llama"), tie_embeddings=True), tiny_spec("qwen3"))
+    for spec, parallel in [*((s, dense) for s in specs), (tiny_spec("qwen3_moe"), moe)]:
         model = mc.build_gpt_model(spec, ModelConfig(), parallel, pre_process=stage == 0, post_process=stage == 1)
         built = sum(p.numel() for p in model.parameters())
-        assert built == stage_params(spec, mc.padded_vocab(spec, ModelConfig(), parallel), 2, 2, stage), (
+        vocab = mc.padded_vocab(spec, ModelConfig(), parallel)
+        assert built == stage_params(spec, vocab, 2, 2, stage, expert=parallel.expert), (
             spec.architecture,
             stage,
             built,

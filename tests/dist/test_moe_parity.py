@@ -1,9 +1,15 @@
-"""A Qwen3-MoE model trains at EP=2 (with data, tensor or pipeline parallel) as one process does.
+"""A Qwen3-MoE model trains at EP=2 (with data, tensor or pipeline parallel) as one process does,
+with the engine's routes replayed (R3).
 
-The tiny Qwen3-MoE (4 experts, top-2, a dense first layer) is made once at EP=1 and saved; each
-layout loads it, takes one BAPO optimizer step on the same replayed rollout batch, reports its
-metrics and saves the updated weights; one process then loads every result and compares it with
-the single-process run. The EP=2 x DP=2 run also saves a full checkpoint (model, optimizer,
+The tiny Qwen3-MoE (4 experts, top-2, a dense first layer) is made once at EP=1 and saved, with a
+rollout batch whose samples carry random routes (each position's experts in each MoE layer, as an
+engine would return them): random routes, unlike the model's own, show any slip in how a layout
+slices them (sequence parallel's slices, pipeline stages' layers, expert-parallel ranks). Each
+layout loads the model, takes one BAPO optimizer step replaying the routes, reports its metrics
+(the router disagreement and expert load among them) and saves the updated weights; one process
+then loads every result and compares it with the single-process run. That process also checks
+replay itself: replaying the routes the model chooses gives exactly the step without replay, and
+replaying others changes it. The EP=2 x DP=2 run also saves a full checkpoint (model, optimizer,
 schedule) that resumes at EP=1 with the same weights and the same next step, and exports the
 model to HF names live (experts gathered from both EP ranks), compared with the EP=1 export.
 """
@@ -26,10 +32,19 @@ LAYOUTS = {
     "tp2ep2": (2, 1, 2, 2),  # experts split over the two tensor-parallel ranks, sequence parallel
     "pp2ep2": (1, 2, 2, 4),
 }
-COMPARED = ("loss/pg", "bapo/clip_low", "bapo/clip_high", "train/grad_norm", "policy/entropy")
+COMPARED = (
+    "loss/pg",
+    "bapo/clip_low",
+    "bapo/clip_high",
+    "train/grad_norm",
+    "policy/entropy",
+    "moe/load_max",
+    "moe/load/layer2",
+    "moe/router_disagreement",
+)
 
 
-def _setup(tp: int, pp: int, ep: int, extra: tuple[str, ...] = ()):
+def _setup(tp: int, pp: int, ep: int, extra: tuple[str, ...] = ("algo.routing_replay=true",)):
     from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
@@ -58,7 +73,13 @@ def _make_weights(rank: int, world: int, root: str) -> None:
 
     spec, cfg, info = _setup(1, 1, 1)
     save_model(PolicyTrainer(spec, cfg, info).model, Path(root) / "init")
-    make_batch(0, max_len=14, temperature=0.9).save(Path(root) / "batch.safetensors")
+    batch = make_batch(0, max_len=14, temperature=0.9)
+    g = torch.Generator().manual_seed(1)
+    moe = spec.moe
+    for sample in batch.samples:  # top-2 of 4 experts, distinct, per position and MoE layer
+        scores = torch.rand(sample.length - 1, len(moe.sparse_layers), moe.num_experts, generator=g)
+        sample.routes = scores.topk(moe.top_k, dim=-1).indices.to(torch.uint8)
+    batch.save(Path(root) / "batch.safetensors")
 
 
 def _export(trainer) -> dict[str, torch.Tensor]:
@@ -89,6 +110,81 @@ def _train_layout(rank: int, world: int, root: str, name: str) -> None:
     if rank == 0:
         torch.save(exported, Path(root) / f"{name}-export.pt")
         (Path(root) / f"{name}.json").write_text(json.dumps(result.metrics))
+
+
+def _own_routes(trainer, batch: RolloutBatch) -> list[torch.Tensor]:
+    """The experts the trainer's routers choose for each sample of `batch` (one process, no replay)."""
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [
+        r.module.register_forward_hook(lambda m, a, out, o=r.ordinal: seen.__setitem__(o, out[1]))
+        for r in trainer.routers.routers
+    ]
+    routes = [None] * len(batch)
+    mbs, _ = trainer.microbatches(batch)
+    with torch.no_grad():
+        for mb in mbs:
+            trainer.model[0](mb.input_ids, mb.position_ids, attention_mask=None)
+            rows, seq = mb.input_ids.shape
+            chosen = torch.stack([seen[o].view(seq, rows, -1) for o in sorted(seen)], dim=2)  # [s, b, layers, E]
+            for row, i in enumerate(mb.sample_index):
+                n = batch.samples[i].length - 1
+                routes[i] = chosen[:n, row].nonzero()[:, 2].view(n, len(seen), -1).to(torch.uint8)
+    for hook in hooks:
+        hook.remove()
+    return routes
+
+
+def _replay_checks(root: str) -> None:
+    """Replaying the model's own routes is the step without replay; replaying other routes is not."""
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    batch = RolloutBatch.load(Path(root) / "batch.safetensors")
+    random_routes = [s.routes for s in batch.samples]
+    spec, cfg, info = _setup(1, 1, 1)
+    trainer = PolicyTrainer(spec, cfg, info)
+    trainer.load_weights(Path(root) / "init")
+    own = _own_routes(trainer, batch)
+    results = {}
+    for name, routes in (("none", [None] * len(batch)), ("own", own), ("random", random_routes)):
+        for sample, r in zip(batch.samples, routes, strict=True):
+            sample.routes = r
+        trainer.load_weights(Path(root) / "init")
+        results[name] = trainer.train_step(batch).metrics
+    assert results["own"]["loss/pg"] == results["none"]["loss/pg"]
+    assert results["own"]["train/grad_norm"] == results["none"]["train/grad_norm"]
+    assert results["own"]["moe/router_disagreement"] == 0.0 and "moe/router_disagreement" not in results["none"]
+    assert results["random"]["loss/pg"] != results["none"]["loss/pg"]
+    assert results["random"]["moe/router_disagreement"] > 0.2  # random top-2 of 4 against the router's
+    assert "moe/aux_loss" not in results["none"]  # off by default
+
+
+def _router_options(root: str) -> None:
+    """model.moe: the auxiliary loss reported when on; frozen routers keep their weights."""
+    from megatron.core import parallel_state as ps
+
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    batch = RolloutBatch.load(Path(root) / "batch.safetensors")
+    ps.destroy_model_parallel()
+    spec, cfg, info = _setup(1, 1, 1, ("model.moe.aux_loss_coeff=0.01", "model.moe.freeze_router=true"))
+    trainer = PolicyTrainer(spec, cfg, info)
+    trainer.load_weights(Path(root) / "init")
+    state = trainer.model[0].module.state_dict()
+    before = {k: v.clone() for k, v in state.items() if k.endswith("router.weight")}
+    assert not any(p.requires_grad for n, p in trainer.model[0].named_parameters() if "router" in n)
+    metrics = trainer.train_step(batch).metrics
+    assert metrics["moe/aux_loss"] > 0
+    assert before and all(torch.equal(state[k], v) for k, v in before.items())
+    expert = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"
+    assert not torch.equal(state[expert], _initial(root, expert))  # the rest trains
+
+
+def _initial(root: str, key: str) -> torch.Tensor:
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+
+    trainer = PolicyTrainer(*_setup(1, 1, 1))
+    trainer.load_weights(Path(root) / "init")
+    return trainer.model[0].module.state_dict()[key].clone()
 
 
 def _compare(rank: int, world: int, root: str) -> None:
@@ -145,3 +241,9 @@ def test_expert_parallel_layouts_match_single_process(tmp_path):
             assert metrics[name][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (name, key)
     assert metrics["ep2"]["next/loss_pg"] == pytest.approx(want["next/loss_pg"], rel=1e-5, abs=1e-7)
     run_workers(_compare, 1, root)
+    run_workers(_replay_checks_worker, 1, root)
+
+
+def _replay_checks_worker(rank: int, world: int, root: str) -> None:
+    _replay_checks(root)
+    _router_options(root)

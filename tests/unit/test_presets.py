@@ -1,6 +1,8 @@
-"""The 7B and 32B presets: the paper's settings, and `bapo-train PRESET --dry-run` memory figures
-checked against the same quantities worked out by hand here (within 5%), on 8 x 80 GiB nodes."""
+"""The presets (Qwen2.5-7B and -32B, Qwen3-8B, Qwen3-30B-A3B): the paper's settings, and
+`bapo-train PRESET --dry-run` memory figures checked against the same quantities worked out by hand
+here (within 5%), on 8 x 80 GiB nodes."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -13,7 +15,12 @@ from bapo_megatron.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 # name: (world size of its Slurm script's trainer, published parameter count of the model card)
-PRESETS = {"qwen2.5-7b": (8, 7.61e9), "qwen2.5-32b": (32, 32.76e9)}
+PRESETS = {
+    "qwen2.5-7b": (8, 7.61e9),
+    "qwen2.5-32b": (32, 32.76e9),
+    "qwen3-8b": (8, 8.2e9),
+    "qwen3-30b-a3b": (32, 30.5e9),
+}
 
 
 def _shape(name: str) -> dict:
@@ -22,28 +29,41 @@ def _shape(name: str) -> dict:
     return json.loads((ROOT / "examples" / name / "shape" / "config.json").read_text())
 
 
+def _layer(hf: dict) -> tuple[int, int, int]:
+    """One layer's parameters: (split over TP, whole on every TP rank, experts split over EP)."""
+    d, heads, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    head = hf.get("head_dim", d // heads)
+    attention = d * heads * head + 2 * d * kv * head + heads * head * d  # q, k and v, o
+    if hf["model_type"] == "qwen2":
+        attention += (heads + 2 * kv) * head  # q/k/v biases
+    norms = 2 * d + (2 * head if hf["model_type"].startswith("qwen3") else 0)  # + q/k norms
+    if "num_experts" not in hf:
+        return attention + 3 * d * hf["intermediate_size"], norms, 0
+    router = hf["num_experts"] * d  # every layer has experts in these presets
+    return attention, norms + router, hf["num_experts"] * 3 * d * hf["moe_intermediate_size"]
+
+
 def _by_hand(name: str) -> dict[str, float]:
     """Parameters of the most loaded GPU and the bytes of each kind of state, in GiB."""
     cfg = load_config(ROOT / "examples" / name / "config.yaml")
     hf, world = _shape(name), PRESETS[name][0]
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+    tp, pp, ep = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert
     dp = world // (tp * pp)
-    d, layers, ffn = hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"]
-    heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
-    head = d // heads
-    attention = d * heads * head + 2 * d * kv * head + (heads + 2 * kv) * head + heads * head * d  # + biases, o
-    mlp = 3 * d * ffn
-    norms = 2 * d
+    d, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    split, whole, experts = _layer(hf)
     # first stage: its layers and the embedding; the last: its layers, the final norm and the output layer
-    vocab = hf["vocab_size"]  # 152064 = 297 x 512: already a multiple of 128 x TP, no padding
-    stage = (layers // pp) * ((attention + mlp) / tp + norms) + vocab * d / tp
+    vocab = -(-hf["vocab_size"] // 1024) * 1024  # padded to a multiple of 128 x lcm(TP, vocab_pad_tp 8)
+    dense = (layers // pp) * (split / tp + whole) + vocab * d / tp
     if pp == 1:
-        stage += vocab * d / tp + d
+        dense += vocab * d / tp + d
+    expert = (layers // pp) * experts / ep  # whole experts over EP; their state over expert data parallel
+    stage = dense + expert
     return {
-        "total": layers * (attention + mlp + norms) + 2 * vocab * d + d,
+        "total": layers * (split + whole + experts) + 2 * hf["vocab_size"] * d + d,
         "parameters": stage * 2 / GIB,  # bf16
         "gradients": stage * 4 / GIB,  # Megatron's fp32 gradient buffer
-        "optimizer, distributed": stage * 12 / dp / GIB,  # fp32 main copy + Adam's two moments, sharded
+        # fp32 main copy + Adam's two moments, sharded
+        "optimizer, distributed": (dense * 12 / dp + expert * 12 / (tp * dp // ep)) / GIB,
         "optimizer, replicated": stage * 12 / GIB,
     }
 
@@ -113,7 +133,8 @@ def test_the_recipe_is_the_authors_shape_for_the_users_files(name, tmp_path):
     assert cfg.eval.interval == 10 and cfg.eval.samples == 16 and sorted(cfg.eval.sets) == ["aime24", "aime25"]
     assert cfg.eval.sets["aime24"].path == "/data/aime-2024.parquet"
     preset = load_config(ROOT / "examples" / name / "config.yaml")
-    assert (cfg.parallel.tensor, cfg.parallel.pipeline) == (preset.parallel.tensor, preset.parallel.pipeline)
+    assert cfg.parallel == dataclasses.replace(preset.parallel, max_tokens_per_microbatch=9216)  # 8k + 1k
+    assert cfg.model.moe == preset.model.moe
     command = [sys.executable, "-m", "bapo_megatron.train", str(base), *files, "--dry-run"]
     done = subprocess.run([*command, f"--world-size={PRESETS[name][0]}"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
