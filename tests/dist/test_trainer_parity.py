@@ -1,4 +1,5 @@
-"""TP=2, PP=2, DP=2, TP=2 x PP=2 and PP=2 x VPP=2 train exactly as one process does (gloo, CPU).
+"""TP=2, TP=2 with sequence parallel, PP=2, DP=2, TP=2 x PP=2 and PP=2 x VPP=2 train exactly as one
+process does (gloo, CPU).
 
 The weights are made once at TP=1 and saved as a dist checkpoint; every layout loads them,
 takes one optimizer step on the same replayed rollout batch with BAPO (bound_scope "step")
@@ -19,10 +20,11 @@ from tests.helpers import make_batch
 pytestmark = pytest.mark.slow  # the longest of the tier: `make test-fast` leaves it out
 
 LOSSES = ("bapo", "ppo")
-# name: (tensor, pipeline, virtual pipeline, processes)
+# name: (tensor, pipeline, virtual pipeline, processes); "sp": sequence parallel
 LAYOUTS = {
     "tp1": (1, 1, None, 1),
     "tp2": (2, 1, None, 2),
+    "tp2sp": (2, 1, None, 2),
     "pp2": (1, 2, None, 2),
     "dp2": (1, 1, None, 2),
     "tp2pp2": (2, 2, None, 4),
@@ -42,8 +44,9 @@ COMPARED = (
 )
 
 
-def _overrides(loss: str, tp: int, pp: int, vpp: int | None = None) -> list[str]:
+def _overrides(loss: str, tp: int, pp: int, vpp: int | None = None, sp: bool = False) -> list[str]:
     return [
+        f"parallel.sequence_parallel={sp}",
         f"parallel.virtual_pipeline={'null' if vpp is None else vpp}",
         f"algo.loss={loss}",
         "algo.bapo.target_rho=0.45",
@@ -63,14 +66,14 @@ def _batch() -> RolloutBatch:
     return make_batch(0, max_len=14, temperature=0.9)
 
 
-def _setup(tp: int, pp: int, loss: str = "bapo", vpp: int | None = None):
+def _setup(tp: int, pp: int, loss: str = "bapo", vpp: int | None = None, sp: bool = False):
     from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
 
     activate_cpu_shim()
-    cfg = load_config(None, _overrides(loss, tp, pp, vpp))
+    cfg = load_config(None, _overrides(loss, tp, pp, vpp, sp))
     return tiny_spec(), cfg, init_model_parallel(cfg.parallel, cfg.seed)
 
 
@@ -93,7 +96,7 @@ def _train_layout(rank: int, world: int, root: str, name: str) -> None:
     batch = RolloutBatch.load(Path(root) / "batch.safetensors")
     results = {}
     for loss in LOSSES:
-        spec, cfg, info = _setup(tp, pp, loss, vpp)
+        spec, cfg, info = _setup(tp, pp, loss, vpp, sp=name.endswith("sp"))
         trainer = PolicyTrainer(spec, cfg, info)
         trainer.load_weights(Path(root) / "init")
         result = trainer.train_step(batch)
