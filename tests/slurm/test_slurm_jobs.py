@@ -6,7 +6,7 @@ installed here when missing; the test is skipped, saying why, only where they ca
   requeues itself, the requeued run resumes from the checkpoint and runs to the end: every step
   in metrics.jsonl exactly once, the last checkpoint, status.json "finished", every command
   echoed, and a Hugging Face export that transformers loads.
-- slurm/bapo_7b.sh and slurm/bapo_32b.sh pass bash -n, shellcheck and sbatch --test-only against
+- slurm/bapo_7b.sh, slurm/bapo_32b.sh and the Qwen3 ones pass bash -n, shellcheck and sbatch --test-only against
   fake 8-GPU H100 nodes; a request those nodes cannot meet is refused, so the check can fail.
 """
 
@@ -101,7 +101,15 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm, tmp_path):
     assert model.config.vocab_size == 16 and sum(p.numel() for p in model.parameters()) > 0
 
 
-@pytest.mark.parametrize("script", ["slurm/bapo_7b.sh", "slurm/bapo_32b.sh", "slurm/bapo_tiny_cpu.sh"])
+GPU_SCRIPTS = {  # script: nodes
+    "slurm/bapo_7b.sh": 2,
+    "slurm/bapo_32b.sh": 6,
+    "slurm/bapo_qwen3_8b.sh": 2,
+    "slurm/bapo_qwen3_30b_a3b.sh": 6,
+}
+
+
+@pytest.mark.parametrize("script", [*GPU_SCRIPTS, "slurm/bapo_tiny_cpu.sh"])
 def test_scripts_pass_bash_n_and_shellcheck(script):
     subprocess.run(["bash", "-n", str(ROOT / script)], check=True, timeout=60)
     done = subprocess.run(["shellcheck", "-x", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -110,7 +118,7 @@ def test_scripts_pass_bash_n_and_shellcheck(script):
     assert done.returncode == 0, done.stdout
 
 
-@pytest.mark.parametrize(("script", "nodes"), [("slurm/bapo_7b.sh", 2), ("slurm/bapo_32b.sh", 6)])
+@pytest.mark.parametrize(("script", "nodes"), GPU_SCRIPTS.items())
 def test_gpu_scripts_fit_8_gpu_h100_nodes(slurm, tmp_path, script, nodes):
     env = _env(slurm, tmp_path, MODEL_DIR=str(tmp_path / "model"), DATA=str(tmp_path / "data.jsonl"))
     test_only = ["sbatch", "--test-only", "--partition=h100", str(ROOT / script)]
