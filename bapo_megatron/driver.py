@@ -33,6 +33,7 @@ from bapo_megatron.common.batch import RolloutBatch, Sample
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.progress import Progress, bars_on
 from bapo_megatron.common.protocol import SamplingParams
+from bapo_megatron.common.routes import recorded_routes
 from bapo_megatron.config import JobConfig
 from bapo_megatron.engines.client import EngineUnavailable
 from bapo_megatron.engines.fleet import Engines
@@ -72,7 +73,12 @@ class RolloutDriver:
         self.inputs = RolloutInputs(cfg, spec)
         self.prompts = self.inputs.prompts
         self.buffer = RolloutBuffer(
-            ro.samples_per_prompt, ro.sampling.max_new_tokens, ro.token_budget, ro.max_staleness, ro.mask_stale_prefix
+            ro.samples_per_prompt,
+            ro.sampling.max_new_tokens,
+            ro.token_budget,
+            ro.max_staleness,
+            ro.mask_stale_prefix,
+            routes=recorded_routes(cfg, spec),
         )
         self.progress = bars_on(cfg.logging.progress)
         self.loop = EngineLoop()
@@ -172,6 +178,7 @@ class RolloutDriver:
             ro.sampling.temperature,
             metadata={"version": str(version)},
             loss_masks=[[self.buffer.loss_mask(s, version) for s in g.samples] for g in groups],
+            routes=self.buffer.routes,
         )
         with (self.run_dir / "samples.jsonl").open("a") as f:  # which prompt groups the step trains on
             f.write(json.dumps({"step": version + 1, "groups": [g.uid for g in groups]}) + "\n")

@@ -35,6 +35,10 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
         raise ConfigError(
             "algo.routing_replay", True, f"replays a mixture-of-experts model's routes; {spec.architecture} is dense"
         )
+    if cfg.rollout.record_routes and spec.moe is None:
+        raise ConfigError(
+            "rollout.record_routes", True, f"records a mixture-of-experts model's routes; {spec.architecture} is dense"
+        )
     dp = cfg.parallel.data_parallel_size(world_size)
     per_update = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.algo.updates_per_batch
     if per_update % dp:

@@ -35,7 +35,11 @@ def engine_server(cfg, index: int, run_dir: Path):
         raise ValueError("model.hf_path: an engine needs the model's Hugging Face directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     if ro.engines.kind == "sglang":
-        return sglang_servers(ro, cfg.model.hf_path, run_dir, seed=cfg.seed)[0][index]
+        from bapo_megatron.common.model_spec import ModelSpec
+        from bapo_megatron.common.routes import recorded_routes
+
+        routes = recorded_routes(cfg, ModelSpec.from_hf_dir(cfg.model.hf_path)) is not None
+        return sglang_servers(ro, cfg.model.hf_path, run_dir, seed=cfg.seed, routed_experts=routes)[0][index]
     from bapo_megatron.engines.launcher import embedded_servers
 
     # beyond loopback: the job's shared key, or a refusal

@@ -124,11 +124,14 @@ class RolloutBatch:
         temperature: float,
         metadata: dict[str, str] | None = None,
         loss_masks: Sequence[Sequence[list[int] | None]] | None = None,
+        routes=None,
     ) -> RolloutBatch:
         """The batch a rollout step hands to training: every sample of each finished, rewarded group
         (group i of `groups` is group i of the batch), tokens with their behaviour log-probs and
         versions; loss_masks[i][j]: sample j of group i's loss mask (None: every token counts),
-        such as the rollout's staleness bound leaves. The groups' prompt uids go in the metadata."""
+        such as the rollout's staleness bound leaves; routes: the RouteShape (common/routes.py) of the
+        routed experts the samples recorded (a sample without all of them trains without). The
+        groups' prompt uids go in the metadata."""
         samples = []
         for index, group in enumerate(groups):
             if not group.finished:
@@ -147,6 +150,7 @@ class RolloutBatch:
                         reward=float(s.reward),
                         group=index,
                         loss_mask=mask,
+                        routes=_recorded(routes, s),
                     )
                 )
         meta = {"group_uids": json.dumps([g.uid for g in groups]), **(metadata or {})}
@@ -253,6 +257,14 @@ class RolloutBatch:
         except ValueError:
             raise ValueError(f"rollout batch {path}: its metadata is not JSON") from None
         return cls(samples=samples, temperature=temperature, metadata=metadata)
+
+
+def _recorded(shape, sample) -> torch.Tensor | None:
+    """A rollout sample's routes when it recorded one for every position but the last."""
+    if shape is None or not getattr(sample, "routes", b""):
+        return None
+    routes = shape.from_bytes(sample.routes)
+    return routes if len(routes) == len(sample.prompt_ids) + len(sample.response_ids) - 1 else None
 
 
 def _routes_tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:

@@ -52,6 +52,18 @@ def slot_view(slot: ExpertSlot, fused: Mapping[str, torch.Tensor]) -> torch.Tens
     return tensor if slot.rows is None else tensor[slot.rows]
 
 
+def hf_target(name: str, state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The tensor of state dict `state` that HF tensor `name` fills: the entry itself, or for a
+    per-expert name the view of its fused parameter; None when the model has no such tensor (an
+    expert number past the fused parameter's experts included)."""
+    if name in state:
+        return state[name]
+    slot = expert_slot(name, state)
+    if slot is None or slot.expert >= state[slot.param].shape[0]:
+        return None
+    return slot_view(slot, state)
+
+
 def per_expert(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """A state dict with fused experts as per-expert (name, tensor) pairs (views, no copies);
     every other entry as it is."""

@@ -37,39 +37,46 @@ FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor a HF checkpoint of `spec` holds, with its shape, in loading order: embedding,
-    layers in order, final norm, lm_head (absent when tied)."""
-    d, hd, kv = spec.hidden_size, spec.head_dim, spec.num_kv_heads * spec.head_dim
-    shapes = {"model.embed_tokens.weight": (spec.vocab_size, d)}
+    layers in order (a MoE layer's experts one tensor each, as on disk), final norm, lm_head (absent
+    when tied)."""
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (d,),
-                p + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
-                p + "self_attn.k_proj.weight": (kv, d),
-                p + "self_attn.v_proj.weight": (kv, d),
-            }
-        )
-        if spec.qkv_bias:
-            shapes.update(
-                {
-                    p + "self_attn.q_proj.bias": (spec.num_heads * hd,),
-                    p + "self_attn.k_proj.bias": (kv,),
-                    p + "self_attn.v_proj.bias": (kv,),
-                }
-            )
-        shapes.update(
-            {
-                p + "self_attn.o_proj.weight": (d, spec.num_heads * hd),
-                p + "post_attention_layernorm.weight": (d,),
-                p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, d),
-                p + "mlp.up_proj.weight": (spec.ffn_hidden_size, d),
-                p + "mlp.down_proj.weight": (d, spec.ffn_hidden_size),
-            }
-        )
-    shapes["model.norm.weight"] = (d,)
+        shapes.update(_layer_shapes(spec, i))
+    shapes["model.norm.weight"] = (spec.hidden_size,)
     if not spec.tie_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, d)
+        shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    return shapes
+
+
+def _layer_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
+    d, hd, kv = spec.hidden_size, spec.head_dim, spec.num_kv_heads * spec.head_dim
+    p = f"model.layers.{i}."
+    shapes = {
+        p + "input_layernorm.weight": (d,),
+        p + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
+        p + "self_attn.k_proj.weight": (kv, d),
+        p + "self_attn.v_proj.weight": (kv, d),
+    }
+    if spec.qkv_bias:
+        shapes[p + "self_attn.q_proj.bias"] = (spec.num_heads * hd,)
+        shapes[p + "self_attn.k_proj.bias"] = (kv,)
+        shapes[p + "self_attn.v_proj.bias"] = (kv,)
+    if spec.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (hd,)
+        shapes[p + "self_attn.k_norm.weight"] = (hd,)
+    shapes[p + "self_attn.o_proj.weight"] = (d, spec.num_heads * hd)
+    shapes[p + "post_attention_layernorm.weight"] = (d,)
+    if not spec.is_moe_layer(i):
+        width = spec.ffn_hidden_size
+        shapes.update({p + "mlp.gate_proj.weight": (width, d), p + "mlp.up_proj.weight": (width, d)})
+        shapes[p + "mlp.down_proj.weight"] = (d, width)
+        return shapes
+    width = spec.moe.ffn_hidden_size
+    shapes[p + "mlp.gate.weight"] = (spec.moe.num_experts, d)
+    for e in range(spec.moe.num_experts):
+        q = f"{p}mlp.experts.{e}."
+        shapes.update({q + "gate_proj.weight": (width, d), q + "up_proj.weight": (width, d)})
+        shapes[q + "down_proj.weight"] = (d, width)
     return shapes
 
 

@@ -8,11 +8,14 @@ reads them from the released wheel and fails when ours drift.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 # Control endpoints: once a server has an admin key, only a request carrying it may call these
@@ -129,9 +132,13 @@ class SamplingParams:
         return cls(**args)
 
 
-def generate_request(input_ids: list[int], sampling: SamplingParams, rid: str) -> dict[str, Any]:
-    """POST /generate body: token ids in, per-token logprobs of the output back."""
-    return {
+def generate_request(
+    input_ids: list[int], sampling: SamplingParams, rid: str, routed_experts_start_len: int | None = None
+) -> dict[str, Any]:
+    """POST /generate body: token ids in, per-token logprobs of the output back. With
+    routed_experts_start_len (in [0, len(input_ids)]): also the experts a mixture-of-experts model
+    routed positions [routed_experts_start_len, prompt + output - 1) to (`routed_experts`)."""
+    body = {
         "input_ids": list(input_ids),
         "sampling_params": sampling.to_json(),
         "return_logprob": True,
@@ -139,6 +146,10 @@ def generate_request(input_ids: list[int], sampling: SamplingParams, rid: str) -
         "rid": rid,
         "stream": False,
     }
+    if routed_experts_start_len is not None:
+        body["return_routed_experts"] = True
+        body["routed_experts_start_len"] = routed_experts_start_len
+    return body
 
 
 @dataclass
@@ -156,6 +167,9 @@ class Completion:
     error: str | None = None
     """An abort the engine reports as a failure (finish_reason with a status_code of 500 or more, as
     SGLang and the embedded engine report an internal error): its message. None: no failure."""
+    routed_experts: str | None = None
+    """meta_info's routed experts as the engine sent them (base64; decode with `routed_experts`),
+    when the request asked for them."""
 
     def token_versions(self) -> list[str | None]:
         """The weight version each output token was sampled under."""
@@ -226,6 +240,7 @@ def parse_generate_response(body: Any, rid: str) -> Completion:
         version_spans=spans,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         error=error,
+        routed_experts=meta.get("routed_experts"),
     )
 
 
@@ -237,8 +252,10 @@ def generate_response(
     prompt_tokens: int,
     weight_version: str,
     spans: list[tuple[str, int, int]],
+    routed_experts: str | None = None,
 ) -> dict[str, Any]:
-    """The body the embedded engine answers /generate with (SGLang's shape, text left empty)."""
+    """The body the embedded engine answers /generate with (SGLang's shape, text left empty);
+    routed_experts: `encode_routed_experts`'s text, when the request asked for routes."""
     meta = {
         "id": rid,
         "finish_reason": finish,
@@ -251,7 +268,64 @@ def generate_response(
         "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=True)],
         "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans],
     }
+    if routed_experts is not None:
+        meta["routed_experts"] = routed_experts
     return {"text": "", "output_ids": list(output_ids), "meta_info": meta}
+
+
+# Routed experts (SGLang's return_routed_experts): meta_info["routed_experts"] is base64 of a
+# little-endian int32 array [positions, num_hidden_layers, top_k], positions
+# [routed_experts_start_len, prompt + output - 1): every position the model ran (the last output
+# token is sampled, never run). A dense layer's rows hold DENSE_LAYER_EXPERT: SGLang's capture
+# buffers start zeroed and only the routers of MoE layers write them, so they are no route.
+DENSE_LAYER_EXPERT = 0
+
+
+def encode_routed_experts(routes: torch.Tensor) -> str:
+    """[positions, num_hidden_layers, top_k] expert ids as meta_info["routed_experts"]."""
+    return base64.b64encode(routes.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+def routed_experts(meta_info: dict[str, Any] | str | None, num_layers: int, top_k: int) -> torch.Tensor:
+    """meta_info["routed_experts"] (or that text itself: Completion.routed_experts) as int32
+    [positions, num_layers, top_k]; MalformedResponse when it is missing or its size is no whole
+    number of positions."""
+    text = meta_info.get("routed_experts") if isinstance(meta_info, dict) else meta_info
+    if not isinstance(text, str):
+        raise MalformedResponse("meta_info.routed_experts: missing (did the request set return_routed_experts?)")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except binascii.Error as err:
+        raise MalformedResponse(f"meta_info.routed_experts: not base64 ({err})") from None
+    row = 4 * num_layers * top_k
+    if len(raw) % row:
+        raise MalformedResponse(
+            f"meta_info.routed_experts: {len(raw)} bytes are no whole number of positions of "
+            f"{num_layers} layers x top-{top_k} int32 ({row} bytes each)"
+        )
+    ids = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+    return torch.from_numpy(ids).view(-1, num_layers, top_k)
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The compact routes' dtype: uint8 while expert ids fit (0..255), else int16."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+def compact_routes(routes: torch.Tensor, sparse_layers: Sequence[int], num_experts: int) -> torch.Tensor:
+    """Routes to keep: [positions, len(sparse_layers), top_k] in route_dtype(num_experts), the MoE
+    layers' rows only (a dense layer's carry nothing); ValueError when an id is no expert."""
+    kept = routes[:, list(sparse_layers)]
+    if kept.numel() and not (int(kept.min()) >= 0 and int(kept.max()) < num_experts):
+        raise ValueError(f"routes hold expert ids in [{int(kept.min())}, {int(kept.max())}], not [0, {num_experts})")
+    return kept.to(route_dtype(num_experts))
+
+
+def expand_routes(compact: torch.Tensor, num_layers: int, sparse_layers: Sequence[int]) -> torch.Tensor:
+    """compact_routes' inverse: int32 [positions, num_layers, top_k], dense layers DENSE_LAYER_EXPERT."""
+    full = torch.full((compact.shape[0], num_layers, compact.shape[2]), DENSE_LAYER_EXPERT, dtype=torch.int32)
+    full[:, list(sparse_layers)] = compact.to(torch.int32)
+    return full
 
 
 def dtype_name(dtype: torch.dtype) -> str:

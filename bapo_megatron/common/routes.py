@@ -14,19 +14,31 @@ from dataclasses import dataclass
 
 import torch
 
+from bapo_megatron.common import protocol
+from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.config import JobConfig
 
-def route_dtype(num_experts: int) -> torch.dtype:
-    """The smallest integer dtype holding expert ids 0 .. num_experts - 1."""
-    return torch.uint8 if num_experts <= 256 else torch.int16
+route_dtype = protocol.route_dtype
 
 
 @dataclass(frozen=True)
 class RouteShape:
-    """What one position's routes hold: top_k experts in each of moe_layers layers."""
+    """What one position's routes hold: top_k experts in each MoE layer (sparse_layers, of num_layers)."""
 
-    moe_layers: int
+    num_layers: int
+    sparse_layers: tuple[int, ...]
     top_k: int
     num_experts: int
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> RouteShape:
+        if spec.moe is None:
+            raise ValueError(f"a {spec.architecture} model routes no tokens to experts")
+        return cls(spec.num_layers, tuple(spec.moe.sparse_layers), spec.moe.top_k, spec.moe.num_experts)
+
+    @property
+    def moe_layers(self) -> int:
+        return len(self.sparse_layers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -50,9 +62,31 @@ class RouteShape:
         """Compact bytes of [positions, moe_layers, top_k] routes (for checkpoints and the wire)."""
         return routes.to(self.dtype).contiguous().numpy().tobytes()
 
+    def from_engine(self, text: str | None, positions: int, where: str) -> bytes:
+        """An engine's meta_info["routed_experts"] (SGLang's base64 int32 [positions, num_layers, top_k])
+        as compact bytes of the MoE layers; MalformedResponse unless it holds `positions` positions."""
+        routes = protocol.routed_experts(text, self.num_layers, self.top_k)
+        if routes.shape[0] != positions:
+            raise protocol.MalformedResponse(
+                f"{where}: routed_experts for {routes.shape[0]} positions, expected {positions}"
+            )
+        try:
+            return self.to_bytes(protocol.compact_routes(routes, self.sparse_layers, self.num_experts))
+        except ValueError as err:
+            raise protocol.MalformedResponse(f"{where}: {err}") from None
+
+    def positions(self, data: bytes) -> int:
+        return len(data) // self.bytes_per_position
+
     def from_bytes(self, data: bytes) -> torch.Tensor:
         """The [positions, moe_layers, top_k] routes of `to_bytes`' bytes."""
         if len(data) % self.bytes_per_position:
             raise ValueError(f"{len(data)} bytes of routes is not a whole number of positions")
         flat = torch.frombuffer(bytearray(data), dtype=self.dtype) if data else torch.empty(0, dtype=self.dtype)
         return flat.view(-1, self.moe_layers, self.top_k)
+
+
+def recorded_routes(cfg: JobConfig, spec: ModelSpec) -> RouteShape | None:
+    """The routes a job's samples keep (rollout.record_routes, by default algo.routing_replay), or None."""
+    record = cfg.rollout.record_routes if cfg.rollout.record_routes is not None else cfg.algo.routing_replay
+    return RouteShape.of(spec) if record and spec.moe is not None else None

@@ -20,6 +20,8 @@ SGLANG_LAUNCHER_ARGS = {
     "skip-tokenizer-init": "always true: token ids in and out",
     "enable-memory-saver": "set from rollout.engines.colocate",
     "enable-deterministic-inference": "set from rollout.deterministic (batch-invariant kernels)",
+    "dtype": "set from rollout.engines.dtype (auto: left to SGLang)",
+    "enable-return-routed-experts": "set when the run asks for routes (algo.routing_replay)",
     "admin-api-key": "set from rollout.engines.admin_key_file or $BAPO_ADMIN_API_KEY",
     "api-key": "never set: the rollout client sends only the admin key, so /generate would answer 401",
 }
@@ -71,6 +73,12 @@ class EnginesConfig:
     launcher sets from the fields above, and SGLang's deprecated ones, are refused here."""
     max_batch: int = 64
     """Embedded engine: requests decoded together."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The engines' weights and activations. "auto": each engine's default, the embedded engine
+    float32 (log-probs exact against a float32 trainer), SGLang its --dtype auto (a bfloat16
+    checkpoint in bfloat16, a float32 one in float16). "bfloat16" in the embedded engine gives
+    the numeric mismatch of a GPU engine against a float32 trainer on CPU; SGLang takes either
+    as its --dtype (float32 doubles the memory its weights and KV cache take)."""
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 600.0
     """Seconds an engine may take to become ready (or an engine URL to answer)."""

@@ -113,6 +113,11 @@ class RolloutConfig:
     length so far), and batch-invariant engines (the embedded one runs each request alone; SGLang
     gets --enable-deterministic-inference): two runs, or a run and its resumption, generate the
     same samples with the same log-probs. Synchronous rounds, so slower; mode sync only."""
+    record_routes: bool | None = None
+    """Mixture-of-experts models: the engines return the experts they routed each position to, and
+    samples keep them (1 byte a MoE layer and top-k slot while experts fit; the dry run prints a
+    step's worth). None: when algo.routing_replay is on; true without replay measures the router
+    disagreement of the trainer's own routing against the engines' (moe/router_disagreement)."""
     replay: str | None = None
     """Train from saved rollout batches instead of generating: a .safetensors file (used every
     step) or a directory of them (one per step, in name order, cycling)."""

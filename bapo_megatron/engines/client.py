@@ -106,8 +106,11 @@ class EngineClient:
         raise EngineUnavailable(f"{url}: no answer after {attempts} attempt(s): {last}")
 
     # -- generation -----------------------------------------------------------------------
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Completion:
-        body = protocol.generate_request(input_ids, sampling, rid)
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, routes_from: int | None = None
+    ) -> Completion:
+        """One /generate call; routes_from: also the routed experts of positions from there on."""
+        body = protocol.generate_request(input_ids, sampling, rid, routed_experts_start_len=routes_from)
         for attempt in range(self.retries + 1):
             try:
                 result = await self.request("/generate", body, retry=False)

@@ -20,6 +20,7 @@ import socket
 from pathlib import Path
 
 from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.routes import recorded_routes
 from bapo_megatron.config import JobConfig
 from bapo_megatron.engines.client import EngineClient, EngineError, EngineUnavailable
 from bapo_megatron.engines.launcher import ServerProcess, embedded_servers
@@ -114,6 +115,7 @@ class Engines:
                 seed=self.cfg.seed,
                 colocated_fraction=colocated_fraction,
                 base_gpus=self.base_gpus,
+                routed_experts=recorded_routes(self.cfg, self.spec) is not None,
             )
 
     def _sglang_placement(self, local_ranks: int) -> list[int]:

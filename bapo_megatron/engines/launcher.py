@@ -159,8 +159,10 @@ def embedded_server(
     admin_key: str | None = None,
     max_batch: int | None = None,
     batch_invariant: bool = False,
+    dtype: str = "float32",
 ) -> ServerProcess:
-    """A (not yet started) embedded engine serving model_dir; the admin key travels in its environment."""
+    """A (not yet started) embedded engine serving model_dir in `dtype` (float32 or bfloat16); the
+    admin key travels in its environment."""
     port = port or free_port(host)
     command = [
         sys.executable,
@@ -174,6 +176,8 @@ def embedded_server(
         host,
         "--seed",
         str(seed),
+        "--dtype",
+        dtype,
     ]
     if max_batch is not None:
         command += ["--max-batch", str(max_batch)]
@@ -199,6 +203,7 @@ def embedded_servers(
             admin_key=admin_key,
             max_batch=engines.max_batch,
             batch_invariant=ro.deterministic,
+            dtype="float32" if engines.dtype == "auto" else engines.dtype,
         )
         for i in range(engines.servers)
     ]

@@ -81,9 +81,12 @@ def server_args(
     seed: int = 0,
     colocated_fraction: float | None = None,
     base_gpu: int | None = None,
+    *,
+    routed_experts: bool = False,
 ) -> dict[str, Any]:
     """SGLang's options (its CLI names) for server `index`; base_gpu: its first GPU (None:
-    index x tensor_parallel on a node of its own, as bapo-serve starts them)."""
+    index x tensor_parallel on a node of its own, as bapo-serve starts them); routed_experts:
+    /generate may return the experts a MoE model routed each position to (routing replay)."""
     args: dict[str, Any] = {
         "model-path": model_path,
         "host": cfg.engines.host,
@@ -102,6 +105,10 @@ def server_args(
         args["enable-memory-saver"] = True
     if cfg.deterministic:
         args["enable-deterministic-inference"] = True
+    if cfg.engines.dtype != "auto":
+        args["dtype"] = cfg.engines.dtype
+    if routed_experts:
+        args["enable-return-routed-experts"] = True
     if key is not None:
         args["admin-api-key"] = key
     # the one list of the launcher's options is config.SGLANG_LAUNCHER_ARGS (the config refuses them
@@ -166,9 +173,12 @@ def sglang_servers(
     seed: int = 0,
     colocated_fraction: float | None = None,
     base_gpus: list[int] | None = None,
+    *,
+    routed_experts: bool = False,
 ) -> tuple[list[ServerProcess], str | None]:
     """Not yet started server processes (one per rollout.engines.servers) and the admin key they use;
-    base_gpus: each one's first GPU (gpu_placement; None: as bapo-serve places them)."""
+    base_gpus: each one's first GPU (gpu_placement; None: as bapo-serve places them);
+    routed_experts: see server_args."""
     key = admin_key(cfg, run_dir)
     run_dir = Path(run_dir)
     servers = []
@@ -177,7 +187,10 @@ def sglang_servers(
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             base = None if base_gpus is None else base_gpus[i]
-            yaml.safe_dump(server_args(cfg, model_path, i, key, weight_version, seed, colocated_fraction, base), f)
+            args = server_args(
+                cfg, model_path, i, key, weight_version, seed, colocated_fraction, base, routed_experts=routed_experts
+            )
+            yaml.safe_dump(args, f)
         host = "127.0.0.1" if cfg.engines.host in ("0.0.0.0", "::") else cfg.engines.host
         servers.append(
             ServerProcess(
@@ -198,9 +211,13 @@ def start_sglang(
     seed: int = 0,
     colocated_fraction: float | None = None,
     base_gpus: list[int] | None = None,
+    *,
+    routed_experts: bool = False,
 ) -> tuple[list[ServerProcess], str | None]:
     """Start every server and wait until each generates; on any failure all are stopped."""
-    servers, key = launch_sglang(cfg, model_path, run_dir, weight_version, seed, colocated_fraction, base_gpus)
+    servers, key = launch_sglang(
+        cfg, model_path, run_dir, weight_version, seed, colocated_fraction, base_gpus, routed_experts=routed_experts
+    )
     wait_sglang(servers, key, timeout_s)
     return servers, key
 
@@ -213,6 +230,8 @@ def launch_sglang(
     seed: int = 0,
     colocated_fraction: float | None = None,
     base_gpus: list[int] | None = None,
+    *,
+    routed_experts: bool = False,
 ) -> tuple[list[ServerProcess], str | None]:
     """Start every server, not waiting for them (`wait_sglang`); on a failure to start, all are stopped."""
     try:
@@ -222,7 +241,9 @@ def launch_sglang(
             "rollout.engines.kind=sglang needs SGLang 0.5.23: pip install -e '.[sglang]' "
             "(CUDA only; use rollout.engines.kind=embedded on CPU)"
         ) from None
-    servers, key = sglang_servers(cfg, model_path, run_dir, weight_version, seed, colocated_fraction, base_gpus)
+    servers, key = sglang_servers(
+        cfg, model_path, run_dir, weight_version, seed, colocated_fraction, base_gpus, routed_experts=routed_experts
+    )
     try:
         for s in servers:
             s.start()

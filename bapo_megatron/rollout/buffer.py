@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bapo_megatron.common.protocol import Completion
+from bapo_megatron.common.routes import RouteShape
 
 
 @dataclass
@@ -42,13 +43,14 @@ class SampleState:
     regenerated: int = 0  # times reset for staleness
     round_tokens: int = 0  # tokens generated in its current round (the token budget's count)
     step_rounds: int = 0  # rounds begun since the step began
+    routes: bytes = b""  # the engines' routed experts of positions 0 .. (RouteShape's compact bytes), when recorded
 
     @property
     def finished(self) -> bool:
         return self.finish is not None
 
     def reset(self) -> None:
-        self.response_ids, self.logprobs, self.versions = [], [], []
+        self.response_ids, self.logprobs, self.versions, self.routes = [], [], [], b""
         self.finish, self.reward, self.reward_error, self.round_tokens = None, None, None, 0
 
 
@@ -71,6 +73,9 @@ class Request:
     sample: SampleState
     input_ids: list[int]
     max_new_tokens: int
+    routes_from: int | None = None
+    """The first position whose routed experts to ask for (the sample holds the ones before); None:
+    routes are not recorded."""
 
 
 class RolloutBuffer:
@@ -81,8 +86,11 @@ class RolloutBuffer:
         token_budget: int | None = None,
         max_staleness: int = 4,
         mask_stale_prefix: bool = False,
+        routes: RouteShape | None = None,
     ) -> None:
+        """routes: record the engines' routed experts of every position (a mixture-of-experts model)."""
         self.samples_per_prompt, self.max_new_tokens = samples_per_prompt, max_new_tokens
+        self.routes = routes
         self.token_budget = token_budget or max_new_tokens
         self.max_staleness, self.mask_stale_prefix = max_staleness, mask_stale_prefix
         self.groups: dict[str, GroupState] = {}
@@ -164,7 +172,8 @@ class RolloutBuffer:
             if s.step_rounds == 0 or s.round_tokens >= self.token_budget:
                 s.step_rounds, s.round_tokens = s.step_rounds + 1, 0
             left = self.max_new_tokens - len(s.response_ids)
-            out.append(Request(s, s.prompt_ids + s.response_ids, min(left, self.token_budget - s.round_tokens)))
+            held = self.routes.positions(s.routes) if self.routes else None
+            out.append(Request(s, s.prompt_ids + s.response_ids, min(left, self.token_budget - s.round_tokens), held))
         return out
 
     def record(self, request: Request, completion: Completion, version: int) -> None:
@@ -180,6 +189,11 @@ class RolloutBuffer:
             self.counters["resumed"] += 1
         reported = completion.token_versions()
         versions = [int(v) if v is not None and str(v).lstrip("-").isdigit() else version for v in reported]
+        routes = b""
+        if self.routes is not None and request.routes_from is not None:  # every position run, but the last
+            ran = len(request.input_ids) + len(completion.output_ids) - 1 - request.routes_from
+            routes = self.routes.from_engine(completion.routed_experts, ran, s.uid)
+        s.routes += routes
         s.response_ids += completion.output_ids
         s.logprobs += completion.logprobs
         s.versions += versions
@@ -236,11 +250,13 @@ class RolloutBuffer:
         return [self.samples_per_prompt, self.max_new_tokens, self.token_budget, self.max_staleness]
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "config": self._config(),
-            "groups": [asdict(g) for g in self.groups.values()],
-            "counters": dict(self.counters),
-        }
+        """Plain data (JSON but for recorded routes, which are bytes: checkpoints hold them as they are)."""
+        groups = [asdict(g) for g in self.groups.values()]
+        for group in groups:
+            for sample in group["samples"]:
+                if not sample["routes"]:
+                    del sample["routes"]
+        return {"config": self._config(), "groups": groups, "counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(state["config"]) != self._config():

@@ -223,7 +223,7 @@ class RolloutCore:
                 flight.engine = await self.pool.pick(prefer=self._home.get(uid) if req.sample.response_ids else None)
                 try:
                     with self.pool.holding(flight.engine) as client:
-                        completion = await client.generate(req.input_ids, sampling, flight.rid)
+                        completion = await client.generate(req.input_ids, sampling, flight.rid, req.routes_from)
                     self._home[uid] = flight.engine
                     self._count_failure(uid, completion)
                     return completion

@@ -441,3 +441,293 @@ def test_server_logs_its_throughput(model_dir, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[engine]")]
     assert lines and "prefill 1 requests in 1 forwards (3 positions)" in lines[0]
     assert sum(int(line.split("decode ")[1].split(" steps")[0]) for line in lines) == 4
+
+
+# -- Qwen3 and Qwen3-MoE --------------------------------------------------------------------
+MOE_CASE = ("qwen3_moe", 2, False)
+"""tiny_spec("qwen3_moe"): 4 experts, top-2, layer 0 dense and layers 1-3 sparse."""
+
+
+@pytest.fixture(scope="module")
+def moe_dir(hf_model):
+    return hf_model("qwen3-moe", MOE_CASE)
+
+
+def _moe_reference(model_dir, sequence, prompt_len, temperature):
+    """transformers' one forward of the whole sequence: the log-probs of the tokens after the prompt,
+    and the routes of every position but the last as SGLang returns them (int32 [positions, layers,
+    top_k], dense layers DENSE_LAYER_EXPERT), from its own router logits (no hook of ours)."""
+    import transformers
+
+    from bapo_megatron.common.model_spec import ModelSpec
+    from bapo_megatron.common.protocol import DENSE_LAYER_EXPERT
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([sequence]), output_router_logits=True)
+    logits = out.logits[0, prompt_len - 1 : -1]
+    logprobs = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(sequence[prompt_len:])[:, None])[:, 0]
+    moe = ModelSpec.from_hf_dir(model_dir).moe
+    picked = torch.stack([torch.topk(layer, moe.top_k, -1).indices for layer in out.router_logits], 1)
+    routes = torch.full((len(sequence), model.config.num_hidden_layers, moe.top_k), DENSE_LAYER_EXPERT)
+    routes[:, list(moe.sparse_layers)] = picked.to(routes.dtype)
+    return logprobs, routes[:-1].to(torch.int32)
+
+
+def test_moe_engine_returns_transformers_logprobs_and_routes_across_a_resumed_partial_rollout(moe_dir, model_dir):
+    """A Qwen3-MoE model over HTTP: log-probs and routes (SGLang's return_routed_experts) equal
+    transformers' forward of the whole sequence, for a request beside another in the batch and for
+    its partial-rollout continuation, which takes its prefix from the store (no prefill) and asks
+    from routed_experts_start_len = prompt + partial - 1: every position's route comes exactly
+    once. Routes from a dense model, or from past the prompt, are refused (400)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from bapo_megatron.common import protocol
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.server import EmbeddedServer
+
+    core = EngineCore(moe_dir, max_batch=4)
+    prompt, other = [4, 8, 15, 16, 23], [7, 7, 3, 9]
+
+    def sampling(n):
+        return SamplingParams(max_new_tokens=n, temperature=0.8, ignore_eos=True)
+
+    async def generate(client, ids, n, rid, start):
+        resp = await client.post("/generate", json=protocol.generate_request(ids, sampling(n), rid, start))
+        return resp.status, await resp.json()
+
+    async def run():
+        async with (
+            TestClient(TestServer(EmbeddedServer(core).app())) as client,
+            TestClient(TestServer(EmbeddedServer(EngineCore(model_dir)).app())) as dense,
+        ):
+            first, beside = await asyncio.gather(
+                generate(client, prompt, 7, "a", 0), generate(client, other, 5, "b", 2)
+            )
+            sequence = prompt + first[1]["output_ids"]
+            second = await generate(client, sequence, 6, "a#2", len(sequence) - 1)
+            refused = [
+                await generate(client, prompt, 2, "late", len(prompt) + 1),
+                await generate(dense, prompt, 2, "dense", 0),
+            ]
+            return first, beside, second, refused
+
+    first, beside, second, refused = asyncio.run(run())
+    assert core.counters["prefix_hits"] == 1
+    routes = {}
+    for name, (status, body) in {"first": first, "beside": beside, "second": second}.items():
+        assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "length"
+        routes[name] = protocol.routed_experts(body["meta_info"], num_layers=4, top_k=2)
+    response = first[1]["output_ids"] + second[1]["output_ids"]
+    logprobs = [lp for _, body in (first, second) for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
+    want_logprobs, want_routes = _moe_reference(moe_dir, prompt + response, len(prompt), 0.8)
+    torch.testing.assert_close(torch.tensor(logprobs), want_logprobs, rtol=0, atol=1e-5)
+    assert routes["first"].shape == (len(prompt) + 7 - 1, 4, 2) and routes["second"].shape == (6, 4, 2)
+    assert torch.equal(torch.cat([routes["first"], routes["second"]]), want_routes)  # each position once
+    assert (want_routes[:, 0] == protocol.DENSE_LAYER_EXPERT).all() and want_routes[:, 1:].max() >= 2
+    beside_ids = other + beside[1]["output_ids"]
+    assert torch.equal(routes["beside"], _moe_reference(moe_dir, beside_ids, len(other), 0.8)[1][2:])
+    (late_status, late), (dense_status, dense) = refused
+    assert late_status == 400 and "routed_experts_start_len=6: must be an integer in [0, 5]" in late["message"]
+    assert dense_status == 400 and "the served model is dense" in dense["message"]
+
+
+def test_moe_routes_survive_a_retract_and_batch_invariant_resumption(moe_dir):
+    """Routes are per position however the positions ran: batched with others in a queue of two
+    slots, retracted mid-generation (everything prefilled again), aborted (what it ran), or
+    batch-invariant (alone, and its continuation prefilled anew): always those of transformers'
+    whole forward."""
+    from bapo_megatron.common.protocol import compact_routes
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
+
+    def request(i, n):
+        prompt = [(5 * i + j) % 90 + 1 for j in range(2 + 3 * i)]
+        return Request(f"r{i}", prompt, SamplingParams(max_new_tokens=n, temperature=0.9, ignore_eos=True))
+
+    def check(r):
+        want = compact_routes(
+            _moe_reference(moe_dir, r.input_ids + r.output_ids, len(r.input_ids), 0.9)[1], (1, 2, 3), 4
+        )
+        assert torch.equal(torch.cat(r.routes), want), r.rid
+
+    core = EngineCore(moe_dir, max_batch=2)
+    requests = [request(i, n) for i, n in enumerate([9, 4, 7])]
+    for r in requests:
+        core.add(r)
+    for step in range(40):
+        if step == 3:
+            assert core.running
+            core.drop_caches()
+        core.step()
+    assert not core.busy
+    aborted = request(5, 50)
+    core.add(aborted)
+    for _ in range(3):
+        core.step()
+    core.abort(aborted.rid)  # cut short: the routes of what it ran
+    assert aborted.finish["type"] == "abort" and 0 < len(aborted.output_ids) < 50
+    for r in [*requests, aborted]:
+        check(r)
+    alone = EngineCore(moe_dir, batch_invariant=True)
+    cut = request(4, 3)
+    alone.add(cut)
+    while alone.busy:
+        alone.step()
+    rest = Request("r4#2", cut.input_ids + cut.output_ids, cut.sampling)
+    alone.add(rest)
+    while alone.busy:
+        alone.step()
+    check(cut)
+    check(rest)
+
+
+def test_moe_weights_load_one_tensor_per_expert_into_the_fused_parameters(moe_dir, tmp_path):
+    """Per-expert HF names (checkpoints', SGLang's, our export's) go into transformers' fused
+    gate_up_proj / down_proj, each checked against its slot; after a release and resume every
+    tensor must come back before generation; the served model is then transformers' own with the
+    new weights: log-probs and routes."""
+    from safetensors.torch import load_file, save_file
+
+    from bapo_megatron.common.protocol import compact_routes
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
+
+    new_dir = tmp_path / "new"
+    shutil.copytree(moe_dir, new_dir)
+    tensors = {}
+    for file in new_dir.glob("*.safetensors"):
+        changed = {
+            k: v * (1.5 if ".experts." in k else -1.0 if k.endswith("mlp.gate.weight") else 1.0)
+            for k, v in load_file(str(file)).items()
+        }
+        save_file(changed, str(file), metadata={"format": "pt"})
+        tensors.update(changed)
+    experts = sorted(k for k in tensors if ".experts." in k)
+    assert len(experts) == 3 * 4 * 3 and "model.layers.1.mlp.experts.3.up_proj.weight" in experts
+    core = EngineCore(moe_dir, max_batch=2)
+    f32 = torch.float32
+    for name, shape, message in [
+        ("model.layers.1.mlp.experts.4.up_proj.weight", [32, 64], "no such parameter"),
+        ("model.layers.0.mlp.experts.0.gate_proj.weight", [32, 64], "no such parameter"),
+        ("model.layers.2.mlp.experts.1.gate_proj.weight", [33, 64], r"shape \(33, 64\), the model's is \(32, 64\)"),
+        ("model.layers.2.mlp.experts.1.down_proj.weight", [32, 64], r"shape \(32, 64\), the model's is \(64, 32\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            core.check_weights([(name, f32, shape)])
+    core.release_memory(["weights"])
+    core.resume_memory(["weights"])
+    assert f"{len(tensors)} weight tensors were released" in core.can_generate()
+    last = "model.layers.3.mlp.experts.3.up_proj.weight"
+    core.load_weights([(k, v) for k, v in tensors.items() if k != last])
+    assert "1 weight tensors were released" in core.can_generate()
+    core.load_weights([(last, tensors[last])])
+    assert core.can_generate() is None
+    r = Request("new", [3, 1, 4, 1, 5], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True))
+    core.add(r)
+    while core.busy:
+        core.step()
+    want_logprobs, want_routes = _moe_reference(new_dir, r.input_ids + r.output_ids, len(r.input_ids), 1.0)
+    torch.testing.assert_close(torch.tensor(r.logprobs), want_logprobs, rtol=0, atol=1e-5)
+    assert torch.equal(torch.cat(r.routes), compact_routes(want_routes, (1, 2, 3), 4))
+    old_routes = _moe_reference(moe_dir, r.input_ids + r.output_ids, len(r.input_ids), 1.0)[1]
+    assert not torch.equal(old_routes, want_routes)  # the update moved the routes: the check has teeth
+
+    async def back_from_disk():  # the old weights again, from the checkpoint's per-expert files
+        from aiohttp.test_utils import TestClient, TestServer
+
+        from bapo_megatron.common import protocol
+        from bapo_megatron.engines.embedded.server import EmbeddedServer
+
+        async with TestClient(TestServer(EmbeddedServer(core).app())) as client:
+            resp = await client.post("/update_weights_from_disk", json=protocol.update_disk_request(str(moe_dir), "2"))
+            assert resp.status == 200 and (await resp.json())["success"]
+            body = protocol.generate_request(r.input_ids + r.output_ids, SamplingParams(max_new_tokens=1), "old", 0)
+            resp = await client.post("/generate", json=body)
+            return protocol.routed_experts((await resp.json())["meta_info"], 4, 2)
+
+    served = asyncio.run(back_from_disk())  # one token sampled: routes of every input position
+    assert len(served) == len(r.input_ids + r.output_ids) and torch.equal(served[:-1], old_routes)
+
+
+def test_moe_engine_in_bfloat16_differs_from_float32_measurably_but_boundedly(moe_dir):
+    """rollout.engines.dtype=bfloat16: the model runs in bfloat16 (weights sent in float32 are cast
+    as they load) and its log-probs differ from a float32 forward as a GPU engine's do."""
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
+
+    core = EngineCore(moe_dir, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in core.model.parameters())
+    norm = torch.full((64,), 1.0 + 2**-10)  # not a bfloat16 number: cast on load
+    core.load_weights([("model.norm.weight", norm)])
+    assert core.model.model.norm.weight.dtype == torch.bfloat16 and (core.model.model.norm.weight == 1).all()
+    requests = [
+        Request(f"r{i}", [9 + i, 2, 7, 30 + i], SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True))
+        for i in range(2)
+    ]
+    for r in requests:
+        core.add(r)
+    while core.busy:
+        core.step()
+    gaps = torch.cat(
+        [
+            torch.tensor(r.logprobs) - _moe_reference(moe_dir, r.input_ids + r.output_ids, len(r.input_ids), 1.0)[0]
+            for r in requests
+        ]
+    ).abs()
+    assert 1e-3 < float(gaps.max()) < 0.25, gaps
+
+
+def test_qwen3_dense_serves_transformers_logprobs_and_loads_its_weights(hf_model):
+    """Qwen3 (q/k norms, head_dim of its own): its checkpoint's tensors load by name, it has no
+    routers, and its log-probs are transformers'."""
+    from safetensors.torch import load_file
+
+    from bapo_megatron.engines.embedded.core import EngineCore, Request
+
+    qwen3 = hf_model("qwen3", ("qwen3", 2, False))
+    core = EngineCore(qwen3)
+    tensors = [pair for file in sorted(qwen3.glob("*.safetensors")) for pair in load_file(str(file)).items()]
+    assert any(name.endswith("self_attn.q_norm.weight") for name, _ in tensors)
+    assert core.load_weights(tensors) == len(tensors) and core.routers is None
+    r = Request("q", [5, 6, 7], SamplingParams(max_new_tokens=10, temperature=0.7, ignore_eos=True))
+    core.add(r)
+    while core.busy:
+        core.step()
+    want = _reference_logprobs(qwen3, r.input_ids, r.output_ids, 0.7)
+    torch.testing.assert_close(torch.tensor(r.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_launched_engine_serves_a_moe_model_in_the_configured_dtype(moe_dir, tmp_path):
+    """rollout.engines.dtype reaches the engine process (auto: float32) and a Qwen3-MoE directory
+    passes its start-up checks; bfloat16 log-probs are not float32's."""
+    import aiohttp
+
+    from bapo_megatron.common import protocol
+    from bapo_megatron.config import load_config
+    from bapo_megatron.engines.launcher import embedded_servers
+
+    def servers(*overrides):
+        return embedded_servers(load_config(None, list(overrides)).rollout, moe_dir, tmp_path, 0, None)
+
+    def dtype(proc):
+        return proc.command[proc.command.index("--dtype") + 1]
+
+    assert dtype(servers()[0]) == "float32"
+    (proc,) = servers("rollout.engines.dtype=bfloat16")
+    assert dtype(proc) == "bfloat16"
+    proc.start().wait_ready(120)
+    prompt = [3, 14, 15, 92]
+
+    async def run():
+        body = protocol.generate_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True), "bf16", 0)
+        async with aiohttp.ClientSession() as session, session.post(f"{proc.url}/generate", json=body) as resp:
+            return await resp.json()
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        proc.stop()
+    output = result["output_ids"]
+    routes = protocol.routed_experts(result["meta_info"], 4, 2)
+    assert routes.shape == (len(prompt) + len(output) - 1, 4, 2)
+    got = torch.tensor([lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]])
+    want = _moe_reference(moe_dir, prompt + output, len(prompt), 1.0)[0]
+    assert float((got - want).abs().max()) > 1e-3

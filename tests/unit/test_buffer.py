@@ -184,3 +184,56 @@ def test_rewards_boxed_math_and_failures():
     assert asyncio.run(workers("", [1], {})).value == 0.0 and workers.failures == 1
     with pytest.raises(ValueError, match="unknown reward"):
         RewardWorkers("nope")
+
+
+def test_routes_are_recorded_across_a_resumption_and_kept_in_checkpoints():
+    """A MoE sample keeps the engine's routes of every position it ran: a continuation asks from the
+    first position it lacks and appends; dense layers' rows are dropped; a reset forgets them; the
+    checkpoint state holds them (torch's weights-only loader reads it back)."""
+    import io
+
+    import torch
+
+    from bapo_megatron.common import protocol
+    from bapo_megatron.common.batch import RolloutBatch
+    from bapo_megatron.common.routes import RouteShape
+
+    shape = RouteShape(num_layers=3, sparse_layers=(1, 2), top_k=2, num_experts=4)
+    buffer = RolloutBuffer(samples_per_prompt=1, max_new_tokens=5, token_budget=3, max_staleness=5, routes=shape)
+    buffer.add_group("p", [7, 8, 9])
+
+    def engine_routes(first: int, last: int) -> str:  # position t's experts: (t % 4, (t + 1) % 4) in every layer
+        rows = [[[t % 4, (t + 1) % 4]] * 3 for t in range(first, last)]
+        return protocol.encode_routed_experts(torch.tensor(rows))
+
+    req = buffer.begin_requests()[0]
+    assert req.routes_from == 0
+    done = _completion(3, "length", "0")
+    done.routed_experts = engine_routes(0, 5)  # 3 prompt + 3 output tokens: positions 0..4 ran
+    buffer.record(req, done, 0)
+    req = buffer.begin_requests()[0]
+    assert req.routes_from == 5 and req.input_ids == [7, 8, 9, 0, 1, 2]
+    bad = _completion(2, "stop", "0", 3)
+    bad.routed_experts = engine_routes(5, 6)  # one position short
+    with pytest.raises(protocol.MalformedResponse, match="for 1 positions, expected 2"):
+        buffer.record(req, bad, 0)
+    assert len(req.sample.response_ids) == 3  # nothing of it was kept
+    done = _completion(2, "stop", "0", 3)
+    done.routed_experts = engine_routes(5, 7)
+    buffer.record(req, done, 0)
+    sample = req.sample
+    routes = shape.from_bytes(sample.routes)
+    assert routes.dtype == torch.uint8 and routes.shape == (7, 2, 2)
+    assert routes[:, 0, 0].tolist() == [t % 4 for t in range(7)]
+    held = io.BytesIO()
+    torch.save(buffer.state_dict(), held)
+    held.seek(0)
+    restored = RolloutBuffer(samples_per_prompt=1, max_new_tokens=5, token_budget=3, max_staleness=5, routes=shape)
+    restored.load_state_dict(torch.load(held, weights_only=True))
+    assert restored.groups["p"].samples[0].routes == sample.routes
+    sample.reward = 1.0
+    batch = RolloutBatch.from_groups(buffer.take(1), 1.0, routes=shape)
+    assert torch.equal(batch.samples[0].routes, routes)  # one per position but the last
+
+    sample.reset()
+    assert sample.routes == b""

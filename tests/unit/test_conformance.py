@@ -54,7 +54,8 @@ def test_requests_use_only_fields_sglang_defines(wheel):
     full = SamplingParams(
         max_new_tokens=5, temperature=0.5, top_p=0.9, top_k=20, stop_token_ids=(1, 2), ignore_eos=True, sampling_seed=3
     )
-    generate = protocol.generate_request([1, 2, 3], full, "rid-1")
+    generate = protocol.generate_request([1, 2, 3], full, "rid-1", routed_experts_start_len=2)
+    assert {"return_routed_experts", "routed_experts_start_len"} <= set(generate)
     cases = {
         "GenerateReqInput": generate,
         "InitWeightsUpdateGroupReqInput": protocol.init_group_request("127.0.0.1", 1234, 1, 2),
@@ -91,9 +92,13 @@ def test_requests_use_only_fields_sglang_defines(wheel):
 def test_parsed_response_fields_are_ones_sglang_produces(wheel):
     manager = _source(wheel, "managers/tokenizer_manager.py") + _source(wheel, "utils/weight_versions.py")
     produced = set(re.findall(r'"([a-z_]+)"\s*:', manager)) | set(re.findall(r'meta_info\["([a-z_]+)"\]', manager))
+    import torch
+
+    routes = protocol.encode_routed_experts(torch.zeros(4, 2, 2, dtype=torch.int32))
     response = protocol.generate_response(
-        "r", [5, 6], [-0.1, -0.2], {"type": "length", "length": 2}, 3, "1", [("1", 0, 2)]
+        "r", [5, 6], [-0.1, -0.2], {"type": "length", "length": 2}, 3, "1", [("1", 0, 2)], routes
     )
+    assert "routed_experts" in response["meta_info"]
     ours = set(response["meta_info"])
     assert not ours - produced, f"meta_info fields SGLang {VERSION} does not produce: {sorted(ours - produced)}"
     for key in ("output_ids", "meta_info", "text"):
@@ -254,3 +259,84 @@ def test_asynchronous_pauses_and_updates_are_sglangs(wheel):
     server.paused, server.core = "in_place", type("Core", (), {"running": [object()], "version": "0"})()
     server._poke = lambda: None
     assert server._after_update({"flush_cache": True}) == refusals[0]
+
+
+def test_routed_experts_are_returned_as_sglang_returns_them(wheel):
+    """What protocol.py's routes format rests on, in SGLang's source: base64 of the int32 host buffer
+    [tokens, num_hidden_layers, top_k], positions [routed_experts_start_len, seqlen - 1) with seqlen
+    = prompt + output, a start past the prompt refused, capture buffers zeroed (a dense layer's rows
+    are never written: DENSE_LAYER_EXPERT) and written per MoE layer by its router's top-k."""
+    capturer = _source(wheel, "state_capturer/base.py")
+    zeroed = r"self\.buffer = torch\.zeros\(\s*\(max_batch_size, num_layers, topk_size\),\s*dtype=torch\.int32"
+    assert re.search(zeroed, capturer)
+    assert "self.buffer.zero_()" in capturer and "dtype=torch.int32," in capturer
+    assert "self.buffer[:batch, layer_id, :] = topk_indices" in capturer
+    assert "[start_len : seqlen - 1]" in capturer and "start_len = min(start_len, seqlen - 1)" in capturer
+    assert protocol.DENSE_LAYER_EXPERT == 0
+    routed = _source(wheel, "state_capturer/routed_experts.py")
+    assert "num_layers = model_config.hf_text_config.num_hidden_layers" in routed
+    assert "topk_size = model_config.hf_text_config.num_experts_per_tok" in routed
+    collect = _source(wheel, "managers/scheduler_components/batch_result_processor.py")
+    assert "seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)" in collect
+    assert "routed_experts_start_len > len(req.origin_input_ids)" in _source(wheel, "managers/scheduler.py")
+    manager = _source(wheel, "managers/tokenizer_manager.py")
+    assert 'pybase64.b64encode(val.numpy().tobytes()).decode("utf-8")' in manager
+    assert 'meta_info["routed_experts"] = val' in manager
+    io = _fields(_source(wheel, "managers/io_struct.py"))["GenerateReqInput"]
+    assert {"return_routed_experts", "routed_experts_start_len"} <= io
+
+
+def test_exported_expert_names_are_what_sglangs_qwen3_moe_loader_maps(wheel):
+    """Our per-expert HF names (the trainer's export, layout.megatron_to_hf) against SGLang 0.5.23's
+    Qwen3-MoE loader. Its expert mapping is executed from the wheel's own code:
+    FusedMoE.make_expert_params_mapping (layers/moe/fused_moe_triton/layer.py) compiled alone with
+    load_defs, since importing its module needs SGLang's CUDA kernels. The loader's routing
+    (models/qwen3_moe.py load_weights) is checked in its source and replayed: stacked names skip
+    anything under mlp.experts, then the first mapping whose weight name the name contains turns it
+    into the fused parameter, which the unquantized method registers as w13_weight / w2_weight."""
+    import transformers
+
+    from bapo_megatron.common.hf_experts import per_expert
+    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
+    from tests.sglang_wheel import load_defs
+
+    spec = tiny_spec("qwen3_moe")
+    config = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    hf = dict(per_expert(transformers.AutoModelForCausalLM.from_config(config).state_dict()))
+    exported = megatron_to_hf(spec, hf_to_megatron(spec, hf, spec.vocab_size))
+    assert set(exported) == set(hf)  # the names the embedded engine and checkpoints use too
+    path = "layers/moe/fused_moe_triton/layer.py"
+    make = load_defs(wheel, {path: ["FusedMoE.make_expert_params_mapping"]}, {})["make_expert_params_mapping"]
+    mapping = make.__func__(
+        None,
+        ckpt_gate_proj_name="gate_proj",
+        ckpt_down_proj_name="down_proj",
+        ckpt_up_proj_name="up_proj",
+        num_experts=spec.moe.num_experts,
+    )
+    loader = _source(wheel, "models/qwen3_moe.py")
+    for rule in (
+        'ckpt_gate_proj_name="gate_proj"',
+        'ckpt_down_proj_name="down_proj"',
+        'ckpt_up_proj_name="up_proj"',
+        "num_experts=self.config.num_experts",
+        'if "mlp.experts" in name:',
+        "name = name.replace(weight_name, param_name)",
+        "self.gate = ReplicatedLinear(",
+        "self.q_norm = RMSNorm(",
+    ):
+        assert rule in loader, rule
+    unquantized = _source(wheel, "layers/quantization/unquant.py")
+    assert 'register_parameter("w13_weight"' in unquantized and 'register_parameter("w2_weight"' in unquantized
+    shards = {"gate": "w1", "up": "w3", "down": "w2"}
+    experts = [n for n in exported if ".mlp.experts." in n]
+    assert len(experts) == 3 * spec.moe.num_experts * len(spec.moe.sparse_layers)
+    for name in experts:
+        layer, expert, part = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight$", name).groups()
+        param, weight, expert_id, shard = next(m for m in mapping if m[1] in name)
+        fused = "w2_weight" if part == "down" else "w13_weight"
+        assert name.replace(weight, param) == f"model.layers.{layer}.mlp.experts.{fused}", name
+        assert (expert_id, shard) == (int(expert), shards[part]), name
+    routers = [n for n in exported if n.endswith(".mlp.gate.weight")]
+    assert [int(n.split(".")[2]) for n in routers] == list(spec.moe.sparse_layers)

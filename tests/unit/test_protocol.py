@@ -1,5 +1,6 @@
 """The protocol's parser and checks: malformed engine answers and bad values are clear errors."""
 
+import base64
 import math
 
 import pytest
@@ -78,3 +79,39 @@ def test_flattened_layout_offsets_and_alignment():
     assert protocol.flattened_layout([torch.float32, torch.bfloat16], [[2, 3], [5]]) == [(0, 24), (24, 34)]
     with pytest.raises(ValueError, match="a torch.float32 tensor would start at unaligned byte 10"):
         protocol.flattened_layout([torch.bfloat16, torch.float32], [[5], [1]])
+
+
+def test_routed_experts_round_trip_compactly():
+    """SGLang's format (base64 int32 [positions, layers, top_k], dense layers 0) decoded, kept as
+    the MoE layers only in uint8 (int16 past 256 experts), and expanded back."""
+    routes = torch.tensor([[[0, 0], [3, 1], [2, 0]], [[0, 0], [1, 2], [3, 2]]], dtype=torch.int32)
+    text = protocol.encode_routed_experts(routes)
+    decoded = protocol.routed_experts({"routed_experts": text}, num_layers=3, top_k=2)
+    assert decoded.dtype == torch.int32 and torch.equal(decoded, routes)
+    assert torch.equal(protocol.routed_experts(text, 3, 2), routes)  # Completion.routed_experts as it is
+    compact = protocol.compact_routes(decoded, sparse_layers=(1, 2), num_experts=4)
+    assert compact.dtype == torch.uint8 and compact.shape == (2, 2, 2)
+    assert torch.equal(protocol.expand_routes(compact, 3, (1, 2)), routes)
+    assert protocol.route_dtype(256) == torch.uint8 and protocol.route_dtype(257) == torch.int16
+    wide = protocol.compact_routes(routes * 100, (1, 2), num_experts=301)
+    assert wide.dtype == torch.int16 and int(wide.max()) == 300
+    with pytest.raises(ValueError, match=r"expert ids in \[0, 3\], not \[0, 3\)"):
+        protocol.compact_routes(routes, (1, 2), num_experts=3)
+    assert protocol.routed_experts({"routed_experts": ""}, 3, 2).shape == (0, 3, 2)
+    with pytest.raises(MalformedResponse, match="20 bytes are no whole number of positions"):
+        protocol.routed_experts({"routed_experts": base64.b64encode(bytes(20)).decode()}, 3, 2)
+    with pytest.raises(MalformedResponse, match="missing"):
+        protocol.routed_experts({}, 3, 2)
+    with pytest.raises(MalformedResponse, match="not base64"):
+        protocol.routed_experts("%%%", 3, 2)
+
+
+def test_routes_are_asked_for_and_carried_through_the_parser():
+    sampling = SamplingParams(max_new_tokens=2)
+    assert "return_routed_experts" not in protocol.generate_request([1, 2], sampling, "r")
+    body = protocol.generate_request([1, 2, 3], sampling, "r", routed_experts_start_len=2)
+    assert body["return_routed_experts"] is True and body["routed_experts_start_len"] == 2
+    text = protocol.encode_routed_experts(torch.zeros(3, 3, 2, dtype=torch.int32))
+    good = protocol.generate_response("r", [5, 6], [-0.5, -1.5], {"type": "length"}, 3, "2", [], text)
+    assert protocol.parse_generate_response(good, "r").routed_experts == text
+    assert protocol.parse_generate_response(_good(), "r").routed_experts is None

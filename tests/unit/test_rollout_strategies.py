@@ -40,7 +40,7 @@ class ScriptedEngine:
         self.aborted: set[str] = set()
         self.events: list[tuple[str, str]] = []  # ("sent" | "returned", rid), in the order they happened
 
-    async def generate(self, input_ids, sampling, rid):
+    async def generate(self, input_ids, sampling, rid, routes_from=None):
         uid = rid.partition("#")[0]
         done = len(input_ids) - self.prompt_len
         self.sent.append((rid, done, sampling.max_new_tokens, asyncio.get_running_loop().time()))
@@ -151,7 +151,7 @@ class FailingEngine:
     def __init__(self, fail: int) -> None:
         self.fail, self.calls, self.seeds = fail, {}, []
 
-    async def generate(self, input_ids, sampling, rid):
+    async def generate(self, input_ids, sampling, rid, routes_from=None):
         uid = rid.partition("#")[0]
         self.calls[uid] = self.calls.get(uid, 0) + 1
         self.seeds.append((uid, len(input_ids), sampling.sampling_seed))
@@ -229,7 +229,7 @@ class VersionedEngine:
     def length(self, uid: str) -> int:
         return 10**6 if uid in self.slow else 4 + zlib.crc32(uid.encode()) % 20
 
-    async def generate(self, input_ids, sampling, rid):
+    async def generate(self, input_ids, sampling, rid, routes_from=None):
         uid = rid.partition("#")[0]
         if not self.paused.is_set():
             self.sent_while_paused += 1
@@ -347,7 +347,7 @@ def test_admission_at_max_staleness_0_waits_for_each_new_version():
 class SlowEngine(VersionedEngine):
     """`slow` samples take ten ticks a token: they cannot finish within a few versions."""
 
-    async def generate(self, input_ids, sampling, rid):
+    async def generate(self, input_ids, sampling, rid, routes_from=None):
         if rid.partition("#")[0] in self.slow:
             sampling = SamplingParams(max_new_tokens=min(sampling.max_new_tokens, 1), stop_token_ids=(STOP,))
             await asyncio.sleep(0.02)
@@ -505,7 +505,7 @@ class DyingEngine(VersionedEngine):
     def die(self):
         self.dead = True
 
-    async def generate(self, input_ids, sampling, rid):
+    async def generate(self, input_ids, sampling, rid, routes_from=None):
         if self.dead:
             raise EngineUnavailable("dead")
         task = asyncio.ensure_future(super().generate(input_ids, sampling, rid))

@@ -25,7 +25,7 @@ from tests.helpers import SGLANG_LAUNCH
 from tests.sglang_wheel import WheelUnavailable, extracted_wheel, parser_deps
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCH = SGLANG_LAUNCH
+LAUNCH = [*SGLANG_LAUNCH, "rollout.engines.dtype=bfloat16"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse,
     cfg = job.rollout
     fraction = rollout_mem_fraction(job, tiny_spec(), 80 << 30, data_parallel=2)
     servers, key = sglang_servers(
-        cfg, "/models/qwen", tmp_path, weight_version="7", seed=3, colocated_fraction=fraction
+        cfg, "/models/qwen", tmp_path, weight_version="7", seed=3, colocated_fraction=fraction, routed_experts=True
     )
     bad = tmp_path / "none.yaml"  # what the launcher used to write for a None
     bad.write_text(yaml.safe_dump({"model-path": "/m", "max-running-requests": "None"}))
@@ -65,7 +65,9 @@ def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse,
         assert "error" not in result, result["error"]
         assert "None" not in result["argv"]
         parsed = result["args"]
-        for name, value in server_args(cfg, "/models/qwen", index, key, "7", 3, fraction).items():
+        launched = server_args(cfg, "/models/qwen", index, key, "7", 3, fraction, routed_experts=True)
+        assert launched["dtype"] == "bfloat16" and launched["enable-return-routed-experts"] is True
+        for name, value in launched.items():
             assert parsed[name.replace("-", "_")] == value, (name, parsed[name.replace("-", "_")], value)
         assert parsed["max_running_requests"] is None  # left at SGLang's default
         assert parsed["port"] == 30000 + index and parsed["tp_size"] == 2 and parsed["dp_size"] == 1
@@ -113,10 +115,13 @@ def test_the_launcher_sets_exactly_the_options_the_config_lists():
             "rollout.deterministic=true",
             "rollout.engines.mem_fraction_static=0.5",
             "rollout.engines.sglang_args.attention-backend=fa3",
+            "rollout.engines.dtype=float32",
         ],
     ).rollout
-    args = server_args(cfg, "/models/m", 0, "k" * 32)
+    args = server_args(cfg, "/models/m", 0, "k" * 32, routed_experts=True)
     assert set(args) - {"attention-backend"} == set(SGLANG_LAUNCHER_ARGS) - {"api-key"}
+    plain = server_args(load_config(None, ["rollout.engines.kind=sglang"]).rollout, "/models/m", 0, None)
+    assert "dtype" not in plain and "enable-return-routed-experts" not in plain  # auto: SGLang's own default
 
 
 def _placement(trainer_gpus: int, node_gpus: int, *overrides: str) -> list[int]:

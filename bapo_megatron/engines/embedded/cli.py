@@ -10,10 +10,15 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
+
 from bapo_megatron.engines.embedded import server as embedded_server
 from bapo_megatron.engines.embedded.core import EngineCore
 from bapo_megatron.engines.embedded.server import EmbeddedServer
 from bapo_megatron.engines.launcher import is_loopback
+
+DTYPES = ("float32", "bfloat16")
+"""The dtypes the embedded engine runs in (rollout.engines.dtype; its "auto" is float32 here)."""
 
 
 def _key(env: str, file: str | None) -> str | None:
@@ -82,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch", type=_in_range(1, 1 << 16), default=64, help="requests decoded together")
     parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="the weights' and activations' dtype (bfloat16: as a GPU engine runs; weights are cast as loaded)",
+    )
+    parser.add_argument(
         "--batch-invariant",
         action="store_true",
         help="every request alone in its forwards: its output never depends on what else runs (deterministic runs)",
@@ -123,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     # Slurm's warning signal (SIGUSR1) is for the driver, which saves and then stops its engines
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     engine_thread = concurrent.futures.ThreadPoolExecutor(1, "engine")  # the model is built where it will run
-    core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch, args.batch_invariant).result()
+    dtype = getattr(torch, args.dtype)
+    core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch, args.batch_invariant, dtype).result()
     server = EmbeddedServer(core, api_key, admin_key, engine_thread, args.log_interval, args.request_timeout)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request;
     # keepalive_timeout also closes a connection that has not sent its request's headers by then

@@ -12,7 +12,11 @@ emptied whenever weights change. Requests arriving together are prefilled in for
 similar lengths (prefill_chunks), unmasked and right-padded, with logits at each row's last
 token only. Log-probs are log_softmax(logits / T) over the full
 vocabulary, as SGLang reports them (top-p/top-k shape the sampling distribution only);
-T = 0 is greedy, with log_softmax(logits).
+T = 0 is greedy, with log_softmax(logits). The model runs in the dtype asked for (float32, or
+bfloat16 as a GPU engine would; weights sent in another dtype are cast as they are loaded). A
+mixture-of-experts model's routes (the experts each position went to) are kept per request
+and with its stored prefix (engines/embedded/routing.py); weights may come one tensor per
+expert, the checkpoints' names, into transformers' fused expert parameters (common/hf_experts.py).
 """
 
 from __future__ import annotations
@@ -23,89 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from bapo_megatron.common.hf_experts import expert_slot, hf_target, per_expert
 from bapo_megatron.common.protocol import SAMPLING_EPS, SamplingParams, extend_spans
+from bapo_megatron.engines.embedded.routing import Routers
+from bapo_megatron.engines.embedded.slots import SlotKV
 
 
-class SlotKV:
-    """Keys and values of the running requests, per layer [slots, kv_heads, capacity, head_dim]."""
+@dataclass
+class _Prefix:
+    """What the prefix store keeps of a request cut short, for its cached positions [0, n)."""
 
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    def reserve(self, like: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        """Room for `length` positions per slot (grown by doubling, contents kept); `like`: per layer
-        (keys, values) shaped [batch, kv_heads, *, head_dim] to take heads, sizes and dtype from."""
-        if length <= self.capacity:
-            return
-        capacity = max(length, 2 * self.capacity, 64)
-        old = list(zip(self.keys, self.values, strict=True))
-        self.keys, self.values = [], []
-        for layer, (k, v) in enumerate(like):
-            new_k = k.new_zeros(self.slots, k.shape[1], capacity, k.shape[3])
-            new_v = v.new_zeros(self.slots, v.shape[1], capacity, v.shape[3])
-            if old:
-                new_k[:, :, : old[layer][0].shape[2]] = old[layer][0]
-                new_v[:, :, : old[layer][1].shape[2]] = old[layer][1]
-            self.keys.append(new_k)
-            self.values.append(new_v)
-
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(zip(self.keys, self.values, strict=True))
-
-    def put(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        """Slot's positions [0, length) from per-layer (keys, values) [kv_heads, >= length, head_dim]."""
-        for (k, v), (src_k, src_v) in zip(self.layers(), layers, strict=True):
-            k[slot, :, :length] = src_k[:, :length]
-            v[slot, :, :length] = src_v[:, :length]
-
-    def move(self, source: int, target: int) -> None:
-        """The whole slot (whatever it has cached) from source to target."""
-        for k, v in self.layers():
-            k[target] = k[source]
-            v[target] = v[source]
-
-    def step_cache(self, positions: torch.Tensor):
-        """A transformers Cache over slots [0, len(positions)) that writes row b's new key/value at
-        positions[b] and returns every row's first max(positions) + 1 positions (views, no copy)."""
-        span = int(positions.max()) + 1
-        return Cache(layers=[_SlotLayer(k, v, positions, span) for k, v in self.layers()])
-
-
-class _SlotLayer(CacheLayerMixin):
-    """One layer's view of SlotKV for one decode step (transformers' cache-layer interface)."""
-
-    is_sliding = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, span: int) -> None:
-        super().__init__()
-        self.keys, self.values, self.positions, self.span = keys, values, positions, span
-        self.rows = torch.arange(len(positions))
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.keys[self.rows, :, self.positions] = key_states[:, :, 0]
-        self.values[self.rows, :, self.positions] = value_states[:, :, 0]
-        return self.keys[: len(self.rows), :, : self.span], self.values[: len(self.rows), :, : self.span]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.span, 0
-
-    def get_seq_length(self) -> int:
-        return self.span - 1
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [kv_heads, n, head_dim]
+    routes: torch.Tensor | None  # [n, moe_layers, top_k] (a MoE model)
 
 
 @dataclass
@@ -119,6 +54,8 @@ class Request:
     spans: list[list] = field(default_factory=list)  # [version, start, end] over output tokens
     finish: dict | None = None
     generator: torch.Generator | None = None
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """A MoE model's routes of the positions run so far, [0, n) in order: [positions, moe_layers, top_k] chunks."""
 
     @property
     def length(self) -> int:
@@ -137,9 +74,15 @@ class EngineCore:
     """Requests in, tokens out, one `step()` at a time (the caller owns the loop and the locking)."""
 
     def __init__(
-        self, model_dir: str | Path, seed: int = 0, max_batch: int = 64, batch_invariant: bool = False
+        self,
+        model_dir: str | Path,
+        seed: int = 0,
+        max_batch: int = 64,
+        batch_invariant: bool = False,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        """batch_invariant: every request runs alone in its forwards (its prefill, then one decode
+        """dtype: the weights' and activations' (log-probs are computed in float32 from its logits).
+        batch_invariant: every request runs alone in its forwards (its prefill, then one decode
         forward a token, over a cache of its own), and the prefix store is off, so a request's
         tokens and log-probs depend on nothing but its input, its sampling seed and the weights:
         never on what else runs or arrives when (SGLang's --enable-deterministic-inference). It
@@ -148,8 +91,9 @@ class EngineCore:
 
         self.model_dir = str(model_dir)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=torch.float32, use_safetensors=True
+            self.model_dir, dtype=dtype, use_safetensors=True
         ).eval()
+        self.routers = Routers.of(self.model)  # None: a dense model
         self.eos = _eos_ids(self.model)
         self.seed = seed
         self.max_batch = max_batch
@@ -161,8 +105,8 @@ class EngineCore:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # running[i] owns slot i of self.kv
         self.kv = SlotKV(max_batch)
-        # token ids -> per-layer (keys, values) [kv_heads, len, head_dim] of a request cut short
-        self.prefixes: collections.OrderedDict[tuple[int, ...], list] = collections.OrderedDict()
+        # token ids -> the cached positions of a request cut short
+        self.prefixes: collections.OrderedDict[tuple[int, ...], _Prefix] = collections.OrderedDict()
         # running totals, for the server's throughput log: decode steps and the tokens they made,
         # prefill forwards, the requests and the (padded) positions they ran, prefix-store hits
         self.counters = dict.fromkeys(
@@ -179,7 +123,7 @@ class EngineCore:
         self._count = 0
         self.released: set[str] = set()  # memory tags released (SGLang's release_memory_occupation)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}  # id(parameter) -> its shape, while released
-        self._unloaded: set[int] = set()  # parameters resumed without values, not loaded since
+        self._unloaded: set[tuple] = set()  # tensors resumed without values, not loaded since (_load_unit)
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -264,7 +208,8 @@ class EngineCore:
             for param in self.model.parameters():
                 shape, dtype = self._shapes.pop(id(param))
                 param.data = torch.empty(shape, dtype=dtype)
-                self._unloaded.add(id(param))
+            state = self.model.state_dict(keep_vars=True)
+            self._unloaded = {_load_unit(name, state) for name, _ in per_expert(state)}
         self.released.difference_update(tags)
 
     def can_generate(self) -> str | None:
@@ -273,7 +218,7 @@ class EngineCore:
             return f"memory released ({', '.join(sorted(self.released))}): resume it first"
         if self._unloaded:
             return (
-                f"{len(self._unloaded)} parameters were released and have not been loaded since: "
+                f"{len(self._unloaded)} weight tensors were released and have not been loaded since: "
                 "update the weights first"
             )
         return None
@@ -281,28 +226,31 @@ class EngineCore:
     # -- weights --------------------------------------------------------------------------
     def check_weights(self, announced: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> None:
         """ValueError naming the first (name, dtype, shape) that cannot be loaded into the served model:
-        a name it has no parameter of, a dtype not floating point, another shape. What an update
-        announces is checked with this before anything of it is allocated."""
+        a name it has no parameter of, a dtype not floating point, another shape. Names are HF's:
+        a MoE layer's experts one tensor each (`mlp.experts.E.gate_proj.weight`), checked against
+        their slot in the fused parameter. What an update announces is checked with this before
+        anything of it is allocated."""
         if "weights" in self.released:
             raise ValueError("the weights are released: resume_memory_occupation(weights) before loading them")
         state = self.model.state_dict(keep_vars=True)
         for name, dtype, shape in announced:
-            if name not in state:
+            target = hf_target(name, state)
+            if target is None:
                 raise ValueError(f"{name}: the model has no such parameter")
             if not dtype.is_floating_point:
                 raise ValueError(f"{name}: dtype {dtype}; weights must be floating point")
-            if tuple(shape) != tuple(state[name].shape):
-                raise ValueError(f"{name}: shape {tuple(shape)}, the model's is {tuple(state[name].shape)}")
+            if tuple(shape) != tuple(target.shape):
+                raise ValueError(f"{name}: shape {tuple(shape)}, the model's is {tuple(target.shape)}")
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the model; all are checked before any is copied."""
+        """Copy HF-named tensors into the model (cast to its dtype); all are checked before any is copied."""
         pending = list(tensors)
         self.check_weights((name, tensor.dtype, tensor.shape) for name, tensor in pending)
         state = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in pending:
-                state[name].copy_(tensor)
-                self._unloaded.discard(id(state[name]))
+                hf_target(name, state).copy_(tensor)
+                self._unloaded.discard(_load_unit(name, state))
         self.prefixes.clear()  # computed with the old weights
         return len(pending)
 
@@ -340,17 +288,19 @@ class EngineCore:
         if cached is None:
             return False
         # the cache may have been given back while idle (shrink): room for this prefix first
-        self.kv.reserve([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in cached], request.length)
-        self.kv.put(len(self.running), cached, request.length - 1)
+        self.kv.reserve([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in cached.layers], request.length)
+        self.kv.put(len(self.running), cached.layers, request.length - 1)
+        request.routes = [] if cached.routes is None else [cached.routes]
         self.running.append(request)
         self.counters["prefix_hits"] += 1
         return True
 
     def _keep_prefix(self, request: Request, slot: int) -> None:
         length = request.length - 1  # cached positions: every token but the last sampled one
-        self.prefixes[_prefix_key(request)] = [
-            (k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in self.kv.layers()
-        ]
+        layers = [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in self.kv.layers()]
+        routes = torch.cat(request.routes) if self.routers is not None else None
+        assert routes is None or len(routes) == length, "routes of every cached position"
+        self.prefixes[_prefix_key(request)] = _Prefix(layers, routes)
         # at most as many positions as the slots hold: the store never more than doubles the cache
         limit = self.kv.slots * self.kv.capacity
         stored = sum(len(key) for key in self.prefixes)
@@ -385,6 +335,7 @@ class EngineCore:
         self.counters["prefill_positions"] += ids.numel()
         ends = torch.tensor([[len(seq) - 1] for seq in sequences])
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=ends)
+        self._keep_routes(batch, [len(seq) for seq in sequences], fresh=True)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         self.kv.reserve(layers, longest + 1)
         finished = []
@@ -400,6 +351,18 @@ class EngineCore:
             self.running.append(request)
         return finished
 
+    def _keep_routes(self, batch: list[Request], lengths: list[int], fresh: bool) -> None:
+        """A MoE model's routes of the forward just run, kept with its requests: row b's first
+        lengths[b] positions (the rest is padding), after the request's earlier ones, or instead of
+        them when `fresh` (a prefill runs every position anew: a retracted request's again)."""
+        if self.routers is None:
+            return
+        picked = self.routers.take(len(batch))
+        for b, (request, n) in enumerate(zip(batch, lengths, strict=True)):
+            if fresh:
+                request.routes = []
+            request.routes.append(picked[b, :n].clone())
+
     def _forward_alone(self, request: Request, ids: list[int]) -> list[Request]:
         """Batch-invariant mode: one forward of `request` alone over its own cache (none: a prefill
         of `ids`) and its next token; [request] when it finished."""
@@ -409,6 +372,7 @@ class EngineCore:
             use_cache=True,
             logits_to_keep=1,
         )
+        self._keep_routes([request], [len(ids)], fresh=request.rid not in self._alone)
         if request.rid in self._alone:  # a decode step of one token
             self.counters["decode_steps"] += 1
             self.counters["decode_tokens"] += 1
@@ -440,7 +404,8 @@ class EngineCore:
         span = int(positions.max()) + 1
         self.kv.reserve(self.kv.layers(), span)
         blocked = (torch.arange(span)[None, :] > positions[:, None])[:, None, None, :]
-        mask = torch.zeros(len(batch), 1, 1, span).masked_fill(blocked, torch.finfo(torch.float32).min)
+        dtype = self.model.dtype
+        mask = torch.zeros(len(batch), 1, 1, span, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
         last = [(r.output_ids or r.input_ids)[-1] for r in batch]  # a resumed request's input is its last token
         out = self.model(
             input_ids=torch.tensor([last]).T,
@@ -449,6 +414,7 @@ class EngineCore:
             past_key_values=self.kv.step_cache(positions),
             use_cache=True,
         )
+        self._keep_routes(batch, [1] * len(batch), fresh=False)
         picked = self._sample(batch, out.logits[:, -1])
         self.counters["decode_steps"] += 1
         self.counters["decode_tokens"] += len(batch)
@@ -561,6 +527,15 @@ def prefill_chunks(lengths: Sequence[int], overhead: int) -> list[list[int]]:
         chunks.append(order[cut[j] : j])
         j = cut[j]
     return chunks[::-1]
+
+
+def _load_unit(name: str, state: dict[str, torch.Tensor]) -> tuple:
+    """What HF tensor `name` fills in `state`, as a key: its parameter (tied names share one) and,
+    for a per-expert name, the expert and the rows of the fused parameter."""
+    slot = expert_slot(name, state)
+    if slot is None:
+        return (id(state[name]),)
+    return (id(state[slot.param]), slot.expert, None if slot.rows is None else slot.rows.start)
 
 
 def _prefix_key(request: Request) -> tuple[int, ...]:

@@ -11,7 +11,9 @@ process on the same host, common/ipc.py), /update_weights_from_disk (safetensors
 /update_weight_version, /release_memory_occupation and /resume_memory_occupation (the KV
 cache and the weights' memory freed while a colocated trainer runs; released weights lose
 their values, as under SGLang's memory saver, and generation is refused until they are
-loaded again).
+loaded again). A mixture-of-experts model (Qwen3-MoE) returns its routed experts when a
+/generate request sets return_routed_experts (SGLang's --enable-return-routed-experts is
+always on here; a dense model answers such a request 400).
 
 Security as SGLang's: it listens on loopback unless --host names an interface, and then
 refuses to start without an admin key. With an admin key (BAPO_ADMIN_API_KEY, or
@@ -204,6 +206,7 @@ class EmbeddedServer(WeightUpdateEndpoints):
         rid = body.get("rid") or uuid.uuid4().hex
         if not isinstance(rid, str):
             raise ValueError(f"rid={rid!r}: must be a string")
+        routes_from = self._routes_from(body, len(ids))
         refused = self.core.can_generate()
         if refused:
             raise ValueError(f"cannot generate: {refused}")
@@ -222,6 +225,7 @@ class EmbeddedServer(WeightUpdateEndpoints):
             self._background.add(task)  # held until done (the loop keeps only weak references)
             task.add_done_callback(self._background.discard)
             raise
+        routes = None if routes_from is None else self.core.routers.response(r.routes, routes_from)
         return web.json_response(
             protocol.generate_response(
                 r.rid,
@@ -231,8 +235,26 @@ class EmbeddedServer(WeightUpdateEndpoints):
                 len(r.input_ids),
                 self.core.version,
                 [tuple(s) for s in r.spans],
+                routes,
             )
         )
+
+    def _routes_from(self, body: dict, prompt_tokens: int) -> int | None:
+        """The first position whose routes the request asks for (None: no routes), checked as
+        SGLang checks routed_experts_start_len: in [0, prompt tokens]."""
+        wanted = body.get("return_routed_experts", False)
+        if not isinstance(wanted, bool):
+            raise ValueError(f"return_routed_experts={wanted!r}: must be true or false")
+        if not wanted:
+            return None
+        if self.core.routers is None:
+            raise ValueError("return_routed_experts: the served model is dense, it routes to no experts")
+        start = body.get("routed_experts_start_len", 0)
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= prompt_tokens:
+            raise ValueError(
+                f"routed_experts_start_len={start!r}: must be an integer in [0, {prompt_tokens}] (the input's length)"
+            )
+        return start
 
     async def _abort_quietly(self, rid: str, message: str) -> None:
         async with self._model_lock:  # not in the middle of a step
