@@ -141,14 +141,37 @@ def tiny_qwen2_config(max_positions: int = 64) -> dict:
     }
 
 
-def write_model(directory: str | Path, seed: int = 0) -> Path:
-    """A tiny Qwen2 with seeded random weights and the character tokenizer, in HF format."""
+def tiny_qwen3_moe_config(max_positions: int = 64) -> dict:
+    """The tiny Qwen2's shape as a Qwen3-MoE: q/k norms, every layer 8 experts of width 128, top-2
+    (the same active MLP width as the dense model's 384 within a third), about 1.3M parameters."""
+    base = {k: v for k, v in tiny_qwen2_config(max_positions).items() if k != "intermediate_size"}
+    return {
+        **base,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "intermediate_size": 384,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+    }
+
+
+MODELS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config}
+"""The tasks' tiny models by architecture."""
+
+
+def write_model(directory: str | Path, seed: int = 0, architecture: str = "qwen2") -> Path:
+    """A tiny model (MODELS[architecture]) with seeded random weights and the character tokenizer, in HF format."""
     import torch
     import transformers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = transformers.AutoConfig.for_model(**tiny_qwen2_config())
+    config = transformers.AutoConfig.for_model(**MODELS[architecture]())
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory)
@@ -159,8 +182,11 @@ def write_model(directory: str | Path, seed: int = 0) -> Path:
     return directory
 
 
-def write_task(name: str, out: str | Path, train: int = 20000, heldout: int = 1000, seed: int = 0) -> dict[str, Path]:
-    """train.jsonl, heldout.jsonl and model/ for task `name` under `out`; returns their paths."""
+def write_task(
+    name: str, out: str | Path, train: int = 20000, heldout: int = 1000, seed: int = 0, architecture: str = "qwen2"
+) -> dict[str, Path]:
+    """train.jsonl, heldout.jsonl and model/ (a tiny MODELS[architecture]) for task `name` under `out`;
+    returns their paths."""
     if name not in TASKS:
         raise ValueError(f"data.task={name!r}: expected one of {sorted(TASKS)}")
     out = Path(out)
@@ -169,7 +195,7 @@ def write_task(name: str, out: str | Path, train: int = 20000, heldout: int = 10
     paths = {"train": out / "train.jsonl", "heldout": out / "heldout.jsonl", "model": out / "model"}
     for key, rows in (("train", pairs), ("heldout", held)):
         paths[key].write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
-    write_model(paths["model"], seed)
+    write_model(paths["model"], seed, architecture)
     return paths
 
 
@@ -180,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=20000)
     parser.add_argument("--heldout", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--architecture", default="qwen2", choices=sorted(MODELS))
     args = parser.parse_args(argv)
-    for key, path in write_task(args.task, args.out, args.train, args.heldout, args.seed).items():
+    for key, path in write_task(args.task, args.out, args.train, args.heldout, args.seed, args.architecture).items():
         print(f"{key}: {path}")
     return 0
 

@@ -65,7 +65,16 @@ def export(checkpoint: Path, template: Path, out: Path) -> None:
         raise SystemExit(f"demo: the export of {checkpoint} failed (exit {done.returncode})")
 
 
-def warm_start(task_name: str, run: Path, *, seed: int, heldout: int, target: float, steps: int | None) -> dict:
+def warm_start(
+    task_name: str,
+    run: Path,
+    *,
+    seed: int,
+    heldout: int,
+    target: float,
+    steps: int | None,
+    architecture: str = "qwen2",
+) -> dict:
     """Phases 1 and 2: the task under run/task and its supervised warm start under run/sft (reused
     when it ended before), exported to run/sft/hf. Returns the task's paths ("task"), the warm
     start's run directory ("sft"), its export ("hf"), its step count and each phase's seconds."""
@@ -74,9 +83,9 @@ def warm_start(task_name: str, run: Path, *, seed: int, heldout: int, target: fl
     from bapo_megatron.tasks import write_task
 
     seconds = {}
-    phase(f"1/6 the {task_name} task, its tokenizer and a tiny Qwen2 ({run / 'task'})")
+    phase(f"1/6 the {task_name} task, its tokenizer and a tiny {architecture} model ({run / 'task'})")
     t = time.monotonic()
-    task = write_task(task_name, run / "task", heldout=heldout, seed=seed)
+    task = write_task(task_name, run / "task", heldout=heldout, seed=seed, architecture=architecture)
     seconds["task"] = time.monotonic() - t
 
     phase(f"2/6 supervised warm start (algo.loss=sft) until it answers {target:.0%} of its batches")

@@ -49,6 +49,8 @@ class StepState:
     """The step's BAPO bounds from the prepass (None: searched in the loss, or fixed bounds)."""
     skip_reason: str = ""
     """Why the step will be skipped (a non-finite input found by a collective check); empty: it will not."""
+    version: int | None = None
+    """The policy version the step's weights are (the batch's metadata), where the rollout says."""
 
 
 @dataclass
@@ -229,6 +231,11 @@ class PolicyTrainer:
             # finish the schedule with the starting bounds so no pipeline peer waits, then skip.
             self._invalid(step, err)
             out = policy_loss(batch, self.cfg.algo, bounds=self._start_bounds())
+        if step.first_update and step.version is not None:
+            # the train-inference mismatch proper: tokens these very weights sampled (async mixes older ones in)
+            same = (mb.versions == step.version) & (mb.loss_mask > 0)
+            gap = ((logp.detach() - mb.old_logprobs).abs() * same).sum()
+            out.add_mean("rollout/logprob_mismatch_same_version", gap, same.sum())
         return out.loss_sum, torch.tensor(mb.num_tokens, dtype=torch.int), out
 
     def _start_bounds(self) -> ClipBounds:
@@ -263,7 +270,12 @@ class PolicyTrainer:
 
     def train_step(self, batch: RolloutBatch, first_update: bool = True) -> StepResult:
         """One optimizer step on all of `batch`'s samples (every rank passes the same batch)."""
-        step = StepState(temperature=batch.temperature, first_update=first_update)
+        version = batch.metadata.get("version")
+        step = StepState(
+            temperature=batch.temperature,
+            first_update=first_update,
+            version=int(version) if version is not None and version.lstrip("-").isdigit() else None,
+        )
         mbs, adv_metrics = self.microbatches(batch)
         for chunk in self.model:
             chunk.zero_grad_buffer()
