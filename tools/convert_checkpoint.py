@@ -1,6 +1,6 @@
 """Convert between Hugging Face and Megatron dist checkpoints, and check that they agree.
 
-    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp N --pp M --dtype float32]
+    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp N --pp M --ep E --dtype float32]
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype DTYPE]
         (MCORE_DIR: a converted checkpoint, a run's step directory, or a run's checkpoint.dir: its latest step)
     python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4]
@@ -10,7 +10,9 @@ model it writes) and show a progress bar in bytes/s on stderr (--no-progress: no
 
 Run each as one process (not under torchrun). Inputs are validated before any work starts,
 and outputs appear under their final name only when complete. The Megatron checkpoint loads
-at any pipeline size and at every tensor-parallel size dividing model.vocab_pad_tp (8).
+at any pipeline size, at any expert-parallel size dividing the experts (Qwen3-MoE) and at every
+tensor-parallel size dividing model.vocab_pad_tp (8); mcore-to-hf reads a checkpoint saved at
+any of them and writes one tensor per expert, as Hugging Face checkpoints and SGLang name them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check the model's split against")
     p.add_argument("--pp", type=int, default=1, help="pipeline size to check the layer split against")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size to check the expert split against")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     p.add_argument("--mcore", required=True)
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     show = not args.no_progress
     try:
         if args.command == "hf-to-mcore":
-            print(f"wrote {hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.dtype, progress=show)}")
+            out = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.dtype, progress=show, ep=args.ep)
+            print(f"wrote {out}")
         elif args.command == "mcore-to-hf":
             from bapo_megatron.trainer.checkpoint import weights_dir
 

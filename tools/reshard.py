@@ -1,16 +1,19 @@
-"""Offline resharding: a Megatron checkpoint of any TP/PP to the inference layout.
+"""Offline resharding: a Megatron checkpoint of any TP/PP/EP to the inference layout.
 
     python tools/reshard.py --mcore CKPT_DIR --out HF_DIR [--hf-template DIR] [--dtype DTYPE]
     python tools/reshard.py --mcore CKPT_DIR --out SGLANG_DIR --sglang-tp 4 [--hf-template DIR]
 
-CKPT_DIR is a converted checkpoint or a trainer step directory (checkpoint.dir/step_N).
-Without --sglang-tp the output is a Hugging Face directory (safetensors shards, index,
-config.json, tokenizer files) that transformers and SGLang load. With --sglang-tp N each
-tensor-parallel rank gets its own files, model-rank-R-part-P.safetensors, which SGLang
-loads with `--load-format sharded_state --tp N` without resharding at start-up.
+CKPT_DIR is a converted checkpoint, a trainer step directory (checkpoint.dir/step_N) or a
+run's checkpoint.dir (its latest step), saved at any tensor, pipeline and expert-parallel size:
+a Qwen3-MoE run's checkpoint saved at parallel.expert=8 gives what one saved by a single process
+gives (optimizer state is passed over). Without --sglang-tp the output is a Hugging Face
+directory (safetensors shards, index, config.json, tokenizer files; one tensor per expert) that
+transformers and SGLang load, SGLang at any TP/EP. With --sglang-tp N (dense models) each
+tensor-parallel rank gets its own files, model-rank-R-part-P.safetensors, which SGLang loads
+with `--load-format sharded_state --tp N` without resharding at start-up.
 
-The checkpoint is read one decoder layer at a time, so memory stays at about one layer
-whatever the model size. The live, in-training counterpart is
+The checkpoint is read one decoder layer at a time (a MoE layer's experts one by one), so
+memory stays at about one layer whatever the model size. The live, in-training counterpart is
 bapo_megatron.weights.export.stream_hf_buckets (same layout maps).
 """
 
@@ -35,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_shard_gb <= 0:
         parser.error(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     try:
+        from bapo_megatron.trainer.checkpoint import weights_dir
+
         out = mcore_to_hf(
-            args.mcore,
+            weights_dir(args.mcore),
             args.out,
             args.hf_template,
             args.dtype,

@@ -69,20 +69,29 @@ def _model(spec: ModelSpec):
 
 
 def hf_to_mcore(
-    hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str = "float32", progress: bool = True
+    hf_dir: str | Path,
+    out: str | Path,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "float32",
+    progress: bool = True,
+    ep: int = 1,
 ) -> Path:
-    """A Megatron dist checkpoint of a HF checkpoint, loadable by the trainer at any PP and at every
-    TP dividing model.vocab_pad_tp (8); `tp` and `pp` are checked against the model's shape.
+    """A Megatron dist checkpoint of a HF checkpoint, loadable by the trainer at any PP, at any EP
+    dividing the experts and at every TP dividing model.vocab_pad_tp (8); `tp`, `pp` and `ep` are
+    checked against the model's shape.
 
     The checkpoint's keys and shards are those of a model built on the meta device (no memory);
     each tensor is made from the memory-mapped HF shards when the writer reaches it, so one
-    tensor at a time is held (fc1's gate and up halves are the HF tensors themselves).
+    tensor at a time is held (fc1's gate and up halves, an expert's too, are the HF tensors
+    themselves). Experts are stored over their global index, so the expert-parallel size that
+    loads the checkpoint is free.
     """
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.dist_ckpt import model_sharded_state_dict, save_sharded
 
     hf = HFCheckpoint(hf_dir)
-    check_layout(hf.spec, tp, pp)
+    check_layout(hf.spec, tp, pp, expert=ep)
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
     _megatron_world_of_one()
@@ -121,10 +130,12 @@ def mcore_to_hf(
     progress: bool = True,
 ) -> Path:
     """safetensors shards (<= max_shard_bytes), index, config.json and the template's tokenizer files;
-    with sglang_tp, per-rank files for SGLang's sharded_state loader instead.
+    with sglang_tp, per-rank files for SGLang's sharded_state loader instead (dense models).
 
-    Streams: one decoder layer is read from the checkpoint, renamed, written to its place in
-    the output files and dropped before the next is read.
+    Streams: one decoder layer (a MoE layer's dense part, then each expert) is read from the
+    checkpoint, renamed, written to its place in the output files and dropped before the next is
+    read. Experts are written one tensor each (`mlp.experts.E.gate_proj.weight`, ...), the names
+    of HF checkpoints on disk, which transformers and SGLang load.
     """
     template = Path(hf_template) if hf_template else None
     if template is not None and not template.is_dir():

@@ -1,12 +1,16 @@
-"""Megatron dist checkpoints without a model: read one decoder layer at a time as HF tensors,
-and written one tensor at a time from tensors made on demand.
+"""Megatron dist checkpoints without a model: read one decoder layer (one expert) at a time as HF
+tensors, and written one tensor at a time from tensors made on demand.
 
-dist_checkpointing stores each decoder parameter stacked over layers under one global key
-(e.g. `decoder.layers.self_attention.linear_qkv.weight`, shape [layers, ...]) and with
-Transformer Engine's names for the two norms, whatever layer spec saved it. Asking it for
-one layer's slice reads just that slice, so a conversion holds one layer at a time. Works
-on checkpoints written by the converter and by the trainer (their model keys are the same;
-optimizer keys are ignored), saved at any TP/PP.
+dist_checkpointing stores a dense model's decoder parameters stacked over layers under one
+global key (e.g. `decoder.layers.self_attention.linear_qkv.weight`, shape [layers, ...]); a
+mixture-of-experts model's layers differ, so each layer has keys of its own
+(`decoder.layers.3.mlp.router.weight`), and a layer's experts are one tensor over the global
+experts (`decoder.layers.3.mlp.experts.experts.linear_fc1.weight`, shape [experts, ...]) whatever
+the expert-parallel size that saved it. Norms are stored under Transformer Engine's names
+whatever layer spec saved them, a MoE layer's pre-MLP norm included. Asking for one layer's (one
+expert's) slice reads just that slice, so a conversion holds one layer's dense part, or one
+expert, at a time. Works on checkpoints written by the converter and by the trainer (their model
+keys are the same; optimizer keys are ignored), saved at any TP/PP/EP.
 
 Writing goes through dist_checkpointing.save with StreamingSaveStrategy: the sharded state
 dict is a model's, built on the meta device (so the keys, shards and objects are exactly
@@ -17,12 +21,10 @@ from __future__ import annotations
 
 import io
 import json
-import math
-import pickle
-import struct
-import warnings
-import zipfile
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 import torch
@@ -33,10 +35,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from bapo_megatron.common.model_spec import ModelSpec
-from bapo_megatron.errors import inside
-from bapo_megatron.trainer.integrity import check_storage, verify
-from bapo_megatron.trainer.safe_load import METADATA_FILE
-from bapo_megatron.weights.layout import megatron_layer_to_hf
+from bapo_megatron.trainer.integrity import verify
+from bapo_megatron.weights.layout import expert_names, megatron_layer_to_hf
+from bapo_megatron.weights.stored_chunks import StoredChunks
 
 HF_CONFIG = "hf_config.json"
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -45,20 +46,34 @@ OUTPUT = "output_layer.weight"
 STORED_IMPL = "transformer_engine"  # the norm names every layer spec saves under
 
 
-def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Per-layer Megatron parameter suffixes (stored names) and their whole (TP=1) shapes."""
+STORED_EXPERTS = ("mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight")
+_STORED_MLP_NORM = "mlp.linear_fc1.layer_norm_weight"  # a MoE layer's pre_mlp_layernorm is stored under it too
+
+
+def layer_shapes(spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s stored Megatron suffixes and their whole (TP=1) shapes, experts' with their
+    leading [experts] axis (the layers of a dense model are all alike)."""
     d, hd = spec.hidden_size, spec.head_dim
     qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * hd
     shapes = {
         "self_attention.linear_qkv.layer_norm_weight": (d,),
         "self_attention.linear_qkv.weight": (qkv_rows, d),
         "self_attention.linear_proj.weight": (d, spec.num_heads * hd),
-        "mlp.linear_fc1.layer_norm_weight": (d,),
-        "mlp.linear_fc1.weight": (2 * spec.ffn_hidden_size, d),
-        "mlp.linear_fc2.weight": (d, spec.ffn_hidden_size),
+        _STORED_MLP_NORM: (d,),
     }
     if spec.qkv_bias:
         shapes["self_attention.linear_qkv.bias"] = (qkv_rows,)
+    if spec.qk_norm:
+        shapes["self_attention.q_layernorm.weight"] = (hd,)
+        shapes["self_attention.k_layernorm.weight"] = (hd,)
+    if not spec.is_moe_layer(layer):
+        shapes["mlp.linear_fc1.weight"] = (2 * spec.ffn_hidden_size, d)
+        shapes["mlp.linear_fc2.weight"] = (d, spec.ffn_hidden_size)
+        return shapes
+    experts, width = spec.moe.num_experts, spec.moe.ffn_hidden_size
+    shapes["mlp.router.weight"] = (experts, d)
+    shapes[STORED_EXPERTS[0]] = (experts, 2 * width, d)
+    shapes[STORED_EXPERTS[1]] = (experts, d, width)
     return shapes
 
 
@@ -72,11 +87,22 @@ def read_hf_config(directory: Path, template: Path | None = None) -> dict:
     return json.loads(source.read_text())
 
 
+@dataclass(frozen=True)
+class Read:
+    """One tensor to read from a dist checkpoint: stored tensor `key` at the leading indices `lead`
+    (a layer of stacked layers, then an expert; those axes dropped), or all of it."""
+
+    key: str
+    lead: tuple[int, ...] = ()
+
+
 class McoreCheckpoint:
-    """A validated Megatron dist checkpoint directory of a Qwen2/Llama model; HF tensors on demand.
+    """A validated Megatron dist checkpoint directory of a mapped model; HF tensors on demand.
 
     Reads the storage under Megatron's torch_dist format (torch DCP) through StoredChunks:
-    memory-mapped, one slice at a time, no process group needed.
+    memory-mapped, one slice at a time, no process group needed. Everything a conversion will
+    read is checked against the model's config before anything is read: each tensor there, its
+    shape (a MoE layer's expert count), and its stored chunks covering every slice asked for.
     """
 
     def __init__(self, directory: str | Path, template: str | Path | None = None) -> None:
@@ -91,216 +117,140 @@ class McoreCheckpoint:
             for k, m in metadata.state_dict_metadata.items()
             if hasattr(m, "size")
         }
-        self._check()
         self._chunks = StoredChunks(self.dir, metadata)
+        self._check()
+
+    def _stored(self, layer: int, suffix: str) -> Read:
+        """Where layer `layer`'s `suffix` is: a key of its own (MoE models) or a slice of the stacked key
+        (dense models); where Megatron would have put it when it is in neither."""
+        own, stacked = f"decoder.layers.{layer}.{suffix}", f"decoder.layers.{suffix}"
+        if own in self.meta or (stacked not in self.meta and self.spec.moe is not None):
+            return Read(own)
+        return Read(stacked, (layer,))
+
+    def _layer_reads(self, layer: int) -> dict[str, Read]:
+        """Layer `layer`'s tensors under the names megatron_layer_to_hf reads (Transformer Engine's
+        layer spec, experts one after another by global index)."""
+        m, moe_layer = f"decoder.layers.{layer}.", self.spec.is_moe_layer(layer)
+        reads = {}
+        for suffix in layer_shapes(self.spec, layer):
+            stored = self._stored(layer, suffix)
+            if suffix in STORED_EXPERTS:
+                fc = STORED_EXPERTS.index(suffix)
+                for e in range(self.spec.moe.num_experts):
+                    reads[m + expert_names(e, grouped=False)[fc]] = Read(stored.key, (*stored.lead, e))
+            elif moe_layer and suffix == _STORED_MLP_NORM:
+                reads[m + "pre_mlp_layernorm.weight"] = stored
+            else:
+                reads[m + suffix] = stored
+        return reads
 
     def _check(self) -> None:
-        spec = self.spec
-        expected = {EMBEDDING: None, FINAL_NORM: (spec.hidden_size,)}
-        if not spec.tie_embeddings:
-            expected[OUTPUT] = None
-        for suffix, shape in layer_shapes(spec).items():
-            expected[f"decoder.layers.{suffix}"] = (spec.num_layers, *shape)
+        """Everything a conversion reads, before anything is read: each tensor there with the shape the
+        config implies (experts counted first), every slice read stored whole, every chunk readable."""
+        expected = self._expected_shapes()
+        self._check_expert_count(expected)
         for key, shape in expected.items():
             if key not in self.meta:
                 raise ValueError(f"{self.dir}: no tensor {key} (is hf_config.json the config of this model?)")
-            got = self.meta[key][0]
-            if shape is None:  # vocabulary rows, padded
-                if len(got) != 2 or got[1] != spec.hidden_size or got[0] < spec.vocab_size:
-                    raise ValueError(
-                        f"{self.dir}: {key} has shape {got}, expected (>= {spec.vocab_size}, {spec.hidden_size})"
-                    )
-            elif got != shape:
-                raise ValueError(f"{self.dir}: {key} has shape {got}, the model's config implies {shape}")
+            self._check_shape(key, self.meta[key][0], shape)
+        for name, read in self._reads().items():
+            if not self._chunks.covers(read.key, *self._region(read)):
+                raise ValueError(
+                    f"{self.dir}: {name} is incomplete: the stored chunks of {read.key} do not cover it "
+                    "(a corrupt checkpoint)"
+                )
+        for key in expected:
+            self._chunks.check(key, self.meta[key][1])
 
-    def _load(self, requests: dict[str, tuple[str, int | None]]) -> dict[str, torch.Tensor]:
-        """{name: (stored key, layer or None)} -> {name: tensor}; a layer index reads one slice."""
-        out = {}
-        for name, (key, layer) in requests.items():
-            shape, dtype = self.meta[key]
-            if layer is None:
-                out[name] = self._chunks.read(key, (0,) * len(shape), shape, dtype)
-            else:
-                out[name] = self._chunks.read(key, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]), dtype)[0]
-        return out
+    def _expected_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        """Every stored key a conversion reads, with its global shape (None: padded vocabulary rows)."""
+        spec = self.spec
+        expected: dict[str, tuple[int, ...] | None] = {EMBEDDING: None, FINAL_NORM: (spec.hidden_size,)}
+        if not spec.tie_embeddings:
+            expected[OUTPUT] = None
+        for i in range(spec.num_layers):
+            for suffix, shape in layer_shapes(spec, i).items():
+                stored = self._stored(i, suffix)
+                expected[stored.key] = (spec.num_layers, *shape) if stored.lead else shape
+        return expected
+
+    def _check_expert_count(self, expected: dict[str, tuple[int, ...] | None]) -> None:
+        """Before any other shape: a stored expert count other than the config's says so by name."""
+        for key in expected:
+            got = self.meta[key][0] if key in self.meta else ()
+            if key.endswith(STORED_EXPERTS) and len(got) >= 3 and got[-3] != self.spec.moe.num_experts:
+                raise ValueError(
+                    f"{self.dir}: {key} holds {got[-3]} experts, the model's config says "
+                    f"num_experts={self.spec.moe.num_experts} (is hf_config.json the config of this model?)"
+                )
+
+    def _check_shape(self, key: str, got: tuple[int, ...], shape: tuple[int, ...] | None) -> None:
+        spec = self.spec
+        if shape is None:  # vocabulary rows, padded
+            if len(got) != 2 or got[1] != spec.hidden_size or got[0] < spec.vocab_size:
+                raise ValueError(
+                    f"{self.dir}: {key} has shape {got}, expected (>= {spec.vocab_size}, {spec.hidden_size})"
+                )
+        elif got != shape:
+            raise ValueError(f"{self.dir}: {key} has shape {got}, the model's config implies {shape}")
+
+    def _reads(self) -> dict[str, Read]:
+        """Every tensor a conversion reads, by its Megatron name."""
+        heads = (EMBEDDING, FINAL_NORM) if self.spec.tie_embeddings else (EMBEDDING, FINAL_NORM, OUTPUT)
+        reads = {key: Read(key) for key in heads}
+        for i in range(self.spec.num_layers):
+            reads.update(self._layer_reads(i))
+        return reads
+
+    def _region(self, read: Read) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        shape, n = self.meta[read.key][0], len(read.lead)
+        return (*read.lead, *(0,) * (len(shape) - n)), (*(1,) * n, *shape[n:])
+
+    def _load(self, read: Read) -> torch.Tensor:
+        offsets, sizes = self._region(read)
+        tensor = self._chunks.read(read.key, offsets, sizes, self.meta[read.key][1])
+        return tensor.reshape(sizes[len(read.lead) :])
 
     def hf_groups(self) -> Iterator[dict[str, torch.Tensor]]:
-        """HF (name -> tensor) groups in loading order: the embedding, each layer, then the final norm
-        and untied lm_head. Vocabulary padding trimmed. One group is in memory at a time."""
+        """HF (name -> tensor) groups in loading order: the embedding; each layer (a MoE layer's dense
+        part, then its experts one at a time); the final norm and untied lm_head. Vocabulary padding
+        trimmed. One group is in memory at a time."""
         vocab = self.spec.vocab_size
-        yield {"model.embed_tokens.weight": self._load({"e": (EMBEDDING, None)})["e"][:vocab]}
-        suffixes = layer_shapes(self.spec)
+        yield {"model.embed_tokens.weight": self._load(Read(EMBEDDING))[:vocab]}
         for i in range(self.spec.num_layers):
-            stored = self._load({f"decoder.layers.{i}.{s}": (f"decoder.layers.{s}", i) for s in suffixes})
-            yield dict(megatron_layer_to_hf(self.spec, i, stored, STORED_IMPL))
-        final = {"model.norm.weight": (FINAL_NORM, None)}
+            stored = _LazyTensors(self._layer_reads(i), self._load)
+            pairs = megatron_layer_to_hf(self.spec, i, stored, STORED_IMPL)
+            for _, group in groupby(pairs, key=lambda pair: _expert_of(pair[0])):
+                yield dict(group)
+        final = {"model.norm.weight": self._load(Read(FINAL_NORM))}
         if not self.spec.tie_embeddings:
-            final["lm_head.weight"] = (OUTPUT, None)
-        tensors = self._load(final)
-        if "lm_head.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["lm_head.weight"][:vocab]
-        yield tensors
+            final["lm_head.weight"] = self._load(Read(OUTPUT))[:vocab]
+        yield final
 
 
-class StoredChunks:
-    """The tensor chunks of a torch DCP checkpoint, read from memory-mapped files.
-
-    DCP stores each chunk as a torch.save archive (an uncompressed zip) at an offset in a
-    .distcp file. A chunk stored plainly (one contiguous storage holding exactly the chunk,
-    little-endian) is used in place: a view of the mapped file, or one copy when its bytes
-    are not aligned to its dtype. Any other chunk is loaded with torch.load(weights_only=True).
-    The archive's pickle is read by an unpickler that resolves nothing but the tensor rebuild
-    call, never by pickle itself.
-    """
-
-    def __init__(self, directory: Path, metadata) -> None:
-        self.dir = directory
-        self.chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], object]]] = {}
-        try:
-            for key, md in metadata.state_dict_metadata.items():
-                if hasattr(md, "chunks"):
-                    self.chunks[key] = [
-                        (tuple(c.offsets), tuple(c.sizes), metadata.storage_data[MetadataIndex(key, c.offsets)])
-                        for c in md.chunks
-                    ]
-        except KeyError as err:
-            raise ValueError(f"{directory}: checkpoint metadata names no storage for a chunk of {err}") from None
-        check_storage(directory, metadata)
-        self._files: dict[str, torch.Tensor] = {}
-
-    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The [offsets, offsets + sizes) region of tensor `key`: a view of the file when one stored
-        chunk is exactly that region, else assembled from the chunks it overlaps."""
-        out, covered = None, 0
-        for c_off, c_size, info in self.chunks[key]:
-            lo = [max(a, b) for a, b in zip(offsets, c_off, strict=True)]
-            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, c_off, c_size, strict=True)]
-            if any(low >= high for low, high in zip(lo, hi, strict=True)):
-                continue
-            chunk = self._chunk(key, c_size, info, dtype)
-            if c_off == tuple(offsets) and c_size == tuple(sizes):
-                return chunk
-            if out is None:
-                out = torch.empty(sizes, dtype=dtype)
-            region = [slice(low - a, high - a) for low, high, a in zip(lo, hi, offsets, strict=True)]
-            source = [slice(low - b, high - b) for low, high, b in zip(lo, hi, c_off, strict=True)]
-            out[tuple(region)] = chunk[tuple(source)]
-            covered += math.prod(high - low for low, high in zip(lo, hi, strict=True))
-        if out is None or covered != math.prod(sizes):
-            raise ValueError(f"{self.dir}: the stored chunks of {key} do not cover {tuple(sizes)} at {tuple(offsets)}")
-        return out
-
-    def _file(self, relative: str) -> torch.Tensor:
-        if relative not in self._files:
-            path = inside(self.dir, relative, self.dir / METADATA_FILE)
-            self._files[relative] = torch.from_file(
-                str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8
-            )
-        return self._files[relative]
-
-    def _chunk(self, key: str, sizes: tuple[int, ...], info, dtype: torch.dtype) -> torch.Tensor:
-        blob = self._file(info.relative_path)[info.offset : info.offset + info.length]
-        nbytes = math.prod(sizes) * dtype.itemsize
-        start = _plain_tensor_record(blob, sizes, dtype) if info.transform_descriptors is None else None
-        if start is not None:
-            raw = blob[start : start + nbytes]
-            if raw.storage_offset() % dtype.itemsize:
-                raw = raw.clone()
-            return raw.view(dtype).view(sizes)
-        try:
-            tensor = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
-        except Exception as err:
-            raise ValueError(f"{self.dir}: chunk of {key} in {info.relative_path} is unreadable ({err})") from None
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(sizes) or tensor.dtype != dtype:
-            raise ValueError(
-                f"{self.dir}: chunk of {key} in {info.relative_path} is not a {dtype} tensor of shape {tuple(sizes)}"
-            )
-        return tensor
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
-class _RecordUnpickler(pickle.Unpickler):
-    """Reads a torch.save pickle of one tensor into (storage, offset, size, stride) without
-    calling anything: the rebuild function and storage types resolve to recorders/names."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _tensor_record
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        if module == "torch" and name.endswith("Storage"):
-            return name
-        raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
-
-    def persistent_load(self, pid):
-        return pid
+def _expert_of(hf_name: str) -> int | None:
+    match = _EXPERT.search(hf_name)
+    return int(match[1]) if match else None
 
 
-def _tensor_record(storage, offset, size, stride, *_rest):
-    return storage, offset, tuple(size), tuple(stride)
+class _LazyTensors(Mapping):
+    """name -> tensor, each read when asked for (so a layer's experts are read one at a time)."""
 
+    def __init__(self, reads: dict[str, Read], load: Callable[[Read], torch.Tensor]) -> None:
+        self.reads, self.load = reads, load
 
-def _plain_tensor_record(blob: torch.Tensor, sizes: tuple[int, ...], dtype: torch.dtype) -> int | None:
-    """Where in `blob` (a torch.save archive of one tensor) the tensor's bytes start, when they
-    are exactly `sizes` contiguous little-endian elements of `dtype`, stored uncompressed; else None."""
-    try:
-        archive = zipfile.ZipFile(_BlobFile(blob))
-        names = archive.namelist()
-        prefix = names[0].split("/")[0] + "/"
-        storage, offset, size, stride = _RecordUnpickler(io.BytesIO(archive.read(prefix + "data.pkl"))).load()
-        if prefix + "byteorder" in names and archive.read(prefix + "byteorder") != b"little":
-            return None
-        kind, storage_type, record, _location, numel = storage
-        with warnings.catch_warnings():  # the typed storage classes, deprecated, only name the dtype here
-            warnings.simplefilter("ignore", UserWarning)
-            stored = getattr(torch, storage_type).dtype
-        contiguous = tuple(torch.empty(sizes, device="meta").stride())
-        if (
-            kind != "storage"
-            or stored != dtype
-            or offset != 0
-            or size != tuple(sizes)
-            or stride != contiguous
-            or numel != math.prod(sizes)
-        ):
-            return None
-        entry = archive.getinfo(prefix + f"data/{record}")
-        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != numel * dtype.itemsize:
-            return None
-    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, AttributeError, pickle.UnpicklingError, EOFError):
-        return None
-    header = blob[entry.header_offset : entry.header_offset + 30].numpy().tobytes()
-    if len(header) != 30 or header[:4] != b"PK\x03\x04":
-        return None
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    start = entry.header_offset + 30 + name_len + extra_len
-    return start if start + entry.file_size <= blob.numel() else None
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.load(self.reads[name])
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.reads)
 
-class _BlobFile(io.RawIOBase):
-    """A seekable, read-only file over a uint8 tensor; a read copies only what it asks for."""
-
-    def __init__(self, blob: torch.Tensor) -> None:
-        super().__init__()
-        self.blob, self.pos = blob, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.blob.numel()}[whence] + pos
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        part = self.blob[self.pos : self.pos + len(buffer)].numpy()
-        memoryview(buffer).cast("B")[: part.size] = part
-        self.pos += part.size
-        return part.size
+    def __len__(self) -> int:
+        return len(self.reads)
 
 
 def streaming_save_strategy(make: Callable, dtype: torch.dtype, on_tensor: Callable[[int], None] | None = None):

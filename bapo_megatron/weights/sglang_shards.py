@@ -8,7 +8,8 @@ layers/linear.py and layers/vocab_parallel_embedding.py, models/qwen2.py and lla
 - `self_attn.qkv_proj`: [q; k; v] of rank r's heads. With fewer key/value heads than ranks,
   each rank holds one key/value head, head r // (tp / kv_heads) (the engine replicates).
 - `mlp.gate_up_proj`: [gate; up] of rank r's rows.
-- `o_proj`, `down_proj`: rank r's input columns. Norms whole on every rank.
+- `o_proj`, `down_proj`: rank r's input columns. Norms whole on every rank (Qwen3's per-head
+  `self_attn.q_norm` and `k_norm` too: models/qwen3.py).
 - `model.embed_tokens`, `lm_head`: the vocabulary padded with zero rows to a multiple of 64
   (64 x tp when that does not divide by tp), rank r's contiguous rows of it. Tied
   embeddings are stored once, as `lm_head.weight` (the loader keeps the smaller name of
@@ -27,6 +28,11 @@ PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 
 
 def check_sglang_tp(spec: ModelSpec, tp: int) -> None:
+    if spec.moe is not None:
+        raise ValueError(
+            "SGLang's pre-split layout of a mixture-of-experts model (its fused experts) is not mapped; "
+            "write a Hugging Face directory instead (no --sglang-tp): SGLang loads it at any TP and EP"
+        )
     if tp < 1 or spec.num_heads % tp:
         raise ValueError(f"SGLang TP {tp} must divide the {spec.num_heads} attention heads")
     if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
@@ -107,6 +113,9 @@ def rank_entries(spec: ModelSpec, tp: int, dtype: torch.dtype) -> list[TensorEnt
         ]
         if spec.qkv_bias:
             entries.append(TensorEntry(p + "self_attn.qkv_proj.bias", (qkv,), dtype))
+        if spec.qk_norm:
+            entries.append(TensorEntry(p + "self_attn.q_norm.weight", (hd,), dtype))
+            entries.append(TensorEntry(p + "self_attn.k_norm.weight", (hd,), dtype))
         entries += [
             TensorEntry(p + "self_attn.o_proj.weight", (d, spec.num_heads * hd // tp), dtype),
             TensorEntry(p + "post_attention_layernorm.weight", (d,), dtype),

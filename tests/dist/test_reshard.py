@@ -3,6 +3,10 @@
 The HF output is bitwise the original model (read one layer at a time from the resharded
 dist checkpoint). The SGLang pre-split output is checked rank by rank against shards cut
 straight from the original HF tensors, and merged back into them exactly.
+
+A Qwen3-MoE checkpoint converted from HF loads at TP=2 x EP=2 exactly, and that run's checkpoint
+(optimizer included) reshards back to HF bitwise; a MoE checkpoint with another expert count than
+its config, or a damaged expert, is named before any output is written.
 """
 
 import json
@@ -219,3 +223,125 @@ def test_reshard_bad_input(saved, tmp_path, capsys):
     assert not (tmp_path / "c").exists()
     assert reshard.main(["--mcore", str(root / "trained"), "--out", str(root / NAME), *args]) == 2
     assert "exists already" in capsys.readouterr().err
+
+
+MOE = "qwen3-moe"  # 4 experts, top-2, layers 1-3 sparse, layer 0 dense
+
+
+def _convert_moe(rank: int, world: int, root: str) -> None:
+    import convert_checkpoint as cli
+
+    hf, out = str(Path(root) / MOE), str(Path(root) / f"{MOE}-mcore")
+    assert cli.main(["hf-to-mcore", "--hf", hf, "--out", out, "--ep", "2", "--no-progress"]) == 0
+
+
+def _run_checkpoint_at_ep2(rank: int, world: int, root: str) -> None:
+    """The converted checkpoint loaded by a trainer at TP=2 x EP=2 (the experts split over the two
+    ranks) and exported live; one step trained and saved as a run's checkpoint (model, optimizer,
+    schedule), and exported again."""
+    from bapo_megatron.common.model_spec import ModelSpec
+    from bapo_megatron.config import load_config
+    from bapo_megatron.trainer.checkpoint import CheckpointManager
+    from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+    from bapo_megatron.trainer.parallel import init_model_parallel
+    from bapo_megatron.trainer.policy_trainer import PolicyTrainer
+    from bapo_megatron.weights.gather import hf_buckets_to_rank0
+    from tests.helpers import make_batch
+
+    activate_cpu_shim()
+    root = Path(root)
+    layout = ["parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true"]
+    cfg = load_config(None, [*layout, "parallel.max_tokens_per_microbatch=48", f"checkpoint.dir={root / 'run'}"])
+    trainer = PolicyTrainer(ModelSpec.from_hf_dir(root / MOE), cfg, init_model_parallel(cfg.parallel, cfg.seed))
+    trainer.load_weights(root / f"{MOE}-mcore")
+    for when in ("loaded", "trained"):
+        if when == "trained":
+            assert not trainer.train_step(make_batch(0, max_len=14)).skipped
+            CheckpointManager(cfg.checkpoint).save(trainer)
+        exported = {name: t.clone() for bucket in hf_buckets_to_rank0(trainer, 1 << 16) for name, t in bucket}
+        if rank == 0:
+            torch.save(exported, root / f"{when}.pt")
+
+
+@pytest.fixture(scope="module")
+def moe_saved(tmp_path_factory):
+    """A HF Qwen3-MoE model, converted; what a TP=2 x EP=2 trainer exported of it loaded and trained
+    one step, and its run checkpoint."""
+    from bapo_megatron.common.hf_experts import per_expert
+
+    root = tmp_path_factory.mktemp("reshard-moe")
+    model = make_hf_model(root, MOE, ("qwen3_moe", 2, False))
+    run_workers(_convert_moe, 1, str(root))
+    run_workers(_run_checkpoint_at_ep2, 2, str(root))
+    return root, dict(per_expert(model.state_dict()))
+
+
+def test_moe_converted_loads_at_ep2_and_its_run_checkpoint_reshards_to_hf(moe_saved, tmp_path):
+    """The converted checkpoint, loaded at EP=2, holds the HF model's weights exactly; the run's
+    checkpoint (experts saved from two expert-parallel ranks, optimizer keys passed over) comes back
+    as the trained weights, bitwise, one tensor per expert."""
+    import reshard
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, original = moe_saved
+    loaded, trained = torch.load(root / "loaded.pt"), torch.load(root / "trained.pt")
+    assert set(loaded) == set(original) and all(torch.equal(loaded[k], t) for k, t in original.items())
+    assert not all(torch.equal(trained[k], t) for k, t in original.items())
+    keys = FileSystemReader(str(root / "run" / "step_00000001")).read_metadata().state_dict_metadata
+    assert any("optimizer.state.exp_avg.decoder.layers.1.mlp.experts" in k for k in keys)
+    out = tmp_path / "hf"
+    args = ["--mcore", str(root / "run"), "--out", str(out), "--hf-template", str(root / MOE), "--no-progress"]
+    assert reshard.main(args) == 0
+    tensors = _read(out)
+    assert set(tensors) == set(trained)
+    for name, tensor in trained.items():
+        assert torch.equal(tensors[name], tensor), name
+
+
+def test_moe_bad_input_is_named_before_writing(moe_saved, tmp_path, capsys):
+    """An expert count other than the config's, an expert's chunk missing from the metadata, and an
+    expert's chunk that is no tensor: each an error naming it, and no output."""
+    import pickle
+
+    import reshard
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from bapo_megatron.trainer.safe_load import read_metadata
+
+    root, _ = moe_saved
+    experts = "decoder.layers.2.mlp.experts.experts.linear_fc2.weight"
+
+    def fails(step: Path, template: Path, out: str) -> str:
+        args = ["--mcore", str(step), "--out", str(tmp_path / out), "--hf-template", str(template), "--no-progress"]
+        assert reshard.main(args) == 2
+        assert not (tmp_path / out).exists() and not list(tmp_path.glob(f".{out}.*.tmp"))
+        return capsys.readouterr().err
+
+    other = shutil.copytree(root / MOE, tmp_path / "eight")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_experts": 8, "num_local_experts": 8}))
+    err = fails(root / "run", other, "a")
+    assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight holds 4 experts, the model's config says " in err
+
+    def copy(name: str) -> tuple[Path, object]:  # another tool's checkpoint: no checksums to catch the damage
+        step = shutil.copytree(root / "run" / "step_00000001", tmp_path / name)
+        (step / "checksums.json").unlink()
+        return step, read_metadata(step)
+
+    step, metadata = copy("missing")
+    chunks = metadata.state_dict_metadata[experts].chunks
+    chunks[:] = [c for c in chunks if tuple(c.offsets) != (3, 0, 0)]
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    err = fails(step, root / MOE, "b")
+    assert (
+        f"decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight is incomplete: the stored chunks of {experts}"
+        in err
+    )
+
+    step, metadata = copy("zeroed")
+    info = metadata.storage_data[MetadataIndex(experts, (3, 0, 0))]
+    with open(step / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(bytes(info.length))
+    err = fails(step, root / MOE, "c")
+    assert f"chunk of {experts} at (3, 0, 0) in {info.relative_path} is unreadable" in err

@@ -19,6 +19,13 @@ def hf_dir(tmp_path_factory):
     return root / "qwen2-gqa2"
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-moe")
+    make_hf_model(root, "qwen3-moe", ("qwen3_moe", 2, False))  # 4 experts in layers 1-3
+    return root / "qwen3-moe"
+
+
 def _copy(src: Path, dst: Path) -> Path:
     import shutil
 
@@ -81,6 +88,28 @@ def test_unmapped_architecture_and_layouts(hf_dir, tmp_path, capsys):
     _fails(
         capsys, ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "o"), "--pp", "3"], "parallel.pipeline=3"
     )
+    _fails(
+        capsys,
+        ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "o"), "--ep", "2"],
+        "parallel.expert=2: needs a mixture-of-experts model (this one is dense)",
+    )
+
+
+def test_moe_layout_and_expert_count(moe_dir, tmp_path, capsys):
+    _fails(
+        capsys,
+        ["hf-to-mcore", "--hf", str(moe_dir), "--out", str(tmp_path / "o"), "--ep", "3"],
+        "parallel.expert=3: must divide the 4 experts",
+    )
+    more = _copy(moe_dir, tmp_path / "eight")
+    config = json.loads((more / "config.json").read_text())
+    (more / "config.json").write_text(json.dumps({**config, "num_experts": 8, "num_local_experts": 8}))
+    _fails(
+        capsys,
+        ["hf-to-mcore", "--hf", str(more), "--out", str(tmp_path / "o")],
+        "tensors missing, e.g. model.layers.1.mlp.experts.4.gate_proj.weight",
+    )
+    assert not (tmp_path / "o").exists()
 
 
 def test_existing_or_incomplete_directories(hf_dir, tmp_path, capsys):
