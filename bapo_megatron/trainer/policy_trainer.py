@@ -301,6 +301,9 @@ class PolicyTrainer:
         if self.routers is not None:
             metrics.update(self.routers.metrics())
             metrics.update(aux_loss_metric(len(mbs)))
+            # samples that carry the engine's routes (replayed when algo.routing_replay): a share below 1
+            # with routes on means some were lost on the way (a micro-batch with one such routes itself)
+            metrics["moe/routed_samples_share"] = sum(s.routes is not None for s in batch.samples) / len(batch)
         return StepResult(metrics=metrics, skipped=skipped)
 
     def logprob_gap(self, batch: RolloutBatch) -> float:
