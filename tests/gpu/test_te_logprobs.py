@@ -1,6 +1,9 @@
 """On a GPU with Transformer Engine: TE's layer spec in bf16 gives the log-probs of the local spec
 in bf16, within bf16's precision. Both load the same HF weights; each is compared with the local
-spec in float32 (the reference), and TE's error must be no larger than bf16's own."""
+spec in float32 (the reference), and TE's error must be no larger than bf16's own. The tiny
+Qwen3-MoE runs its experts as TE's grouped GEMM (model.moe.grouped_gemm's default with TE: the
+HF weights loaded under its `linear_fc1.weightE` names) against the local spec's experts one
+after another."""
 
 import importlib.util
 import json
@@ -16,7 +19,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
     reason="needs CUDA and Transformer Engine",
 )
-NAME = "qwen2-gqa2"
+MODELS = {"qwen2-gqa2": CASES["qwen2-gqa2"], "qwen3-moe": ("qwen3_moe", 2, False)}
 
 
 def token_logprobs(trainer, batch) -> torch.Tensor:
@@ -33,7 +36,7 @@ def token_logprobs(trainer, batch) -> torch.Tensor:
     return torch.cat([f.cpu() for f in found])
 
 
-def _worker(rank: int, world: int, root: str) -> None:
+def _worker(rank: int, world: int, root: str, name: str) -> None:
     import dataclasses
 
     from bapo_megatron.common.model_spec import tiny_spec
@@ -42,9 +45,9 @@ def _worker(rank: int, world: int, root: str) -> None:
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
     from bapo_megatron.weights.hf_load import load_hf_into_trainer
 
-    arch, kv, tied = CASES[NAME]
+    arch, kv, tied = MODELS[name]
     spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
-    make_hf_model(Path(root), NAME)
+    make_hf_model(Path(root), name, MODELS[name])
     batch = make_batch(5, groups=4, n=4, max_len=40)
     out = {}
     for impl, precision in (("local", "fp32"), ("local", "bf16"), ("transformer_engine", "bf16")):
@@ -57,14 +60,18 @@ def _worker(rank: int, world: int, root: str) -> None:
             ],
         )
         trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
-        load_hf_into_trainer(trainer, Path(root) / NAME)
+        load_hf_into_trainer(trainer, Path(root) / name)
+        if spec.moe is not None and impl == "transformer_engine":
+            names = [n for n, _ in trainer.model[0].named_parameters()]
+            assert any(n.endswith("mlp.experts.linear_fc1.weight0") for n in names), names[:8]  # grouped
         out[f"{impl}-{precision}"] = token_logprobs(trainer, batch).tolist()
         del trainer
     (Path(root) / "logprobs.json").write_text(json.dumps(out))
 
 
-def test_te_bf16_logprobs_match_the_local_spec(tmp_path):
-    run_workers(_worker, 1, str(tmp_path), device="cuda")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_te_bf16_logprobs_match_the_local_spec(tmp_path, name):
+    run_workers(_worker, 1, str(tmp_path), name, device="cuda")
     got = {k: torch.tensor(v) for k, v in json.loads((tmp_path / "logprobs.json").read_text()).items()}
     ref = got["local-fp32"]
     local_err = (got["local-bf16"] - ref).abs()
