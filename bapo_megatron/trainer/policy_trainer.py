@@ -236,6 +236,7 @@ class PolicyTrainer:
             same = (mb.versions == step.version) & (mb.loss_mask > 0)
             gap = ((logp.detach() - mb.old_logprobs).abs() * same).sum()
             out.add_mean("rollout/logprob_mismatch_same_version", gap, same.sum())
+            out.add_mean("rollout/same_version_share", same.sum(), (mb.loss_mask > 0).sum())
         return out.loss_sum, torch.tensor(mb.num_tokens, dtype=torch.int), out
 
     def _start_bounds(self) -> ClipBounds:
@@ -341,6 +342,8 @@ class PolicyTrainer:
         metrics: dict[str, float] = {}
         if self.info.is_last_stage:
             metrics = reduce_metrics(outputs, group=self.info.dp_cp_group)
+            if metrics.get("rollout/same_version_share", 1.0) == 0.0:  # no token of this version: no figure
+                metrics.pop("rollout/logprob_mismatch_same_version")
         metrics.update(adv_metrics)
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])

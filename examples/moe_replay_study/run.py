@@ -13,7 +13,11 @@ engine's routes in training (algo.routing_replay). Per run: the mean over steps 
 mismatch on tokens the very weights sampled (rollout/logprob_mismatch_same_version: the
 train-inference mismatch proper), of the mismatch over all tokens (staleness included), of the
 router disagreement and of BAPO's positive share of the loss; and the final held-out greedy
-accuracy. The table gives each arm's median over seeds with its range.
+accuracy. Asynchronous at staleness 2, every token after the first step is 2 versions old: the
+mismatch and disagreement there mix the policy's own change with the engine's numerics. The first
+step's tokens were sampled by the starting weights, which the trainer still holds: its mismatch
+and disagreement (first_mismatch, first_disagreement) are the engine's numerics alone (bf16
+against fp32). The table gives each arm's median over seeds with its range.
 
 Every run starts from the same supervised warm start (examples/demo.py's phases 1-2 with the tiny
 Qwen3-MoE of bapo_megatron/tasks.py, made under OUT/warm when missing), with the same budget; runs
@@ -45,8 +49,11 @@ REGIME = [
     "algo.loss=bapo",
     "algo.updates_per_batch=1",
 ]
-PER_RUN = {  # record key: the metric whose mean over the run's steps it is
-    "mismatch_same_version": "rollout/logprob_mismatch_same_version",
+FIRST_STEP = {  # record key: the metric at the first step, whose tokens the starting weights sampled
+    "first_mismatch": "rollout/logprob_mismatch_same_version",
+    "first_disagreement": "moe/router_disagreement",
+}
+PER_RUN = {  # record key: the metric whose mean over the run's steps it is (where reported)
     "mismatch_all": "rollout/logprob_mismatch",
     "router_disagreement": "moe/router_disagreement",
     "positive_loss_share": "policy/positive_loss_share",
@@ -99,12 +106,14 @@ def summarise(run: Path, arm: str, seed: int) -> dict:
     for key, name in PER_RUN.items():
         values = [r[name] for r in trained if r.get(name) is not None]
         record[key] = statistics.fmean(values) if values else None
+    for key, name in FIRST_STEP.items():
+        record[key] = trained[0].get(name)
     return record
 
 
 def table(records: list[dict]) -> str:
     """Markdown: each arm's median over seeds and its [min, max], per figure."""
-    keys = [*PER_RUN, "greedy_acc"]
+    keys = [*FIRST_STEP, *PER_RUN, "greedy_acc"]
     lines = ["| replay | seeds | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
     for arm in ARMS:
         mine = [r for r in records if r["arm"] == arm]

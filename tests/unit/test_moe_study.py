@@ -43,6 +43,7 @@ def test_records_are_means_over_steps_and_the_table_gives_medians_and_ranges(tmp
     table = study.table(records)
     off = next(line for line in table.splitlines() if line.startswith("| off |"))
     assert "| 3 |" in off and "0.04 [0.02, 0.06]" in off  # router disagreement: median [min, max]
-    assert next(line for line in table.splitlines() if line.startswith("| on |")).count("[") == 6
+    assert records[0]["first_disagreement"] == pytest.approx(0.01) and records[0]["first_mismatch"] == 0.01
+    assert next(line for line in table.splitlines() if line.startswith("| on |")).count("[") == 7
     with pytest.raises(SystemExit, match="no trained step"):
         study.summarise(_write_run(tmp_path / "empty", [], 0.0), "off", 9)
