@@ -237,7 +237,10 @@ class PolicyTrainer:
             gap = ((logp.detach() - mb.old_logprobs).abs() * same).sum()
             out.add_mean("rollout/logprob_mismatch_same_version", gap, same.sum())
             out.add_mean("rollout/same_version_share", same.sum(), (mb.loss_mask > 0).sum())
-        return out.loss_sum, torch.tensor(mb.num_tokens, dtype=torch.int), out
+        # The schedule gets a tensor of its own: with pipeline stages it frees what it backpropagates
+        # through (deallocate_pipeline_outputs: .data made an uninitialised [1]), and the non-finite
+        # check reads out.loss_sum afterwards
+        return out.loss_sum.clone(), torch.tensor(mb.num_tokens, dtype=torch.int), out
 
     def _start_bounds(self) -> ClipBounds:
         c_low, c_high = self.search.path.points[0]

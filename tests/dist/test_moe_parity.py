@@ -107,6 +107,15 @@ def _train_layout(rank: int, world: int, root: str, name: str) -> None:
         CheckpointManager(CheckpointConfig(dir=str(Path(root) / f"full-{name}"))).save(trainer)
         second = trainer.train_step(batch).metrics  # the step a resumed run must repeat
         result.metrics["next/loss_pg"] = second["loss/pg"]
+    if pp > 1:  # the schedule frees the tensors it backpropagates through, never the step's own loss tensors
+        from functools import partial
+
+        from bapo_megatron.trainer.policy_trainer import StepState
+
+        mbs, _ = trainer.microbatches(batch)
+        step = StepState(temperature=batch.temperature, first_update=True)
+        outputs = trainer._run(mbs, partial(trainer._policy_loss, step), forward_only=False)
+        assert all(out.loss_sum.dim() == 0 for out in outputs) and (outputs or not trainer.info.is_last_stage)
     if rank == 0:
         torch.save(exported, Path(root) / f"{name}-export.pt")
         (Path(root) / f"{name}.json").write_text(json.dumps(result.metrics))
