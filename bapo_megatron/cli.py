@@ -150,6 +150,12 @@ def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int 
     )
     if spec.moe is not None:
         out.append(_experts_layout(spec, p, dp))
+    if p.recompute != "none":
+        from bapo_megatron.trainer.memory import recomputed_layers
+
+        rerun = len(recomputed_layers(spec, p, 0))
+        what = "core attention of every layer" if p.recompute == "selective" else f"{rerun} layers a pipeline rank"
+        out.append(f"activation recompute: {p.recompute}, {what} run again in the backward pass")
     if r.replay is not None:
         out.append(f"rollout: replayed batches from {r.replay} (no engine)")
     else:

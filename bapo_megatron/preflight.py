@@ -21,7 +21,7 @@ def model_spec(cfg: JobConfig) -> ModelSpec:
 def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
     """The layout against the model and the world, the batch against the data-parallel ranks, the
     precision against this machine, and what the job's sources need."""
-    from bapo_megatron.trainer.megatron_config import check_precision_support
+    from bapo_megatron.trainer.megatron_config import check_precision_support, recompute_settings
 
     check_layout(
         spec,
@@ -34,6 +34,14 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
     if cfg.algo.routing_replay and spec.moe is None:
         raise ConfigError(
             "algo.routing_replay", True, f"replays a mixture-of-experts model's routes; {spec.architecture} is dense"
+        )
+    recompute_settings(spec, cfg.parallel)  # recompute_layers within a stage's layers
+    if cfg.algo.routing_replay and cfg.parallel.recompute == "full" and spec.moe is not None:
+        raise ConfigError(
+            "parallel.recompute",
+            "full",
+            "reruns the routers in the backward pass, which does not replay the engine's routes yet "
+            "(algo.routing_replay): use recompute=selective",
         )
     if cfg.rollout.record_routes and spec.moe is None:
         raise ConfigError(

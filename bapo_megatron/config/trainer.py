@@ -133,6 +133,16 @@ class ParallelConfig:
     virtual_pipeline: int | None = None
     """Interleaved pipeline: model chunks per pipeline rank (None: not interleaved)."""
     sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: "selective" keeps every layer's activations but core attention's
+    (recomputed in the backward pass, as Megatron's selective recompute does); "full" keeps only the
+    inputs of `recompute_layers` layers of each pipeline stage and runs them again in the backward
+    pass (Megatron's block method): the least memory, about one more forward's compute. Full
+    recompute reruns the routers too: with algo.routing_replay it is refused until the recomputed
+    forward replays the same routes (Megatron's REPLAY_BACKWARD), selective is fine."""
+    recompute_layers: int | None = None
+    """With recompute "full": how many layers of each pipeline stage (virtual stage) are recomputed,
+    the first ones; None: all of them."""
     max_tokens_per_microbatch: int = 4096
     """Micro-batches are filled by token count (length-sorted), up to this many tokens each."""
 
@@ -155,6 +165,9 @@ class ParallelConfig:
             )
         if self.sequence_parallel:
             check(self.tensor >= 2, "sequence_parallel", self.sequence_parallel, "needs tensor >= 2")
+        if self.recompute_layers is not None:
+            check(self.recompute == "full", "recompute_layers", self.recompute_layers, 'needs recompute="full"')
+            check(self.recompute_layers >= 1, "recompute_layers", self.recompute_layers, "must be >= 1")
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size for `world_size` processes; ConfigError if they do not divide."""

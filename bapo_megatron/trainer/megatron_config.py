@@ -151,6 +151,7 @@ def transformer_config(
         # Dense models ignore the dispatcher, but 0.16.1 rejects its default ("allgather") with variable lengths.
         moe_token_dispatcher_type="alltoall",
         **_moe(spec, model),
+        **recompute_settings(spec, parallel),
         use_cpu_initialization=cpu_init or not torch.cuda.is_available(),
         perform_initialization=initialize or parallel.tensor > 1,
         **({} if initialize else {"init_method": _leave_as_is, "output_layer_init_method": _leave_as_is}),
@@ -182,6 +183,21 @@ def _moe(spec: ModelSpec, model: ModelConfig) -> dict:
         # each router can take given routes (rollout routing replay); it routes as usual until told to
         "moe_enable_routing_replay": True,
     }
+
+
+def recompute_settings(spec: ModelSpec, parallel: ParallelConfig) -> dict:
+    """TransformerConfig's activation recompute fields for parallel.recompute."""
+    if parallel.recompute == "none":
+        return {}
+    if parallel.recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    per_stage = spec.num_layers // (parallel.pipeline * (parallel.virtual_pipeline or 1))
+    layers = parallel.recompute_layers or per_stage
+    if layers > per_stage:
+        raise ConfigError(
+            "parallel.recompute_layers", layers, f"exceeds the {per_stage} layers of a pipeline stage (virtual stage)"
+        )
+    return {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": layers}
 
 
 def grouped_gemm(model: ModelConfig) -> bool:

@@ -177,12 +177,30 @@ def moe_token_bytes(spec: ModelSpec, model: ModelConfig) -> int:
     return routed + ROUTER_BYTES[model.moe.router_dtype] * (2 * moe.num_experts + moe.top_k)
 
 
-def activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, tokens: int, stage: int) -> int:
-    """What stage `stage` keeps for backward while running one micro-batch of `tokens` tokens."""
+def recomputed_layers(spec: ModelSpec, parallel: ParallelConfig, stage: int) -> list[int]:
+    """The layers of pipeline rank `stage` that full recompute reruns: the first recompute_layers of
+    each (virtual) stage, Megatron's block method. Selective recompute reruns core attention only,
+    whose own activations (flash attention's) the estimate does not count: it changes nothing here."""
+    if parallel.recompute != "full":
+        return []
     layers = stage_layers(spec.num_layers, parallel.pipeline, stage, parallel.virtual_pipeline)
-    per_token = sum(layer_activation_bytes(spec, model, parallel, i) for i in layers)
+    size = len(layers) // (parallel.virtual_pipeline or 1)
+    keep = parallel.recompute_layers or size
+    return [layer for c in range(0, len(layers), size) for layer in layers[c : c + keep]]
+
+
+def activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, tokens: int, stage: int) -> int:
+    """What stage `stage` keeps for backward while running one micro-batch of `tokens` tokens; a
+    recomputed layer keeps its input only, and one of them is rebuilt whole at a time in backward."""
+    layers = stage_layers(spec.num_layers, parallel.pipeline, stage, parallel.virtual_pipeline)
+    rerun = set(recomputed_layers(spec, parallel, stage))
+    split = parallel.tensor if parallel.sequence_parallel else 1
+    layer_input = PARAM_BYTES[model.precision] * spec.hidden_size // split
+    per_token = sum(layer_input if i in rerun else layer_activation_bytes(spec, model, parallel, i) for i in layers)
     in_flight = parallel.pipeline - stage  # 1F1B: stage s holds PP - s micro-batches
     total = per_token * tokens * in_flight
+    if rerun:
+        total += max(layer_activation_bytes(spec, model, parallel, i) for i in rerun) * tokens
     if stage == parallel.pipeline - 1:
         vocab = padded_vocab_size(
             spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp
