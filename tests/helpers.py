@@ -86,10 +86,11 @@ def good(text, ids, record):
 def hang(text, ids, record):
     time.sleep(3600)
 def slow_once(text, ids, record):
-    if not os.path.exists(record["flag"]):
-        open(record["flag"], "w").close()
-        time.sleep(3600)
-    return 1.0
+    try:  # created atomically: two workers checking at once cannot both be the first
+        os.close(os.open(record["flag"], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return 1.0
+    time.sleep(3600)
 def leak(text, ids, record):
     held.append(bytearray(64 * 2**20))  # kept: the worker grows with every call
     return 1.0
