@@ -48,16 +48,6 @@ class RouteShape:
     def bytes_per_position(self) -> int:
         return self.moe_layers * self.top_k * torch.empty((), dtype=self.dtype).element_size()
 
-    def check(self, routes: torch.Tensor, positions: int, where: str) -> None:
-        """ValueError unless `routes` is [positions, moe_layers, top_k] of expert ids."""
-        want = (positions, self.moe_layers, self.top_k)
-        if tuple(routes.shape) != want:
-            raise ValueError(f"{where}: routes of shape {tuple(routes.shape)}, expected {want}")
-        if routes.is_floating_point() or routes.is_complex():
-            raise ValueError(f"{where}: routes of dtype {routes.dtype}; they must be integer expert ids")
-        if routes.numel() and not (int(routes.min()) >= 0 and int(routes.max()) < self.num_experts):
-            raise ValueError(f"{where}: an expert id outside [0, {self.num_experts})")
-
     def to_bytes(self, routes: torch.Tensor) -> bytes:
         """Compact bytes of [positions, moe_layers, top_k] routes (for checkpoints and the wire)."""
         return routes.to(self.dtype).contiguous().numpy().tobytes()

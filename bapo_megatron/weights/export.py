@@ -18,7 +18,7 @@ import torch.distributed as dist
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.trainer.dist_ckpt import unwrap
 from bapo_megatron.trainer.parallel import ParallelInfo
-from bapo_megatron.weights.hf_load import LOCAL_EXPERT as _LOCAL_EXPERT
+from bapo_megatron.weights.hf_load import expert_parts
 from bapo_megatron.weights.layout import layer_impl, megatron_layer_to_hf
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -49,11 +49,11 @@ def gather_expert_parallel(layer: torch.nn.Module, local: dict[str, torch.Tensor
     n = len(layer.mlp.local_expert_indices)
     assert layer.mlp.local_expert_indices[0] == info.ep_rank * n, "experts are not laid out by EP rank"
     for name, tensor in local.items():
-        match = _LOCAL_EXPERT.match(name)
-        if match is None:
+        parts = expert_parts(name)
+        if parts is None:
             out[name] = tensor
             continue
-        head, index, tail = (match[1], int(match[2]), match[3]) if match[1] else (match[4], int(match[5]), "")
+        head, index, tail = parts
         shards = [tensor]
         if info.ep_size > 1:
             shards = [torch.empty_like(tensor) for _ in range(info.ep_size)]

@@ -30,9 +30,16 @@ def _global_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(param): global_name(model, name) for name, param in model.named_parameters()}
 
 
-LOCAL_EXPERT = re.compile(  # a layer's expert parameter: (prefix, local index, rest) in either naming
-    r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$|^(mlp\.experts\.linear_fc[12]\.weight)(\d+)$"
-)
+_LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$|^(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
+
+
+def expert_parts(suffix: str) -> tuple[str, int, str] | None:
+    """A layer's expert parameter name (within the layer) as (prefix, local expert, rest), in either
+    naming (one expert after another, or TE's grouped GEMM); None: not an expert's."""
+    match = _LOCAL_EXPERT.match(suffix)
+    if match is None:
+        return None
+    return (match[1], int(match[2]), match[3]) if match[1] else (match[4], int(match[5]), "")
 
 
 def global_name(model: torch.nn.Module, name: str) -> str:
@@ -42,10 +49,10 @@ def global_name(model: torch.nn.Module, name: str) -> str:
         return name
     _, _, local, suffix = name.split(".", 3)
     layer = model.decoder.layers[int(local)]
-    match = LOCAL_EXPERT.match(suffix)
-    if match:
-        head, index, tail = (match[1], match[2], match[3]) if match[1] else (match[4], match[5], "")
-        suffix = f"{head}{layer.mlp.local_expert_indices[int(index)]}{tail}"
+    parts = expert_parts(suffix)
+    if parts is not None:
+        head, index, tail = parts
+        suffix = f"{head}{layer.mlp.local_expert_indices[index]}{tail}"
     return f"decoder.layers.{layer.layer_number - 1}.{suffix}"
 
 
