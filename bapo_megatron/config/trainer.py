@@ -145,6 +145,17 @@ class ParallelConfig:
     the first ones; None: all of them."""
     max_tokens_per_microbatch: int = 4096
     """Micro-batches are filled by token count (length-sorted), up to this many tokens each."""
+    packing: Literal["auto", "padded", "packed"] = "auto"
+    """How samples make micro-batches. "padded": rows of one sample each, right-padded to the
+    micro-batch's longest (samples x longest <= max_tokens_per_microbatch; under a virtual pipeline
+    every micro-batch padded to the step's largest, as its schedule needs one shape). "packed":
+    each micro-batch one row of samples laid end to end, at most max_tokens_per_microbatch tokens,
+    attention kept inside each sample (Transformer Engine's THD with cu_seqlens on GPU; a
+    block-diagonal causal mask with the local implementation, whose attention then costs the whole
+    row squared); under a virtual pipeline a rank's rows share one length. "auto": packed with
+    Transformer Engine or a virtual pipeline, padded otherwise. perf/packing_efficiency reports
+    the share of computed tokens that are real."""
+
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "expert", "context", "max_tokens_per_microbatch"):

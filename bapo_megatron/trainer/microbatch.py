@@ -1,4 +1,5 @@
-"""Split a step's samples over data-parallel ranks and into micro-batches by token budget.
+"""Split a step's samples over data-parallel ranks and into padded micro-batches by token budget
+(trainer/packing.py packs them into rows instead).
 
 Samples are sorted by length and dealt to data-parallel ranks in snake order (equal counts,
 balanced tokens); each rank packs its samples, longest first, into micro-batches whose
@@ -21,16 +22,8 @@ def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int, multipl
     """plan[dp_rank][microbatch] = sample indices, every rank with the same number of micro-batches,
     a multiple of `multiple_of` (Megatron's interleaved schedule runs micro-batches in groups of
     the pipeline size)."""
+    check_fits(lengths, dp_size, max_tokens)
     n = len(lengths)
-    if n == 0 or n % dp_size:
-        raise ValueError(f"{n} samples cannot be split evenly over {dp_size} data-parallel ranks")
-    too_long = [(i, length) for i, length in enumerate(lengths) if length > max_tokens]
-    if too_long:
-        i, length = too_long[0]
-        raise ValueError(
-            f"sample {i} has {length} tokens, more than parallel.max_tokens_per_microbatch="
-            f"{max_tokens} ({len(too_long)} such samples)"
-        )
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
     per_rank: list[list[int]] = [[] for _ in range(dp_size)]
     for k, i in enumerate(order):
@@ -49,6 +42,21 @@ def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int, multipl
             mb = plan.pop(fullest)
             plan[fullest:fullest] = [mb[: len(mb) // 2], mb[len(mb) // 2 :]]
     return plans
+
+
+def check_fits(lengths: list[int], dp_size: int, max_tokens: int) -> None:
+    """ValueError unless the samples split evenly over the data-parallel ranks and each fits a
+    micro-batch."""
+    n = len(lengths)
+    if n == 0 or n % dp_size:
+        raise ValueError(f"{n} samples cannot be split evenly over {dp_size} data-parallel ranks")
+    too_long = [(i, length) for i, length in enumerate(lengths) if length > max_tokens]
+    if too_long:
+        i, length = too_long[0]
+        raise ValueError(
+            f"sample {i} has {length} tokens, more than parallel.max_tokens_per_microbatch="
+            f"{max_tokens} ({len(too_long)} such samples)"
+        )
 
 
 def _pack(indices: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -98,10 +106,44 @@ class MicroBatch:
     has them; positions without one (each sample's last, padding) hold experts 0 .. top_k - 1."""
     route_mask: torch.Tensor | None = None
     """True where `routes` holds a recorded route."""
+    cu_seqlens: torch.Tensor | None = None
+    """A packed row's segment boundaries (int32 [segments + 1]: each sample's start, the tail's,
+    the row's end); None: one sample a row."""
+    max_seqlen: int = 0
+    """A packed row's longest segment."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return MicroBatch(**fields)
+
+
+def new_rows(rows: int, seq: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """The per-position tensors of a micro-batch of rows x seq, all padding."""
+    return {
+        "input_ids": torch.full((rows, seq), pad_id, dtype=torch.long),
+        "targets": torch.full((rows, seq), pad_id, dtype=torch.long),
+        "loss_mask": torch.zeros(rows, seq),
+        "old_logprobs": torch.zeros(rows, seq),
+        "advantages": torch.zeros(rows, seq),
+        "versions": torch.full((rows, seq), -1, dtype=torch.long),
+        "token_mask": torch.zeros(rows, seq, dtype=torch.bool),
+    }
+
+
+def fill_sample(rows: dict[str, torch.Tensor], row: int, start: int, s: Sample, advantage: float) -> None:
+    """Write sample `s` into `rows` at [row, start:]: its tokens, and at the positions that predict
+    its response tokens their targets, mask, behaviour log-probs, advantage and versions."""
+    tokens = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+    p, r, n = len(s.prompt_ids), len(s.response_ids), len(tokens)
+    rows["input_ids"][row, start : start + n] = tokens
+    rows["token_mask"][row, start : start + n] = True
+    rows["targets"][row, start : start + n - 1] = tokens[1:]
+    span = slice(start + p - 1, start + p - 1 + r)  # position p-1 predicts the first response token
+    mask = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
+    rows["loss_mask"][row, span] = mask
+    rows["old_logprobs"][row, span] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32) * (mask != 0)
+    rows["advantages"][row, span] = advantage * (mask != 0)
+    rows["versions"][row, span] = torch.tensor(s.versions, dtype=torch.long)
 
 
 def pack_microbatch(
@@ -121,53 +163,39 @@ def pack_microbatch(
         if shape[0] < b or shape[1] < seq:
             raise ValueError(f"shape {shape} is smaller than the micro-batch's ({b}, {seq})")
         b, seq = shape
-    input_ids = torch.full((b, seq), pad_id, dtype=torch.long)
-    targets = torch.full((b, seq), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(b, seq)
-    old = torch.zeros(b, seq)
-    adv = torch.zeros(b, seq)
-    versions = torch.full((b, seq), -1, dtype=torch.long)
-    token_mask = torch.zeros(b, seq, dtype=torch.bool)
+    rows = new_rows(b, seq, pad_id)
     for row, (i, s) in enumerate(zip(indices, chosen, strict=True)):
-        tokens = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[row, : len(tokens)] = tokens
-        token_mask[row, : len(tokens)] = True
-        targets[row, : len(tokens) - 1] = tokens[1:]
-        span = slice(p - 1, p - 1 + r)  # position p-1 predicts the first response token
-        mask = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
-        loss_mask[row, span] = mask
-        old[row, span] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32) * (mask != 0)
-        adv[row, span] = advantages[i] * (mask != 0)
-        versions[row, span] = torch.tensor(s.versions, dtype=torch.long)
-    position_ids = torch.arange(seq).unsqueeze(0).expand(b, seq).contiguous()
+        fill_sample(rows, row, 0, s, advantages[i])
     routes, route_mask = pack_routes(chosen, b, seq)
     return MicroBatch(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        targets=targets,
-        loss_mask=loss_mask,
-        old_logprobs=old,
-        advantages=adv,
-        versions=versions,
+        **rows,
+        position_ids=torch.arange(seq).unsqueeze(0).expand(b, seq).contiguous(),
         sample_index=list(indices),
-        num_tokens=int(sum(len(s.response_ids) if s.loss_mask is None else sum(s.loss_mask) for s in chosen)),
-        token_mask=token_mask,
+        num_tokens=counted_tokens(chosen),
         routes=routes,
         route_mask=route_mask,
     )
 
 
-def pack_routes(chosen: list[Sample], rows: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def counted_tokens(chosen: list[Sample]) -> int:
+    """The response tokens the loss counts in `chosen`."""
+    return int(sum(len(s.response_ids) if s.loss_mask is None else sum(s.loss_mask) for s in chosen))
+
+
+def pack_routes(
+    chosen: list[Sample], rows: int, seq: int, offsets: list[int] | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """([rows, seq, moe_layers, top_k] routes, [rows, seq] mask of recorded ones), or (None, None)
-    unless every sample has routes."""
+    unless every sample has routes. offsets: each sample's start in row 0 (packed); None: sample k
+    in row k from position 0 (padded)."""
     if not chosen or any(s.routes is None for s in chosen):
         return None, None
     layers, top_k = chosen[0].routes.shape[1:]
     routes = torch.arange(top_k).expand(rows, seq, layers, top_k).clone()
     mask = torch.zeros(rows, seq, dtype=torch.bool)
-    for row, s in enumerate(chosen):
+    for k, s in enumerate(chosen):
+        row, start = (0, offsets[k]) if offsets is not None else (k, 0)
         n = s.routes.shape[0]
-        routes[row, :n] = s.routes.long()
-        mask[row, :n] = True
+        routes[row, start : start + n] = s.routes.long()
+        mask[row, start : start + n] = True
     return routes, mask

@@ -34,7 +34,8 @@ from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import NonFiniteInputError
 from bapo_megatron.trainer import megatron_config as mc
 from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
-from bapo_megatron.trainer.microbatch import MicroBatch, pack_microbatch, plan_microbatches, uniform_shape
+from bapo_megatron.trainer.microbatch import MicroBatch
+from bapo_megatron.trainer.packing import microbatch_layout
 from bapo_megatron.trainer.parallel import ParallelInfo
 from bapo_megatron.trainer.routing import Routers, aux_loss_metric
 
@@ -82,7 +83,7 @@ class PolicyTrainer:
         config.grad_scale_func = self.optimizer.scale_loss
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         self.search = BoundSearch(cfg.algo.bapo)
-        self.seq_multiple = mc.sequence_multiple(cfg.model, cfg.parallel)
+        self.layout = microbatch_layout(cfg.model, cfg.parallel, mc.sequence_multiple(cfg.model, cfg.parallel))
         self.vocab_local = mc.padded_vocab(spec, cfg.model, cfg.parallel) // info.tp_size
         self.step = 0
         self.progress = bars_on(cfg.logging.progress) and dist.get_rank() == 0  # on the rank that logs
@@ -123,28 +124,19 @@ class PolicyTrainer:
 
     def microbatches(self, batch: RolloutBatch) -> tuple[list[MicroBatch], dict[str, float]]:
         """This rank's micro-batches of `batch`, with group-normalised advantages (none for
-        supervised samples, which carry no reward), and the advantages' metrics."""
+        supervised samples, which carry no reward), the advantages' metrics and the step's packing
+        efficiency (real over computed tokens, every rank's)."""
         advantages, metrics = [0.0] * len(batch), {}
         if self.cfg.algo.loss != "sft":
             order, rewards = batch.rewards_by_group()
             adv, metrics = group_advantages(rewards, self.cfg.algo.advantage)
             for i, a in zip(order, adv.reshape(-1).tolist(), strict=True):
                 advantages[i] = a
-        interleaved = len(self.model) > 1  # virtual pipeline stages
-        plan = plan_microbatches(
-            [s.length for s in batch.samples],
-            self.info.dp_size,
-            self.cfg.parallel.max_tokens_per_microbatch,
-            multiple_of=self.info.pp_size if interleaved else 1,
-        )
-        mine = plan[self.info.dp_rank]
-        # Megatron's interleaved (virtual pipeline) schedule does not carry micro-batches of different
-        # shapes (gloo: "Received data size doesn't match expected size"): there all have one shape
-        shape = uniform_shape(batch.samples, mine, self.seq_multiple) if interleaved else None
-        mbs = [
-            pack_microbatch(batch.samples, idx, advantages, self.seq_multiple, shape=shape).to(self.device)
-            for idx in mine
-        ]
+        interleaved = len(self.model) > 1  # virtual pipeline stages: micro-batches in groups of PP
+        lengths = [s.length for s in batch.samples]
+        plan = self.layout.plan(lengths, self.info.dp_size, multiple_of=self.info.pp_size if interleaved else 1)
+        metrics["perf/packing_efficiency"] = sum(lengths) / self.layout.computed_tokens(lengths, plan)
+        mbs = [mb.to(self.device) for mb in self.layout.build(batch.samples, plan[self.info.dp_rank], advantages)]
         return mbs, metrics
 
     # ------------------------------------------------------------------------------------------
@@ -155,7 +147,7 @@ class PolicyTrainer:
         bar.update()
         if self.routers is not None:
             self.routers.before_forward(model, mb, replay=self.cfg.algo.routing_replay)
-        output = model(mb.input_ids, mb.position_ids, attention_mask=None)
+        output = model(mb.input_ids, mb.position_ids, **self.layout.attention.inputs(mb))
         return output, partial(loss_fn, mb)
 
     def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, label: str = "") -> list:

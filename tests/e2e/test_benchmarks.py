@@ -135,3 +135,22 @@ def test_data_benchmark(tmp_path):
         assert float(anon) < float(rss)  # private memory is part of the resident size
         assert float(start) > 0 and float(rss) >= float(start_mb) > 0 and float(file_mb) > 0
         assert (cold == "-") == (fmt == "jsonl")
+
+
+def test_packing_benchmark():
+    """Packed rows keep at least 95% of the computed tokens real on every distribution and layout,
+    the virtual pipeline's too (where padding to one shape keeps under 20%)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_packing.py"), "--seeds", "1"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in done.stdout.splitlines()[2:]]
+    assert len(rows) == 15, done.stdout
+    for _, layout, _, padded, packed, _ in rows:
+        assert float(packed.split()[0]) >= 0.95, (layout, packed)
+        if "VPP" in layout:
+            assert float(padded.split()[0]) < 0.2, (layout, padded)
