@@ -8,6 +8,11 @@
 # itself and resumes from the checkpoint. When the run is done, the checkpoint goes to HF format.
 #
 #   MODEL_DIR=/models/Qwen2.5-32B DATA=/data/math.jsonl sbatch slurm/bapo_32b.sh [key=value ...]
+#   MODEL_DIR=/models/Qwen2.5-32B CONFIG=examples/qwen2.5-32b/recipe.yaml sbatch slurm/bapo_32b.sh \
+#     data.path=/data/dapo-math-17k.parquet ...   # a data.path=... argument stands for DATA
+#
+# The preset trains 32k-token responses (activation recompute chosen to fit: parallel.recompute auto);
+# CONFIG=examples/qwen2.5-32b/long.yaml runs the same layout with 64k-token responses.
 #
 # Optional: RUN_DIR, CONTAINER_IMAGE (+ CONTAINER_MOUNTS), NET_IF, TRAIN_NODES, ENGINES_PER_NODE,
 # COLOCATE; see slurm/common.sh. Arguments are config overrides for bapo-train.

@@ -14,11 +14,13 @@ TE is absent (moe_utils.py); the alltoall dispatcher makes a `torch.cuda.Stream`
 event on it (token_dispatcher.py); its split sizes stay tensors on CPU, which gloo's
 `all_to_all_single` refuses (it takes lists); sequence parallel's norm is refused without apex
 (torch_norm.py): the shim builds torch's norm and marks its weight `sequence_parallel`, as apex's
-and TE's norms do, so that Megatron sums its gradient over the tensor-parallel ranks. A fifth is
-avoided, not patched: a backward started by `Tensor.backward` runs outside the mode (a torch
-function mode is off inside its own handler), so the all-to-all's backward would place its buffer
-on CUDA; the trainer's TransformerConfig sets `deallocate_pipeline_outputs`, whose backward calls
-the autograd engine directly, with the mode on.
+and TE's norms do, so that Megatron sums its gradient over the tensor-parallel ranks. A fifth
+is torch's: a torch function mode is off inside its own handler, and `Tensor.backward` and
+`torch.autograd.backward` are torch functions, so a backward started by either runs without the
+mode; full recompute starts one inside every recomputed layer's backward (CheckpointFunction
+calls torch.autograd.backward), whose all-to-all backward then places its buffer on CUDA. The
+shim puts the mode back around each custom autograd Function's backward (BackwardCFunction.apply,
+which the engine calls).
 It is pinned to one megatron-core version: the canary test (tests/unit/test_cpu_shim.py) fails
 when the version or the patched call sites change.
 """
@@ -30,13 +32,13 @@ import copy
 import importlib.metadata
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 SUPPORTED_MEGATRON_CORE = "0.16.1"
 
 PATCHED_CALL_SITES: dict[str, tuple[str, ...]] = {
     # module -> names the shim depends on; the canary checks they still exist there.
-    "megatron.core.tensor_parallel.random": ("_get_cuda_rng_state", "_set_cuda_rng_state"),
+    "megatron.core.tensor_parallel.random": ("_get_cuda_rng_state", "_set_cuda_rng_state", "CheckpointFunction"),
     "megatron.core.pipeline_parallel.p2p_communication": ("torch",),
     "megatron.core.models.common.embeddings.rotary_pos_embedding": ("torch",),
     "megatron.core.optimizer.optimizer": ("clip_grad_by_total_norm_fp32",),
@@ -44,6 +46,7 @@ PATCHED_CALL_SITES: dict[str, tuple[str, ...]] = {
     "megatron.core.transformer.moe.token_dispatcher": ("MoEAlltoAllTokenDispatcher",),
     "megatron.core.tensor_parallel.mappings": ("_AllToAll",),
     "megatron.core.transformer.torch_norm": ("WrappedTorchNorm",),
+    "torch.autograd.function": ("BackwardCFunction",),  # the functional canary pins its use
 }
 
 _state: dict[str, object] = {}
@@ -150,6 +153,19 @@ def _norm_allowing_sequence_parallel(original):
     return __new__
 
 
+def _backward_in_mode(original, mode: TorchFunctionMode):
+    """BackwardCFunction.apply that runs a custom backward with the mode on, entering it only where a
+    torch function handler (of `Tensor.backward`, `torch.autograd.backward`) left it off."""
+
+    def apply(self, *args):
+        if any(m is mode for m in _get_current_function_mode_stack()):
+            return original(self, *args)
+        with mode:
+            return original(self, *args)
+
+    return apply
+
+
 def megatron_core_version() -> str:
     return importlib.metadata.version("megatron-core")
 
@@ -171,7 +187,9 @@ def activate_cpu_shim() -> None:
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import moe_utils
+    from torch.autograd.function import BackwardCFunction
 
+    mode = _CudaToCpu()
     patches = [
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", lambda device=None: None),
@@ -193,13 +211,13 @@ def activate_cpu_shim() -> None:
             "__new__",
             staticmethod(_norm_allowing_sequence_parallel(torch_norm.WrappedTorchNorm.__new__)),
         ),
+        (BackwardCFunction, "apply", _backward_in_mode(BackwardCFunction.apply, mode)),
     ]
     if not hasattr(moe_utils, "te_general_gemm"):  # imported only with TE: the router's GEMM falls back to torch
         patches.append((moe_utils, "te_general_gemm", None))
     _state["originals"] = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in patches]
     for owner, name, replacement in patches:
         setattr(owner, name, replacement)
-    mode = _CudaToCpu()
     mode.__enter__()
     _state["mode"] = mode
 

@@ -100,6 +100,7 @@ def transformer_config(
     check_layout(
         spec, parallel.tensor, parallel.pipeline, parallel.virtual_pipeline, parallel.expert, parallel.sequence_parallel
     )
+    assert parallel.context == 1, "context parallel is refused before the model is built (trainer/fit.py)"
     dtype = PARAMS_DTYPE[model.precision]
     fp8 = {}
     if model.precision == "fp8":
@@ -141,9 +142,7 @@ def transformer_config(
         # gloo: a gradient of another micro-batch's shape). Megatron's unbatched p2p splits the two
         # directions over two process groups for exactly this case.
         batch_p2p_comm=parallel.pipeline != 2,
-        # Frees each stage's output activations once sent (Megatron-LM's default): less memory, and its
-        # backward calls the autograd engine directly; `Tensor.backward` would leave the CPU shim's
-        # device mode (a MoE all-to-all's backward then asks for a CUDA buffer)
+        # Frees each stage's output activations once sent (Megatron-LM's default): less memory
         deallocate_pipeline_outputs=True,
         qk_layernorm=spec.qk_norm,
         expert_model_parallel_size=parallel.expert,
@@ -187,6 +186,9 @@ def _moe(spec: ModelSpec, model: ModelConfig) -> dict:
 
 def recompute_settings(spec: ModelSpec, parallel: ParallelConfig) -> dict:
     """TransformerConfig's activation recompute fields for parallel.recompute."""
+    assert parallel.recompute != "auto", (
+        "parallel.recompute=auto is resolved before the model is built (trainer/fit.py)"
+    )
     if parallel.recompute == "none":
         return {}
     if parallel.recompute == "selective":

@@ -13,7 +13,12 @@ stage (tests compare with Megatron's own model); the rest follows Megatron's sto
     SwiGLU output, flash attention's softmax statistics aside), in the parameters' dtype, divided
     by TP where the tensor is split (and the rest too under sequence parallel); the first stage of
     a 1F1B pipeline holds PP micro-batches at once; plus the last stage's logits and their
-    gradient, and the log-prob temporaries (model.logprob_memory_mb).
+    gradient, and the log-prob temporaries (model.logprob_memory_mb);
+  - activations with the local implementation (model.transformer_impl "local", the CPU's: no
+    fusion, no flash attention), local_activation_bytes: what its ops keep per token, each layer's
+    [heads, tokens, tokens] attention probabilities, and the peak of the phase that needs most
+    (the loss's backward, or a core attention's); measured on CPU by benchmarks/bench_memory.py
+    (tests/dist/test_memory_measured.py holds it to 20%).
 
 Mixture-of-experts layers (expert tensor parallel 1, Megatron's alltoall dispatcher): attention,
 norms and the router are held as in a dense layer (the router whole on every TP rank), the
@@ -28,6 +33,7 @@ output), the router's logits and scores and the top_k probabilities (in model.mo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 from bapo_megatron.common.model_spec import ModelSpec, padded_vocab_size
 from bapo_megatron.config import JobConfig, ModelConfig, ParallelConfig
@@ -46,11 +52,13 @@ class MemoryEstimate:
     activations: int
     experts: int = 0
     """Of the resident bytes: the experts' parameters, gradients and optimizer state."""
+    reference: int = 0
+    """The KL loss's frozen reference model (algo.kl_coef > 0): the stage's parameters once more."""
 
     @property
     def resident(self) -> int:
         """What stays on the GPU between steps (while a colocated engine generates)."""
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.reference
 
     @property
     def peak(self) -> int:
@@ -180,7 +188,8 @@ def moe_token_bytes(spec: ModelSpec, model: ModelConfig) -> int:
 def recomputed_layers(spec: ModelSpec, parallel: ParallelConfig, stage: int) -> list[int]:
     """The layers of pipeline rank `stage` that full recompute reruns: the first recompute_layers of
     each (virtual) stage, Megatron's block method. Selective recompute reruns core attention only,
-    whose own activations (flash attention's) the estimate does not count: it changes nothing here."""
+    whose own activations (flash attention's) the estimate does not count: it changes nothing here
+    but for the local implementation, whose attention keeps its probabilities (local_layer_bytes)."""
     if parallel.recompute != "full":
         return []
     layers = stage_layers(spec.num_layers, parallel.pipeline, stage, parallel.virtual_pipeline)
@@ -189,16 +198,31 @@ def recomputed_layers(spec: ModelSpec, parallel: ParallelConfig, stage: int) -> 
     return [layer for c in range(0, len(layers), size) for layer in layers[c : c + keep]]
 
 
+def micro_batches_in_flight(parallel: ParallelConfig, stage: int) -> Fraction:
+    """The micro-batches whose activations pipeline rank `stage` holds at its peak, counted in whole
+    micro-batches through all its layers. 1F1B: PP - s. Interleaved (parallel.virtual_pipeline):
+    Megatron-Core 0.16.1's warm-up (schedules.get_pp_rank_microbatches) runs 2 (PP - s - 1) +
+    (VPP - 1) x PP chunk forwards (microbatch_group_size_per_vp_stage defaults to PP) before the
+    first backward, and one more runs beside it; each holds one chunk, 1 / VPP of the rank's layers:
+    PP + (PP - 1) / VPP on the first stage."""
+    vpp = parallel.virtual_pipeline
+    if not vpp:
+        return Fraction(parallel.pipeline - stage)
+    return Fraction(2 * (parallel.pipeline - stage - 1) + (vpp - 1) * parallel.pipeline + 1, vpp)
+
+
 def activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, tokens: int, stage: int) -> int:
     """What stage `stage` keeps for backward while running one micro-batch of `tokens` tokens; a
     recomputed layer keeps its input only, and one of them is rebuilt whole at a time in backward."""
+    if model.transformer_impl == "local":
+        return local_activation_bytes(spec, model, parallel, tokens, stage)
     layers = stage_layers(spec.num_layers, parallel.pipeline, stage, parallel.virtual_pipeline)
     rerun = set(recomputed_layers(spec, parallel, stage))
     split = parallel.tensor if parallel.sequence_parallel else 1
     layer_input = PARAM_BYTES[model.precision] * spec.hidden_size // split
     per_token = sum(layer_input if i in rerun else layer_activation_bytes(spec, model, parallel, i) for i in layers)
-    in_flight = parallel.pipeline - stage  # 1F1B: stage s holds PP - s micro-batches
-    total = per_token * tokens * in_flight
+    in_flight = micro_batches_in_flight(parallel, stage)  # 1F1B: PP - s; interleaved: more
+    total = int(per_token * tokens * in_flight)
     if rerun:
         total += max(layer_activation_bytes(spec, model, parallel, i) for i in rerun) * tokens
     if stage == parallel.pipeline - 1:
@@ -210,23 +234,130 @@ def activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConf
     return total
 
 
+def local_layer_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, layer: int) -> int:
+    """What layer `layer` of the local implementation keeps for backward per token, on one rank, its
+    [tokens x tokens] attention aside (local_score_bytes). Unfused, op by op, it keeps more than the
+    fused layers (measured, layer by layer, on CPU):
+      - per norm (input and pre-MLP) x * rsqrt and the output, and the two residual sums: 6 x hidden;
+      - attention, with grouped queries: q after rope, k and v repeated to every head, the context
+        (linear_proj's input); without (as many k/v heads as q heads) nothing is repeated, k after
+        rope is kept, and v, a view of the q/k/v output, keeps that whole; under selective
+        recompute core attention keeps its inputs: q and k after rope, and v (the q/k/v output);
+      - a q/k norm keeps its input (a copy of q or k), x * rsqrt and its output;
+      - cos and sin of the rotary embedding, for q and for k, whole on every TP rank;
+      - a dense MLP: gate and up, silu(gate), up + glu_linear_offset (a copy), their product."""
+    d, hd, h, kv, tp = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, parallel.tensor
+    qkv = (h + 2 * kv) * hd
+    if parallel.recompute == "selective":
+        split = h * hd + kv * hd + qkv + h * hd
+    elif h > kv:
+        split = h * hd + 2 * h * hd + h * hd
+    else:
+        split = qkv + 3 * h * hd
+    if spec.qk_norm:
+        split += 3 * (h + kv) * hd
+    experts = spec.is_moe_layer(layer)
+    if not experts:
+        split += 5 * spec.ffn_hidden_size
+    unsplit = 6 * d // tp if parallel.sequence_parallel else 6 * d
+    per_token = PARAM_BYTES[model.precision] * (split // tp + unsplit + 4 * hd)
+    if experts:
+        per_token += local_moe_token_bytes(spec, model) // tp
+    return per_token
+
+
+def local_moe_token_bytes(spec: ModelSpec, model: ModelConfig) -> int:
+    """moe_token_bytes for the local implementation (measured on CPU): top_k x (the permuted token;
+    6 x the expert's width: a dense MLP's 5, and the product scaled by the token's probability), and
+    the router's: per expert its logits and scores (model.moe.router_dtype) and two boolean maps,
+    per route the probability twice and the expert index (int64) twice."""
+    moe, router = spec.moe, ROUTER_BYTES[model.moe.router_dtype]
+    routed = moe.top_k * (spec.hidden_size + 6 * moe.ffn_hidden_size) * PARAM_BYTES[model.precision]
+    return routed + moe.num_experts * (2 * router + 2) + moe.top_k * (2 * router + 16)
+
+
+def local_score_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, tokens: int) -> int:
+    """One [heads / TP, tokens, tokens] tensor of the local attention in the parameters' dtype: its
+    scores, their softmax, or a gradient of either. A micro-batch counts as one row of `tokens` (a
+    packed row; a padded micro-batch of b rows of s tokens has b x s^2, less than (b x s)^2)."""
+    return spec.num_heads // parallel.tensor * tokens * tokens * PARAM_BYTES[model.precision]
+
+
+def local_activation_bytes(
+    spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, tokens: int, stage: int
+) -> int:
+    """activation_bytes for the local implementation (Megatron's DotProductAttention: no flash
+    attention), as measured on CPU (benchmarks/bench_memory.py). Each layer keeps local_layer_bytes
+    per token and, unless core attention is recomputed, its attention probabilities (one
+    local_score_bytes) and its causal mask (one byte per [tokens, tokens] entry); a layer under full
+    recompute keeps its input only. The peak is that of the phase that needs the most beside them:
+      - the loss's backward: the logits, their gradient and the log-prob temporaries
+        (logits.LIVE_TEMPORARIES float32 [tokens, vocab / TP], within model.logprob_memory_mb);
+      - the core attention's backward of the last layer keeping its activations: three score-sized
+        tensors more (the gradients of the probabilities and of the scores, and the copies autograd
+        makes for the scores' in-place masking, a view; the layer's probabilities are freed by
+        then); under selective recompute its probabilities rebuilt besides;
+      - under full recompute, a rebuilt layer's: the recomputed layers' inputs and that layer whole,
+        its three more besides (the later layers' activations are freed by then).
+    Plus Megatron's global memory buffer, which the scores are computed into: one score tensor, kept
+    from one step to the next; and the micro-batches a pipeline rank holds beside the running one
+    (micro_batches_in_flight), each with all it keeps."""
+    from bapo_megatron.trainer.logprobs import LIVE_TEMPORARIES
+
+    layers = stage_layers(spec.num_layers, parallel.pipeline, stage, parallel.virtual_pipeline)
+    rerun = set(recomputed_layers(spec, parallel, stage))
+    score = local_score_bytes(spec, model, parallel, tokens)
+    kept_score = 0 if parallel.recompute == "selective" else score + tokens * tokens
+    split = parallel.tensor if parallel.sequence_parallel else 1
+    inputs = len(rerun) * tokens * PARAM_BYTES[model.precision] * spec.hidden_size // split
+    whole = [local_layer_bytes(spec, model, parallel, i) * tokens + kept_score for i in layers if i not in rerun]
+    kept = inputs + sum(whole)
+    phases = [kept + 3 * score + (score if parallel.recompute == "selective" else 0)] if whole else []
+    if rerun:  # the recomputed layers come first in a stage: rebuilt once the later ones are done
+        rebuilt = max(local_layer_bytes(spec, model, parallel, i) for i in rerun) * tokens + score + tokens * tokens
+        phases.append(inputs + rebuilt + 3 * score)
+    if stage == parallel.pipeline - 1:
+        vocab = padded_vocab_size(
+            spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp
+        )
+        logits = tokens * vocab // parallel.tensor
+        temporaries = min(model.logprob_memory_mb << 20, LIVE_TEMPORARIES * 4 * logits)
+        phases.append(kept + 2 * PARAM_BYTES[model.precision] * logits + temporaries)  # logits, their gradient
+    in_flight = micro_batches_in_flight(parallel, stage) - 1  # beside the running one
+    return int(in_flight * kept) + max(phases) + score
+
+
 def trainer_memory(
     spec: ModelSpec,
     model: ModelConfig,
     parallel: ParallelConfig,
     data_parallel: int,
     distributed_optimizer: bool = True,
+    reference: bool = False,
 ) -> MemoryEstimate:
     """The estimate for the most loaded pipeline stage, with micro-batches of
-    parallel.max_tokens_per_microbatch tokens."""
+    parallel.max_tokens_per_microbatch tokens; `reference`: a KL loss's reference model counted."""
     vocab = padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp)
     return max(
         (
-            _stage_memory(spec, model, parallel, vocab, data_parallel, distributed_optimizer, s)
+            _stage_memory(spec, model, parallel, vocab, data_parallel, distributed_optimizer, s, reference)
             for s in range(parallel.pipeline)
         ),
         key=lambda e: e.peak,
     )
+
+
+def stage_memory(
+    spec: ModelSpec,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    data_parallel: int,
+    stage: int,
+    distributed_optimizer: bool = True,
+) -> MemoryEstimate:
+    """The estimate for pipeline rank `stage` (trainer_memory takes the most loaded of them)."""
+    vocab = padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp)
+    return _stage_memory(spec, model, parallel, vocab, data_parallel, distributed_optimizer, stage)
 
 
 def _stage_memory(
@@ -237,6 +368,7 @@ def _stage_memory(
     data_parallel: int,
     distributed_optimizer: bool,
     stage: int,
+    reference: bool = False,
 ) -> MemoryEstimate:
     """One pipeline stage's estimate (`vocab`: the padded vocabulary)."""
     width = PARAM_BYTES[model.precision]
@@ -260,6 +392,7 @@ def _stage_memory(
         optimizer=dense_trained * per_param // shards + experts_optimizer,
         activations=activation_bytes(spec, model, parallel, parallel.max_tokens_per_microbatch, stage),
         experts=n.experts * (width + 4) + experts_optimizer,
+        reference=n.total * width if reference else 0,
     )
 
 
@@ -291,5 +424,6 @@ def colocated_mem_fraction(gpu_bytes: int, trainer: MemoryEstimate, reserve: flo
 def rollout_mem_fraction(job: JobConfig, spec: ModelSpec, gpu_bytes: int, data_parallel: int) -> float:
     """What a colocated SGLang server may take of a GPU of gpu_bytes beside a trainer rank of `job`
     (GPU runs use Megatron's distributed optimizer)."""
-    estimate = trainer_memory(spec, job.model, job.parallel, data_parallel, distributed_optimizer=True)
+    kl = job.algo.kl_coef > 0
+    estimate = trainer_memory(spec, job.model, job.parallel, data_parallel, distributed_optimizer=True, reference=kl)
     return colocated_mem_fraction(gpu_bytes, estimate)

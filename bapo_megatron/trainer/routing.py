@@ -8,15 +8,35 @@ sequence-major, under sequence parallel only this tensor-parallel rank's slice o
 with pipeline parallel a chunk holds some of the layers (its routers know their global layer);
 expert parallel does not change what a router sees (it routes its rank's own tokens).
 
+Full recompute (parallel.recompute=full) runs a recomputed layer twice: inside Megatron's
+checkpoint (reentrant: under no_grad, only the layer's input kept), then again inside the backward
+pass when its micro-batch is backpropagated, by which time the pipeline may have sent later
+micro-batches forward. One forward pre-hook per router sets the routes of each run. A run inside
+the autograd engine's backward (`torch._C._current_graph_task_id() != -1`, FSDP2's own test; true
+on whichever thread runs the backward) is a rerun: it takes the oldest routes queued on its router.
+A run under no_grad in a pass that backpropagates (grad was on when the micro-batch was given) is a
+recomputed layer's first run: it queues the routes it took (the engine's, or None: its own choice).
+Each chunk's micro-batches are backpropagated in the order they went forward (1F1B, interleaved
+too: Megatron's schedules pop their tensors first in, first out), so the oldest is the right one;
+a rerun with nothing queued fails. A router thus keeps the routes of its stage's micro-batches in
+flight, and only in a recomputed layer: runs with grad on (layers not recomputed; selective
+recompute, which reruns core attention only) and forward-only passes under no_grad (the bounds
+prepass, the weight-sync probe) queue nothing. Megatron's REPLAY_BACKWARD is not used: its list is
+appended to by every set_target_indices, for every layer, recomputed or not, and cannot say "route
+yourself" for a micro-batch without the engine's routes; both runs take theirs as REPLAY_FORWARD.
+
 Whatever the routes, every router's decisions are observed (a forward hook): the tokens each
 expert received (the load: max over mean tokens per expert, per layer; padding not counted) and, where the engine's
 routes are known, how many of the router's own top-k choices differ from the engine's (the
 router disagreement, measured with replay on or off). Every (token, layer) decision is made on
 exactly one rank (data parallel splits samples, sequence parallel the sequence, pipeline the
-layers), so the step's figures are sums over the world.
+layers), so the step's figures are sums over the world; a rerun in the backward pass is not
+counted again.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -36,6 +56,7 @@ class _Router:
         self.known: torch.Tensor | None = None  # [tokens] True where `target` was recorded
         self.real: torch.Tensor | None = None  # [tokens] True at the samples' tokens (not padding)
         self.load = torch.zeros(experts, dtype=torch.float64)
+        self.rerun: deque[torch.Tensor | None] = deque()  # the routes of runs to repeat in the backward pass
 
 
 class Routers:
@@ -60,17 +81,19 @@ class Routers:
                 index = layer.layer_number - 1
                 if index in ordinal:
                     router = _Router(layer.mlp.router, ordinal[index], spec.moe.num_experts)
+                    layer.mlp.router.register_forward_pre_hook(self._replayer(router))
                     layer.mlp.router.register_forward_hook(self._observer(router))
                     found.append(router)
             self.by_chunk[id(chunk)] = found
             self.routers += found
         self.counting = False
+        self.replay = False  # the pass replays the engine's routes (where a micro-batch has them)
+        self.backprop = False  # the pass backpropagates (a checkpointed run is repeated)
         self.disagree = torch.zeros(2, dtype=torch.float64)  # [sum of differing shares, decisions]
 
     def before_forward(self, chunk: torch.nn.Module, mb: MicroBatch, replay: bool) -> None:
         """Give `chunk`'s routers `mb`'s routes (to replay when `replay`, to compare with in any case)."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
+        self.replay, self.backprop = replay, torch.is_grad_enabled()
         for router in self.by_chunk.get(id(chunk), []):
             target = known = None
             if mb.routes is not None:
@@ -78,12 +101,27 @@ class Routers:
                 known = self._as_seen(mb.route_mask, router).reshape(-1)
             router.target, router.known = target, known
             router.real = self._as_seen(mb.token_mask, router).reshape(-1)
-            replay_state = router.module.router_replay
-            if replay and target is not None:
-                replay_state.set_target_indices(target)
-                replay_state.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _replayer(self, router: _Router):
+        """The router's forward pre-hook: the routes this run takes (the module docstring says how)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        def replay(module, args) -> None:
+            if _in_backward():
+                assert router.rerun, f"MoE layer {router.ordinal}'s router reran without a kept first run"
+                routes = router.rerun.popleft()
             else:
-                replay_state.clear_router_replay_action()
+                routes = router.target if self.replay else None
+                if self.backprop and not torch.is_grad_enabled():  # a checkpointed run: repeated in the backward
+                    router.rerun.append(routes)
+            state = module.router_replay
+            state.target_topk_idx = routes  # not set_target_indices: its backward list would only grow
+            if routes is None:
+                state.clear_router_replay_action()
+            else:
+                state.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+        return replay
 
     def _as_seen(self, per_position: torch.Tensor, router: _Router) -> torch.Tensor:
         """[batch, seq, ...] as the router sees its tokens: [seq, batch, ...], this rank's sequence
@@ -95,15 +133,17 @@ class Routers:
         return seen.to(router.module.weight.device)
 
     def end_pass(self) -> None:
-        """Forget the pass's routes (Megatron's replay keeps a list per router for recompute)."""
+        """Forget the pass's routes."""
         for router in self.routers:
             router.module.router_replay.clear_indices()
             router.module.router_replay.clear_router_replay_action()
             router.target = router.known = router.real = None
+            router.rerun.clear()  # an interrupted pass's
+        self.replay = self.backprop = False
 
     def _observer(self, router: _Router):
         def observe(module, args, output) -> None:
-            if not self.counting:
+            if not self.counting or _in_backward():  # a recomputed layer's rerun: counted on its first run
                 return
             _, routing_map = output
             real = router.real.to(routing_map.device).unsqueeze(1)
@@ -145,6 +185,11 @@ class Routers:
         if flat[-1] > 0:
             out["moe/router_disagreement"] = float(flat[-2] / flat[-1])
         return out
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs inside the autograd engine's backward pass (a recomputed layer's rerun)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def aux_loss_metric(microbatches: int) -> dict[str, float]:

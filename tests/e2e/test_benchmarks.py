@@ -137,6 +137,17 @@ def test_data_benchmark(tmp_path):
         assert (cold == "-") == (fmt == "jsonl")
 
 
+def test_memory_benchmark():
+    """The memory estimate against a measured CPU step, the dense model with and without full
+    recompute (the table of benchmarks/RESULTS.md comes from this script)."""
+    rows = _table("bench_memory.py", "--quick", "--seq", "128")
+    assert [r[:5] for r in rows] == [["dense", "TP1", "none", "128", "0"], ["dense", "TP1", "full", "128", "0"]]
+    for row in rows:  # model, layout, recompute, seq, stage; est, meas of params, grads, optimizer; ...
+        assert row[5] == row[6] and row[7] == row[8] and row[9] == row[10] and float(row[5]) > 0, row
+        assert 0.8 <= float(row[13]) <= 1.2 and 0.8 <= float(row[16]) <= 1.2, row  # activations, peak
+    assert float(rows[1][12]) < float(rows[0][12])  # full recompute: fewer measured activations
+
+
 def test_packing_benchmark():
     """Packed rows keep at least 95% of the computed tokens real on every distribution and layout,
     the virtual pipeline's too (where padding to one shape keeps under 20%)."""

@@ -93,3 +93,34 @@ def test_moe_shims_stream_event_and_splits():
     from megatron.core.transformer.moe import moe_utils
 
     assert not hasattr(moe_utils, "te_general_gemm")  # undone: back to what upstream left
+
+
+class _AllocatesInBackward(torch.autograd.Function):
+    """Like the MoE all-to-all: its backward makes a buffer on `torch.cuda.current_device()`."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2 + torch.zeros(grad.shape, device=torch.cuda.current_device())
+
+
+def test_custom_backwards_run_in_the_mode_under_megatron_checkpoint():
+    """Megatron's full recompute reruns the forward and then backpropagates with torch.autograd.backward,
+    a torch function: its handler (the mode's own) runs with the mode off, so the custom backwards
+    under it would place on CUDA; the shim puts the mode back around every custom backward."""
+    from megatron.core.tensor_parallel import random as mrandom
+    from torch.autograd.function import BackwardCFunction
+
+    assert "torch.autograd.backward(outputs, args)" in inspect.getsource(mrandom.CheckpointFunction.backward)
+    original = BackwardCFunction.apply
+    cpu_shim.activate_cpu_shim()
+    try:
+        x = torch.ones(3, requires_grad=True)
+        mrandom.checkpoint(_AllocatesInBackward.apply, False, x).sum().backward()  # Tensor.backward: also a handler
+        torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    finally:
+        cpu_shim.deactivate_cpu_shim()
+    assert BackwardCFunction.apply is original
