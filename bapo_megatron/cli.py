@@ -21,7 +21,7 @@ import re
 import textwrap
 import typing
 
-from bapo_megatron.config import JobConfig, ParallelConfig, RolloutConfig, dump_config
+from bapo_megatron.config import SECTION_PRESETS, JobConfig, ParallelConfig, RolloutConfig, dump_config
 
 if typing.TYPE_CHECKING:
     from bapo_megatron.common.model_spec import ModelSpec
@@ -36,13 +36,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         usage=USAGE,
         description="BAPO reinforcement learning on Megatron-Core: rollout, rewards, policy update, weight sync.",
         epilog="Overrides are dotted config fields (algo.bapo.target_rho=0.4); --help-config lists them all. "
-        "torchrun and srun start the same command on every rank.",
+        "torchrun and srun start the same command on every rank. Relative paths, in the file or an "
+        "override, resolve against the working directory: run the examples from the repository root.",
     )
     parser.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value", help="a YAML file, then overrides")
     parser.add_argument("--help-config", action="store_true", help="list every config field and exit")
     parser.add_argument("--dry-run", action="store_true", help="print what would run and the memory it needs; exit")
     parser.add_argument(
-        "--world-size", type=int, help="trainer processes for --dry-run (default: $WORLD_SIZE, else one)"
+        "--world-size",
+        type=int,
+        help="the trainer processes --dry-run plans for (default: $WORLD_SIZE, else as the slurm/ script "
+        "that runs the config does, else the fewest the layout needs, TP x PP x CP); the run itself takes "
+        "its launcher's world",
     )
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU size for --dry-run (default 80: H100)")
     parser.add_argument(
@@ -97,8 +102,13 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def config_fields(cls: type = JobConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted name, type, default, doc) of every field, sections expanded."""
+    """(dotted name, type, default, doc) of every field, sections expanded; a section that takes a
+    `preset: NAME` key lists it first."""
     hints, docs, rows = typing.get_type_hints(cls), field_docs(cls), []
+    if cls in SECTION_PRESETS:
+        names = ", ".join(sorted(SECTION_PRESETS[cls]))
+        doc = f"A named set of this section's fields ({names}), which its other keys override (None: the defaults)."
+        rows.append((prefix + "preset", "str | None", "None", doc))
     for f in dataclasses.fields(cls):
         name, hint = prefix + f.name, hints[f.name]
         if dataclasses.is_dataclass(hint):
@@ -121,69 +131,95 @@ def help_config() -> str:
 # --dry-run
 
 
-def dry_run(cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int = 8) -> str:
+def dry_run_command(args: argparse.Namespace, cfg: JobConfig) -> str:
+    """`bapo-train CFG --dry-run`: the world it plans for (said when no one gave it), then dry_run.
+    A preset that a slurm/*.sh script runs is planned as the script runs it (its trainer nodes, its
+    engines on rollout nodes), unless --world-size or $WORLD_SIZE plans another world."""
+    size, assumed = world_size(args, cfg)
+    plan = slurm_plan(args.config) if args.config else None
+    plan = plan if plan is not None and plan.world_size == size else None
+    gpus_per_node = plan.gpus_per_node if plan is not None else args.gpus_per_node
+    text = dry_run(cfg, size, int(args.gpu_memory_gib * GIB), gpus_per_node, plan)
+    return f"# {assumed}\n{text}" if assumed else text
+
+
+def dry_run(
+    cfg: JobConfig, world_size: int, gpu_bytes: int, gpus_per_node: int = 8, slurm: SlurmPlan | None = None
+) -> str:
     """What `bapo-train` would do with `cfg` on `world_size` trainer processes (one a GPU, nodes of
-    gpus_per_node), without doing it."""
-    from bapo_megatron.common.model_spec import check_layout
+    gpus_per_node), without doing it; with `slurm`, the engines where that script places them. It
+    refuses what the run refuses, by the run's own functions: fit_to_gpu (recompute, a peak over the
+    GPU) and preflight.validate (layout, batch split, a sample against the micro-batch, the run's
+    inputs), this machine's precision support aside."""
     from bapo_megatron.preflight import model_spec, validate
+    from bapo_megatron.rollout.inputs import dry_run_check
+    from bapo_megatron.trainer.fit import fit_to_gpu, reach_line
     from bapo_megatron.trainer.memory import trainer_memory
 
     spec = model_spec(cfg)
-    p = cfg.parallel
-    check_layout(spec, p.tensor, p.pipeline, p.virtual_pipeline, p.expert, p.sequence_parallel)
+    fitted = fit_to_gpu(cfg, spec, world_size, gpu_bytes)  # the run's own check (job.py), on a GPU of gpu_bytes
+    cfg, p = fitted.cfg, fitted.cfg.parallel
     dp = p.data_parallel_size(world_size)
-    if cfg.rollout.replay is not None:
-        validate(cfg, spec, world_size)
+    validate(cfg, spec, world_size, machine=False)  # as job.py, after fitting; the GPU's precision is the run's
     r = cfg.rollout
     samples = r.prompts_per_step * r.samples_per_prompt // cfg.algo.updates_per_batch
-    longest = r.sampling.max_new_tokens + 512  # a prompt of up to 512 tokens: micro-batches to expect
-    per_mb = max(1, p.max_tokens_per_microbatch // longest)
     out = ["# resolved config", dump_config(cfg).rstrip(), "", "# layout"]
     out.append(
         f"trainer: {world_size} processes = TP {p.tensor} x PP {p.pipeline} x VPP {p.virtual_pipeline or 1} "
         f"(virtual stages) x CP {p.context} x DP {dp}"
     )
     out.append(
-        f"per optimizer step: {samples} samples, {math.ceil(samples / dp)} per data-parallel rank, about "
-        f"{math.ceil(samples / dp / per_mb)} micro-batches of <= {p.max_tokens_per_microbatch} tokens "
+        f"per optimizer step: {samples} samples, {math.ceil(samples / dp)} per data-parallel rank "
         f"(responses up to {r.sampling.max_new_tokens} tokens); {cfg.algo.updates_per_batch} steps per batch"
     )
+    out.append(_microbatch_line(cfg, samples, dp))
     if spec.moe is not None:
         out.append(_experts_layout(spec, p, dp))
-    if p.recompute != "none":
-        from bapo_megatron.trainer.memory import recomputed_layers
-
-        rerun = len(recomputed_layers(spec, p, 0))
-        what = "core attention of every layer" if p.recompute == "selective" else f"{rerun} layers a pipeline rank"
-        out.append(f"activation recompute: {p.recompute}, {what} run again in the backward pass")
+    out.append(fitted.line)
     if r.replay is not None:
         out.append(f"rollout: replayed batches from {r.replay} (no engine)")
     else:
         out.append(_schedule(r))
-        e = r.engines
-        where = "colocated with the trainer" if e.colocate else f"on GPUs of their own, listening on {e.host}"
-        if e.urls:
-            out.append(f"engines: {len(e.urls)} running elsewhere: {', '.join(e.urls)}")
-        else:
-            out.append(
-                f"engines: {e.servers} {e.kind} server(s), TP {e.tensor_parallel} each, ports {e.port}.."
-                f"{e.port + e.servers - 1}, {where}"
-            )
-        if e.kind == "sglang" and not e.urls:
-            out.append(_sglang_placement(r, min(world_size, gpus_per_node), gpus_per_node))
+        out += _engines(r, world_size, gpus_per_node, slurm)
+    out += ["", "# data (the run's own checks)", *dry_run_check(cfg, spec)]
     out += ["", f"# memory per GPU (estimate; GPU of {gpu_bytes / GIB:.0f} GiB)"]
-    for label, distributed in (("distributed optimizer", True), ("replicated optimizer", False)):
-        m = trainer_memory(spec, cfg.model, p, dp, distributed_optimizer=distributed)
-        out.append(
-            f"trainer, {label}: parameters {m.params / GIB:.2f} GiB, gradients {m.grads / GIB:.2f} GiB, "
-            f"optimizer {m.optimizer / GIB:.2f} GiB, activations of one micro-batch {m.activations / GIB:.2f} "
-            f"GiB; peak {m.peak / GIB:.2f} GiB"
-        )
+    # GPU runs use Megatron's distributed optimizer (trainer/megatron_config.py): no other to estimate
+    m = trainer_memory(spec, cfg.model, p, dp, distributed_optimizer=True, reference=cfg.algo.kl_coef > 0)
+    out.append(
+        f"trainer, distributed optimizer: parameters {m.params / GIB:.2f} GiB, gradients {m.grads / GIB:.2f} GiB, "
+        f"optimizer {m.optimizer / GIB:.2f} GiB, activations of the micro-batches in flight "
+        f"{m.activations / GIB:.2f} GiB; peak {m.peak / GIB:.2f} GiB"
+    )
+    if m.reference:
+        out.append(f"KL loss (algo.kl_coef): the reference model, {m.reference / GIB:.2f} GiB, counted in the peak")
+    out.append(reach_line(cfg, spec, dp, gpu_bytes))
     if spec.moe is not None:
         out += _moe_memory(cfg, spec, dp)
     if r.replay is None and r.engines.kind == "sglang":
         out.append(_sglang_memory(cfg, spec, gpu_bytes, dp))
     return "\n".join(out)
+
+
+def _microbatch_line(cfg: JobConfig, samples: int, dp: int) -> str:
+    """How a rank's samples make micro-batches (trainer/packing.py), and how many at worst: every
+    sample as long as a micro-batch allows."""
+    from bapo_megatron.trainer.packing import microbatch_layout, packs
+
+    p, r = cfg.parallel, cfg.rollout
+    longest = r.sampling.max_new_tokens + (cfg.data.max_prompt_tokens or p.max_tokens_per_microbatch)
+    longest = min(longest, p.max_tokens_per_microbatch)
+    plan = microbatch_layout(cfg.model, p, 1).plan([longest] * samples, dp, p.pipeline if p.virtual_pipeline else 1)
+    if packs(cfg.model, p):
+        attention = "THD with cu_seqlens" if cfg.model.transformer_impl == "transformer_engine" else "a masked row"
+        how = f"packed rows of whole samples end to end, attention inside each sample ({attention})"
+    else:
+        how = "padded rows of one sample each" + (
+            ", padded to the step's longest (the virtual pipeline's one shape)" if p.virtual_pipeline else ""
+        )
+    return (
+        f"micro-batches: {how}, at most {p.max_tokens_per_microbatch} tokens each (parallel.packing={p.packing}); "
+        f"at worst (every sample {longest} tokens) {len(plan[0])} a data-parallel rank and optimizer step"
+    )
 
 
 def _experts_layout(spec: ModelSpec, p: ParallelConfig, dp: int) -> str:
@@ -247,6 +283,32 @@ def _schedule(r: RolloutConfig) -> str:
     return f"rollout: mode sync, max_staleness K={k}: each step generates, then trains; {how}; {bound}"
 
 
+def _engines(r: RolloutConfig, world_size: int, gpus_per_node: int, slurm: SlurmPlan | None) -> list[str]:
+    """Where the engines run: given (rollout.engines.urls), where the Slurm script puts them, or
+    beside the trainer on the driver's node."""
+    e = r.engines
+    if e.urls:
+        return [f"engines: {len(e.urls)} running elsewhere: {', '.join(e.urls)}"]
+    if slurm is not None and not e.colocate and slurm.rollout_nodes > 0:
+        count = slurm.rollout_nodes * slurm.engines_per_node
+        differs = "" if count == e.servers else f" (the script's count, not rollout.engines.servers={e.servers})"
+        used = slurm.engines_per_node * e.tensor_parallel
+        room = "" if used <= slurm.gpus_per_node else f": they need {used} GPUs a node, which has {slurm.gpus_per_node}"
+        return [
+            f"engines: {count} {e.kind} server(s){differs}, TP {e.tensor_parallel} each, on rollout nodes as "
+            f"{slurm.script} places them: {slurm.rollout_nodes} node(s) x {slurm.engines_per_node} server(s), "
+            f"{used} of each node's {slurm.gpus_per_node} GPUs{room}; the script passes their URLs to the trainer "
+            "(rollout.engines.urls; COLOCATE=1 puts them on the trainer's GPUs instead)"
+        ]
+    where = "colocated with the trainer" if e.colocate else f"on GPUs of their own, listening on {e.host}"
+    first = e.first_port
+    ports = "a free port each" if first is None else f"ports {first}..{first + e.servers - 1}"
+    out = [f"engines: {e.servers} {e.kind} server(s), TP {e.tensor_parallel} each, {ports}, {where}"]
+    if e.kind == "sglang":
+        out.append(_sglang_placement(r, min(world_size, gpus_per_node), gpus_per_node))
+    return out
+
+
 def _sglang_placement(r: RolloutConfig, trainer_gpus: int, node_gpus: int) -> str:
     from bapo_megatron.engines.sglang_launcher import gpu_placement
 
@@ -294,10 +356,13 @@ def world_size(args: argparse.Namespace, cfg: JobConfig | None = None) -> tuple[
         return int(os.environ["WORLD_SIZE"]), None
     if cfg is None:
         return 1, None
-    script = slurm_world(args.config) if args.config else None
-    if script is not None:
-        size, path = script
-        return size, f"no --world-size: planned for {size} trainer processes, as {path} runs this config"
+    plan = slurm_plan(args.config) if args.config else None
+    if plan is not None:
+        how = "runs this config" if plan.default else f"runs it (CONFIG={args.config} sbatch {plan.script})"
+        return plan.world_size, (
+            f"no --world-size: planned for {plan.world_size} trainer processes, as {plan.script} {how}: "
+            f"{plan.train_nodes} trainer node(s) x {plan.gpus_per_node} GPUs, {plan.rollout_nodes} rollout node(s)"
+        )
     p = cfg.parallel
     size = p.tensor * p.pipeline * p.context
     if size == 1:
@@ -309,20 +374,51 @@ def world_size(args: argparse.Namespace, cfg: JobConfig | None = None) -> tuple[
 
 
 SLURM_CONFIG = re.compile(r"^CONFIG=\$\{CONFIG:-(\S+?)\}", re.M)
-SLURM_JOB = re.compile(r"^bapo_gpu_job\s+(\d+)\b", re.M)
+SLURM_JOB = re.compile(r"^bapo_gpu_job\s+(\d+)\s+(\d+)\b", re.M)
 SLURM_GPUS = re.compile(r"^#SBATCH\s+--gpus-per-node=(\d+)", re.M)
+SLURM_NODES = re.compile(r"^#SBATCH\s+--nodes=(\d+)", re.M)
 
 
-def slurm_world(config: str) -> tuple[int, str] | None:
-    """(trainer processes, script) of the slurm/*.sh script in this checkout whose default CONFIG
-    is `config`: its bapo_gpu_job trainer nodes x #SBATCH --gpus-per-node; None when none is."""
+@dataclasses.dataclass(frozen=True)
+class SlurmPlan:
+    """How a slurm/*.sh script of this checkout runs a config: its `bapo_gpu_job TRAIN_NODES
+    ENGINES_PER_NODE ...` line and its #SBATCH header (the nodes beyond the trainer's hold the engines)."""
+
+    script: str
+    """slurm/NAME.sh"""
+    default: bool
+    """The config is the script's default CONFIG (else one beside it, run with CONFIG=...)."""
+    train_nodes: int
+    engines_per_node: int
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.train_nodes * self.gpus_per_node
+
+    @property
+    def rollout_nodes(self) -> int:
+        return self.nodes - self.train_nodes
+
+
+def slurm_plan(config: str) -> SlurmPlan | None:
+    """The slurm/*.sh script in this checkout that runs `config`: the one whose default CONFIG it
+    is, else the one whose default CONFIG lies in the same folder (a preset's variants, recipe.yaml
+    and long.yaml, run by their preset's script with CONFIG=...); None when none does."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     target = Path(config).resolve()
+    found: list[SlurmPlan] = []
     for script in sorted((root / "slurm").glob("*.sh")):
         text = script.read_text()
-        found, job, gpus = SLURM_CONFIG.search(text), SLURM_JOB.search(text), SLURM_GPUS.search(text)
-        if found and job and gpus and (root / found.group(1)).resolve() == target:
-            return int(job.group(1)) * int(gpus.group(1)), f"slurm/{script.name}"
-    return None
+        default, job = SLURM_CONFIG.search(text), SLURM_JOB.search(text)
+        gpus, nodes = SLURM_GPUS.search(text), SLURM_NODES.search(text)
+        if not (default and job and gpus and nodes):
+            continue
+        preset = (root / default.group(1)).resolve()
+        if preset == target or preset.parent == target.parent:
+            numbers = (int(job.group(1)), int(job.group(2)), int(nodes.group(1)), int(gpus.group(1)))
+            found.append(SlurmPlan(f"slurm/{script.name}", preset == target, *numbers))
+    return max(found, key=lambda plan: plan.default, default=None)

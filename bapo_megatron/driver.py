@@ -40,10 +40,12 @@ from bapo_megatron.engines.fleet import Engines
 from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.supervisor import Supervisor
 from bapo_megatron.handoff import GiveUp, Ready, Refit
+from bapo_megatron.logger import RolloutLog
 from bapo_megatron.rewards.workers import FailingRewards, RewardWorkers
 from bapo_megatron.rollout.buffer import GroupState, RolloutBuffer
 from bapo_megatron.rollout.core import RolloutCore
 from bapo_megatron.rollout.evaluation import HeldOut
+from bapo_megatron.rollout.filtering import DropEqualRewards, KeepAll
 from bapo_megatron.rollout.inputs import RolloutInputs
 from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds, RetractSteps, Strategy
 
@@ -53,13 +55,14 @@ PROBE_TOKENS = 16
 def make_strategy(cfg: JobConfig, core: RolloutCore) -> Strategy:
     """The rollout mode's strategy."""
     ro = cfg.rollout
+    sieve = DropEqualRewards(ro.filter_groups.max_extra_rounds) if ro.filter_groups.enabled else KeepAll()
     if ro.mode == "async":
-        return AsyncStream(core, ro.prompts_per_step, ro.oversample, ro.pause_mode)
+        return AsyncStream(core, ro.prompts_per_step, ro.oversample, ro.pause_mode, sieve)
     if ro.deterministic:
-        return DeterministicRounds(core, ro.prompts_per_step, ro.oversample)
+        return DeterministicRounds(core, ro.prompts_per_step, ro.oversample, sieve)
     if ro.partial.enabled and ro.partial.mode == "retract":
-        return RetractSteps(core, ro.prompts_per_step, ro.oversample)
-    return AbortSteps(core, ro.prompts_per_step, ro.oversample, keep=ro.partial.enabled)
+        return RetractSteps(core, ro.prompts_per_step, ro.oversample, sieve)
+    return AbortSteps(core, ro.prompts_per_step, ro.oversample, keep=ro.partial.enabled, filter_groups=sieve)
 
 
 class RolloutDriver:
@@ -91,6 +94,8 @@ class RolloutDriver:
         self.failing_rewards = FailingRewards.from_config(cfg.reward)
         slots = ro.engines.max_batch * max(1, len(ro.engines.urls) or ro.engines.servers)
         decode = self.inputs.decode
+        texts = decode if self.inputs.tokenizer is not None else None  # else rollouts.jsonl holds token ids
+        self.rollout_log = RolloutLog(self.run_dir / "rollouts.jsonl", cfg.logging.samples, texts)
         self.held_out = HeldOut(self.inputs.eval_sets, cfg.eval, ro.sampling, cfg.seed, self.rewards, decode, slots)
         self.strategy: Strategy | None = None
         self.updates = None  # weights/engine_updates.EngineUpdates, once the engines are up
@@ -182,6 +187,7 @@ class RolloutDriver:
         )
         with (self.run_dir / "samples.jsonl").open("a") as f:  # which prompt groups the step trains on
             f.write(json.dumps({"step": version + 1, "groups": [g.uid for g in groups]}) + "\n")
+        self.rollout_log.write(version + 1, groups, self.buffer.oldest_allowed(version))
         self.updates.release_memory()
         figures = {**stats, **checked, **batch_figures(groups, version, ro.sampling.max_new_tokens, self.buffer)}
         if self.cfg.data.max_prompt_tokens is not None:

@@ -15,8 +15,9 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -82,28 +83,41 @@ class StopWhen:
 
 class Checkpointer:
     """Whole-run checkpoints (trainer/checkpoint.py) every checkpoint.interval steps and at the end,
-    the source's state among them, taken while its rollout is quiesced. With no checkpoint.dir,
+    the source's state among them, taken while its rollout is quiesced, in cfg.checkpoint_path (the
+    run's own <run_dir>/ckpt unless checkpoint.dir says otherwise). Each records `record`, the run's
+    identity (runinfo.identity), which a resume compares with its own. With checkpoint.save false,
     nothing is saved or resumed."""
 
-    def __init__(self, cfg: JobConfig, source: BatchSource) -> None:
+    def __init__(self, cfg: JobConfig, source: BatchSource, record: dict | None = None) -> None:
         from bapo_megatron.trainer.checkpoint import CheckpointManager
 
         self.interval = cfg.checkpoint.interval
         self.source = source
-        self.manager = CheckpointManager(cfg.checkpoint, dump_config(cfg)) if cfg.checkpoint.dir else None
-        if self.manager is not None:
+        self.record = record
+        path = cfg.checkpoint_path
+        self.manager = None
+        if path is not None:
+            self.manager = CheckpointManager(replace(cfg.checkpoint, dir=str(path)), dump_config(cfg), record)
             self.manager.register(source.name, source)
 
-    def check_start(self, resume: bool) -> None:
-        """A wrong start fails in seconds: a fresh run over checkpoints, a resume from a broken one."""
+    def check_start(self, cfg: JobConfig) -> Path | None:
+        """The step directory the run resumes from (None: a new run). A wrong start fails in seconds:
+        a fresh run over checkpoints, a resume from a broken one, or from another run's (runinfo)."""
+        from bapo_megatron.runinfo import check_resume
         from bapo_megatron.trainer.integrity import verify
 
         if self.manager is None:
-            return
-        self.manager.check_start(resume, int(os.environ.get("RANK", "0")))
-        latest = self.manager.latest() if resume else None
-        if latest is not None:
-            verify(latest, check_contents=False)
+            return None
+        rank = int(os.environ.get("RANK", "0"))
+        self.manager.check_start(cfg.checkpoint.resume, rank)
+        latest = self.manager.latest() if cfg.checkpoint.resume else None
+        if latest is None:
+            return None
+        verify(latest, check_contents=False)
+        notice = check_resume(latest, self.record, cfg.checkpoint.allow_foreign) if self.record else None
+        if notice and rank == 0:
+            print(notice, file=sys.stderr, flush=True)
+        return latest
 
     def resume(self, trainer) -> int | None:
         """The step the run resumes at (everything restored), or None: a new run."""
@@ -144,6 +158,39 @@ def stopped_early_at(run_dir: Path, rule: str | None) -> int | None:
     return status.get("step") if status.get("reason") == "stop_when" and status.get("stop_when") == rule else None
 
 
+class AlreadyFinished(Exception):
+    """The run's checkpoint is at its last step (or where its stop_when ended it): nothing to do."""
+
+
+def finished_before(cfg: JobConfig, resume_from: Path | None) -> str | None:
+    """Why a run that would resume from this step directory has nothing left to do (None: it has)."""
+    from bapo_megatron.trainer.checkpoint import step_of
+
+    if resume_from is None:
+        return None
+    step = step_of(resume_from)
+    if step >= cfg.steps:
+        return f"already finished at step {step}: nothing to do ({resume_from}; a larger steps= trains on)"
+    if cfg.stop_when is not None and stopped_early_at(cfg.run_path, cfg.stop_when) == step:
+        rule = cfg.stop_when
+        return f"already finished at step {step}: nothing to do (stop_when {rule} ended it; another rule trains on)"
+    return None
+
+
+def fit(cfg: JobConfig, spec, rank: int) -> JobConfig:
+    """`cfg` fitted to this process's GPU (trainer/fit.py, as the dry run does for --gpu-memory-gib):
+    parallel.recompute=auto resolved, said on rank 0; a recompute set by hand that the estimate
+    says does not fit, warned about."""
+    from bapo_megatron.trainer.fit import fit_to_gpu, local_gpu_bytes
+
+    fitted = fit_to_gpu(cfg, spec, int(os.environ["WORLD_SIZE"]), local_gpu_bytes())
+    if rank == 0 and not fitted.fits:
+        warnings.warn(fitted.line, stacklevel=2)
+    elif rank == 0 and cfg.parallel.recompute == "auto":
+        print(fitted.line, flush=True)
+    return fitted.cfg
+
+
 @dataclass
 class Job:
     cfg: JobConfig
@@ -159,30 +206,39 @@ class Job:
     own_group: bool = False
     ended: str | None = field(default=None)  # "stop_when" or "signal" once decided
     skipped_in_a_row: int = 0  # steps whose every update was skipped, up to the last
+    resume_from: Path | None = None  # the step directory the run resumes from
 
     @classmethod
     def start(cls, cfg: JobConfig) -> Job:
+        """The job, built; AlreadyFinished (said on rank 0) when its checkpoint leaves nothing to do."""
         from bapo_megatron.preflight import check_starting_weights, model_spec, validate
+        from bapo_megatron.runinfo import banner, identity
         from bapo_megatron.sources import make_source
         from bapo_megatron.trainer.parallel import single_process_env
 
         spec = model_spec(cfg)
         single_process_env()
-        validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
         rank = int(os.environ["RANK"])
+        cfg = fit(cfg, spec, rank)
+        validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
         stop = StopSignal(cfg.checkpoint.save_on_signal)
         source = None
         try:
             source = make_source(cfg, spec, rank)
             source.stopping = lambda: stop.received is not None
-            job = cls(cfg, rank, source, Checkpointer(cfg, source), stop, StopWhen(cfg.stop_when, cfg.stop_window))
+            checkpointer = Checkpointer(cfg, source, identity(cfg, spec))
+            job = cls(cfg, rank, source, checkpointer, stop, StopWhen(cfg.stop_when, cfg.stop_window))
             starting_weights = check_starting_weights(cfg)
-            job.checkpointer.check_start(cfg.checkpoint.resume)
+            job.resume_from = job.checkpointer.check_start(cfg)
+            if (done := finished_before(cfg, job.resume_from)) is not None:
+                job.nothing_to_do(done)
         except BaseException:
             stop.restore()
             if source is not None:
                 source.close()
             raise
+        if rank == 0:  # what the run will do, before the engines and the trainer start
+            print(banner(cfg, spec, int(os.environ["WORLD_SIZE"]), job.resume_from, starting_weights), flush=True)
         try:
             job._build(spec, starting_weights)
         except BaseException:
@@ -212,10 +268,12 @@ class Job:
             self.trainer.load_weights(weights_dir(cfg.model.mcore_path))
         elif not self.resumed and starting_weights:
             load_hf_into_trainer(self.trainer, cfg.model.hf_path)
+        if not self.resumed:  # the KL loss's reference: the starting weights (a resume loads the run's own)
+            self.trainer.hold_reference()
         if self.rank == 0:
             cfg.run_path.mkdir(parents=True, exist_ok=True)
             write_text_atomic(cfg.run_path / "config.yaml", dump_config(cfg))
-        quiet.flush(cfg.run_path if self.rank == 0 else None)
+        quiet.flush(cfg.run_path, rank=self.rank)  # every rank's, tagged (rank 0 made the directory)
         logger = MetricLogger(
             cfg.logging,
             job_name=cfg.name,
@@ -226,11 +284,29 @@ class Job:
         )
         self.log = StepLog(logger)
         self.source.start(self.trainer, self.step, self.resumed)
-        # a run that stop_when ended, started again: it stays ended (the same command is idempotent)
-        if self.until.rule is not None and self.resumed and stopped_early_at(cfg.run_path, cfg.stop_when) == self.step:
-            self.ended = "stop_when"
-        elif not self.resumed and (evaluation := self.source.evaluate(0)) is not None:
+        if not self.resumed and (evaluation := self.source.evaluate(0)) is not None:
             self.log.record(0, {}, evaluation)  # the starting policy's held-out score
+
+    def nothing_to_do(self, why: str) -> None:
+        """AlreadyFinished: said on rank 0 with the next commands, status.json "finished" (a run that
+        failed or was stopped after its last checkpoint is finished all the same). The same command
+        run again is idempotent, stop_when's end included."""
+        from bapo_megatron.runinfo import next_commands
+        from bapo_megatron.trainer.checkpoint import step_of
+
+        cfg, step = self.cfg, step_of(self.resume_from)
+        if self.rank == 0:
+            print("\n".join([why, *next_commands(cfg)]), flush=True)
+            status = cfg.run_path / "status.json"
+            try:
+                state = json.loads(status.read_text()).get("state")
+            except (OSError, ValueError, AttributeError):
+                state = None
+            if state != "finished":
+                cfg.run_path.mkdir(parents=True, exist_ok=True)
+                finished = {"state": "finished", "reason": "steps", "step": step, "steps": cfg.steps, "signal": None}
+                write_text_atomic(status, json.dumps(finished) + "\n")
+        raise AlreadyFinished(why)
 
     def watch(self, step: int, metrics: dict[str, float]) -> None:
         """A step's metrics, for stop_when; RunStopped (every rank: the figure is theirs too) when
@@ -279,6 +355,12 @@ class Job:
             if self.stop.received is not None:
                 message = f"signal {self.stop.received}: saved step {step} of {cfg.steps}; the same command resumes"
                 print(message, file=sys.stderr)
+            elif finished:  # what was written, and what comes next
+                from bapo_megatron.runinfo import ending
+
+                manager = self.checkpointer.manager
+                saved = manager.root / f"step_{step:08d}" if manager is not None else None
+                print(ending(cfg, step, saved if saved is not None and saved.is_dir() else None), flush=True)
 
     def failed(self, err: BaseException) -> None:
         """status.json says the run failed and why (rank 0); the lines of the steps it trained are
@@ -293,11 +375,14 @@ class Job:
             write_text_atomic(self.cfg.run_path / "status.json", json.dumps({**status, "steps": self.cfg.steps}) + "\n")
 
     def close(self) -> None:
-        """Teardown: signals restored, engines stopped, logs closed, the process group destroyed."""
+        """Teardown: signals restored, engines stopped, logs closed (the warnings held since the start
+        too), the process group destroyed."""
         self.stop.restore()
         try:
             self.source.close()
         finally:
+            with contextlib.suppress(OSError):  # (a full disk: the run's own error matters more)
+                quiet.flush(self.cfg.run_path, rank=self.rank)
             if self.log is not None:
                 self.log.logger.close()
             if self.own_group and dist.is_initialized():

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -120,6 +121,61 @@ def keep_lines(path: Path, keep) -> None:
         if isinstance(record, dict) and keep(record):
             kept.append(line + "\n")
     write_text_atomic(path, "".join(kept))
+
+
+class RolloutLog:
+    """The samples a step trains on, as text, in rollouts.jsonl: one line a sample, the step's first
+    `count` samples (its batch's first groups, whole, in batch order: the same ones on a rerun).
+    Each line holds the step, the group's uid and the sample's index in it, the prompt and response
+    (decoded; their token ids where there is no tokenizer), the record's answer and data_source, the
+    reward (and why its call failed), the lengths in tokens, the finish reason, the oldest and
+    newest policy version among the response's tokens (they differ where partial rollout continued
+    it under newer weights), how often staleness made it be generated again, and how many of its
+    tokens are older than the staleness bound lets the step train on (left out of the loss).
+    Written with json.dumps (the text is the model's and the data's: escaped, never formatted in);
+    a step's lines in one write, so a kill leaves at most its last line cut (keep_lines skips it).
+    A resumed run cuts the file back to its checkpoint's step (truncate_after), as metrics.jsonl."""
+
+    def __init__(self, path: str | Path, count: int, decode: Callable[[list[int]], str] | None) -> None:
+        """decode: token ids to text (None: the model has no tokenizer; the ids are written)."""
+        self.path, self.count, self.decode = Path(path), count, decode
+
+    def write(self, step: int, groups: Sequence, oldest_allowed: int) -> None:
+        """groups: the step's prompt groups in batch order (rollout/buffer.GroupState: uid, prompt_ids,
+        meta, samples); oldest_allowed: the oldest token version the step may train on."""
+        lines = [json.dumps(r, default=str) + "\n" for r in self.records(step, groups, oldest_allowed)]
+        if lines:
+            with self.path.open("a") as f:
+                f.write("".join(lines))
+
+    def records(self, step: int, groups: Sequence, oldest_allowed: int) -> list[dict]:
+        chosen = [(g, i, s) for g in groups for i, s in enumerate(g.samples)][: self.count]
+        return [self.record(step, g, i, s, oldest_allowed) for g, i, s in chosen]
+
+    def record(self, step: int, group, index: int, sample, oldest_allowed: int) -> dict:
+        prompt, response = group.prompt_ids, sample.response_ids
+        text = {"prompt": self.decode(prompt), "response": self.decode(response)} if self.decode else {}
+        ids = {} if self.decode else {"prompt_ids": list(prompt), "response_ids": list(response)}
+        meta = {k: group.meta[k] for k in ("data_source", "answer") if k in group.meta}
+        reward = sample.reward if sample.reward is not None and math.isfinite(sample.reward) else None
+        failed = {"reward_error": sample.reward_error} if sample.reward_error else {}
+        return {
+            "step": step,
+            "group": group.uid,
+            "sample": index,
+            **text,
+            **ids,
+            **meta,
+            "reward": reward,
+            **failed,
+            "prompt_tokens": len(prompt),
+            "response_tokens": len(response),
+            "finish": sample.finish,
+            "version_min": min(sample.versions, default=None),
+            "version_max": max(sample.versions, default=None),
+            "regenerated": sample.regenerated,
+            "stale_tokens": sum(v < oldest_allowed for v in sample.versions),
+        }
 
 
 class StepLog:

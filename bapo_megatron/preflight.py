@@ -18,9 +18,12 @@ def model_spec(cfg: JobConfig) -> ModelSpec:
     return ModelSpec.from_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else tiny_spec()
 
 
-def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
-    """The layout against the model and the world, the batch against the data-parallel ranks, the
-    precision against this machine, and what the job's sources need."""
+def validate(cfg: JobConfig, spec: ModelSpec, world_size: int, machine: bool = True) -> None:
+    """The layout against the model and the world, the batch against the data-parallel ranks, a
+    sample against the micro-batch, the precision against this machine (machine=False: not, for a
+    dry run planning another machine), and what the job's sources need; of a job fitted to its GPUs
+    first (trainer/fit.py: parallel.recompute=auto resolved, context parallel refused). The run and
+    the dry run both call it: what one refuses the other refuses."""
     from bapo_megatron.trainer.megatron_config import check_precision_support, recompute_settings
 
     check_layout(
@@ -36,13 +39,6 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
             "algo.routing_replay", True, f"replays a mixture-of-experts model's routes; {spec.architecture} is dense"
         )
     recompute_settings(spec, cfg.parallel)  # recompute_layers within a stage's layers
-    if cfg.algo.routing_replay and cfg.parallel.recompute == "full" and spec.moe is not None:
-        raise ConfigError(
-            "parallel.recompute",
-            "full",
-            "reruns the routers in the backward pass, which does not replay the engine's routes yet "
-            "(algo.routing_replay): use recompute=selective",
-        )
     if cfg.rollout.record_routes and spec.moe is None:
         raise ConfigError(
             "rollout.record_routes", True, f"records a mixture-of-experts model's routes; {spec.architecture} is dense"
@@ -62,13 +58,37 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int) -> None:
             f"{per_update // dp} samples per data-parallel rank and optimizer step cannot fill the interleaved "
             f"schedule's groups of {cfg.parallel.pipeline} micro-batches (parallel.virtual_pipeline)",
         )
+    check_response_fits(cfg)
     if cfg.algo.loss == "sft" and cfg.rollout.replay is not None:
         raise ConfigError("rollout.replay", cfg.rollout.replay, "algo.loss=sft trains on data.path; unset one")
     if cfg.algo.loss != "sft" and cfg.rollout.replay is None:
         for name, held in cfg.eval.sets.items():  # a preset's set left for the user's file
             if held.path is None:
                 raise ConfigError(f"eval.sets.{name}.path", None, "is not set: the set's prompts (file, shards, glob)")
-    check_precision_support(cfg.model)
+    if machine:
+        check_precision_support(cfg.model)
+
+
+def check_response_fits(cfg: JobConfig) -> None:
+    """A generated sample (its prompt, then up to rollout.sampling.max_new_tokens) must fit one
+    micro-batch: ConfigError when not even a one-token prompt leaves room (the run would refuse
+    every prompt of data.path, rollout/inputs.py)."""
+    new, budget = cfg.rollout.sampling.max_new_tokens, cfg.parallel.max_tokens_per_microbatch
+    if cfg.rollout.replay is not None or cfg.algo.loss == "sft" or new < budget:
+        return
+    prompt = cfg.data.max_prompt_tokens
+    room = (
+        f"={new + prompt} (a response and a prompt of up to data.max_prompt_tokens={prompt})"
+        if prompt
+        else f" to {new} plus the longest prompt (data.max_prompt_tokens caps them)"
+    )
+    raise ConfigError(
+        "parallel.max_tokens_per_microbatch",
+        budget,
+        f"leaves no room for a prompt beside responses of up to rollout.sampling.max_new_tokens={new} "
+        f"tokens: a sample must fit one micro-batch; set parallel.max_tokens_per_microbatch{room} "
+        "or lower rollout.sampling.max_new_tokens",
+    )
 
 
 def check_starting_weights(cfg: JobConfig) -> bool:

@@ -13,6 +13,7 @@ The process replaces itself with the server (exec), so Slurm's signals reach the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 def engine_server(cfg, index: int, run_dir: Path):
     """The (not started) ServerProcess of engine `index` of the job `cfg`: its command, environment
     and URL."""
+    from bapo_megatron.config.engines import DEFAULT_PORT
     from bapo_megatron.engines.sglang_launcher import admin_key, sglang_servers
 
     ro = cfg.rollout
@@ -33,6 +35,8 @@ def engine_server(cfg, index: int, run_dir: Path):
         )
     if not cfg.model.hf_path:
         raise ValueError("model.hf_path: an engine needs the model's Hugging Face directory")
+    if ro.engines.first_port is None:  # the trainer is handed the URLs: no free port, the fixed default
+        ro = dataclasses.replace(ro, engines=dataclasses.replace(ro.engines, port=DEFAULT_PORT))
     run_dir.mkdir(parents=True, exist_ok=True)
     if ro.engines.kind == "sglang":
         from bapo_megatron.common.model_spec import ModelSpec

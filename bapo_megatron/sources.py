@@ -177,7 +177,11 @@ class SFTSource(BatchSource):
         or one that does not fit the model's positions."""
         where = f"{self.path} record {meta['index'] + 1}"
         if "answer" not in meta:
-            raise BadInputError(f"{where}: no field {self.answer_field!r} (data.answer_field) to train on")
+            from bapo_megatron.data.prompts import missing_field
+
+            fields = {k: v for k, v in meta.items() if k != "index"}
+            why = missing_field(fields, self.answer_field, "data.answer_field", "to train on")
+            raise BadInputError(f"{where}: {why}")
         answer = [*self.tokenizer.encode(str(meta["answer"]), add_special_tokens=False), self.tokenizer.eos_token_id]
         if len(ids) + len(answer) > self.positions:
             raise BadInputError(
@@ -271,7 +275,8 @@ class OnlineSource(OnlineFollower):
     def start(self, trainer, step: int, resumed: bool) -> None:
         holders = handle_holders(self.cfg, trainer)
         model_dir = engine_model_dir(self.cfg, trainer)
-        truncate_after(self.cfg.run_path / "samples.jsonl", step if resumed else None)
+        for name in ("samples.jsonl", "rollouts.jsonl"):  # one timeline with metrics.jsonl
+            truncate_after(self.cfg.run_path / name, step if resumed else None)
         self.driver.start(model_dir, holders, self._colocated_fraction(trainer))
         self.publisher = WeightPublisher(self.cfg, trainer, self.driver, holders)
         self.publish(trainer, step)  # the engines serve the trainer's weights (a resumed run's too)

@@ -10,6 +10,13 @@ writes, under the output directory:
                  tokenizer_config.json: model.hf_path of the first run
 A response is the answer's characters followed by <eos>; the "exact" reward compares the
 decoded text with the answer.
+
+    python -m bapo_megatron.tasks verl-data runs/tiny-verl-data     # a verl-layout parquet + model
+
+writes train.parquet and test.parquet in verl's gsm8k layout (data_source, prompt as chat
+messages, ability, reward_model {style, ground_truth}, extra_info) over one-digit sums
+("3+4=", ground truth "7", answered "#### 7"), and model/: the tiny Qwen2 with the chat
+tokenizer (the characters above, " ", "#", role markers and "#### " as tokens, a chat template).
 """
 
 from __future__ import annotations
@@ -78,6 +85,22 @@ TASKS = {
 }
 
 
+def _one_digit_sum(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randrange(10), rng.randrange(10)
+    return f"{a}+{b}=", str(a + b)
+
+
+VERL_TASK = Task(
+    "verl-data",
+    _one_digit_sum,
+    2,
+    "one-digit sums in verl's gsm8k layout: '3+4=' with ground truth '7', answered '#### 7' (reward gsm8k)",
+    max_new_tokens=4,
+)
+"""The verl-layout data set's problems (100 prompts in all): a random model writes the answer mark
+and a right sum in about one response of 200, enough for the first groups with a reward."""
+
+
 def split(task: Task, train: int, heldout: int, seed: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """`train` and `heldout` (prompt, answer) pairs; no held-out prompt appears in the training set
     (training pairs may repeat, as draws from the task do)."""
@@ -104,25 +127,42 @@ def split(task: Task, train: int, heldout: int, seed: int) -> tuple[list[tuple[s
     return pairs, list(held.items())
 
 
-def char_tokenizer():
-    """A character-level `tokenizers` tokenizer over SPECIAL + SYMBOLS (ids in that order)."""
+def char_tokenizer(chat: bool = False):
+    """A character-level `tokenizers` tokenizer over SPECIAL + SYMBOLS (ids in that order), and with
+    `chat` CHAT_SYMBOLS + CHAT_TOKENS after them (the latter matched whole, before characters)."""
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + SYMBOLS)}
+    tokens = SPECIAL + SYMBOLS + (CHAT_SYMBOLS + CHAT_TOKENS if chat else ())
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()  # characters join without spaces
     tok.add_special_tokens(list(SPECIAL))
+    if chat:
+        tok.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in CHAT_TOKENS])
     return tok
 
 
-def tiny_qwen2_config(max_positions: int = 64) -> dict:
-    """About 1M parameters: hidden 128 x 4 layers, 4 heads (2 KV), vocabulary 16, tied embeddings."""
+CHAT_SYMBOLS = (" ", "#")
+CHAT_TOKENS = ("<system>", "<user>", "<assistant>", "#### ")
+"""The chat tokenizer's tokens beyond SPECIAL + SYMBOLS: two characters, then tokens matched whole
+before characters: the role markers and gsm8k's answer mark ("####" is one token in BPE
+vocabularies too), so that a random model writes the mark as often as a digit."""
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+"""The chat tokenizer's template: each turn as its role marker and its content."""
+
+
+def tiny_qwen2_config(max_positions: int = 64, vocab_size: int = len(SPECIAL) + len(SYMBOLS)) -> dict:
+    """About 1M parameters: hidden 128 x 4 layers, 4 heads (2 KV), vocabulary 16 (the chat
+    tokenizer's 22), tied embeddings."""
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        "vocab_size": len(SPECIAL) + len(SYMBOLS),
+        "vocab_size": vocab_size,
         "hidden_size": 128,
         "intermediate_size": 384,
         "num_hidden_layers": 4,
@@ -141,10 +181,10 @@ def tiny_qwen2_config(max_positions: int = 64) -> dict:
     }
 
 
-def tiny_qwen3_moe_config(max_positions: int = 64) -> dict:
+def tiny_qwen3_moe_config(max_positions: int = 64, vocab_size: int = len(SPECIAL) + len(SYMBOLS)) -> dict:
     """The tiny Qwen2's shape as a Qwen3-MoE: q/k norms, every layer 8 experts of width 128, top-2
     (the same active MLP width as the dense model's 384 within a third), about 1.3M parameters."""
-    base = {k: v for k, v in tiny_qwen2_config(max_positions).items() if k != "intermediate_size"}
+    base = {k: v for k, v in tiny_qwen2_config(max_positions, vocab_size).items() if k != "intermediate_size"}
     return {
         **base,
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -164,21 +204,24 @@ MODELS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config}
 """The tasks' tiny models by architecture."""
 
 
-def write_model(directory: str | Path, seed: int = 0, architecture: str = "qwen2") -> Path:
-    """A tiny model (MODELS[architecture]) with seeded random weights and the character tokenizer, in HF format."""
+def write_model(directory: str | Path, seed: int = 0, architecture: str = "qwen2", chat: bool = False) -> Path:
+    """A tiny model (MODELS[architecture]) with seeded random weights and the character tokenizer, in
+    HF format; with `chat`, the chat tokenizer (char_tokenizer(chat=True)) and CHAT_TEMPLATE."""
     import torch
     import transformers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = transformers.AutoConfig.for_model(**MODELS[architecture]())
+    tokenizer = char_tokenizer(chat)
+    config = transformers.AutoConfig.for_model(**MODELS[architecture](vocab_size=tokenizer.get_vocab_size()))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory)
-    char_tokenizer().save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<eos>", "pad_token": "<pad>", "model_max_length": config.max_position_embeddings})
-    )
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings = {"eos_token": "<eos>", "pad_token": "<pad>", "model_max_length": config.max_position_embeddings}
+    if chat:
+        settings["chat_template"] = CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
     return directory
 
 
@@ -199,16 +242,53 @@ def write_task(
     return paths
 
 
+def verl_records(pairs: list[tuple[str, str]], split_name: str) -> list[dict]:
+    """(question, answer) pairs as the rows of verl's gsm8k preprocessing (examples/data_preprocess/
+    gsm8k.py): the ground truth is the bare number, extra_info.answer the solution a model writes."""
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": question}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"split": split_name, "index": i, "answer": f"#### {answer}", "question": question},
+        }
+        for i, (question, answer) in enumerate(pairs)
+    ]
+
+
+def write_verl_data(
+    out: str | Path, train: int = 2000, heldout: int = 20, seed: int = 0, architecture: str = "qwen2"
+) -> dict[str, Path]:
+    """train.parquet and test.parquet (verl's gsm8k layout, VERL_TASK's problems; no test prompt in
+    train) and model/ (the tiny model with the chat tokenizer) under `out`; returns their paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs, held = split(VERL_TASK, train, heldout, seed)
+    paths = {"train": out / "train.parquet", "test": out / "test.parquet", "model": out / "model"}
+    for key, rows in (("train", pairs), ("test", held)):
+        pq.write_table(pa.Table.from_pylist(verl_records(rows, key)), paths[key])
+    write_model(paths["model"], seed, architecture, chat=True)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", choices=sorted(TASKS))
+    parser.add_argument("task", choices=[*sorted(TASKS), VERL_TASK.name])
     parser.add_argument("out")
-    parser.add_argument("--train", type=int, default=20000)
-    parser.add_argument("--heldout", type=int, default=1000)
+    parser.add_argument("--train", type=int, help="training prompts (default 20000; verl-data 2000)")
+    parser.add_argument("--heldout", type=int, help="held-out prompts (default 1000; verl-data 20 of its 100)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--architecture", default="qwen2", choices=sorted(MODELS))
     args = parser.parse_args(argv)
-    for key, path in write_task(args.task, args.out, args.train, args.heldout, args.seed, args.architecture).items():
+    if args.task == VERL_TASK.name:
+        paths = write_verl_data(args.out, args.train or 2000, args.heldout or 20, args.seed, args.architecture)
+    else:
+        paths = write_task(args.task, args.out, args.train or 20000, args.heldout or 1000, args.seed, args.architecture)
+    for key, path in paths.items():
         print(f"{key}: {path}")
     return 0
 

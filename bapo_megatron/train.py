@@ -23,13 +23,16 @@ from bapo_megatron.common import quiet
 from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.config import JobConfig, load_config
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
-from bapo_megatron.job import Job
+from bapo_megatron.job import AlreadyFinished, Job
 
 
 def run(cfg: JobConfig) -> list[dict[str, float]]:
-    """Train for cfg.steps steps (resuming from cfg.checkpoint.dir when it holds one); each step's
-    metrics, as logged."""
-    job = Job.start(cfg)
+    """Train for cfg.steps steps (resuming from the run's checkpoint when there is one); each step's
+    metrics, as logged (none when the checkpoint is at the last step already: nothing to do)."""
+    try:
+        job = Job.start(cfg)
+    except AlreadyFinished:  # said on rank 0
+        return []
     try:
         return train(job)
     except Exception as err:  # every way a run fails is in status.json (RunStopped, bad data drawn mid-run, a bug)
@@ -130,10 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
-            size, assumed = cli.world_size(args, cfg)
-            if assumed:
-                print(f"# {assumed}")
-            print(cli.dry_run(cfg, size, int(args.gpu_memory_gib * cli.GIB), args.gpus_per_node))
+            print(cli.dry_run_command(args, cfg))
             return
         run(cfg)  # every check that needs no model runs before any process group starts
     except KeyboardInterrupt:

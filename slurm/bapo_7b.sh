@@ -8,6 +8,8 @@
 # itself and resumes from the checkpoint. When the run is done, the checkpoint goes to HF format.
 #
 #   MODEL_DIR=/models/Qwen2.5-7B DATA=/data/math.jsonl sbatch slurm/bapo_7b.sh [key=value ...]
+#   MODEL_DIR=/models/Qwen2.5-7B CONFIG=examples/qwen2.5-7b/recipe.yaml sbatch slurm/bapo_7b.sh \
+#     data.path=/data/dapo-math-17k.parquet ...   # a data.path=... argument stands for DATA
 #
 # Optional: RUN_DIR, CONTAINER_IMAGE (+ CONTAINER_MOUNTS), NET_IF, TRAIN_NODES, ENGINES_PER_NODE,
 # COLOCATE; see slurm/common.sh. Arguments are config overrides for bapo-train.

@@ -35,6 +35,18 @@ run() {
     "$@"
 }
 
+# has_override KEY [key=value ...]: whether the arguments set KEY (KEY=...), as bapo-train reads them.
+has_override() {
+    local key=$1 arg
+    shift
+    for arg in "$@"; do
+        if [[ $arg == "$key="* ]]; then
+            return 0
+        fi
+    done
+    return 1
+}
+
 # Every node of the job, one name a line, in Slurm's order.
 job_nodes() {
     scontrol show hostnames "$SLURM_JOB_NODELIST"
@@ -213,14 +225,18 @@ export_hf() {
 # bapo_gpu_job TRAIN_NODES ENGINES_PER_NODE ENGINE_TP [key=value ...]: the whole job of
 # slurm/bapo_7b.sh and slurm/bapo_32b.sh: TRAIN_NODES trainer nodes (the environment's TRAIN_NODES
 # wins), ENGINES_PER_NODE SGLang servers on each further node (likewise), ENGINE_TP the preset's
-# rollout.engines.tensor_parallel; MODEL_DIR and DATA from the environment; COLOCATE=1: no rollout nodes.
+# rollout.engines.tensor_parallel; MODEL_DIR and DATA from the environment (a data.path=... argument
+# stands for DATA, as the recipes' launch passes it); COLOCATE=1: no rollout nodes.
 bapo_gpu_job() {
     TRAIN_NODES=${TRAIN_NODES:-$1}
     ENGINES_PER_NODE=${ENGINES_PER_NODE:-$2}
     local engine_tp=$3
     shift 3
     : "${MODEL_DIR:?set MODEL_DIR to the Hugging Face directory of the model (config, tokenizer, safetensors)}"
-    : "${DATA:?set DATA to the prompts: jsonl or parquet with prompt and answer fields}"
+    if [[ -z ${DATA:-} ]] && ! has_override data.path "$@"; then
+        echo "error: set DATA to the prompts (jsonl or parquet with prompt and answer fields), or pass data.path=..." >&2
+        exit 2
+    fi
     local gpus_per_node=8
     COLOCATE=${COLOCATE:-0}
     local nodes
@@ -234,7 +250,7 @@ bapo_gpu_job() {
     local args=(
         "name=$SLURM_JOB_NAME"
         "model.hf_path=$MODEL_DIR"
-        "data.path=$DATA"
+        ${DATA:+"data.path=$DATA"} # (an argument data.path=... comes after these: it wins)
         "run_dir=$RUN_DIR"
         "checkpoint.dir=$RUN_DIR/ckpt"
         "rollout.engines.admin_key_file=$(shared_admin_key)"

@@ -2,7 +2,8 @@
 
     python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp N --pp M --ep E --dtype float32]
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype DTYPE]
-        (MCORE_DIR: a converted checkpoint, a run's step directory, or a run's checkpoint.dir: its latest step)
+        (MCORE_DIR: a converted checkpoint, a run's step directory, or a run's checkpoint.dir: its latest
+        step; each carries its model's config.json and the run's tokenizer files, so no template is needed)
     python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4]
 
 Conversions hold about one decoder layer beyond their inputs (hf-to-mcore: beyond the
@@ -21,7 +22,7 @@ import argparse
 import sys
 
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.weights.convert import DTYPES, hf_to_mcore, mcore_to_hf, verify
+from bapo_megatron.weights.convert import DTYPES, TEMPLATE_HELP, hf_to_mcore, mcore_to_hf, verify
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     p.add_argument("--mcore", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--hf-template", help="directory with config.json and tokenizer files to copy")
+    p.add_argument("--hf-template", help=TEMPLATE_HELP)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype in the model's config.json")
     p = sub.add_parser("verify", help="compare logits of the two on random token ids")
     p.add_argument("--hf", required=True)
@@ -52,10 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             out = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.dtype, progress=show, ep=args.ep)
             print(f"wrote {out}")
         elif args.command == "mcore-to-hf":
-            from bapo_megatron.trainer.checkpoint import weights_dir
-
-            mcore = weights_dir(args.mcore)
-            print(f"wrote {mcore_to_hf(mcore, args.out, args.hf_template, args.dtype, progress=show)}")
+            print(f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, progress=show)}")
         else:
             result = verify(args.hf, args.mcore)
             ok = result["max_rel"] <= args.tolerance

@@ -3,8 +3,9 @@
     python tools/reshard.py --mcore CKPT_DIR --out HF_DIR [--hf-template DIR] [--dtype DTYPE]
     python tools/reshard.py --mcore CKPT_DIR --out SGLANG_DIR --sglang-tp 4 [--hf-template DIR]
 
-CKPT_DIR is a converted checkpoint, a trainer step directory (checkpoint.dir/step_N) or a
-run's checkpoint.dir (its latest step), saved at any tensor, pipeline and expert-parallel size:
+CKPT_DIR is what tools/convert_checkpoint.py mcore-to-hf takes (one resolver, weights_dir): a
+converted checkpoint, a trainer step directory (checkpoint.dir/step_N) or a run's checkpoint.dir
+(the step a resume would load), saved at any tensor, pipeline and expert-parallel size:
 a Qwen3-MoE run's checkpoint saved at parallel.expert=8 gives what one saved by a single process
 gives (optimizer state is passed over). Without --sglang-tp the output is a Hugging Face
 directory (safetensors shards, index, config.json, tokenizer files; one tensor per expert) that
@@ -22,14 +23,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bapo_megatron.weights.convert import DTYPES, mcore_to_hf
+from bapo_megatron.weights.convert import DTYPES, TEMPLATE_HELP, mcore_to_hf
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mcore", required=True, help="Megatron dist checkpoint directory")
+    parser.add_argument(
+        "--mcore", required=True, help="a converted checkpoint, a run's step directory or its checkpoint.dir"
+    )
     parser.add_argument("--out", required=True, help="output directory (must not exist)")
-    parser.add_argument("--hf-template", help="directory with config.json and tokenizer files to copy")
+    parser.add_argument("--hf-template", help=TEMPLATE_HELP)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype in the model's config.json")
     parser.add_argument("--sglang-tp", type=int, default=None, help="pre-split for this SGLang TP size")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest output file, in GB")
@@ -38,10 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_shard_gb <= 0:
         parser.error(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     try:
-        from bapo_megatron.trainer.checkpoint import weights_dir
-
         out = mcore_to_hf(
-            weights_dir(args.mcore),
+            args.mcore,
             args.out,
             args.hf_template,
             args.dtype,

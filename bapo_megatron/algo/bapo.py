@@ -1,4 +1,4 @@
-"""BAPO's adaptive clip-bound search (shared/BAPO_SPEC.md), one pass and one all-reduce per search.
+"""BAPO's adaptive clip-bound search (docs/BAPO_SPEC.md), one pass and one all-reduce per search.
 
 The search walks a path of (c_low, c_high) points that is fixed by the config, so the
 positive and negative contributions P and N of every point can be computed in one pass

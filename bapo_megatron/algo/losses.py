@@ -2,7 +2,10 @@
 
 Every loss returns a LossOutput whose loss_sum is sum_t m_t * w_t * loss_t over the tokens it
 was given and whose token_count is sum_t m_t; the caller divides the step's summed loss by the
-step's summed count (all micro-batches, all data-parallel ranks), a global token mean.
+step's summed count (all micro-batches, all data-parallel ranks), a global token mean. The two
+optional terms of any loss (kl_coef x a KL estimate to a reference policy, minus entropy_coef x
+the entropy) are summed over the same tokens with the same m_t, so they are token means of the
+step too (regularizers()).
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ LOG_RATIO_CLAMP = 20.0
 """r_t = exp(clamp(log pi - log mu, -20, 20)), as the spec defines it."""
 
 LossName = Literal["bapo", "ppo", "clip_higher", "dual_clip", "gspo", "cispo", "sft"]
+KLType = Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]
+VERL_KL_TYPES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "abs": "abs", "k1+": "k1+", "low_var_kl+": "k3+"}
+"""verl's actor.kl_loss_type names -> ours (verl also takes k1, k2, k3, k3+ as they are)."""
+KL_CLAMP = 10.0
+"""k3 is clamped to [-10, 10] (and its log-ratio to [-20, 20]) for numerical stability, as verl does."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,10 +53,25 @@ class PolicyLossConfig:
     gspo_eps_low: float = 3e-4
     """gspo: the sequence ratio is clipped to [1 - eps_low, 1 + eps_high]."""
     gspo_eps_high: float = 4e-4
+    """gspo: the upper side of that clip (1 + eps_high)."""
     cispo_eps_high: float = 0.28
     """cispo: the stop-gradient weight is clip(r, 0, 1 + eps_high)."""
     tis_cap: float | None = None
     """Truncated importance weight min(pi_prox / mu, cap) on any loss (None: off)."""
+    kl_coef: float = 0.0
+    """A KL loss to the reference policy (the run's starting weights, held frozen by the trainer):
+    the loss adds kl_coef x the token mean of a KL(pi || pi_ref) estimate, reported as loss/kl.
+    0: off, no reference model is built (the BAPO authors ran without). verl: actor.use_kl_loss
+    with actor.kl_loss_coef (verl's GRPO example uses 0.001)."""
+    kl_type: KLType = "k3"
+    """The per-token estimate of KL(pi || pi_ref) from d = log pi - log pi_ref of the sampled
+    token (Schulman's estimators; verl's actor.kl_loss_type names in brackets): k1 = d ("kl");
+    k2 = d^2 / 2 ("mse"); k3 = exp(-d) + d - 1, d clamped to [-20, 20] and the value to
+    [-10, 10] ("low_var_kl", verl's default); abs = |d| ("abs"); k1+ and k3+: k1's or k3's value
+    with k2's gradient, a straight-through estimator (verl's "k1+", "k3+"/"low_var_kl+")."""
+    entropy_coef: float = 0.0
+    """An entropy bonus: the loss subtracts entropy_coef x the token mean of the policy's entropy
+    (policy/entropy, at the sampling temperature). 0: off. verl: actor.entropy_coeff."""
 
     def __post_init__(self) -> None:
         check(self.loss in POLICY_LOSSES, "loss", self.loss, f"must be one of {sorted(POLICY_LOSSES)}")
@@ -71,6 +94,11 @@ class PolicyLossConfig:
                 self.tis_cap,
                 "must be None or a finite number >= 1",
             )
+        for name in ("kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value >= 0.0, name, value, "must be a finite number >= 0 (0: off)")
+        verl = ", ".join(f"{k} is {v}" for k, v in VERL_KL_TYPES.items() if k != v)
+        check(self.kl_type in KL_ESTIMATES, "kl_type", self.kl_type, f"must be one of {list(KL_ESTIMATES)} ({verl})")
 
 
 @dataclass
@@ -86,8 +114,10 @@ class PolicyBatch:
     """1 for counted response tokens, 0 for prompt and padding (which may hold NaN)."""
     prox_logprobs: torch.Tensor | None = None
     """log pi_prox, recomputed at the start of the step; needed only with tis_cap."""
+    ref_logprobs: torch.Tensor | None = None
+    """log pi_ref of the reference policy (no gradient); needed only with kl_coef > 0."""
     entropy: torch.Tensor | None = None
-    """Per-token entropy of pi_theta, reported as policy/entropy when given."""
+    """Per-token entropy of pi_theta (with gradient for entropy_coef), reported as policy/entropy."""
     segment_ids: torch.Tensor | None = None
     """gspo: which response each token belongs to; default: each row of a 2-D batch is one."""
     top_logprobs: torch.Tensor | None = None
@@ -99,7 +129,8 @@ class PolicyBatch:
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
-        for name in ("old_logprobs", "advantages", "mask", "prox_logprobs", "entropy", "segment_ids", "top_logprobs"):
+        names = ("old_logprobs", "advantages", "mask", "prox_logprobs", "ref_logprobs", "entropy", "segment_ids")
+        for name in (*names, "top_logprobs"):
             t = getattr(self, name)
             if t is not None and t.shape != shape:
                 raise ValueError(f"PolicyBatch.{name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
@@ -332,6 +363,72 @@ def sft_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=None)
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Terms any loss can carry: a KL loss to a reference policy, an entropy bonus.
+
+
+def _k3(d: torch.Tensor) -> torch.Tensor:
+    log_ratio = torch.clamp(-d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # log pi_ref / pi
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -KL_CLAMP, KL_CLAMP)
+
+
+def _k2(d: torch.Tensor) -> torch.Tensor:
+    return 0.5 * d.square()
+
+
+def _straight_through(value: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`value`'s estimate with k2's gradient, d x grad log pi: on tokens sampled from pi, an unbiased
+    estimate of the gradient of KL(pi || pi_ref), which k1's and k3's own gradients are not."""
+
+    def estimate(d: torch.Tensor) -> torch.Tensor:
+        k2 = _k2(d)
+        return k2 - k2.detach() + value(d).detach()
+
+    return estimate
+
+
+KL_ESTIMATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": lambda d: d,
+    "k2": _k2,
+    "k3": _k3,
+    "abs": torch.abs,
+    "k1+": _straight_through(lambda d: d),
+    "k3+": _straight_through(_k3),
+}
+"""kl_type -> the per-token estimate of KL(pi || pi_ref) as a function of d = log pi - log pi_ref."""
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) at the sampled tokens (PolicyLossConfig.kl_type)."""
+    return KL_ESTIMATES[kl_type](logprobs - ref_logprobs)
+
+
+def regularizers(batch: PolicyBatch, cfg: PolicyLossConfig) -> tuple[torch.Tensor, dict[str, tuple]]:
+    """(kl_coef x sum_t m_t KL_t - entropy_coef x sum_t m_t H_t, their metrics as (sum, count)).
+
+    Summed with the m_t of the policy term and over the same tokens, so that the step's division
+    by its token count makes each a token mean (verl's kl_loss and entropy_loss under token-mean
+    aggregation); neither is weighted by tis_cap's importance weight (verl's are not). Zero, with
+    no metric, for a coefficient of 0."""
+    counted = batch.mask != 0
+    w = torch.where(counted, batch.mask.to(batch.logprobs.dtype), 0.0)
+    total, metrics = w.new_zeros(()), {}
+    if cfg.kl_coef > 0:
+        if batch.ref_logprobs is None:
+            raise ValueError(f"kl_coef={cfg.kl_coef} is set but PolicyBatch.ref_logprobs is None")
+        logprobs = torch.where(counted, batch.logprobs, 0.0)
+        ref = torch.where(counted, batch.ref_logprobs.to(logprobs.dtype), 0.0)
+        kl = (w * kl_estimate(logprobs, ref, cfg.kl_type)).sum()
+        total = total + cfg.kl_coef * kl
+        metrics["loss/kl"] = (kl, w.sum())
+    if cfg.entropy_coef > 0:
+        if batch.entropy is None:
+            raise ValueError(f"entropy_coef={cfg.entropy_coef} is set but PolicyBatch.entropy is None")
+        entropy = torch.where(counted, w * batch.entropy.to(w.dtype), 0.0).sum()
+        total = total - cfg.entropy_coef * entropy
+    return total, metrics
+
+
 PolicyLossFn = Callable[..., LossOutput]
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
@@ -351,5 +448,12 @@ def policy_loss(
     bounds: ClipBounds | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> LossOutput:
-    """The configured loss; `bounds` and `group` matter to bapo only."""
-    return POLICY_LOSSES[cfg.loss](batch, cfg, bounds=bounds, group=group)
+    """The configured loss with its KL and entropy terms (regularizers); `bounds` and `group`
+    matter to bapo only."""
+    out = POLICY_LOSSES[cfg.loss](batch, cfg, bounds=bounds, group=group)
+    extra, metrics = regularizers(batch, cfg)
+    if cfg.kl_coef > 0 or cfg.entropy_coef > 0:
+        out.loss_sum = out.loss_sum + extra
+    for name, (value, count) in metrics.items():
+        out.add_mean(name, value, count)
+    return out

@@ -28,6 +28,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "generation_config.json",
+    "chat_template.jinja",  # transformers 5 saves a tokenizer's chat template here
 )
 
 

@@ -3,14 +3,21 @@
 On the CPU default every run would print about 30 lines before its first step: Megatron saying
 Transformer Engine and Apex are missing (and falling back, as intended on a CPU), its own
 deprecations, torch's distributed-checkpoint deprecations met through Megatron, transformers'
-past_key_values notice. `install()` (called first thing by bapo-train and the demo) keeps the
-warnings that match KNOWN off stderr and holds them; `flush(run_dir)` appends them to
-run_dir/warnings.log once the run has a directory. Every other warning shows as before. The
-fallbacks are harmless only without a GPU: with CUDA, Transformer Engine's absence is shown.
+past_key_values notice; under torchrun, on every rank, Megatron's advice to set
+CUDA_DEVICE_MAX_CONNECTIONS, torch's deprecation of the collectives its sequence parallelism
+calls, and its note that a rank's common checkpoint state differs from rank
+0's (the driver's state is rank 0's alone, and rank 0's is what is saved). `install()` (called
+first thing by bapo-train, the demo and evaluate) keeps the warnings that match KNOWN, and the
+log records that match KNOWN_LOGS, off stderr and holds them; `flush(run_dir, rank)` appends them
+to run_dir/warnings.log once the run has a directory, each line tagged with its rank when one is
+given (every rank appends to the same file). Every other warning shows as before. The fallbacks
+are harmless only without a GPU: with CUDA, Transformer Engine's absence is shown.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import warnings
 from pathlib import Path
@@ -23,6 +30,14 @@ KNOWN: list[tuple[type[Warning], str, bool]] = [
     (FutureWarning, r"`load_state_dict` is deprecated and will be removed", False),
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", False),
     (Warning, r"past_key_values", False),
+    (UserWarning, r"CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", True),
+    # torch's deprecations of the collectives Megatron's sequence parallelism calls (this package calls neither)
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", False),
+]
+KNOWN_LOGS: list[tuple[str, str, bool]] = [
+    # (logger, message pattern, only without CUDA): notices sent through logging, not warnings
+    ("transformers.utils.generic", r"past_key_values", False),
+    ("megatron.core.dist_checkpointing.validation", r"common state dict differs from rank 0", False),
 ]
 _held: list[str] = []
 _installed = False
@@ -55,17 +70,45 @@ def install(cuda: bool | None = None) -> None:
             shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
+    for name, pattern, cpu_only in KNOWN_LOGS:
+        if not (cpu_only and cuda):
+            logging.getLogger(name).addFilter(_LogHolder(pattern))
     _installed = True
 
 
-def flush(run_dir: str | Path | None) -> int:
-    """Append the warnings held so far to run_dir/warnings.log (None: a rank that writes no log:
-    dropped); how many."""
+class _LogHolder(logging.Filter):
+    """Holds a logger's records that match `pattern` instead of letting its handlers print them."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not self.pattern.search(message):
+            return True
+        _held.append(f"{record.name}: {record.levelname}: {message}")
+        return False
+
+
+def flush(run_dir: str | Path | None, rank: int | None = None) -> int:
+    """Append the warnings held so far to run_dir/warnings.log, each line tagged `[rank N]` when
+    `rank` is given; how many. None: nowhere to keep them, dropped. A run directory that does not
+    exist yet (another rank makes it) keeps them held for the next flush: 0."""
     count = len(_held)
     if not count or run_dir is None:
         _held.clear()
         return count
-    with (Path(run_dir) / "warnings.log").open("a") as log:
-        log.write("\n".join(_held) + "\n")
+    path = Path(run_dir) / "warnings.log"
+    if not path.parent.is_dir():
+        return 0
+    tag = "" if rank is None else f"[rank {rank}] "
+    text = "".join(f"{tag}{line}\n" for entry in _held for line in entry.splitlines())
+    # one write with O_APPEND: the ranks' appends to the one file do not interleave
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
     _held.clear()
     return count

@@ -22,7 +22,8 @@ class DataConfig:
     token ids, or a list of chat messages [{"role": ..., "content": ...}] (verl's layout)."""
     answer_field: str = "answer"
     """The record's reference answer, a dotted path ("reward_model.ground_truth"), handed to the
-    reward (reward.function) as record["answer"] beside the whole record."""
+    reward (reward.function) as record["answer"] beside the whole record. Where the reward reads it
+    (every built-in does, as text or a number), a record without it is an error before any engine starts."""
     system_prompt: str | None = None
     """A system turn put before chat prompts that have none (text prompts need chat_template)."""
     max_prompt_tokens: int | None = None
@@ -30,16 +31,18 @@ class DataConfig:
     overlong_prompts: Literal["drop", "error"] = "drop"
     """drop: left out, counted (data/prompts_dropped); error: the run stops naming the record."""
     check_records: int = 1000
-    """Training records read, rendered and checked before anything starts; the rest when drawn. (An
-    evaluation set's records are all checked at the start, and with reward.by every training record's
-    route, by one read of that field.)"""
+    """Training records read, rendered and checked before anything starts (the prompt, and the answer
+    and any route the reward reads); the rest when drawn. (An evaluation set's records are all checked
+    at the start, and with reward.by every training record's route, by one read of that field.)"""
     cache_dir: str | None = None
     """Where parquet files are kept decoded (Arrow, read a batch at a time; checked against the parquet
     file's size, time and footer hash at every start, decoded again when stale or damaged); None:
     $BAPO_DATA_CACHE, else ~/.cache/bapo-megatron/data. It must be writable with room for the decoded
     file unless it holds a valid cache already: one that cannot be used is an error naming it."""
     shuffle: bool = True
+    """Read the prompts in a new random order every epoch (false: in file order)."""
     seed: int = 0
+    """Seeds the prompt order (with the epoch): the same seed, the same prompts each step."""
     chat_template: bool = False
     """Wrap each text prompt in the tokenizer's chat template (one user turn, generation prompt)."""
 

@@ -10,7 +10,7 @@ from bapo_megatron.errors import check
 SGLANG_LAUNCHER_ARGS = {
     "model-path": "set to the model being trained",
     "host": "set from rollout.engines.host",
-    "port": "set from rollout.engines.port + the server's index",
+    "port": "set from rollout.engines.port (else 30000) + the server's index",
     "tp-size": "set from rollout.engines.tensor_parallel",
     "dp-size": "always 1: one server per replica, as weight updates need",
     "base-gpu-id": "set from the server's index",
@@ -26,6 +26,10 @@ SGLANG_LAUNCHER_ARGS = {
     "api-key": "never set: the rollout client sends only the admin key, so /generate would answer 401",
 }
 """SGLang options that engines/sglang_launcher.py derives from the config: never in sglang_args."""
+
+DEFAULT_PORT = 30000
+"""The first port where rollout.engines.port is unset and a free one will not do: SGLang servers
+(SGLang's own default) and bapo-serve's engines, whose URLs the trainer is handed beforehand."""
 
 SGLANG_DEPRECATED_ARGS = {
     "disable-cuda-graph": "disable-decode-cuda-graph: true and disable-prefill-cuda-graph: true",
@@ -55,8 +59,11 @@ class EnginesConfig:
     them (and starts none). Empty: the driver starts `servers` engines of `kind`."""
     host: str = "127.0.0.1"
     """Interface the engines listen on; anything beyond loopback requires an admin key."""
-    port: int = 30000
-    """First server port; server i listens on port + i."""
+    port: int | None = None
+    """First port of the engines the run starts: engine i listens on port + i. None (or 0): each
+    embedded engine takes a free port of its own (it binds port 0 and reports the port it got), so
+    that runs and tests side by side never collide; SGLang servers, and bapo-serve's engines (the
+    trainer is handed their URLs), listen on 30000 + i. Engines given by `urls` keep theirs."""
     colocate: bool = False
     """SGLang shares the trainer's GPUs: memory saver on, weights pushed with update_weights_from_tensor."""
     mem_fraction_static: float | None = None
@@ -80,6 +87,7 @@ class EnginesConfig:
     the numeric mismatch of a GPU engine against a float32 trainer on CPU; SGLang takes either
     as its --dtype (float32 doubles the memory its weights and KV cache take)."""
     request_timeout_s: float = 600.0
+    """Seconds one HTTP request to an engine may take (a generation included) before it fails."""
     startup_timeout_s: float = 600.0
     """Seconds an engine may take to become ready (or an engine URL to answer)."""
     wait_s: float = 900.0
@@ -97,7 +105,8 @@ class EnginesConfig:
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         for i, url in enumerate(self.urls):
             check(url.startswith(("http://", "https://")), f"urls[{i}]", url, "must be an http(s):// URL")
-        check(1 <= self.port <= 65535 - self.servers, "port", self.port, "must leave room for one port per server")
+        if self.port:  # (None or 0: a free port)
+            check(1 <= self.port <= 65535 - self.servers, "port", self.port, "must leave room for one port per server")
         if self.mem_fraction_static is not None:
             check(
                 0 < self.mem_fraction_static < 1, "mem_fraction_static", self.mem_fraction_static, "must lie in (0, 1)"
@@ -122,3 +131,10 @@ class EnginesConfig:
                 value,
                 "must be a scalar or a list",
             )
+
+    @property
+    def first_port(self) -> int | None:
+        """Engine 0's port (engine i's: + i); None: each embedded engine takes a free port."""
+        if self.port:
+            return self.port
+        return DEFAULT_PORT if self.kind == "sglang" else None

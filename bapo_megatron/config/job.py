@@ -20,11 +20,15 @@ class JobConfig:
     """A whole BAPO job."""
 
     name: str = "bapo"
+    """The run's name: its directory (runs/<name>) and the name its checkpoints record."""
     steps: int = 20
     """Rollout-and-train iterations."""
     seed: int = 1234
+    """Seeds the model's initialisation, dropout and the engines' sampling (the prompt order has
+    data.seed)."""
     run_dir: str | None = None
-    """Where the run writes metrics.jsonl, config.yaml, engine logs (None: runs/<name>)."""
+    """Where the run writes metrics.jsonl, config.yaml, engine logs and, unless checkpoint.dir says
+    otherwise, its checkpoints (None: runs/<name>)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -71,6 +75,14 @@ class JobConfig:
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """Where the run's checkpoints go: checkpoint.dir, else its own <run_dir>/ckpt (a run never
+        shares another's by default); None with checkpoint.save false."""
+        if not self.checkpoint.save:
+            return None
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_path / "ckpt"
 
 
 def parse_stop_when(rule: str) -> tuple[str, str, float]:

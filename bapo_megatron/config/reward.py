@@ -14,7 +14,8 @@ class RewardConfig:
 
     function: str = "math"
     """"math" (math-verify on the last \\boxed answer), "dapo" (the last "Answer:" line, +1 / -1),
-    "exact" (the text, stripped), "exact_ids", or a function of yours, "pkg.module:fn" or
+    "gsm8k" (the number after the last "#### ", 1 / 0, as verl scores GSM8K; "gsm8k_flexible": the
+    last number), "exact" (the text, stripped), "exact_ids", or a function of yours, "pkg.module:fn" or
     "path/to/file.py:fn", called as fn(text, ids, record) -> float with data.answer_field's value
     as record["answer"]. A call that fails scores 0 and is counted (rollout/reward_errors)."""
     by: str | None = None

@@ -14,10 +14,13 @@ class SamplingConfig:
     """rollout.sampling: how responses are sampled (SGLang's sampling_params)."""
 
     max_new_tokens: int = 64
+    """The longest response, in tokens; a response cut there ends with finish reason "length"."""
     temperature: float = 1.0
     """The trainer divides its logits by it too, as the engines do."""
     top_p: float = 1.0
+    """Nucleus sampling: sample from the most likely tokens whose probabilities sum to top_p (1: all)."""
     top_k: int = -1
+    """Sample from the top_k most likely tokens only (-1: all)."""
 
     def __post_init__(self) -> None:
         check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
@@ -59,6 +62,30 @@ class PartialConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FilterGroupsConfig:
+    """rollout.filter_groups: dynamic sampling (DAPO; verl's algorithm.filter_groups, slime's
+    check_reward_nonzero_std filter). A group whose rewards are all equal has every advantage 0 and
+    trains nothing: it is set aside and another prompt generated in its place (rollout/filtering.py).
+    Metrics: rollout/filtered_groups, rollout/extra_rounds, rollout/filter_shortfall."""
+
+    enabled: bool = False
+    """Set aside the groups whose rewards (reward.*, the overlong penalty included) are all equal and
+    generate others until the step has prompts_per_step groups whose rewards differ (sync: a new
+    prompt for each; async: the producer admits one in its place)."""
+    max_extra_rounds: int = 4
+    """A step stops generating once it has seen (1 + this) x prompts_per_step complete groups (those
+    completing as it ends are counted too; rollout/extra_rounds: the groups seen beyond
+    prompts_per_step, in steps' worth). verl's max_num_gen_batches - 1 where gen_batch_size =
+    train_batch_size; there is no unbounded setting. Short of groups whose rewards differ by then,
+    the step trains on those it has, topped up with groups set aside to keep its size
+    (rollout/filter_shortfall counts them); with none at all the run stops with an error: the
+    prompts are too hard or too easy for the model, or the reward is wrong."""
+
+    def __post_init__(self) -> None:
+        check(self.max_extra_rounds >= 0, "max_extra_rounds", self.max_extra_rounds, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class WeightSyncConfig:
     """rollout.sync: the trainer's weights to the engines after every step, and the check that they arrived."""
 
@@ -89,7 +116,9 @@ class RolloutConfig:
     while the trainer trains). "async": the engines keep generating while the trainer trains; a
     step takes the oldest complete groups, within max_staleness versions of the policy it trains."""
     prompts_per_step: int = 8
+    """Prompts (groups) in each step's batch."""
     samples_per_prompt: int = 4
+    """Responses generated for each prompt: a group, whose rewards make the advantages."""
     oversample: float = 1.0
     """Keep this many times prompts_per_step groups generating, so slow groups do not stall a step
     (sync: 2 to 3 with partial rollout keeps the engines busy, benchmarks/bench_rollout.py)."""
@@ -123,6 +152,7 @@ class RolloutConfig:
     step) or a directory of them (one per step, in name order, cycling)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     partial: PartialConfig = field(default_factory=PartialConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
@@ -141,6 +171,13 @@ class RolloutConfig:
                 budget,
                 f"x (max_staleness + 1) = {reach} tokens is all a response can get before it is stale; "
                 f"it must reach sampling.max_new_tokens={new}, or long responses never finish",
+            )
+        if self.replay is not None:
+            check(
+                not self.filter_groups.enabled,
+                "filter_groups.enabled",
+                True,
+                "has no effect with rollout.replay (saved batches are trained as they are)",
             )
         if self.deterministic:
             check(self.mode == "sync", "deterministic", True, "needs mode=sync (asynchronous timing decides batches)")

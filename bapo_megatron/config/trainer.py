@@ -66,7 +66,10 @@ class ModelConfig:
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """"transformer_engine" on GPU (needed for fp8); "local" on CPU and in tests."""
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"
+    """Parameters and compute: "fp32" (the CPU), "bf16" or "fp8" (a CUDA GPU; fp8 with Transformer
+    Engine, its matrix multiplies in fp8 and the rest in bf16)."""
     fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    """Under fp8: "hybrid" (e4m3 forward, e5m2 gradients) or "e4m3" for both."""
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = "tensorwise"
     """Scaling recipe: "tensorwise" (current scaling, Hopper), "delayed" (amax history), "blockwise"."""
     fp8_bf16_first_last_layers: bool = True
@@ -121,28 +124,43 @@ class ParallelConfig:
     """Megatron parallel layout; the data-parallel size is what remains of the world size."""
 
     tensor: int = 1
+    """Tensor parallel: each layer's weights are split over this many ranks."""
     pipeline: int = 1
+    """Pipeline parallel: the layers are split into this many stages, one a rank."""
     expert: int = 1
     """Expert parallel: each MoE layer's experts are split over this many ranks (expert tensor
     parallel is 1: an expert is never split). The expert-parallel ranks are consecutive data- and
     tensor-parallel ranks of one pipeline stage; it must divide tensor x data parallel."""
     context: int = 1
     """Context parallel: not supported yet (1). Megatron does not split sequences itself: each CP
-    rank must be fed its 2 x CP load-balanced chunks, with TE attention; until that exists, a
-    value above 1 is refused rather than silently training on wrong positions and attention."""
+    rank must be fed its 2 x CP load-balanced chunks, with TE attention on two GPUs or more; until
+    that exists, a value above 1 is refused before anything starts (trainer/fit.py, where the refusal
+    can name the longest response the layout fits without it) rather than silently training on
+    wrong positions and attention."""
     virtual_pipeline: int | None = None
     """Interleaved pipeline: model chunks per pipeline rank (None: not interleaved)."""
     sequence_parallel: bool = False
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recompute: "selective" keeps every layer's activations but core attention's
+    """Megatron's sequence parallelism: the activations that tensor parallelism replicates (norms,
+    dropout, residual) are split along the sequence over the tensor-parallel ranks (needs tensor >=
+    2): less activation memory, the same compute."""
+    recompute: Literal["none", "selective", "full", "auto"] = "none"
+    """Activation recompute: "auto" is the least of the others whose estimated peak memory fits the
+    GPU (trainer/fit.py: none, selective, then full over 1, 2, ... layers), resolved before anything
+    is built ("none" without a GPU); the dry run says what it chose and why. "selective" keeps
+    every layer's activations but core attention's
     (recomputed in the backward pass, as Megatron's selective recompute does); "full" keeps only the
     inputs of `recompute_layers` layers of each pipeline stage and runs them again in the backward
     pass (Megatron's block method): the least memory, about one more forward's compute. Full
-    recompute reruns the routers too: with algo.routing_replay it is refused until the recomputed
-    forward replays the same routes (Megatron's REPLAY_BACKWARD), selective is fine."""
+    recompute reruns the routers too; with algo.routing_replay each rerun replays the routes of the
+    micro-batch being backpropagated (trainer/routing.py)."""
     recompute_layers: int | None = None
     """With recompute "full": how many layers of each pipeline stage (virtual stage) are recomputed,
     the first ones; None: all of them."""
+    over_memory: bool = False
+    """Go on when the memory estimate (trainer/memory.py) puts the peak over the GPU: by default the
+    run and the dry run refuse it ("does not fit", with what would fit); true runs it anyway, with
+    a warning (recompute "auto" then takes the most recompute there is). For an estimate you have
+    measured to be too high."""
     max_tokens_per_microbatch: int = 4096
     """Micro-batches are filled by token count (length-sorted), up to this many tokens each."""
     packing: Literal["auto", "padded", "packed"] = "auto"
@@ -156,17 +174,9 @@ class ParallelConfig:
     Transformer Engine or a virtual pipeline, padded otherwise. perf/packing_efficiency reports
     the share of computed tokens that are real."""
 
-
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "expert", "context", "max_tokens_per_microbatch"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        check(
-            self.context == 1,
-            "context",
-            self.context,
-            "context parallel is not supported yet (each CP rank would see the whole sequence); "
-            "use tensor parallel with sequence_parallel=true for long sequences",
-        )
         if self.virtual_pipeline is not None:
             check(
                 self.virtual_pipeline >= 2 and self.pipeline >= 2,
@@ -205,12 +215,19 @@ class OptimizerConfig:
     """Adam with linear warmup and an optional decay, gradient clipping."""
 
     lr: float = 1e-6
+    """The learning rate after warmup (the peak)."""
     min_lr: float = 0.0
+    """Where lr_decay ends at the last step."""
     warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly from 0 to lr (0: none)."""
     weight_decay: float = 0.0
+    """Adam's decoupled weight decay (AdamW)."""
     adam_beta1: float = 0.9
+    """Adam's decay rate of the gradient's running mean."""
     adam_beta2: float = 0.999
+    """Adam's decay rate of the squared gradient's running mean."""
     adam_eps: float = 1e-8
+    """Added to the denominator of Adam's update."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
     lr_decay: Literal["constant", "linear", "cosine"] = "constant"

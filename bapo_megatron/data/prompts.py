@@ -18,6 +18,7 @@ position) sees exactly the prompts the uninterrupted run would have.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,7 +102,10 @@ class Renderer:
 
     def _text(self, text: str) -> list[int]:
         if self.tokenize is None:
-            raise ValueError("the prompt is text and no tokenizer was given (model.hf_path has none)")
+            raise ValueError(
+                "the prompt is text and no tokenizer was given: set model.hf_path to a model directory with "
+                "one (tokenizer.json or tokenizer_config.json)"
+            )
         return self.tokenize(text)
 
     def _chat(self, messages: list[dict]) -> list[int]:
@@ -117,7 +121,8 @@ class Renderer:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 "chat messages need the model directory's chat template (tokenizer_config.json's chat_template "
-                "or chat_template.jinja), and there is none"
+                "or chat_template.jinja), and there is none: set model.hf_path to a model directory that has one "
+                "(`python -m bapo_megatron.tasks verl-data DIR` writes a tiny one, DIR/model)"
             )
         # the template writes any special tokens itself: encoded as they are
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -128,6 +133,51 @@ def _kind(value: Any) -> str:
     if isinstance(value, list):
         return f"a list of {type(value[0]).__name__}" if value else "an empty list"
     return type(value).__name__
+
+
+VERL_ANSWER = "reward_model.ground_truth"
+"""Where verl's data sets keep the reference answer."""
+
+
+def field_paths(record: dict[str, Any], prefix: str = "", depth: int = 3) -> list[str]:
+    """The dotted paths of a record's fields: nested dicts' leaves, `depth` levels down."""
+    out = []
+    for key, value in record.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value and depth > 1:
+            out += field_paths(value, f"{path}.", depth - 1)
+        else:
+            out.append(path)
+    return out
+
+
+def missing_field(
+    record: dict[str, Any], path: str, key: str | None, needed: str = "", extra: Any = (), shown: int = 12
+) -> str:
+    """Dotted `path` (config key `key`, if any) absent from `record`, said with why it is `needed`,
+    the record's fields (and those in `extra`) and the closest one: "no field 'answer'
+    (data.answer_field), which reward 'dapo' scores against; the record has prompt,
+    reward_model.ground_truth; verl's layout: set data.answer_field=reward_model.ground_truth"."""
+    parts, value, detail = path.split("."), record, None
+    for i, part in enumerate(parts):
+        if not isinstance(value, dict) or part not in value:
+            detail = f"{'.'.join(parts[:i])} has no {part!r}" if i else None
+            break
+        value = value[part]
+    said = "; ".join(s for s in (key, detail) if s)
+    paths = sorted({*field_paths(record), *extra} - {path})
+    listed = ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
+    text = f"no field {path!r}{f' ({said})' if said else ''}{f', {needed}' if needed else ''}"
+    text += f"; the record has {listed or 'no fields'}"
+    if key == "data.answer_field" and VERL_ANSWER in paths:
+        return f"{text}; verl's layout: set {key}={VERL_ANSWER}"
+    close = difflib.get_close_matches(path, paths, n=1, cutoff=0.6)
+    if not close:  # the same last part elsewhere ("ground_truth" for "reward_model.ground_truth")
+        last = path.rsplit(".", 1)[-1]
+        close = [p for p in paths if p.rsplit(".", 1)[-1] == last][:1]
+    if not close:
+        return text
+    return f"{text}; did you mean {key}={close[0]}?" if key else f"{text}; did you mean {close[0]!r}?"
 
 
 class PromptSource:
@@ -213,8 +263,8 @@ class PromptSource:
         record = self._record(index)
         try:
             prompt = get_field(record, c.prompt_field)
-        except MissingField as err:
-            raise ValueError(f"{where}: {err.args[0]} (data.prompt_field)") from None
+        except MissingField:
+            raise ValueError(f"{where}: {missing_field(record, c.prompt_field, 'data.prompt_field')}") from None
         try:
             ids = self.render(prompt)
         except ValueError as err:

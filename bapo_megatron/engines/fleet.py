@@ -69,8 +69,8 @@ class Engines:
             self.loop.run(self._check_answering())
         else:
             host = "127.0.0.1" if e.kind == "embedded" else e.host
-            for i in range(e.servers):
-                check_port(host, e.port + i, "rollout.engines.port")
+            for i in range(e.servers if e.first_port is not None else 0):  # (free ports: each engine binds its own)
+                check_port(host, e.first_port + i, "rollout.engines.port")
 
     def start(self, model_dir: str | Path, colocated_fraction: float | None = None) -> EnginePool:
         """Start the engines on `model_dir` (or take rollout.engines.urls) and wait until every one

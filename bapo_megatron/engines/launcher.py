@@ -85,16 +85,34 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    """One engine server process, its URL and its log file."""
+    """One engine server process, its URL and its log file.
 
-    def __init__(self, command: list[str], url: str, log_path: str | Path, env: dict[str, str] | None = None) -> None:
-        self.command, self.url, self.log_path = command, url.rstrip("/"), Path(log_path)
+    A server started on a free port (`port_file`: its command says `--port 0 --port-file FILE`)
+    binds port 0 and writes the port it got to FILE: its URL is known once `wait_ready` has read
+    it, and from then on its command names that port, so that a restart comes back at the same URL.
+    """
+
+    def __init__(
+        self,
+        command: list[str],
+        url: str | None,
+        log_path: str | Path,
+        env: dict[str, str] | None = None,
+        port_file: str | Path | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        assert (url is None) == (port_file is not None), "a URL, or a port file to learn it from"
+        self.command, self.log_path = command, Path(log_path)
+        self.url = url.rstrip("/") if url is not None else None
+        self.port_file, self.host = (Path(port_file) if port_file is not None else None), host
         inherited = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
         self.env = {**inherited, **(env or {})}
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.port_file is not None:
+            self.port_file.unlink(missing_ok=True)  # (a previous start's)
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
         self.process = subprocess.Popen(
             self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent
@@ -121,17 +139,35 @@ class ServerProcess:
                     f"engine server exited with code {self.process.returncode} before it was "
                     f"ready ({' '.join(self.command[:4])} ...){foreign}; log tail:\n{self.log_tail()}"
                 )
-            if answers(self.url, path):
+            if self.url is None:
+                self._read_port()
+            if self.url is not None and answers(self.url, path):
                 if key is None or not refuses_key(self.url, key):
                     return self
                 foreign = f"; another server answers on {self.url} and refuses this job's key: the port is taken"
             if time.monotonic() > deadline:
                 self.stop()
                 raise EngineStartError(
-                    f"engine server at {self.url} not ready after {timeout_s:.0f} s{foreign}; "
+                    f"engine server at {self.url or 'a free port (none reported yet)'} not ready after "
+                    f"{timeout_s:.0f} s{foreign}; "
                     f"log tail:\n{self.log_tail()}"
                 )
             time.sleep(0.2)
+
+    def _read_port(self) -> None:
+        """The port the server reports in its port file, once written: the URL, and the command
+        pinned to it (a restart binds the same port)."""
+        try:
+            port = int(self.port_file.read_text())
+        except (OSError, ValueError):  # not written yet (it is written whole: renamed into place)
+            return
+        self.url = f"http://{self.host}:{port}"
+        self.command = [*self.command]
+        at = self.command.index("--port") + 1
+        self.command[at] = str(port)
+        del self.command[self.command.index("--port-file") : self.command.index("--port-file") + 2]
+        self.port_file.unlink(missing_ok=True)
+        self.port_file = None
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -162,8 +198,9 @@ def embedded_server(
     dtype: str = "float32",
 ) -> ServerProcess:
     """A (not yet started) embedded engine serving model_dir in `dtype` (float32 or bfloat16); the
-    admin key travels in its environment."""
-    port = port or free_port(host)
+    admin key travels in its environment. port None: a free port, which the engine binds itself and
+    reports (no other process can take it between a check and the bind)."""
+    port_file = Path(f"{log_path}.port") if not port else None
     command = [
         sys.executable,
         "-m",
@@ -171,7 +208,7 @@ def embedded_server(
         "--model",
         str(model_dir),
         "--port",
-        str(port),
+        str(port or 0),
         "--host",
         host,
         "--seed",
@@ -183,21 +220,25 @@ def embedded_server(
         command += ["--max-batch", str(max_batch)]
     if batch_invariant:
         command.append("--batch-invariant")
+    if port_file is not None:
+        command += ["--port-file", str(port_file)]
     env = {"BAPO_ADMIN_API_KEY": admin_key} if admin_key else {}
-    return ServerProcess(command, f"http://{host}:{port}", log_path, env)
+    url = f"http://{host}:{port}" if port else None
+    return ServerProcess(command, url, log_path, env, port_file=port_file, host=host)
 
 
 def embedded_servers(
     ro: RolloutConfig, model_dir: str | Path, run_dir: Path, seed: int, admin_key: str | None, host: str = "127.0.0.1"
 ) -> list[ServerProcess]:
     """The job's rollout.engines.servers embedded engines (not started), as the driver and bapo-serve both
-    start them: engine i on port rollout.engines.port + i with seed + i, logging to run_dir/engine_i.log."""
+    start them: engine i on port rollout.engines.port + i (unset: a free port each) with seed + i,
+    logging to run_dir/engine_i.log."""
     engines = ro.engines
     return [
         embedded_server(
             model_dir,
             run_dir / f"engine_{i}.log",
-            port=engines.port + i,
+            port=None if engines.first_port is None else engines.first_port + i,
             host=host,
             seed=seed + i,
             admin_key=admin_key,

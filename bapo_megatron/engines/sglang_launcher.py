@@ -1,7 +1,7 @@
 """SGLang 0.5.23 servers from our config: one `python -m sglang.launch_server` per rollout replica.
 
-Each server gets its own GPUs, its own port (rollout.engines.port + i) and dp_size 1, which weight
-updates need. Where its GPUs are (`gpu_placement`): started by the driver, on the driver's
+Each server gets its own GPUs, its own port (rollout.engines.port + i, 30000 + i when unset) and
+dp_size 1, which weight updates need. Where its GPUs are (`gpu_placement`): started by the driver, on the driver's
 node, colocated on the GPUs of the trainer's ranks there, else on the GPUs after theirs;
 started by bapo-serve, GPUs (i x tensor_parallel) modulo the GPUs it sees on its node.
 Every argument goes in a YAML file (mode 0600) passed with --config, so the admin key never
@@ -90,7 +90,7 @@ def server_args(
     args: dict[str, Any] = {
         "model-path": model_path,
         "host": cfg.engines.host,
-        "port": cfg.engines.port + index,
+        "port": cfg.engines.first_port + index,
         "tp-size": cfg.engines.tensor_parallel,
         "dp-size": 1,
         "base-gpu-id": (index * cfg.engines.tensor_parallel) % max(1, _gpus_per_node())
@@ -195,7 +195,7 @@ def sglang_servers(
         servers.append(
             ServerProcess(
                 [sys.executable, "-m", "sglang.launch_server", "--config", str(config)],
-                f"http://{host}:{cfg.engines.port + i}",
+                f"http://{host}:{cfg.engines.first_port + i}",
                 run_dir / f"sglang_{i}.log",
             )
         )

@@ -4,7 +4,9 @@ A reward function takes (response text, response token ids, the prompt's data re
 returns a float. "math" checks the response's final (boxed) answer against meta["answer"]
 with math-verify; "dapo" is DAPO's convention (the last "Answer:" line of the response's last
 300 characters, normalised as Minerva's answers are, +1 when it equals the normalised reference,
-else -1); "exact" ("exact_text") compares the text, "exact_ids" the tokens. Any other name is a
+else -1); "gsm8k" is GSM8K's "#### answer" convention as verl scores it (1 for the right number
+after the last "####", else 0; "gsm8k_flexible": the last number anywhere); "exact"
+("exact_text") compares the text, "exact_ids" the tokens. Any other name is a
 user function: "pkg.module:fn" (imported) or "path/to/file.py:fn" (loaded from the file),
 resolved once per process (`load_reward`).
 
@@ -111,8 +113,49 @@ def dapo_math(text: str, ids: list[int], meta: dict[str, Any]) -> float:
     return 1.0 if predicted is not None and predicted == dapo_normalise(str(meta["answer"])) else -1.0
 
 
+_GSM8K_CLIP = 300  # verl reads only the response's last 300 characters, as DAPO does
+_GSM8K_MARKED = re.compile(r"#### (-?[0-9.,]+)")
+_GSM8K_NUMBER = re.compile(r"-?[0-9.,]+")
+
+
+def gsm8k_answer(text: str, flexible: bool = False) -> str | None:
+    """The final answer of a response's last 300 characters as verl's gsm8k reads it: strict, the
+    number after the last "#### " with its commas dropped; flexible, the last run of digits, dots
+    and commas that is not "." as it is (when every run is ".", the first one, as verl's loop leaves
+    it). None when there is none."""
+    text = text[-_GSM8K_CLIP:]
+    if not flexible:
+        marked = _GSM8K_MARKED.findall(text)
+        return marked[-1].replace(",", "") if marked else None
+    numbers = _GSM8K_NUMBER.findall(text)
+    usable = [n for n in numbers if n != "."]
+    return usable[-1] if usable else (numbers[0] if numbers else None)
+
+
+def gsm8k_score(text: str, truth: str, flexible: bool = False, format_score: float = 0.0, score: float = 1.0) -> float:
+    """verl's gsm8k rule: `score` when the answer (gsm8k_answer) equals the ground truth as text,
+    `format_score` when there is an answer that does not, 0 when there is none."""
+    answer = gsm8k_answer(text, flexible)
+    if answer is None:
+        return 0.0
+    return score if answer == truth else format_score
+
+
+def gsm8k(text: str, ids: list[int], meta: dict[str, Any]) -> float:
+    """1.0 when the number after the response's last "#### " equals meta["answer"] (verl's
+    ground_truth, a bare number: "72"), else 0.0: verl's default for data_source openai/gsm8k."""
+    return gsm8k_score(text, str(meta["answer"]))
+
+
+def gsm8k_flexible(text: str, ids: list[int], meta: dict[str, Any]) -> float:
+    """1.0 when the response's last number equals meta["answer"], else 0.0 (verl's method="flexible")."""
+    return gsm8k_score(text, str(meta["answer"]), flexible=True)
+
+
 REWARDS: dict[str, RewardFn] = {
     "dapo": dapo_math,
+    "gsm8k": gsm8k,
+    "gsm8k_flexible": gsm8k_flexible,
     "math": math_reward,
     "exact": exact_text,
     "exact_text": exact_text,

@@ -20,10 +20,12 @@ watchdog thread on its parent's pid for the case where the signal cannot be set)
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import inspect
 import json
 import os
 import pickle
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from bapo_megatron.common.processes import usr1_shielded
 from bapo_megatron.errors import RunStopped
-from bapo_megatron.rewards.functions import load_reward, score
+from bapo_megatron.rewards.functions import REWARDS, load_reward, score
 
 if TYPE_CHECKING:  # a worker process starts from this module: it must not import the config's torch
     from bapo_megatron.config.reward import RewardConfig
@@ -188,6 +190,83 @@ def _shown(record: Any) -> str:
     except (TypeError, ValueError):
         text = repr(record)
     return text if len(text) <= 300 else text[:300] + "..."
+
+
+# -- checks before the run: what a reward reads, against the first records --------------------
+
+
+def reads(name: str) -> str | None:
+    """The record field built-in reward `name` scores against ("answer", text or a number;
+    "answer_ids", token ids); None for a user function, whose fields only a call tells."""
+    if name not in REWARDS:
+        return None
+    return "answer_ids" if name == "exact_ids" else "answer"
+
+
+def signature_problem(name: str) -> str | None:
+    """Why user reward `name` cannot be called as fn(text, ids, record), from its signature alone
+    (None: it can, or it has none to read). Its module is imported here, as RewardWorkers does."""
+    fn = load_reward(name)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind("", [], {})
+    except TypeError as err:
+        return f"reward {name!r} is called as fn(text, ids, record); its signature {signature} does not take it ({err})"
+    return None
+
+
+def value_problem(name: str, record: dict[str, Any]) -> str | None:
+    """Why built-in reward `name` cannot score `record`: the field it reads (`reads`) present but
+    of a type it cannot read (None: it can, or the field is absent: the caller names what is)."""
+    field = reads(name)
+    if field is None or field not in record:
+        return None
+    value = record[field]
+    if field == "answer_ids":
+        ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        want = "a list of token ids"
+    else:
+        ok = isinstance(value, str | int | float) and not isinstance(value, bool)
+        want = "text or a number"
+    if ok:
+        return None
+    kind = "null" if value is None else f"{type(value).__name__} {_shown(value)[:60]}"
+    return f"reward {name!r} reads record[{field!r}] as {want}; it is {kind}"
+
+
+def dry_calls(name: str, records: list[dict[str, Any]], timeout_s: float, memory_mb: int) -> list[str | None]:
+    """User reward `name` called once on each of `records` with an empty response, in one worker
+    process bounded as the run's are: for each, the field its KeyError names when the record has
+    no such field (what the reward reads is not there), else None (another failure may be the
+    empty response's, and is the run's to count)."""
+    workers = RewardWorkers(name, 1, timeout_s=timeout_s, memory_mb=memory_mb)
+
+    async def calls() -> list[Scored]:
+        return [await workers("", [], record) for record in records]
+
+    try:
+        results = asyncio.run(calls())
+    finally:
+        workers.close()
+    missing = []
+    for scored, record in zip(results, records, strict=True):
+        key = _missing_key(scored.error)
+        missing.append(key if key is not None and key not in record else None)
+    return missing
+
+
+def _missing_key(error: str | None) -> str | None:
+    """The key of a call's "KeyError: 'answer'" (None for any other failure)."""
+    if error is None or not error.startswith("KeyError: "):
+        return None
+    try:
+        key = ast.literal_eval(error.removeprefix("KeyError: "))
+    except (ValueError, SyntaxError):
+        return None
+    return key if isinstance(key, str) and key else None
 
 
 class _Worker:

@@ -4,7 +4,7 @@ A group holds the n samples of one prompt. Each sample keeps its response tokens
 behaviour log-prob and the policy version of every token; it continues by resubmitting
 prompt + partial response as input_ids, with what is left of its new-token allowance.
 
-The buffer owns three rules that the rollout strategies only ask about:
+The buffer owns four rules that the rollout strategies only ask about:
 - the token budget: a request carries at most `token_budget` new tokens of its sample's
   current round; a sample whose round is used up begins another (`begin_requests`), and the
   rounds a step has begun are counted (`begin_step`, `rounds`);
@@ -13,12 +13,15 @@ The buffer owns three rules that the rollout strategies only ask about:
   (`drop_stale`, counted), or, with mask_stale_prefix, keeps its tokens and leaves the old
   ones out of the loss (`loss_mask`);
 - whole groups: a group goes to training only when every sample is finished and rewarded,
-  oldest (first admitted) first (`take`).
+  oldest (first admitted) first (`take`);
+- equal rewards (rollout.filter_groups, rollout/filtering.py): a complete group whose rewards are
+  all equal (every advantage 0) may be set aside (`set_aside_equal`); it is trained only to fill a
+  step short of other groups, and the rest are discarded when the step takes its groups.
 
 A sample's state changes only through the buffer's methods: `begin_requests` (its rounds),
 `record` (a completion's tokens), `restart` and `drop_stale` (generated again), `apply_reward`
-(what the scorer returned). The whole buffer round-trips through state_dict() exactly (plain
-lists, JSON-safe), so checkpoints carry it.
+(what the scorer returned). The whole buffer (the groups set aside included) round-trips through
+state_dict() exactly (plain lists, JSON-safe), so checkpoints carry it.
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ class GroupState:
     def finished(self) -> bool:
         return all(s.finished and s.reward is not None for s in self.samples)
 
+    @property
+    def equal_rewards(self) -> bool:
+        """Finished, and every sample's reward the same: every group-relative advantage is 0
+        (algo/advantages.py's test, exact equality)."""
+        return self.finished and len({s.reward for s in self.samples}) == 1
+
 
 @dataclass
 class Request:
@@ -76,6 +85,9 @@ class Request:
     routes_from: int | None = None
     """The first position whose routed experts to ask for (the sample holds the ones before); None:
     routes are not recorded."""
+
+
+COUNTERS = {"dropped_stale": 0, "resumed": 0, "groups_added": 0, "groups_done": 0, "set_aside": 0}
 
 
 class RolloutBuffer:
@@ -94,7 +106,8 @@ class RolloutBuffer:
         self.token_budget = token_budget or max_new_tokens
         self.max_staleness, self.mask_stale_prefix = max_staleness, mask_stale_prefix
         self.groups: dict[str, GroupState] = {}
-        self.counters = {"dropped_stale": 0, "resumed": 0, "groups_added": 0, "groups_done": 0}
+        self.set_aside: list[GroupState] = []  # complete, rewards all equal, since the last take (oldest first)
+        self.counters = dict(COUNTERS)
 
     # -- groups ---------------------------------------------------------------------------
     def add_group(self, uid: str, prompt_ids: list[int], meta: dict[str, Any] | None = None) -> GroupState:
@@ -135,12 +148,25 @@ class RolloutBuffer:
         return self.counters["groups_done"]
 
     def take(self, limit: int) -> list[GroupState]:
-        """Up to `limit` complete groups, oldest first, removed from the buffer."""
+        """Up to `limit` complete groups, oldest first, removed from the buffer; fewer are topped up
+        with the groups set aside (oldest first), and the rest of those are discarded."""
         done = [g for g in self.groups.values() if g.finished][:limit]
         for g in done:
             del self.groups[g.uid]
+        done += self.set_aside[: limit - len(done)]
+        self.set_aside = []
         self.counters["groups_done"] += len(done)
         return done
+
+    def set_aside_equal(self) -> int:
+        """Move every complete group whose rewards are all equal out of the queue, to `set_aside`
+        (rollout.filter_groups); how many."""
+        equal = [g for g in self.groups.values() if g.equal_rewards]
+        for g in equal:
+            del self.groups[g.uid]
+        self.set_aside += equal
+        self.counters["set_aside"] += len(equal)
+        return len(equal)
 
     def samples(self):
         return (s for g in self.groups.values() for s in g.samples)
@@ -224,11 +250,13 @@ class RolloutBuffer:
 
     def drop_stale(self, version: int, busy: frozenset[str] = frozenset()) -> int:
         """Reset every sample (not being generated: `busy` uids) holding a token older than version
-        `version` may train on, so that it is generated again; with mask_stale_prefix nothing is
-        reset (those tokens are masked instead: loss_mask). Returns how many were reset."""
+        `version` may train on, so that it is generated again, and discard such groups set aside
+        (they would train nothing: not worth generating again); with mask_stale_prefix nothing is
+        reset (those tokens are masked instead: loss_mask). Returns how many samples were reset."""
         if self.mask_stale_prefix:
             return 0
         oldest, dropped = self.oldest_allowed(version), 0
+        self.set_aside = [g for g in self.set_aside if min(_versions(g), default=oldest) >= oldest]
         for s in self.samples():
             if s.uid not in busy and s.versions and min(s.versions) < oldest:
                 s.reset()
@@ -251,12 +279,8 @@ class RolloutBuffer:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON but for recorded routes, which are bytes: checkpoints hold them as they are)."""
-        groups = [asdict(g) for g in self.groups.values()]
-        for group in groups:
-            for sample in group["samples"]:
-                if not sample["routes"]:
-                    del sample["routes"]
-        return {"config": self._config(), "groups": groups, "counters": dict(self.counters)}
+        groups, aside = [_plain(g) for g in self.groups.values()], [_plain(g) for g in self.set_aside]
+        return {"config": self._config(), "groups": groups, "set_aside": aside, "counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(state["config"]) != self._config():
@@ -264,8 +288,22 @@ class RolloutBuffer:
                 f"rollout buffer saved with (samples_per_prompt, max_new_tokens, token_budget, "
                 f"max_staleness) = {state['config']}, this run has {self._config()}"
             )
-        self.groups = {}
-        for g in state["groups"]:
-            samples = [SampleState(**s) for s in g["samples"]]
-            self.groups[g["uid"]] = GroupState(g["uid"], g["prompt_ids"], g["meta"], samples)
-        self.counters = dict(state["counters"])
+        self.groups = {g["uid"]: _group(g) for g in state["groups"]}
+        self.set_aside = [_group(g) for g in state.get("set_aside", [])]  # (none in checkpoints before it)
+        self.counters = {**COUNTERS, **state["counters"]}
+
+
+def _versions(group: GroupState):
+    return (v for s in group.samples for v in s.versions)
+
+
+def _plain(group: GroupState) -> dict[str, Any]:
+    out = asdict(group)
+    for sample in out["samples"]:
+        if not sample["routes"]:
+            del sample["routes"]
+    return out
+
+
+def _group(state: dict[str, Any]) -> GroupState:
+    return GroupState(state["uid"], state["prompt_ids"], state["meta"], [SampleState(**s) for s in state["samples"]])

@@ -20,6 +20,11 @@ The modes:
   admitted only while every group queued or generating can still be trained within
   max_staleness versions (AReaL's rule); a step takes the oldest complete groups; the engines
   pause (rollout.pause_mode) for each weight update.
+
+Across the modes, rollout.filter_groups (rollout/filtering.py) sets aside the groups whose rewards
+are all equal as they complete: a sync step draws a new prompt for each and generates on; the async
+producer admits others in their place. A step ends once it has prompts_per_step groups to train
+(or its extra rounds are used up). A step whose every group has equal rewards is warned about.
 """
 
 from __future__ import annotations
@@ -31,15 +36,19 @@ import time
 
 from bapo_megatron.rollout.buffer import GroupState
 from bapo_megatron.rollout.core import RolloutCore
+from bapo_megatron.rollout.filtering import KeepAll, warn_if_nothing
 
 
 class Strategy:
     """The sync default of every question; the modes override what differs."""
 
-    def __init__(self, core: RolloutCore, prompts_per_step: int, oversample: float = 1.0) -> None:
+    def __init__(
+        self, core: RolloutCore, prompts_per_step: int, oversample: float = 1.0, filter_groups: KeepAll | None = None
+    ) -> None:
         self.core, self.buffer, self.pool = core, core.buffer, core.pool
         self.prompts_per_step = prompts_per_step
         self.generating = math.ceil(prompts_per_step * oversample)
+        self.filter_groups = filter_groups or KeepAll()
 
     async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
         raise NotImplementedError
@@ -63,18 +72,32 @@ class Strategy:
     async def close(self) -> None:
         """Before the engines stop."""
 
-    def _take(self, start: float, tokens: int, reward_wait: float) -> tuple[list[GroupState], dict[str, float]]:
-        """The step's groups, and the figures of their rollout since `start` (`tokens`: the core's
-        count then)."""
+    def _take(
+        self, version: int, start: float, tokens: int, reward_wait: float
+    ) -> tuple[list[GroupState], dict[str, float]]:
+        """The groups policy version `version` trains on, and the figures of their rollout since
+        `start` (`tokens`: the core's count then)."""
         rounds = self.buffer.rounds
+        self.filter_groups.sift(self.buffer)  # (groups completed as the step ended)
+        figures = self.filter_groups.figures(self.buffer, self.prompts_per_step, version + 1)
         groups = self.buffer.take(self.prompts_per_step)
         assert len(groups) == self.prompts_per_step, f"{len(groups)} complete groups of {self.prompts_per_step}"
-        return groups, self.core.stats(start, tokens, reward_wait, rounds)
+        warn_if_nothing(groups, version + 1)
+        return groups, {**self.core.stats(start, tokens, reward_wait, rounds), **figures}
+
+    def _settled(self) -> bool:
+        """Whether the step has its groups, after setting aside those not to train (rollout.filter_groups);
+        if not, a new prompt is drawn for each set aside."""
+        replace = self.filter_groups.sift(self.buffer)
+        if self.filter_groups.enough(self.buffer, self.prompts_per_step):
+            return True
+        self.core.fill(self.buffer.generating + replace)
+        return False
 
     async def _generate_until_complete(self, version: int) -> None:
         """Send what is idle (a sample cut at its round's budget begins its next round at once: the
-        engines never wait for a round's slowest request) until prompts_per_step groups are complete."""
-        while self.buffer.complete < self.prompts_per_step:
+        engines never wait for a round's slowest request) until the step has its groups."""
+        while not self._settled():
             self.core.launch_idle(version)
             await self.core.wait()
 
@@ -83,8 +106,15 @@ class AbortSteps(Strategy):
     """Sync: generate until the step's groups are complete, then abort what still runs, keeping its
     output for the next step (partial rollout) or dropping it."""
 
-    def __init__(self, core: RolloutCore, prompts_per_step: int, oversample: float = 1.0, keep: bool = True) -> None:
-        super().__init__(core, prompts_per_step, oversample)
+    def __init__(
+        self,
+        core: RolloutCore,
+        prompts_per_step: int,
+        oversample: float = 1.0,
+        keep: bool = True,
+        filter_groups: KeepAll | None = None,
+    ) -> None:
+        super().__init__(core, prompts_per_step, oversample, filter_groups)
         self.keep = keep
 
     async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
@@ -95,7 +125,7 @@ class AbortSteps(Strategy):
         await self._generate_until_complete(version)
         await self.core.cut(list(self.core.running), keep=self.keep)
         waited = await self.core.rewards()
-        return self._take(start, tokens, waited)
+        return self._take(version, start, tokens, waited)
 
 
 class RetractSteps(Strategy):
@@ -110,7 +140,7 @@ class RetractSteps(Strategy):
         self.buffer.begin_step()
         await self._generate_until_complete(version)
         waited = await self.core.rewards()
-        return self._take(start, tokens, waited)
+        return self._take(version, start, tokens, waited)
 
     @contextlib.asynccontextmanager
     async def paused(self, version: int):
@@ -132,7 +162,7 @@ class DeterministicRounds(Strategy):
         self.buffer.drop_stale(version)
         self.buffer.begin_step()
         self.core.rescore()  # (finished samples a checkpoint saved unscored)
-        while self.buffer.complete < self.prompts_per_step:
+        while not self._settled():
             requests = self.buffer.begin_requests()
             if not requests:
                 raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
@@ -142,7 +172,7 @@ class DeterministicRounds(Strategy):
                 self.core.completed(task)
             self.core.report()
             waited += await self.core.rewards()
-        return self._take(start, tokens, waited)
+        return self._take(version, start, tokens, waited)
 
 
 class AsyncStream(Strategy):
@@ -152,9 +182,14 @@ class AsyncStream(Strategy):
     those holding tokens older than the version that will train them allows."""
 
     def __init__(
-        self, core: RolloutCore, prompts_per_step: int, oversample: float = 1.0, pause_mode: str = "retract"
+        self,
+        core: RolloutCore,
+        prompts_per_step: int,
+        oversample: float = 1.0,
+        pause_mode: str = "retract",
+        filter_groups: KeepAll | None = None,
     ) -> None:
-        super().__init__(core, prompts_per_step, oversample)
+        super().__init__(core, prompts_per_step, oversample, filter_groups)
         self.pause_mode = pause_mode
         self.version = 0
         self.halted = False  # no request goes out (a weight update, a checkpoint)
@@ -165,9 +200,11 @@ class AsyncStream(Strategy):
 
     def admit(self) -> bool:
         """One more group may start: all queued and generating ones could still be trained within
-        max_staleness versions of the engines' version, one batch a version (AReaL's rule)."""
+        max_staleness versions of the engines' version, one batch a version (AReaL's rule). A group
+        set aside (rollout.filter_groups) leaves its place to another, within the step's extra rounds."""
         limit = (self.version + self.buffer.max_staleness + 1) * self.prompts_per_step
-        return self.buffer.taken + self.buffer.in_flight < limit
+        held = self.filter_groups.held(self.buffer, self.prompts_per_step)
+        return self.buffer.taken + self.buffer.in_flight + held < limit
 
     async def _produce(self) -> None:
         while True:
@@ -180,6 +217,7 @@ class AsyncStream(Strategy):
                 await self.core.wait(waker)
             finally:
                 waker.cancel()
+            self.filter_groups.sift(self.buffer)  # (their places admit others at once)
             self._progress.set()
 
     def _ensure_producer(self) -> None:
@@ -210,7 +248,9 @@ class AsyncStream(Strategy):
         while True:
             if self.buffer.drop_stale(version, self.core.busy()):
                 look = True  # samples to generate again
-            if self.buffer.complete >= self.prompts_per_step:
+            if self.filter_groups.sift(self.buffer):
+                look = True  # places for other groups
+            if self.filter_groups.enough(self.buffer, self.prompts_per_step):
                 break
             if look:  # (only then: a poke every round made the two tasks wake each other in a busy loop)
                 self._poke()
@@ -222,7 +262,7 @@ class AsyncStream(Strategy):
             finally:
                 progress.cancel()
             self._ensure_producer()
-        groups, stats = self._take(*self._last, 0.0)
+        groups, stats = self._take(version, *self._last, 0.0)
         self._poke()  # room for more groups under the admission rule
         waited = time.monotonic() - start
         self._last = (time.monotonic(), self.core.tokens)

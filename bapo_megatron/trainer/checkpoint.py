@@ -8,11 +8,16 @@ is repaired. Directories are named by the driver's step (not the optimizer's, wh
 updates leave unchanged), pruning never removes the newest, what `latest` names or what was
 just written, and a run that would start afresh over existing checkpoints is refused.
 Received checkpoints are read without running code from them (trainer/safe_load.py).
-Checkpoints store sharded tensors by global name, so they load at any TP/PP layout.
+Checkpoints store sharded tensors by global name, so they load at any TP/PP layout. Each step
+directory also carries its model's Hugging Face config (hf_config.json) and the tokenizer files
+of model.hf_path, so that it converts to a HF model and is evaluated with nothing else at hand.
+A run with a KL loss stores its reference model too (trainer/reference.py: the run's starting
+weights, which a resumed run measures its KL to again).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import warnings
@@ -21,6 +26,8 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from bapo_megatron.common.hf_io import TOKENIZER_FILES
+from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import CheckpointConfig
 from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.fsutil import remove, write_text_atomic
@@ -44,6 +51,10 @@ from bapo_megatron.trainer.integrity import (
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STALE_TMP = re.compile(r"^\.step_\d{8}\..+\.tmp$")  # a killed save's temporary (fsutil.temporary_sibling)
+HF_CONFIG = "hf_config.json"
+"""The model's HF config.json beside a dist checkpoint's weights (trainer's and converter's alike)."""
+RUN_RECORD = "run.json"
+"""Which run wrote a step directory: its name and what makes it that run (job.py compares them on resume)."""
 
 
 class Stateful(Protocol):
@@ -53,13 +64,53 @@ class Stateful(Protocol):
 
 
 def weights_dir(path: str | Path) -> Path:
-    """The dist checkpoint that model.mcore_path names: a run's checkpoint directory (the step its
-    `latest` names, read only) or a step / converted directory as it is."""
+    """The dist checkpoint whose weights a path names (model.mcore_path, the converters, reshard): a
+    step or converted directory as it is; a run's checkpoint.dir, the step a resume would load (the
+    newest complete one, which `latest` names unless a save was cut short), read only. A path that
+    is neither comes back as it is, for the reader to refuse."""
     root = Path(path)
-    if (root / LATEST).exists() or (root / LATEST).is_symlink():
-        name = CheckpointManager(CheckpointConfig(dir=str(root)))._pointer()
-        return root / name if name else root
+    if (root / "metadata.json").is_file():
+        return root
+    manager = CheckpointManager(CheckpointConfig(dir=str(root)))
+    steps = manager.complete_steps()
+    if steps:
+        return steps[-1][1]
+    named = manager._pointer()  # a pointer that is a link or not a step name: refused by name
+    if named is not None:
+        raise BadInputError(f"checkpoint pointer {root / LATEST} names {named}, which is not a complete checkpoint")
     return root
+
+
+def model_files(spec: ModelSpec, hf_path: str | None) -> dict[str, str | bytes]:
+    """What a checkpoint carries of its model beyond the weights: its HF config as hf_config.json
+    (model.hf_path's config.json as it is, or the built-in model's) and model.hf_path's tokenizer
+    files, by their own names."""
+    if hf_path is None:
+        return {HF_CONFIG: json.dumps(spec.to_hf_config(), indent=2)}
+    root = Path(hf_path)
+    files = {HF_CONFIG: (root / "config.json").read_bytes()}
+    files.update({name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()})
+    return files
+
+
+def run_record(directory: str | Path) -> dict | None:
+    """The run.json a step directory carries (None: one saved before checkpoints recorded their run);
+    BadInputError for one that is not a small JSON object."""
+    path = Path(directory) / RUN_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text()) if path.stat().st_size < 1 << 20 else None
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise BadInputError(f"checkpoint {directory}: {RUN_RECORD} is not the JSON object a run writes")
+    return record
+
+
+def step_of(directory: str | Path) -> int:
+    """The driver step a step directory is named by (step_00000012: 12)."""
+    return int(STEP_DIR.match(Path(directory).name).group(1))
 
 
 class CheckpointManager:
@@ -70,12 +121,13 @@ class CheckpointManager:
     registers (rollout buffer, data cursor); their state is saved by rank 0.
     """
 
-    def __init__(self, cfg: CheckpointConfig, config_yaml: str = "") -> None:
+    def __init__(self, cfg: CheckpointConfig, config_yaml: str = "", record: dict | None = None) -> None:
         if cfg.dir is None:
             raise ValueError("CheckpointManager needs checkpoint.dir")
         self.cfg = cfg
         self.root = Path(cfg.dir)
         self.config_yaml = config_yaml
+        self.record = record  # written to each step directory as run.json
         self.extras: dict[str, Stateful] = {}
 
     def register(self, name: str, obj: Stateful) -> None:
@@ -87,6 +139,8 @@ class CheckpointManager:
             "model": model_sd,
             "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
         }
+        if trainer.reference is not None:
+            sharded["reference"] = trainer.reference.sharded_state_dict(is_loading=is_loading)
         if with_rng:
             from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -112,8 +166,12 @@ class CheckpointManager:
                 "scheduler": trainer.scheduler.state_dict(),
                 "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
                 "config": self.config_yaml,
+                "reference": trainer.reference is not None,
             }
-            save_sharded(sharded, directory)
+            files = model_files(trainer.spec, trainer.cfg.model.hf_path) if is_rank0() else None
+            if files is not None and self.record is not None:
+                files[RUN_RECORD] = json.dumps(self.record, indent=1, sort_keys=True) + "\n"
+            save_sharded(sharded, directory, extra_files=files)
         if is_rank0():
             write_text_atomic(self.root / LATEST, directory.name + "\n")
             self._prune(protect={directory.name})
@@ -265,10 +323,19 @@ class CheckpointManager:
         verify_on_all_ranks(directory)  # files there, whole and as written, before the slow part starts
         safe_load.install()
         common = dist_checkpointing.load_common_state_dict(str(directory))["common"]
+        if trainer.reference is not None and not common.get("reference"):
+            raise ConfigError(
+                "algo.kl_coef",
+                trainer.cfg.algo.kl_coef,
+                f"checkpoint {directory} was saved without a KL loss and holds no reference model (the run's "
+                "starting weights): resume with algo.kl_coef=0, or start a new run from it (model.mcore_path)",
+            )
         same_world = common["world_size"] == dist.get_world_size()
         loaded = load_sharded(self._sharded(trainer, is_loading=True, with_rng=same_world), directory)
         for i, chunk in enumerate(trainer.model):
             load_module_state(unwrap(chunk), loaded["model"][f"chunk{i}"], directory)
+        if trainer.reference is not None:
+            trainer.reference.load(loaded["reference"], directory)
         trainer.optimizer.load_state_dict(loaded["optimizer"])
         trainer.scheduler.load_state_dict(common["scheduler"])
         if same_world:

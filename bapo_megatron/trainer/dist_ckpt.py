@@ -69,10 +69,10 @@ def in_process_results_queue() -> None:
 
 
 def save_sharded(
-    sharded: dict, directory: str | Path, strategy=None, extra_files: dict[str, str] | None = None
+    sharded: dict, directory: str | Path, strategy=None, extra_files: dict[str, str | bytes] | None = None
 ) -> None:
     """dist_checkpointing.save into `directory` through a fresh temporary sibling, renamed when
-    complete, with `extra_files` (name -> text) written beside it and every file checksummed;
+    complete, with `extra_files` (name -> text or bytes) written beside it and every file checksummed;
     `strategy`: a sharded save strategy other than Megatron's default torch_dist one."""
     from megatron.core import dist_checkpointing
 
@@ -95,8 +95,8 @@ def save_sharded(
             gathered = [None] * world()
             dist.all_gather_object(gathered, mine)
         if is_rank0():
-            for name, text in (extra_files or {}).items():
-                (tmp / name).write_text(text)
+            for name, content in (extra_files or {}).items():
+                (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
             entries = {k: v for part in gathered for k, v in part.items()}
             others = [p.name for p in tmp.iterdir() if p.is_file() and p.name not in entries]
             entries.update(checksums(tmp, others))

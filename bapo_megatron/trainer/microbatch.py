@@ -99,6 +99,8 @@ class MicroBatch:
     once a micro-batch."""
     prox_logprobs: torch.Tensor | None = None
     """log pi at the start of the step, filled by the trainer's forward-only pass when needed."""
+    ref_logprobs: torch.Tensor | None = None
+    """log pi_ref of the reference model (algo.kl_coef > 0), filled by the trainer's reference pass."""
     token_mask: torch.Tensor | None = None
     """[batch, seq] True at the samples' tokens (False at padding)."""
     routes: torch.Tensor | None = None

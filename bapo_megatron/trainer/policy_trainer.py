@@ -6,7 +6,8 @@ One optimizer step on a list of samples:
   2. where needed (BAPO with bound_scope "step", or a truncated importance weight), a
      forward-only pass at the parameters of the start of the step: per-micro-batch BAPO
      tables summed, ONE all-reduce over data x context parallel on the last stage, and
-     pi_prox for the importance weight;
+     pi_prox for the importance weight; with a KL loss (algo.kl_coef > 0), one more through
+     the frozen reference model (trainer/reference.py) for pi_ref;
   3. the training pass through get_forward_backward_func: forward_step on every stage,
      the loss on the last, (loss_sum, token_count) so that finalize_model_grads divides
      by the step's global token count;
@@ -37,6 +38,7 @@ from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
 from bapo_megatron.trainer.microbatch import MicroBatch
 from bapo_megatron.trainer.packing import microbatch_layout
 from bapo_megatron.trainer.parallel import ParallelInfo
+from bapo_megatron.trainer.reference import ReferenceModel
 from bapo_megatron.trainer.routing import Routers, aux_loss_metric
 
 
@@ -90,8 +92,14 @@ class PolicyTrainer:
         self.routers = None
         if spec.moe is not None:
             self.routers = Routers(self.model, spec, info, cfg.parallel.sequence_parallel, self.device)
+        self.reference = self.reference_routers = None
+        if cfg.algo.kl_coef > 0:  # weights copied in by hold_reference, or loaded with a checkpoint
+            self.reference = ReferenceModel(self._build_chunks(initialize=False))
+            if spec.moe is not None:  # the engine's routes replayed there too, as in the policy's passes
+                sp = cfg.parallel.sequence_parallel
+                self.reference_routers = Routers(self.reference.chunks, spec, info, sp, self.device)
 
-    def _build_chunks(self) -> list[torch.nn.Module]:
+    def _build_chunks(self, initialize: bool = True) -> list[torch.nn.Module]:
         from megatron.core import parallel_state as ps
 
         vpp = self.cfg.parallel.virtual_pipeline
@@ -105,6 +113,7 @@ class PolicyTrainer:
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=stage),
                 vp_stage=stage,
+                initialize=initialize,
             )
             chunks.append(chunk.to(self.device))
         return chunks
@@ -118,6 +127,13 @@ class PolicyTrainer:
 
         load_model(self.model, directory)
         self.optimizer.reload_model_params()
+
+    def hold_reference(self) -> None:
+        """The reference model of the KL loss (algo.kl_coef > 0) := the policy's weights now: called
+        once the starting weights are loaded (job.py). A resume does not call it: the checkpoint
+        holds the reference of the run's start (trainer/checkpoint.py)."""
+        if self.reference is not None:
+            self.reference.copy_from(self.model)
 
     # ------------------------------------------------------------------------------------------
     # Data.
@@ -142,33 +158,38 @@ class PolicyTrainer:
     # ------------------------------------------------------------------------------------------
     # The schedule and the loss.
 
-    def _forward_step(self, loss_fn, bar: Progress, data_iterator, model):
+    def _forward_step(self, loss_fn, bar: Progress, routers: Routers | None, data_iterator, model):
         mb = next(data_iterator)
         bar.update()
-        if self.routers is not None:
-            self.routers.before_forward(model, mb, replay=self.cfg.algo.routing_replay)
+        if routers is not None:
+            routers.before_forward(model, mb, replay=self.cfg.algo.routing_replay)
         output = model(mb.input_ids, mb.position_ids, **self.layout.attention.inputs(mb))
         return output, partial(loss_fn, mb)
 
-    def _run(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, label: str = "") -> list:
-        """The schedule over `mbs`; with self.progress and a label, a bar over its micro-batches
-        (forward steps: one a micro-batch and virtual stage)."""
-        iterator = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
-        total = len(mbs) * len(self.model)
+    def _run(
+        self, mbs: list[MicroBatch], loss_fn, forward_only: bool, label: str = "", reference: bool = False
+    ) -> list:
+        """The schedule over `mbs` through the policy (or, `reference`, the reference model); with
+        self.progress and a label, a bar over its micro-batches (forward steps: one a micro-batch
+        and virtual stage)."""
+        chunks, routers = (self.reference.chunks, self.reference_routers) if reference else (self.model, self.routers)
+        iterator = [iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs)
+        total = len(mbs) * len(chunks)
         with Progress(total, label, unit="mb", enabled=self.progress and bool(label)) as bar:
             try:
-                return self._schedule(mbs, loss_fn, forward_only, bar, iterator)
+                step = partial(self._forward_step, loss_fn, bar, routers)
+                return self._schedule(mbs, step, forward_only, iterator, chunks)
             finally:
-                if self.routers is not None:
-                    self.routers.end_pass()
+                if routers is not None:
+                    routers.end_pass()
 
-    def _schedule(self, mbs: list[MicroBatch], loss_fn, forward_only: bool, bar: Progress, iterator) -> list:
+    def _schedule(self, mbs: list[MicroBatch], forward_step, forward_only: bool, iterator, chunks) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn, bar),
+            forward_step_func=forward_step,
             data_iterator=iterator,
-            model=self.model if len(self.model) > 1 else self.model[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(mbs),
             seq_length=max(mb.input_ids.shape[1] for mb in mbs),
             micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
@@ -202,6 +223,17 @@ class PolicyTrainer:
         table = self.search.table(ratio, mb.advantages, weights)
         return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), table
 
+    def _reference_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
+        """The reference pass's: keep log pi_ref."""
+        mb.ref_logprobs, _ = self._logprobs(mb, logits, step.temperature)
+        return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), {}
+
+    def _reference_pass(self, step: StepState, mbs: list[MicroBatch]) -> None:
+        """Every micro-batch's log pi_ref (on the last stage, which alone computes the loss)."""
+        assert self.reference.ready, "hold_reference() (or a checkpoint's load) gives the reference its weights"
+        with torch.no_grad():
+            self._run(mbs, partial(self._reference_loss, step), forward_only=True, label="reference", reference=True)
+
     def _policy_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
         sft = self.cfg.algo.loss == "sft"
         logp, entropy, *top = self._logprobs(mb, logits, step.temperature, with_top=sft)
@@ -211,6 +243,7 @@ class PolicyTrainer:
             advantages=mb.advantages,
             mask=mb.loss_mask,
             prox_logprobs=mb.prox_logprobs,
+            ref_logprobs=mb.ref_logprobs,
             entropy=entropy,
             top_logprobs=top[0] if top else None,
             first_update=step.first_update,
@@ -276,6 +309,8 @@ class PolicyTrainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.reference is not None:
+            self._reference_pass(step, mbs)
         step.bounds = self._step_bounds(step, mbs) if self._needs_prepass() else None
         if self.routers is not None:
             self.routers.counting = True  # the update's routing decisions make the step's router figures

@@ -2,19 +2,21 @@
 
 Each conversion validates its input completely (config, shards, shapes, layout) before
 building anything, runs as a world of one process, and writes its output through a
-temporary directory renamed into place when complete. The Megatron checkpoint keeps the
-HF config beside it (hf_config.json), so mcore-to-hf needs no template for the config.
+temporary directory renamed into place when complete. A Megatron checkpoint keeps its
+model's HF config beside it (hf_config.json) with the tokenizer files of the HF directory it came
+from (the converted one, or the run's model.hf_path), so mcore-to-hf needs no template; a template
+(an override) gives the config and tokenizer files instead, its config checked against the tensors.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from bapo_megatron.common.hf_io import (
     MAX_SHARD_BYTES,
+    TOKENIZER_FILES,
     HFCheckpoint,
     finish_hf_checkpoint,
     hf_entries,
@@ -24,13 +26,20 @@ from bapo_megatron.common.model_spec import ModelSpec, check_layout
 from bapo_megatron.common.progress import byte_progress
 from bapo_megatron.common.safetensors_stream import StreamingWriter, plan_files
 from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.errors import inside
 from bapo_megatron.fsutil import atomic_directory
+from bapo_megatron.trainer.checkpoint import model_files, weights_dir
 from bapo_megatron.trainer.megatron_config import EXTRA_STATE
 from bapo_megatron.weights import sglang_shards
 from bapo_megatron.weights.layout import megatron_recipes, recipe_region
-from bapo_megatron.weights.mcore_io import HF_CONFIG, McoreCheckpoint, streaming_save_strategy
+from bapo_megatron.weights.mcore_io import McoreCheckpoint, streaming_save_strategy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TEMPLATE_HELP = (
+    "an override: a HF model directory whose config.json and tokenizer files replace those the checkpoint "
+    "carries (needed only for a checkpoint written before checkpoints carried them)"
+)
+"""--hf-template of mcore-to-hf and reshard."""
 
 
 def config_dtype(config: dict) -> str:
@@ -115,7 +124,7 @@ def hf_to_mcore(
             model_sharded_state_dict([model]),
             out,
             streaming_save_strategy(make, torch_dtype, bar.update),
-            extra_files={HF_CONFIG: json.dumps(hf.config, indent=2)},
+            extra_files=model_files(spec, str(hf_dir)),  # its config.json and tokenizer, as a run's carry them
         )
     return Path(out)
 
@@ -129,8 +138,10 @@ def mcore_to_hf(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: bool = True,
 ) -> Path:
-    """safetensors shards (<= max_shard_bytes), index, config.json and the template's tokenizer files;
-    with sglang_tp, per-rank files for SGLang's sharded_state loader instead (dense models).
+    """mcore_dir (a converted checkpoint, a run's step directory, or a run's checkpoint.dir: the step
+    a resume would load) as safetensors shards (<= max_shard_bytes), index, config.json and the
+    tokenizer files (the template's, else those the checkpoint carries); with sglang_tp, per-rank
+    files for SGLang's sharded_state loader instead (dense models).
 
     Streams: one decoder layer (a MoE layer's dense part, then each expert) is read from the
     checkpoint, renamed, written to its place in the output files and dropped before the next is
@@ -142,7 +153,8 @@ def mcore_to_hf(
         raise ValueError(f"--hf-template {template}: no such directory")
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
-    source = McoreCheckpoint(mcore_dir, template)  # memory-mapped; no process group needed
+    source = McoreCheckpoint(weights_dir(mcore_dir), template)  # memory-mapped; no process group needed
+    tokenizer = template if template is not None else _carried_tokenizer(source.dir)
     dtype = dtype or config_dtype(source.config)
     spec, torch_dtype = source.spec, DTYPES[dtype]
     if sglang_tp is None:
@@ -185,9 +197,18 @@ def mcore_to_hf(
         for w in writers:
             w.close()
         finish_hf_checkpoint(
-            tmp, {**source.config, "torch_dtype": dtype}, template, writers[0] if sglang_tp is None else None
+            tmp, {**source.config, "torch_dtype": dtype}, tokenizer, writers[0] if sglang_tp is None else None
         )
     return Path(out)
+
+
+def _carried_tokenizer(directory: Path) -> Path:
+    """A checkpoint directory as the source of the tokenizer files it carries (checksummed with it,
+    verified by McoreCheckpoint); one that is a link out of it is refused before anything is copied."""
+    for name in TOKENIZER_FILES:
+        if (directory / name).exists() or (directory / name).is_symlink():
+            inside(directory, name, directory)
+    return directory
 
 
 def verify(hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int = 2, seq: int = 32) -> dict[str, float]:

@@ -35,11 +35,12 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.errors import inside
+from bapo_megatron.trainer.checkpoint import HF_CONFIG
 from bapo_megatron.trainer.integrity import verify
 from bapo_megatron.weights.layout import expert_names, megatron_layer_to_hf
 from bapo_megatron.weights.stored_chunks import StoredChunks
 
-HF_CONFIG = "hf_config.json"
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
@@ -78,13 +79,24 @@ def layer_shapes(spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, ...]]:
 
 
 def read_hf_config(directory: Path, template: Path | None = None) -> dict:
-    """The HF config.json a Megatron checkpoint was made from (its hf_config.json, else the template's)."""
-    source = directory / HF_CONFIG if (directory / HF_CONFIG).is_file() else None
-    if source is None and template is not None:
+    """The HF config.json of a Megatron checkpoint's model: the template's when one is given (an
+    override, checked against the tensors as any config is), else the checkpoint's hf_config.json
+    (the converter's and the trainer's step directories carry one)."""
+    if template is not None:
         source = template / "config.json"
-    if source is None or not source.is_file():
+    elif (directory / HF_CONFIG).exists() or (directory / HF_CONFIG).is_symlink():
+        source = inside(directory, HF_CONFIG, directory)  # a link out of the checkpoint is refused
+    else:
         raise ValueError(f"{directory}: no {HF_CONFIG}; pass --hf-template DIR with the model's config.json")
-    return json.loads(source.read_text())
+    if not source.is_file():
+        raise ValueError(f"{source}: no such file")
+    try:
+        config = json.loads(source.read_text())
+    except ValueError as err:  # UnicodeDecodeError included
+        raise ValueError(f"{source}: not a JSON config ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{source}: not a JSON object")
+    return config
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,10 @@ class McoreCheckpoint:
     def __init__(self, directory: str | Path, template: str | Path | None = None) -> None:
         self.dir = Path(directory)
         if not (self.dir / "metadata.json").is_file():
-            raise ValueError(f"{self.dir}: not a complete Megatron dist checkpoint (no metadata.json)")
+            raise ValueError(
+                f"{self.dir}: not a complete Megatron dist checkpoint (no metadata.json), nor a run's "
+                "checkpoint.dir (no complete step_NNNNNNNN in it)"
+            )
         self.config = read_hf_config(self.dir, Path(template) if template else None)
         self.spec = ModelSpec.from_hf_config(self.config)
         metadata = verify(self.dir)  # files present, whole, and as written; .metadata read without running code

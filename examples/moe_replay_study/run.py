@@ -82,6 +82,7 @@ def train(args, warm: dict, seed: int, arm: str) -> Path:
         f"seed={seed}",
         f"data.seed={seed}",
         f"run_dir={run}",
+        "checkpoint.save=false",  # a study's runs are read, never resumed
         "logging.backends=[jsonl]",
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.samples_per_prompt={args.samples}",

@@ -322,13 +322,14 @@ def _convert_families(rank: int, world: int, root: str) -> None:
         ep = ["--ep", "2"] if arch == "qwen3_moe" else []  # checked against the 4 experts; the checkpoint has no EP
         assert cli.main(["hf-to-mcore", *hf, "--out", mcore[1], *ep, "--no-progress"]) == 0
         assert cli.main(["verify", *hf, *mcore]) == 0
-        back = ["--out", str(root / f"{name}-back"), "--hf-template", str(root / name), "--no-progress"]
+        back = ["--out", str(root / f"{name}-back"), "--no-progress"]  # the checkpoint carries config and tokenizer
         assert cli.main(["mcore-to-hf", *mcore, *back]) == 0
 
 
 def test_qwen3_and_moe_round_trip(tmp_path, capsys):
     """HF -> Megatron -> HF is bitwise for both families, the experts written one tensor each under the
-    names the source has on disk; transformers loads the result with the source's logits. Qwen3 also
+    names the source has on disk, with the source's config and tokenizer and no --hf-template;
+    transformers loads the result with the source's logits. Qwen3 also
     pre-splits for SGLang (its q/k norms whole on every rank); a MoE model's pre-split is refused."""
     import reshard
     import transformers
@@ -342,6 +343,9 @@ def test_qwen3_and_moe_round_trip(tmp_path, capsys):
     ids = torch.randint(250, (2, 19), generator=torch.Generator().manual_seed(3))
     for name, original in models.items():
         back = tmp_path / f"{name}-back"
+        assert (back / "tokenizer.json").read_bytes() == (tmp_path / name / "tokenizer.json").read_bytes()
+        source_config = json.loads((tmp_path / name / "config.json").read_text())
+        assert json.loads((back / "config.json").read_text()) == {**source_config, "torch_dtype": "float32"}
         written = set(load_file(str(back / "model.safetensors")))
         assert written == set(json.loads((tmp_path / name / "model.safetensors.index.json").read_text())["weight_map"])
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(back), dtype=torch.float32).eval()

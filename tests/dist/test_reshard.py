@@ -5,8 +5,9 @@ dist checkpoint). The SGLang pre-split output is checked rank by rank against sh
 straight from the original HF tensors, and merged back into them exactly.
 
 A Qwen3-MoE checkpoint converted from HF loads at TP=2 x EP=2 exactly, and that run's checkpoint
-(optimizer included) reshards back to HF bitwise; a MoE checkpoint with another expert count than
-its config, or a damaged expert, is named before any output is written.
+(optimizer included) reshards back to HF bitwise from its checkpoint.dir with no template (it carries
+its model's config and tokenizer); a MoE checkpoint with another expert count than its config, or a
+damaged expert, is named before any output is written.
 """
 
 import json
@@ -251,7 +252,15 @@ def _run_checkpoint_at_ep2(rank: int, world: int, root: str) -> None:
     activate_cpu_shim()
     root = Path(root)
     layout = ["parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true"]
-    cfg = load_config(None, [*layout, "parallel.max_tokens_per_microbatch=48", f"checkpoint.dir={root / 'run'}"])
+    cfg = load_config(
+        None,
+        [
+            *layout,
+            "parallel.max_tokens_per_microbatch=48",
+            f"checkpoint.dir={root / 'run'}",
+            f"model.hf_path={root / MOE}",
+        ],
+    )
     trainer = PolicyTrainer(ModelSpec.from_hf_dir(root / MOE), cfg, init_model_parallel(cfg.parallel, cfg.seed))
     trainer.load_weights(root / f"{MOE}-mcore")
     for when in ("loaded", "trained"):
@@ -276,10 +285,13 @@ def moe_saved(tmp_path_factory):
     return root, dict(per_expert(model.state_dict()))
 
 
-def test_moe_converted_loads_at_ep2_and_its_run_checkpoint_reshards_to_hf(moe_saved, tmp_path):
+def test_moe_converted_loads_at_ep2_and_its_run_checkpoint_reshards_to_hf(moe_saved, tmp_path, capsys):
     """The converted checkpoint, loaded at EP=2, holds the HF model's weights exactly; the run's
     checkpoint (experts saved from two expert-parallel ranks, optimizer keys passed over) comes back
-    as the trained weights, bitwise, one tensor per expert."""
+    from its checkpoint.dir as the trained weights, bitwise, one tensor per expert, with the model's
+    config and tokenizer and no --hf-template, through reshard and mcore-to-hf alike. A carried file
+    that changed, or that links out of the checkpoint, is refused by name."""
+    import convert_checkpoint
     import reshard
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -290,12 +302,33 @@ def test_moe_converted_loads_at_ep2_and_its_run_checkpoint_reshards_to_hf(moe_sa
     keys = FileSystemReader(str(root / "run" / "step_00000001")).read_metadata().state_dict_metadata
     assert any("optimizer.state.exp_avg.decoder.layers.1.mlp.experts" in k for k in keys)
     out = tmp_path / "hf"
-    args = ["--mcore", str(root / "run"), "--out", str(out), "--hf-template", str(root / MOE), "--no-progress"]
-    assert reshard.main(args) == 0
+    assert reshard.main(["--mcore", str(root / "run"), "--out", str(out), "--no-progress"]) == 0
     tensors = _read(out)
     assert set(tensors) == set(trained)
     for name, tensor in trained.items():
         assert torch.equal(tensors[name], tensor), name
+    hf_config = json.loads((root / MOE / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text()) == {**hf_config, "torch_dtype": "float32"}
+    assert (out / "tokenizer.json").read_bytes() == (root / MOE / "tokenizer.json").read_bytes()
+    again = tmp_path / "again"
+    assert convert_checkpoint.main(["mcore-to-hf", "--mcore", str(root / "run"), "--out", str(again)]) == 0
+    assert _read(again).keys() == tensors.keys() and (again / "tokenizer.json").is_file()
+
+    step = shutil.copytree(root / "run" / "step_00000001", tmp_path / "step")
+    raw = bytearray((step / "tokenizer.json").read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    (step / "tokenizer.json").write_bytes(bytes(raw))
+    for carried, problem in (
+        ("tokenizer.json", "tokenizer.json differs from what was written (checksum)"),
+        ("tokenizer.json", "'tokenizer.json' leads outside"),
+        ("hf_config.json", "'hf_config.json' leads outside"),
+    ):
+        if "outside" in problem:
+            (step / carried).unlink()
+            (step / carried).symlink_to(root / MOE / "config.json")
+        assert reshard.main(["--mcore", str(step), "--out", str(tmp_path / "refused"), "--no-progress"]) == 2
+        assert problem in capsys.readouterr().err
+        assert not (tmp_path / "refused").exists()
 
 
 def test_moe_bad_input_is_named_before_writing(moe_saved, tmp_path, capsys):

@@ -325,7 +325,7 @@ def test_a_client_that_disconnects_stops_its_request_and_the_memory_returns(mode
 
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
-    [("--max-batch", "0", "outside [1, 65536]"), ("--port", "70000", "outside [1, 65535]"), ("--port", "x", "'x'")],
+    [("--max-batch", "0", "outside [1, 65536]"), ("--port", "70000", "outside [0, 65535]"), ("--port", "x", "'x'")],
 )
 def test_bad_options_are_refused_at_start(model_dir, capsys, flag, value, message):
     args = ["--model", str(model_dir), "--port", "1", flag, value]

@@ -1,8 +1,9 @@
 """`bapo-train` online, on input it cannot use: one `error:` line naming the field and the value,
 exit 2, no traceback, and nothing built or started (no run directory, no checkpoint, no engine).
 
-The dataset (missing, empty, a record without the prompt field, a reward route missing past
-data.check_records, a data.cache_dir that is a file), an evaluation set (missing, a bad record past
+The dataset (missing, empty, a record without the prompt field, a verl record without the answer
+field its reward reads, a reward route missing past data.check_records, a data.cache_dir that is a
+file), an evaluation set (missing, a bad record past
 data.check_records: named by its own key), the reward (unknown, a file that does not import), the
 tokenizer (a vocabulary larger than the model's), the engines (a port in use, URLs that do not
 answer, an engine serving another shape); the data-parallel split is checked in
@@ -72,13 +73,24 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
         ),
         ("reward.function={root}/reward.py:missing", ("reward.function=", "has no function 'missing'")),
         ("model.hf_path={root}/big-tokenizer", ("tokenizer has 300 tokens", "vocabulary of 250")),
-        ("parallel.max_tokens_per_microbatch=16", ("record 1", "exceed parallel.max_tokens_per_microbatch=16")),
+        ("parallel.max_tokens_per_microbatch=16", ("parallel.max_tokens_per_microbatch=16: leaves no room",)),
+        (
+            "parallel.max_tokens_per_microbatch=18",  # 16 new tokens leave 2 for the 3-token prompts
+            ("record 1", "exceed parallel.max_tokens_per_microbatch=18", "raise parallel.max_tokens_per_microbatch"),
+        ),
         (("data.prompt_field=question.text", "data.path={root}/no_prompt.jsonl"), ("record 1", "'question.text'")),
         (
             ("model.hf_path={root}/chat", "data.path={root}/bad_messages.jsonl"),
             ("bad_messages.jsonl record 1", "message 1 must be {'role': str, 'content': str}"),
         ),
         ("data.path={root}/verl.parquet", ("verl.parquet record 1", "chat messages need the model directory's chat")),
+        (
+            ("model.hf_path={root}/chat", "data.path={root}/verl.parquet", "reward.function=dapo"),
+            (
+                "verl.parquet record 1: no field 'answer' (data.answer_field), which reward 'dapo' scores against",
+                "verl's layout: set data.answer_field=reward_model.ground_truth",
+            ),
+        ),
         (
             ("model.hf_path={root}/chat", "data.path={root}/verl.parquet", "reward.by=data_source"),
             ("verl.parquet record 2", "data_source='aime' has no reward in reward.routes"),
@@ -112,9 +124,11 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
         "reward-name",
         "tokenizer",
         "micro-batch",
+        "micro-batch-prompt",
         "field-path",
         "messages",
         "no-template",
+        "answer-field",
         "data-source",
         "bad-shard",
         "route-past-checked",

@@ -119,6 +119,8 @@ def test_deterministic_runs_and_their_resumptions_agree(task, tmp_path):
         for m, n in zip(reference, got, strict=True):
             assert not same(m, n), (name, m["step"], same(m, n))
         assert trained_groups(runs[name]) == trained_groups(runs["a"])
+        rollouts = (runs[name] / "rollouts.jsonl").read_text()  # the same texts, none repeated or lost
+        assert rollouts == (runs["a"] / "rollouts.jsonl").read_text() and rollouts.count("\n") == 5 * 16, name
     no_engine_left(tmp_path)
 
 

@@ -59,6 +59,7 @@ def _first_mismatch(tmp_path: Path, hf: Path, run: str) -> tuple[float, str]:
             "rollout.samples_per_prompt=4",
             "logging.backends=[jsonl]",
             f"logging.jsonl_path={tmp_path / (run + '.jsonl')}",
+            f"run_dir={tmp_path / run}",  # its own checkpoints: runs/bapo/ckpt would be every such run's
             "parallel.max_tokens_per_microbatch=64",
         ],
         cwd=ROOT,

@@ -1,5 +1,9 @@
-"""`python -m bapo_megatron.train` from replayed batches: a resumed run equals an uninterrupted one."""
+"""`python -m bapo_megatron.train` from replayed batches: a resumed run equals an uninterrupted one,
+says where it resumed from, and, run again at its last step, says that there is nothing to do; another
+run's checkpoint is refused."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -14,6 +18,7 @@ def _args(root: Path, run: str, steps: int, ckpt: str) -> list[str]:
     return [
         f"rollout.replay={root / 'replay'}",
         f"steps={steps}",
+        f"run_dir={root / 'runs' / run}",
         f"checkpoint.dir={root / ckpt}",
         "checkpoint.interval=2",
         "checkpoint.keep_last=1",
@@ -32,6 +37,22 @@ def _train(rank: int, world: int, args: list[str]) -> None:
     from bapo_megatron.train import main
 
     main(args)
+
+
+def _train_saying(rank: int, world: int, runs: list[list[str]], out: str) -> None:
+    """main() on each argument list in turn; what each printed and its exit code, to `out` (json)."""
+    from bapo_megatron.train import main
+
+    said = []
+    for args in runs:
+        stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                main(args)
+            except SystemExit as done:
+                code = done.code
+        said.append({"code": code, "out": stdout.getvalue(), "err": stderr.getvalue()})
+    Path(out).write_text(json.dumps(said))
 
 
 def _final_weights_equal(rank: int, world: int, root: str) -> None:
@@ -65,7 +86,20 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     run_workers(_train, 1, _args(tmp_path, "full", 4, "full"))
     run_workers(_train, 1, _args(tmp_path, "resumed", 2, "resumed"))  # stops after 2 of 4 steps
     assert (tmp_path / "resumed" / "latest").read_text().strip() == "step_00000002"  # named by driver step
-    run_workers(_train, 1, _args(tmp_path, "resumed", 4, "resumed"))  # resumes at step 2 (4 updates)
+    again = [
+        _args(tmp_path, "resumed", 4, "resumed"),  # resumes at step 2 (4 updates)
+        _args(tmp_path, "resumed", 4, "resumed"),  # at its last step: nothing to do
+        [*_args(tmp_path, "other", 4, "full"), "name=other"],  # another run's checkpoint
+    ]
+    run_workers(_train_saying, 1, again, str(tmp_path / "said.json"))
+    resumed, finished, foreign = json.loads((tmp_path / "said.json").read_text())
+    assert resumed["code"] == 0, resumed["err"][-2000:]
+    assert f"resumed from {tmp_path / 'resumed' / 'step_00000002'}, step 2 of 4" in resumed["out"]
+    assert f"checkpoint {tmp_path / 'resumed' / 'step_00000004'}" in resumed["out"]  # the end line, then what next
+    assert f"--mcore {tmp_path / 'resumed'} --out {tmp_path / 'runs' / 'resumed' / 'hf'}" in resumed["out"]
+    assert finished["code"] == 0 and finished["out"].startswith("already finished at step 4: nothing to do")
+    assert foreign["code"] == 2 and "holds step 4 of another run (run name 'bapo', this run 'other')" in foreign["err"]
+    assert json.loads((tmp_path / "full" / "step_00000004" / "run.json").read_text())["name"] == "bapo"
     full = [json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines()]
     resumed = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
     assert [r["step"] for r in full] == [r["step"] for r in resumed] == [1, 2, 3, 4]  # a line a batch

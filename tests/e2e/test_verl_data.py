@@ -1,7 +1,8 @@
 """A verl-layout parquet trains through `bapo-train` with nothing converted by hand: chat-message
 prompts through the model's chat template, the answer at reward_model.ground_truth, rewards
 routed by data_source (DAPO's for math_dapo), overlong prompts dropped and counted, two named
-evaluation sets logged side by side."""
+evaluation sets logged side by side; examples/tiny_verl.yaml on the data `python -m
+bapo_megatron.tasks verl-data` writes."""
 
 import json
 import shutil
@@ -9,7 +10,7 @@ import shutil
 import pytest
 
 from tests.helpers import verl_parquet
-from tests.online import MODEL, args, metrics, no_engine_left, train, write_task
+from tests.online import MODEL, PORTS, ROOT, args, engine_port, metrics, no_engine_left, train, write_task
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +30,8 @@ def test_a_verl_parquet_trains_as_it_is(tmp_path, hf_model):
     prompts = [" ".join(f"t{5 + (i * 7 + j) % 40}" for j in range(2 + i % 3)) for i in range(24)]
     prompts[3] = " ".join(["t9"] * 40)  # over data.max_prompt_tokens: dropped
     sources = ["math_dapo" if i % 2 else "even" for i in range(24)]
-    data = verl_parquet(task / "train" / "part-0.parquet", prompts, [str(i) for i in range(24)], sources)
+    answers = [str(i) for i in range(24)]
+    data = verl_parquet(task / "train" / "part-0.parquet", prompts, answers, sources)
     verl_parquet(task / "aime.parquet", prompts[:4], ["1", "2", "3", "4"], ["math_dapo"] * 4)
     verl_parquet(task / "mixed.parquet", prompts[4:8], ["5", "6", "7", "8"], sources[4:8])
     run = tmp_path / "run"
@@ -57,4 +59,44 @@ def test_a_verl_parquet_trains_as_it_is(tmp_path, hf_model):
         assert m["eval/aime/prompts"] == 3 and m["eval/mixed/prompts"] == 4  # evaluation drops the long one too
         assert {"eval/aime/avg@2", "eval/aime/pass@2", "eval/mixed/avg@1", "eval/mixed/greedy_acc"} <= m.keys()
         assert m["eval/aime/greedy_acc"] == -1.0  # DAPO's -1: a tiny model writes no "Answer:" line
+    rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rollouts] == [1] * 16 + [2] * 16  # logging.samples' default: 4 groups of 4
+    for r in rollouts:  # the text as the tokenizer decodes it, the record's answer and source beside it
+        assert r["prompt"].startswith("t1 t4 t2") and isinstance(r["response"], str), r
+        assert r["answer"] in answers and r["data_source"] in ("math_dapo", "even"), r
+        assert r["response_tokens"] <= 16 and r["version_max"] <= r["step"] - 1, r
+    no_engine_left(run)
+
+
+def test_tiny_verl_example_trains_on_generated_verl_data(tmp_path):
+    """The README's CPU path for verl data: the generated gsm8k-layout parquet and chat model, trained
+    by examples/tiny_verl.yaml as it is (its paths and step count overridden, the run kept tiny),
+    scored by the gsm8k reward and evaluated on the generated test split."""
+    from bapo_megatron.tasks import write_verl_data
+
+    data = write_verl_data(tmp_path / "data", train=64, heldout=8)
+    run = tmp_path / "run"
+    port = engine_port()
+    PORTS.setdefault(run, []).append(port)
+    argv = [
+        str(ROOT / "examples" / "tiny_verl.yaml"),
+        f"model.hf_path={data['model']}",
+        f"data.path={data['train']}",
+        f"eval.path={data['test']}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"run_dir={run}",
+        f"rollout.engines.port={port}",
+        "steps=2",
+        "eval.interval=2",
+        "eval.samples=1",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "logging.backends=[jsonl]",
+    ]
+    train(argv)
+    got = metrics(run)
+    trained = [m for m in got if "loss/pg" in m]
+    assert [m["step"] for m in trained] == [1, 2]
+    assert all(0.0 <= m["rollout/reward_mean"] <= 1.0 and m["rollout/reward_errors"] == 0 for m in trained)
+    assert [m["step"] for m in got if "eval/greedy_acc" in m] == [0, 2]
     no_engine_left(run)

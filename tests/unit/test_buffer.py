@@ -100,6 +100,34 @@ def test_state_dict_round_trip_is_exact():
         other.load_state_dict(state)
 
 
+def test_groups_with_equal_rewards_are_set_aside_fill_a_short_take_and_round_trip():
+    buffer = RolloutBuffer(samples_per_prompt=2, max_new_tokens=2, max_staleness=1)
+    for uid, rewards in (("a", (0.0, 0.0)), ("b", (0.0, 1.0)), ("c", (1.0, 1.0)), ("d", ())):  # d: unscored
+        buffer.add_group(uid, [1])
+        _step(buffer, 0, "stop")  # a version-0 token each
+        for s, r in zip(buffer.groups[uid].samples, rewards, strict=False):
+            buffer.apply_reward(s, s.response_ids, (r, None))
+    assert buffer.set_aside_equal() == 2 and [g.uid for g in buffer.set_aside] == ["a", "c"]
+    assert list(buffer.groups) == ["b", "d"] and buffer.complete == 1 and buffer.counters["set_aside"] == 2
+    state = json.loads(json.dumps(buffer.state_dict()))
+    restored = RolloutBuffer(samples_per_prompt=2, max_new_tokens=2, max_staleness=1)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state and [g.uid for g in restored.set_aside] == ["a", "c"]
+    old = dict(state, counters={k: v for k, v in state["counters"].items() if k != "set_aside"})
+    del old["set_aside"]  # a checkpoint written before the filter
+    restored.load_state_dict(old)
+    assert restored.set_aside == [] and restored.counters["set_aside"] == 0
+    assert [g.uid for g in buffer.take(3)] == ["b", "a", "c"]  # the one that differs, then the oldest set aside
+    assert buffer.set_aside == [] and buffer.taken == 3
+    buffer.add_group("e", [1])
+    _step(buffer, 0, "stop")
+    for s in buffer.groups["e"].samples:
+        buffer.apply_reward(s, s.response_ids, (0.0, None))
+    buffer.set_aside_equal()
+    buffer.drop_stale(2)  # its version-0 tokens are too old for version 2: never trained, discarded
+    assert buffer.set_aside == [] and buffer.take(1) == []
+
+
 def test_the_bound_masks_instead_of_dropping_with_mask_stale_prefix():
     masked = RolloutBuffer(1, max_new_tokens=20, token_budget=2, max_staleness=2, mask_stale_prefix=True)
     plain = RolloutBuffer(1, max_new_tokens=20, token_budget=2, max_staleness=2)

@@ -54,7 +54,7 @@ def test_help_config_lists_every_field_once_with_its_doc():
     text = cli.help_config()
     body = text.splitlines()[2:]  # after the heading and a blank line
     listed = [line.split(":")[0] for line in body if line and not line.startswith(" ")]
-    assert sorted(listed) == sorted(_leaf_fields())
+    assert sorted(listed) == sorted([*_leaf_fields(), "algo.bapo.preset"])  # the preset key too
     assert "algo.bapo.target_rho: float = 0.5\n    rho0: the share P / (P + N)" in text
     assert "rollout.engines.mem_fraction_static: float | None = None" in text
     assert "model.mcore_path: str | None = None" in text
@@ -156,3 +156,130 @@ def test_overrides_may_follow_the_options():
         True,
         8,
     )
+
+
+def _run_env(monkeypatch, world: int) -> None:
+    """A launcher's environment for rank 0 of `world` (nothing listens: the run must stop before)."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+
+
+def _refusal(capsys, argv: list[str]) -> str:
+    from bapo_megatron.train import main
+
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_dry_run_says_what_recompute_auto_chose_and_the_run_chooses_the_same(capsys, monkeypatch):
+    """The dry run fits the job to --gpu-memory-gib with the run's own function (job.fit, for its
+    GPU's size): the same choice where it fits, the same refusal where nothing does, both before
+    anything is built."""
+    from bapo_megatron.config import load_config
+    from bapo_megatron.job import fit
+    from bapo_megatron.preflight import model_spec
+    from bapo_megatron.train import main
+    from bapo_megatron.trainer import fit as fitting
+
+    preset = "examples/qwen2.5-32b/config.yaml"  # 32k responses, recompute: auto
+    main([preset, "--dry-run", "--world-size", "32"])
+    out = capsys.readouterr().out
+    assert "activation recompute: auto chose full: 8 of the 32 layers of each pipeline stage" in out
+    assert "  recompute: full\n  recompute_layers: 8\n" in out  # the resolved config, as the run saves it
+    assert "longest response this layout fits: 129,024 tokens, the model's context (recompute full: 27 of" in out
+    _run_env(monkeypatch, 32)
+    monkeypatch.setattr(fitting, "local_gpu_bytes", lambda: 80 * 2**30)
+    cfg = load_config(preset)
+    chosen = fit(cfg, model_spec(cfg), 0).parallel
+    assert (chosen.recompute, chosen.recompute_layers) == ("full", 8)
+    assert "activation recompute: auto chose full: 8 of the 32" in capsys.readouterr().out  # said by rank 0
+    # 64k on 40 GiB GPUs: nothing fits; the dry run and the run refuse alike
+    long = ["examples/qwen2.5-32b/long.yaml"]
+    dry = _refusal(capsys, [*long, "--dry-run", "--world-size", "32", "--gpu-memory-gib", "40"])
+    monkeypatch.setattr(fitting, "local_gpu_bytes", lambda: 40 * 2**30)
+    assert _refusal(capsys, long) == dry
+    assert dry.startswith("error: parallel.recompute='auto': does not fit:") and "40 GiB GPU" in dry
+    assert "parallel.pipeline=4" in dry and "parallel.max_tokens_per_microbatch=" in dry
+
+
+def test_context_parallel_is_refused_naming_the_longest_response_without_it(capsys, monkeypatch):
+    """parallel.context > 1 (Transformer Engine and two GPUs at least in megatron-core 0.16.1, and no
+    sequence split yet): the dry run and the run refuse it before anything starts, with the longest
+    response the layout fits without it."""
+    from bapo_megatron.config import load_config
+    from bapo_megatron.preflight import model_spec
+    from bapo_megatron.trainer.fit import longest_response
+
+    argv = ["examples/qwen2.5-32b/config.yaml", "parallel.context=2"]
+    dry = _refusal(capsys, [*argv, "--dry-run", "--world-size", "32"])
+    plain = load_config(argv[0])
+    longest = longest_response(plain, model_spec(plain), 2, 80 * 2**30)  # TP 8 x PP 2 x DP 2, CP ranks as DP
+    assert dry.startswith("error: parallel.context=2: context parallel is not supported")
+    assert "Transformer Engine" in dry and "at least two GPUs" in dry
+    assert f"TP 8 x PP 2 x DP 2 fits responses of up to {longest.tokens:,} tokens (the model's context)" in dry
+    assert "on 80 GiB GPUs" in dry and "recompute full: 27 of the 32 layers" in dry
+    _run_env(monkeypatch, 32)  # the run, on a machine without a GPU: figured for an 80 GiB one
+    assert _refusal(capsys, argv) == dry.replace("80 GiB GPUs", "80 GiB GPUs (no GPU here)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "start"),
+    [
+        (["--world-size", "3"], "error: rollout.prompts_per_step=8: 32 samples per optimizer step do not split over 3"),
+        (["rollout.sampling.max_new_tokens=5000"], "error: parallel.max_tokens_per_microbatch=4096: leaves no room"),
+    ],
+)
+def test_the_dry_run_refuses_what_the_run_refuses(argv, start, capsys, monkeypatch):
+    """A batch that does not split over the data-parallel ranks, responses no micro-batch holds:
+    preflight.validate refuses them in the run (job.py) and in the dry run alike, before anything."""
+    world = argv[1] if argv[0] == "--world-size" else "1"
+    overrides = [a for a in argv if "=" in a]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dry = _refusal(capsys, [*overrides, "--dry-run", "--world-size", world])
+    assert dry.startswith(start), dry
+    _run_env(monkeypatch, int(world))
+    assert _refusal(capsys, overrides) == dry
+    if overrides:  # what to set: the micro-batch's budget, not the prompt cap
+        assert "set parallel.max_tokens_per_microbatch to 5000 plus the longest prompt" in dry
+
+
+def test_a_peak_over_the_gpu_is_refused_unless_asked_to_go_on(capsys, monkeypatch):
+    """A recompute set by hand whose estimated peak does not fit: "does not fit", the peak, the GPU and
+    what would fit, from fit_to_gpu in the dry run and in the run; parallel.over_memory=true goes on
+    (the run warns)."""
+    from bapo_megatron.config import load_config
+    from bapo_megatron.job import fit
+    from bapo_megatron.preflight import model_spec
+    from bapo_megatron.train import main
+    from bapo_megatron.trainer import fit as fitting
+
+    argv = ["examples/qwen2.5-32b/config.yaml", "parallel.recompute=none"]  # 32k responses: 85.6 GiB
+    dry = _refusal(capsys, [*argv, "--dry-run", "--world-size", "32"])
+    assert dry.startswith("error: parallel.recompute='none': does not fit: with parallel.recompute=none the ")
+    assert "estimated peak is 85.6 GiB a GPU, more than the 73.0 GiB usable of each 80 GiB GPU" in dry
+    assert "it would fit with parallel.recompute=auto (full: 8 of the 32 layers" in dry
+    assert "parallel.pipeline=4 (32 GPUs" in dry and "parallel.over_memory=true runs it anyway" in dry
+    _run_env(monkeypatch, 32)
+    monkeypatch.setattr(fitting, "local_gpu_bytes", lambda: 80 * 2**30)
+    assert _refusal(capsys, argv) == dry
+    main([*argv, "parallel.over_memory=true", "--dry-run", "--world-size", "32"])
+    assert "estimated peak 85.6 GiB does NOT fit the 73.0 GiB usable" in capsys.readouterr().out
+    cfg = load_config(argv[0], [*argv[1:], "parallel.over_memory=true"])
+    with pytest.warns(UserWarning, match="does NOT fit"):
+        assert fit(cfg, model_spec(cfg), 0).parallel.recompute == "none"
+
+
+def test_the_dry_run_names_the_micro_batch_layout_and_prints_only_what_a_field_selects(capsys):
+    from bapo_megatron.train import main
+
+    main(["examples/qwen2.5-7b/config.yaml", "--dry-run", "--world-size", "8"])
+    out = capsys.readouterr().out
+    assert "micro-batches: packed rows of whole samples end to end, attention inside each sample (THD" in out
+    assert "at worst (every sample 18432 tokens) 256 a data-parallel rank and optimizer step" in out
+    assert "replicated" not in out  # GPU runs use the distributed optimizer: no field selects another
+    main(["parallel.packing=padded", "--dry-run"])
+    assert "micro-batches: padded rows of one sample each, at most 4096 tokens" in capsys.readouterr().out

@@ -139,3 +139,46 @@ def test_reshard_reports_a_full_disk_as_one_error_line(monkeypatch, tmp_path, ca
     assert reshard.main(["--mcore", str(tmp_path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "error: [Errno 28] No space left on device" and "Traceback" not in err
+
+
+def test_a_checkpoint_carries_its_models_config_and_tokenizer(hf_dir):
+    """What a trainer's step directory carries beside the weights: the HF config (model.hf_path's
+    config.json as it is, or the built-in model's) and model.hf_path's tokenizer files."""
+    from bapo_megatron.common.model_spec import ModelSpec, tiny_spec
+    from bapo_megatron.trainer.checkpoint import HF_CONFIG, model_files
+
+    built_in = model_files(tiny_spec(), None)
+    assert set(built_in) == {HF_CONFIG}
+    assert ModelSpec.from_hf_config(json.loads(built_in[HF_CONFIG])) == tiny_spec()
+    files = model_files(ModelSpec.from_hf_dir(hf_dir), str(hf_dir))
+    assert files[HF_CONFIG] == (hf_dir / "config.json").read_bytes()
+    assert files["tokenizer.json"] == (hf_dir / "tokenizer.json").read_bytes()
+    assert not any(name.endswith(".safetensors") for name in files)
+
+
+def test_the_converters_resolve_a_run_checkpoint_dir_a_step_or_a_converted_dir(tmp_path):
+    """weights_dir, the one reader of the --mcore of mcore-to-hf and reshard (and of model.mcore_path):
+    a directory with metadata.json as it is; a run's checkpoint.dir, the newest complete step (what a
+    resume loads), also when `latest` is missing or stale; a pointer to nothing, refused by name."""
+    from bapo_megatron.errors import BadInputError
+    from bapo_megatron.trainer.checkpoint import weights_dir
+
+    run = tmp_path / "ckpt"
+    for step, complete in ((2, True), (4, True), (6, False)):
+        (run / f"step_{step:08d}").mkdir(parents=True)
+        if complete:
+            (run / f"step_{step:08d}" / "metadata.json").write_text("{}")
+    assert weights_dir(run) == run / "step_00000004"  # no `latest` (a save cut short before it)
+    (run / "latest").write_text("step_00000002\n")
+    assert weights_dir(run) == run / "step_00000004"  # stale: a resume takes the newest too
+    assert weights_dir(run / "step_00000002") == run / "step_00000002"
+    assert weights_dir(tmp_path / "empty") == tmp_path / "empty"  # for the reader to refuse
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    (lost / "latest").write_text("step_00000009\n")
+    with pytest.raises(BadInputError, match="names step_00000009, which is not a complete checkpoint"):
+        weights_dir(lost)
+    (lost / "latest").unlink()
+    (lost / "latest").symlink_to(run / "latest")
+    with pytest.raises(BadInputError, match="is a symbolic link"):
+        weights_dir(lost)

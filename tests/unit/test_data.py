@@ -114,7 +114,7 @@ def test_format_from_suffix_shards_and_globs(tmp_path):
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("absent-path", r"record 2 \(line 2\): no field 'reward.truth' \(reward has no 'truth'\)"),
+        ("absent-path", r"record 2 \(line 2\): no field 'reward.truth' \(data.prompt_field; reward has no 'truth'\)"),
         ("not-messages", r"record 1: message 1 must be \{'role': str, 'content': str\}; got keys \['text'\]"),
         ("no-content", r"record 1 \(line 1\): message 1 \(user\) has no text content; got a list of str"),
         ("no-template", "chat messages need the model directory's chat template"),

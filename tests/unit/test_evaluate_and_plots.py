@@ -10,24 +10,33 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_greedy_answers_are_what_transformers_generates(tmp_path):
-    """Records whose answers are transformers' greedy continuations score 1.0 greedy; answers
-    that are wrong score 0 (the evaluator's KV-cached, left-padded loop against upstream)."""
+def _greedy_answers(model_dir: Path, heldout: Path, max_new_tokens: int = 6) -> list[dict]:
+    """heldout's records with transformers' greedy continuation of each prompt as its answer."""
     import transformers
 
     from bapo_megatron.data.prompts import load_tokenizer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = load_tokenizer(model_dir)
+    records = []
+    for line in heldout.read_text().splitlines():
+        prompt = json.loads(line)["prompt"]
+        ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+        out = model.generate(
+            ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=0
+        )
+        records.append({"prompt": prompt, "answer": tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)})
+    return records
+
+
+def test_greedy_answers_are_what_transformers_generates(tmp_path):
+    """Records whose answers are transformers' greedy continuations score 1.0 greedy; answers
+    that are wrong score 0 (the evaluator's KV-cached, left-padded loop against upstream)."""
     from bapo_megatron.evaluate import evaluate_hf
     from bapo_megatron.tasks import write_task
 
     paths = write_task("addition", tmp_path, train=10, heldout=40, seed=1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(paths["model"]).eval()
-    tok = load_tokenizer(paths["model"])
-    records = []
-    for line in paths["heldout"].read_text().splitlines():
-        prompt = json.loads(line)["prompt"]
-        ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
-        out = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=0)
-        records.append({"prompt": prompt, "answer": tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)})
+    records = _greedy_answers(paths["model"], paths["heldout"])
     right = tmp_path / "right.jsonl"
     right.write_text("".join(json.dumps(r) + "\n" for r in records))
     got = evaluate_hf(paths["model"], right, samples=2, max_new_tokens=6, batch_size=16)
@@ -61,13 +70,14 @@ def _bad_input(addition, tmp: Path, case: str) -> list[str]:
     records = {
         "not json": "{not json\n",
         "no prompt": '{"answer": "1"}\n',
-        "list prompt": '{"prompt": [1, 2], "answer": "1"}\n',
+        "list prompt": '{"prompt": [1.5, 2], "answer": "1"}\n',
+        "parquet as jsonl": b"PAR1\x00\xc0\x15\n",  # not UTF-8
         "not an object": "[1, 2]\n",
         "empty": "",
     }
     if case in records:
-        (tmp / "h.jsonl").write_text(records[case])
-        return [model, str(tmp / "h.jsonl")]
+        (tmp / "h.jsonl").write_bytes(records[case] if isinstance(records[case], bytes) else records[case].encode())
+        return [model, str(tmp / "h.jsonl"), "--max-new-tokens", "6"]
     flags = {
         "no model": ["/nonexistent/model", heldout],
         "no heldout": [model, str(tmp / "missing.jsonl")],
@@ -84,9 +94,9 @@ def _bad_input(addition, tmp: Path, case: str) -> list[str]:
 
 
 BAD_CASES = [
-    "no config", "cut shard", "not json", "no prompt", "list prompt", "not an object", "empty", "no model",
-    "no heldout", "negative samples", "zero temperature", "nan temperature", "zero tokens", "past the context",
-    "zero prompts", "text prompts", "unknown reward",
+    "no config", "cut shard", "not json", "no prompt", "list prompt", "not an object", "empty", "parquet as jsonl",
+    "no model", "no heldout", "negative samples", "zero temperature", "nan temperature", "zero tokens",
+    "past the context", "zero prompts", "text prompts", "unknown reward",
 ]  # fmt: skip
 
 
@@ -100,14 +110,97 @@ def test_the_evaluator_answers_bad_input_with_one_error_line(addition, tmp_path,
         code = exit_.code
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err and "error:" in err[-1] and "Traceback" not in "\n".join(err), err
+    if (tmp_path / "h.jsonl").exists():  # a bad record: the file is named
+        assert str(tmp_path / "h.jsonl") in err[-1], err
 
 
 def test_a_record_the_reward_cannot_score_scores_zero(addition, tmp_path, capsys):
     from bapo_megatron.evaluate import main
 
     (tmp_path / "h.jsonl").write_text('{"prompt": "1+2="}\n')  # no answer: the reward raises, as in training
-    assert main([str(addition["model"]), str(tmp_path / "h.jsonl"), "--samples", "0"]) == 0
+    argv = [str(addition["model"]), str(tmp_path / "h.jsonl"), "--samples", "0", "--reward", "exact"]
+    assert main([*argv, "--max-new-tokens", "6"]) == 0
     assert json.loads(capsys.readouterr().out)["greedy_acc"] == 0.0
+
+
+def _copy_model(addition, to: Path, tokenizer: bool = True, chat_template: str | None = None) -> Path:
+    import shutil
+
+    shutil.copytree(addition["model"], to)
+    if not tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (to / name).unlink()
+    if chat_template is not None:
+        (to / "chat_template.jinja").write_text(chat_template)
+    return to
+
+
+def test_the_evaluator_reads_a_verl_parquet_with_the_runs_field_map_chat_template_and_reward(
+    addition, tmp_path, capsys
+):
+    """A parquet file of chat-message prompts and nested answers (verl's layout), read through a run's
+    config (field map, reward, lengths, k) with the model's chat template, scores what the same
+    records as plain text and answers score: every greedy answer right, where the answers are the
+    model's greedy continuations."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bapo_megatron.evaluate import evaluate_hf, main
+
+    # a template that writes the user's text alone: the rendered prompt is the jsonl's text prompt
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    model = _copy_model(addition, tmp_path / "model", chat_template=template)
+    rows = _greedy_answers(addition["model"], addition["heldout"])
+    (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    verl = [{"prompt": [{"role": "user", "content": r["prompt"]}], "reward_model": {"ground_truth": r["answer"]}}
+            for r in rows]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(verl), tmp_path / "heldout.parquet")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "data: {answer_field: reward_model.ground_truth}\nreward: {function: exact}\n"
+        f"rollout: {{sampling: {{max_new_tokens: 6}}}}\neval: {{samples: 2, path: {tmp_path / 'heldout.parquet'}}}\n"
+    )
+    assert main([str(model), "--config", str(config), f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+    captured = capsys.readouterr()
+    assert '"reward": "exact"' in captured.err and '"max_new_tokens": 6' in captured.err, captured.err
+    want = evaluate_hf(addition["model"], tmp_path / "heldout.jsonl", reward="exact", samples=2, max_new_tokens=6)
+    assert json.loads(captured.out) == want and want["greedy_acc"] == 1.0 and want["prompts"] == 8
+
+
+def test_the_evaluator_takes_the_runs_tokenizer_or_none_for_token_ids(addition, tmp_path, capsys):
+    """An export without a tokenizer: text prompts are refused naming it, evaluated with the
+    tokenizer of the config's model.hf_path; prompts of token ids need none."""
+    from bapo_megatron.evaluate import main
+
+    bare = _copy_model(addition, tmp_path / "bare", tokenizer=False)
+    heldout, flags = str(addition["heldout"]), ["--reward", "exact", "--max-new-tokens", "6", "--samples", "0"]
+    assert main([str(bare), heldout, *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{heldout} record 1" in err and f"{bare} has no tokenizer" in err, err
+    assert main([str(bare), heldout, *flags, f"model.hf_path={addition['model']}"]) == 0
+    borrowed = json.loads(capsys.readouterr().out)
+    assert main([str(addition["model"]), heldout, *flags]) == 0
+    assert borrowed == json.loads(capsys.readouterr().out)
+    (tmp_path / "ids.jsonl").write_text('{"prompt": [3, 4, 5], "answer": ""}\n')
+    assert main([str(bare), str(tmp_path / "ids.jsonl"), *flags]) == 0  # text is "" without a tokenizer
+    assert json.loads(capsys.readouterr().out)["greedy_acc"] == 1.0
+
+
+def test_the_evaluators_help_shows_its_defaults(capsys):
+    from bapo_megatron.config import JobConfig
+    from bapo_megatron.evaluate import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    base = JobConfig()
+    for key, value in (
+        ("rollout.sampling.max_new_tokens", base.rollout.sampling.max_new_tokens),
+        ("eval.samples", base.eval.samples),
+        ("the reward section", repr(base.reward.function)),
+        ("rollout.sampling.temperature", base.rollout.sampling.temperature),
+    ):
+        assert f"{key} of --config and the overrides; {value} when neither sets it" in text, key
 
 
 def _metrics(run: Path, steps: int, with_bapo: bool) -> None:

@@ -130,3 +130,82 @@ def test_another_jobs_server_on_the_port_is_never_taken_for_this_ones(tmp_path):
         assert theirs.process.poll() is None
     finally:
         theirs.stop()
+
+
+def test_two_runs_engines_take_free_ports_side_by_side(tmp_path):
+    """Engines started without a port (the default) bind port 0 and report the port they got: two
+    at once never collide."""
+    from bapo_megatron.engines.launcher import embedded_servers
+    from bapo_megatron.tasks import write_task
+
+    model = write_task("addition", tmp_path / "task", train=10, heldout=5)["model"]
+    ro = load_config(None, []).rollout
+    assert ro.engines.port is None and ro.engines.first_port is None
+    first = embedded_servers(ro, model, tmp_path / "run_a", seed=0, admin_key="a")[0]
+    second = embedded_server(model, tmp_path / "run_b" / "engine_0.log", admin_key="b")
+    try:
+        assert first.url is None and "--port-file" in first.command  # known once it reports it
+        for server in (first.start(), second.start()):
+            server.wait_ready(120, key=server.env["BAPO_ADMIN_API_KEY"])
+        assert first.url != second.url and all(s.url.startswith("http://127.0.0.1:") for s in (first, second))
+    finally:
+        first.stop()
+        second.stop()
+
+
+# A server that binds the port it is given (0: a free one) and reports it as the embedded engine does.
+PORT_FILE_SERVER = """
+import http.server, os, sys
+port, port_file = int(sys.argv[sys.argv.index("--port") + 1]), None
+if "--port-file" in sys.argv:
+    port_file = sys.argv[sys.argv.index("--port-file") + 1]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+server = http.server.HTTPServer(("127.0.0.1", port), H)
+if port_file:
+    open(port_file + ".partial", "w").write(str(server.server_address[1]))
+    os.replace(port_file + ".partial", port_file)
+server.serve_forever()
+"""
+
+
+def test_a_restarted_server_comes_back_on_the_free_port_it_got(tmp_path):
+    """The URL clients hold stays right: after the first start the command names the port."""
+    port_file = tmp_path / "server.log.port"
+    command = [sys.executable, "-c", PORT_FILE_SERVER, "--port", "0", "--port-file", str(port_file)]
+    server = ServerProcess(command, None, tmp_path / "server.log", port_file=port_file)
+    try:
+        url = server.start().wait_ready(30).url
+        assert url.startswith("http://127.0.0.1:") and not port_file.exists()
+        assert server.command[-2:] == ["--port", url.rsplit(":", 1)[1]]  # pinned, no port file
+        server.kill()
+        assert server.start().wait_ready(30).url == url
+    finally:
+        server.stop()
+
+
+def test_the_banner_and_the_dry_run_say_a_free_port():
+    from bapo_megatron import cli
+    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.errors import ConfigError
+    from bapo_megatron.runinfo import banner
+
+    free = load_config(None, ["rollout.engines.servers=2"])
+    assert "2 embedded engines on a free port each of 127.0.0.1" in banner(free, tiny_spec(), 1, None)
+    assert "a free port each" in cli.dry_run(free, 1, 80 * 2**30)
+    assert load_config(None, ["rollout.engines.port=0"]).rollout.engines.first_port is None
+    assert load_config(None, ["rollout.engines.kind=sglang"]).rollout.engines.first_port == 30000  # SGLang's
+    fixed = load_config(None, ["rollout.engines.port=31000"])
+    assert "1 embedded engine on 127.0.0.1:31000" in banner(fixed, tiny_spec(), 1, None)
+    with pytest.raises(ConfigError, match="rollout.engines.port=-1"):
+        load_config(None, ["rollout.engines.port=-1"])
+
+
+def test_bapo_serve_keeps_a_fixed_port(tmp_path):
+    """The trainer is handed bapo-serve's URLs beforehand: an engine there takes no free port, but
+    30000 + its index where the config sets none."""
+    from bapo_megatron.serve import engine_server
+
+    server = engine_server(load_config(None, [f"model.hf_path={tmp_path}", "rollout.engines.servers=2"]), 1, tmp_path)
+    assert server.url == "http://127.0.0.1:30001" and "--port-file" not in server.command

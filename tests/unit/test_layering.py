@@ -36,6 +36,7 @@ RANK = {
     "handoff": 6,
     "driver": 7,
     "sources": 8,
+    "runinfo": 8,
     "job": 9,
     "train": 10,
     "__init__": 11,

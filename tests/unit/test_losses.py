@@ -326,3 +326,127 @@ def test_sft_reports_greedy_token_and_answer_accuracy():
     metrics = reduce_metrics([policy_loss(batch, PolicyLossConfig(loss="sft"))])
     assert metrics["sft/answer_acc"] == pytest.approx(2 / 3)
     assert metrics["sft/token_acc"] == pytest.approx(7 / 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# The KL loss to a reference policy and the entropy bonus.
+
+VERL_NAMES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl", "abs": "abs", "k1+": "k1+", "k3+": "low_var_kl+"}
+"""Our kl_type -> the name verl's actor.kl_loss_type gives the same estimate."""
+
+
+def _verl_kl_penalty():
+    """verl's kl_penalty (and the kl_penalty_forward it calls) from its released wheel's
+    core_algos.py, run unchanged: only these two functions are taken, the module's other imports
+    need verl installed."""
+    import ast
+    import zipfile
+
+    from tests.helpers import VERL_VERSION
+    from tests.sglang_wheel import WheelUnavailable, wheel_path
+
+    try:
+        wheel = wheel_path("verl", VERL_VERSION)
+    except WheelUnavailable as err:
+        pytest.skip(str(err))
+    path = "verl/trainer/ppo/core_algos.py"
+    with zipfile.ZipFile(wheel) as whl:
+        tree = ast.parse(whl.read(path).decode())
+    wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("kl_penalty", "kl_penalty_forward")]
+    assert len(wanted) == 2, f"verl {VERL_VERSION}'s {path} no longer defines kl_penalty and kl_penalty_forward"
+    namespace = {"torch": torch}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), f"verl-{VERL_VERSION}/{path}", "exec"), namespace)
+    return namespace["kl_penalty"]
+
+
+def test_kl_estimates_equal_verls_kl_penalty():
+    """Each kl_type gives verl's kl_penalty of the same name, value and gradient, on log-ratios from
+    tiny to past both clamps (|d| > 20 and a k3 above 10)."""
+    from bapo_megatron.algo.losses import KL_ESTIMATES, VERL_KL_TYPES, kl_estimate
+
+    verl = _verl_kl_penalty()
+    assert set(VERL_NAMES) == set(KL_ESTIMATES)
+    assert {VERL_KL_TYPES.get(name, name) for name in VERL_NAMES.values()} == set(KL_ESTIMATES)
+    g = torch.Generator().manual_seed(0)
+    ref = -torch.rand(400, generator=g, dtype=torch.float64) * 8
+    d = torch.cat(
+        [torch.randn(392, generator=g, dtype=torch.float64) * 3, torch.tensor([0.0, 1e-9, -4, 4, -25, 25, -12, 30])]
+    )
+    for ours, theirs in VERL_NAMES.items():
+        mine = (ref + d).requires_grad_()
+        want = (ref + d).requires_grad_()
+        got, expected = kl_estimate(mine, ref, ours), verl(want, ref, theirs)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=ours)
+        (grad,) = torch.autograd.grad(got.sum(), mine)
+        (expected_grad,) = torch.autograd.grad(expected.sum(), want)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12, msg=ours)
+    assert kl_estimate(ref, ref, "k3").abs().max() == 0  # the policy is the reference: no KL
+
+
+def _with(batch: PolicyBatch, **fields) -> PolicyBatch:
+    return PolicyBatch(**{**batch.__dict__, **fields})
+
+
+@pytest.mark.parametrize("loss", ["bapo", "ppo", "gspo", "sft"])
+@pytest.mark.parametrize("kl_type", ["k1", "k3", "k3+"])
+def test_kl_and_entropy_terms_are_token_means_over_the_loss_tokens(loss, kl_type):
+    """With kl_coef and entropy_coef the loss is the policy loss + kl_coef x mean KL - entropy_coef x
+    mean entropy, every mean over the policy term's counted tokens (the same token_count, so the
+    step's one division stays right), gradients included; loss/kl reports the mean KL; masked
+    positions (NaN there) take no part."""
+    from bapo_megatron.algo.losses import kl_estimate
+
+    base = _batch(5)
+    g = torch.Generator().manual_seed(1)
+    ref = base.logprobs.detach() + torch.randn(B, S, generator=g, dtype=torch.float64) * 0.5
+    ref[base.mask == 0] = math.nan
+    entropy = base.entropy.clone().requires_grad_()
+    batch = _with(base, ref_logprobs=ref, entropy=entropy)
+    bounds = ClipBounds(c_low=0.7, c_high=2.0, rho=0.5, rho_start=0.3, steps=16) if loss == "bapo" else None
+    plain_cfg = PolicyLossConfig(loss=loss)
+    cfg = PolicyLossConfig(loss=loss, kl_coef=0.3, kl_type=kl_type, entropy_coef=0.02)
+    plain, out = policy_loss(batch, plain_cfg, bounds=bounds), policy_loss(batch, cfg, bounds=bounds)
+
+    counted = batch.mask != 0
+    kl = kl_estimate(batch.logprobs[counted], ref[counted], kl_type)
+    count = counted.sum()
+    want = plain.loss_sum / plain.token_count + 0.3 * kl.sum() / count - 0.02 * entropy[counted].sum() / count
+    assert out.token_count == plain.token_count == count
+    torch.testing.assert_close(out.loss_sum / out.token_count, want, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(out.loss_sum / out.token_count, (batch.logprobs, entropy))
+    expected = torch.autograd.grad(want, (batch.logprobs, entropy))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert torch.isfinite(a).all() and a[~counted].abs().sum() == 0
+    metrics, plain_metrics = reduce_metrics([out]), reduce_metrics([plain])
+    assert metrics["loss/kl"] == pytest.approx(kl.mean().item()) and "loss/kl" not in plain_metrics
+    assert {k: v for k, v in metrics.items() if k != "loss/kl"} == plain_metrics  # loss/pg: the policy term alone
+
+
+def test_entropy_bonus_gradient_raises_entropy():
+    """The bonus's gradient with respect to each counted token's entropy is -entropy_coef / count: a
+    descent step raises every counted token's entropy, and nothing else changes."""
+    batch = _batch(6)
+    entropy = batch.entropy.clone().requires_grad_()
+    out = policy_loss(_with(batch, entropy=entropy), PolicyLossConfig(loss="ppo", entropy_coef=0.05))
+    (grad,) = torch.autograd.grad(out.loss_sum / out.token_count, entropy)
+    counted = batch.mask != 0
+    torch.testing.assert_close(grad, torch.where(counted, -0.05 / counted.sum(), 0.0).to(grad))
+    off = policy_loss(_with(batch, entropy=entropy), PolicyLossConfig(loss="ppo"))
+    assert not off.loss_sum.requires_grad or torch.autograd.grad(off.loss_sum, entropy, allow_unused=True)[0] is None
+
+
+def test_kl_and_entropy_settings_and_inputs_are_checked():
+    with pytest.raises(ValueError, match=r"kl_coef=0\.1 is set but PolicyBatch\.ref_logprobs is None"):
+        policy_loss(_batch(0), PolicyLossConfig(loss="ppo", kl_coef=0.1))
+    with pytest.raises(ValueError, match=r"entropy_coef=0\.1 is set but PolicyBatch\.entropy is None"):
+        policy_loss(_with(_batch(0), entropy=None), PolicyLossConfig(loss="ppo", entropy_coef=0.1))
+    with pytest.raises(ValueError, match=r"kl_coef=-0\.1: must be a finite number >= 0"):
+        PolicyLossConfig(kl_coef=-0.1)
+    with pytest.raises(ValueError, match=r"entropy_coef=inf"):
+        PolicyLossConfig(entropy_coef=math.inf)
+    with pytest.raises(ValueError, match=r"kl_type='low_var_kl': must be one of .* low_var_kl is k3"):
+        PolicyLossConfig(kl_type="low_var_kl")
+    with pytest.raises(ValueError, match="ref_logprobs has shape"):
+        _with(_batch(0), ref_logprobs=torch.zeros(1, 2))
+    assert PolicyLossConfig().kl_coef == 0 and PolicyLossConfig().entropy_coef == 0  # off, as the authors ran

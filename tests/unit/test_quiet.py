@@ -36,3 +36,49 @@ def test_transformer_engines_absence_shows_where_there_is_cuda(tmp_path):
     done = _run("cuda", tmp_path)
     assert "Transformer Engine and Apex are not installed" in done.stderr
     assert "load_state_dict" not in done.stderr and done.stdout.split() == ["1", "0"]
+
+
+RANKS = """
+import logging, sys, warnings
+from bapo_megatron.common import quiet
+quiet.install(cuda=False)
+rank, run_dir = int(sys.argv[1]), sys.argv[2]
+warnings.warn("When using sequence parallelism it is recommended to set the environment variable "
+              "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+logging.getLogger("megatron.core.dist_checkpointing.validation").warning(
+    f"Rank {rank} common state dict differs from rank 0 common state dict. Keys only on rank 0: []")
+logging.getLogger("transformers.utils.generic").warning("`past_key_values`/`cache_params` are deprecated.")
+warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use `torch.distributed."
+              "reduce_scatter_single` instead.", FutureWarning)
+logging.getLogger("megatron.core.dist_checkpointing.validation").warning("another notice the user must see")
+print(quiet.flush(run_dir + "/not-made-yet", rank), quiet.flush(run_dir, rank))
+"""
+
+
+def test_every_ranks_notices_go_to_one_log_tagged_with_the_rank(tmp_path):
+    """Under torchrun each rank holds its known notices (warnings and log records alike) and appends
+    them, tagged, to the one warnings.log; a run directory not made yet keeps them held."""
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-W", "default", "-c", RANKS, str(rank), str(tmp_path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for proc in ranks:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert out.split() == ["0", "4"]  # held while the directory is missing, then all four
+        assert "another notice the user must see" in err
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in err and "common state dict" not in err
+        assert "past_key_values" not in err and "reduce_scatter" not in err
+    lines = (tmp_path / "warnings.log").read_text().splitlines()
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[rank {rank}] ")]
+        assert any("CUDA_DEVICE_MAX_CONNECTIONS" in line for line in mine)
+        assert any(f"Rank {rank} common state dict differs" in line for line in mine)
+        assert any("past_key_values" in line for line in mine)
+    assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in lines)

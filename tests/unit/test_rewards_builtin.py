@@ -71,3 +71,48 @@ def test_rewards_routed_by_a_record_field(tmp_path):
     assert score(nested, "1", [], {"extra": {"kind": "a"}, "answer": "1"}) == (1.0, None)
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         load_reward(reward_spec("math", by="data_source", table={"x": "nope"}))
+
+
+GSM8K_CASES = [
+    ("12+30=42\n#### 42", "42"),
+    ("#### 42", "41"),
+    ("The answer is 42", "42"),
+    ("####42", "42"),
+    ("#### 1,000", "1000"),
+    ("#### -3", "-3"),
+    ("#### 3.50", "3.5"),
+    ("#### 7\n#### 8", "8"),
+    ("#### 7\n#### 8", "7"),
+    ("#### 7" + " and so on" * 40, "7"),
+    ("#### 7" + "." * 300, "7"),
+    ("so 5 apples, then 6.", "6."),
+    ("so 5 apples, then 6.", "6"),
+    ("...", "."),
+    (". then .", "."),
+    ("a.", "."),
+    ("no number", "0"),
+    ("", "0"),
+    ("#### $5", "5"),
+]
+
+
+def test_gsm8k_scores_as_verls_own_gsm8k():
+    """Strict ("#### " then a number, the last one in the response's last 300 characters) and
+    flexible (the last number), with verl's format and correct scores, against verl's own
+    compute_score from its wheel on hand-picked cases and random noise."""
+    from bapo_megatron.rewards.functions import gsm8k_score
+
+    verl = verl_module("verl/utils/reward_score/gsm8k.py")
+    rng = random.Random(0)
+    tokens = ["####", "#### ", "#", " ", "-", ".", ",", "$", "1", "2", "7", "42", "\n", "x"]
+    noise = ["".join(rng.choice(tokens) for _ in range(rng.randint(0, 60))) for _ in range(500)]
+    cases = GSM8K_CASES + [(text, rng.choice(["1", "2", "7", "42", "-1", "1.2", "."])) for text in noise]
+    strict, flexible = load_reward("gsm8k"), load_reward("gsm8k_flexible")
+    for text, truth in cases:
+        assert strict(text, [], {"answer": truth}) == verl.compute_score(text, truth), (text, truth)
+        assert flexible(text, [], {"answer": truth}) == verl.compute_score(text, truth, "flexible"), (text, truth)
+        for method in ("strict", "flexible"):
+            expected = verl.compute_score(text, truth, method, format_score=0.1, score=2.0)
+            assert gsm8k_score(text, truth, method == "flexible", 0.1, 2.0) == expected, (text, truth, method)
+    assert {strict(t, [], {"answer": a}) for t, a in GSM8K_CASES} == {0.0, 1.0}
+    assert score("gsm8k", "#### 72", [], {"answer": 72}) == (1.0, None)  # a number from parquet: compared as text

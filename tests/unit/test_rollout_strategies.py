@@ -23,6 +23,9 @@ from bapo_megatron.rollout.buffer import RolloutBuffer
 from bapo_megatron.rollout.core import MAX_SAMPLE_FAILURES, RolloutCore, RolloutError
 from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds
 
+# the existing modes' tests score single-answer groups: their steps train on nothing, as warned
+pytestmark = pytest.mark.filterwarnings("ignore:step .* trains on nothing:UserWarning")
+
 STOP = 0
 # natural response lengths (then the stop token) per sample; 99: never stops within max_new_tokens
 LENGTHS = {"p0/0": 2, "p0/1": 9, "p1/0": 99, "p1/1": 3, "p2/0": 99, "p2/1": 99}
@@ -554,3 +557,185 @@ def test_a_drain_does_not_wait_for_an_engine_that_died_under_its_requests(died):
         return flights
 
     assert asyncio.run(run()) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout.filter_groups: groups whose rewards are all equal are set aside and generated again.
+
+
+class QuickEngine:
+    """Sample i of a group answers i + 1 tokens, then STOP, after `ticks` of 1 ms."""
+
+    def __init__(self, ticks: int = 1) -> None:
+        self.ticks = ticks
+
+    async def generate(self, input_ids, sampling, rid, routes_from=None):
+        await asyncio.sleep(0.001 * self.ticks)
+        out = [1] * (int(rid.partition("#")[0].rpartition("/")[2]) + 1) + [STOP]
+        return Completion(rid, out, [-0.5] * len(out), "stop")
+
+    async def abort(self, rid=None):
+        pass
+
+    async def health(self):
+        return True
+
+
+class SpreadRewards:
+    """RewardWorkers' interface: a group's rewards differ (the response lengths) when its prompt's
+    meta says `spread`, else they are all 0."""
+
+    failures = replaced = 0
+
+    async def __call__(self, text, ids, meta):
+        return (float(len(ids)) if meta["spread"] else 0.0), None
+
+
+def spread_core(engine, spread, max_staleness=3, max_new=12):
+    """2-sample groups p0, p1, ...; prompt i's rewards differ when spread(i)."""
+    counter = iter(range(10_000))
+
+    def prompts():
+        i = next(counter)
+        return f"p{i}", [7, 8, 9], {"spread": spread(i)}
+
+    core = make_core([engine], [STOP], max_staleness=max_staleness, max_new=max_new)
+    core.prompts, core.reward = prompts, SpreadRewards()
+    return core
+
+
+def differ(group) -> bool:
+    return len({s.reward for s in group.samples}) > 1
+
+
+def test_sync_steps_set_equal_reward_groups_aside_and_generate_others_in_their_place():
+    from bapo_megatron.rollout.filtering import DropEqualRewards
+
+    steps = AbortSteps(spread_core(QuickEngine(), lambda i: i % 2 == 1), 2, filter_groups=DropEqualRewards(2))
+    groups, stats = asyncio.run(steps.batch(0))
+    # p0 and p2 came back with equal rewards: each replaced by a new prompt (p2, then p3)
+    assert [g.uid for g in groups] == ["p1", "p3"] and all(differ(g) for g in groups)
+    assert stats["rollout/filtered_groups"] == 2 and stats["rollout/filter_shortfall"] == 0
+    assert stats["rollout/extra_rounds"] == 1.0  # 4 groups for a step of 2
+    assert steps.buffer.counters["set_aside"] == 2 and steps.buffer.set_aside == []  # discarded by the take
+
+
+def test_sync_steps_stop_looking_after_max_extra_rounds_and_fill_with_equal_reward_groups():
+    from bapo_megatron.rollout.filtering import DropEqualRewards
+
+    steps = AbortSteps(spread_core(QuickEngine(), lambda i: i == 1), 2, filter_groups=DropEqualRewards(1))
+    groups, stats = asyncio.run(steps.batch(0))
+    assert [g.uid for g in groups] == ["p1", "p0"]  # the one that differs, then the oldest set aside
+    assert stats["rollout/filter_shortfall"] == 1 and stats["rollout/filtered_groups"] == 2
+    assert stats["rollout/extra_rounds"] == 1.0 and steps.buffer.counters["groups_added"] == 4  # (1 + 1) x 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "deterministic", "async"])
+def test_no_group_whose_rewards_differ_within_the_rounds_stops_the_run(mode):
+    from bapo_megatron.rollout.filtering import DropEqualRewards, NoSpread
+
+    core = spread_core(QuickEngine(), lambda i: False, max_staleness=0)
+    sieve = DropEqualRewards(2)
+    strategy = {
+        "sync": lambda: AbortSteps(core, 2, filter_groups=sieve),
+        "deterministic": lambda: DeterministicRounds(core, 2, filter_groups=sieve),
+        "async": lambda: AsyncStream(core, 2, filter_groups=sieve),  # admission at max_staleness 0 lets it look
+    }[mode]()
+
+    async def run():
+        try:
+            return await asyncio.wait_for(strategy.batch(0), timeout=20)
+        finally:
+            await strategy.close()
+
+    with pytest.raises(NoSpread, match=r"none of the \d+ groups generated for step 1 has rewards that differ .rewards"):
+        asyncio.run(run())
+    assert 6 <= core.buffer.counters["set_aside"] <= 8  # (1 + 2) x 2, and what completed at once
+
+
+def test_deterministic_rounds_with_the_filter_resume_exactly():
+    from bapo_megatron.rollout.filtering import DropEqualRewards
+
+    def rounds(start=0, state=None):
+        core = spread_core(QuickEngine(), lambda i: i % 3 == 0)
+        counter = iter(range(start, 10_000))
+        core.prompts = lambda: (f"p{(i := next(counter))}", [7, 8, 9], {"spread": i % 3 == 0})
+        if state is not None:
+            core.buffer.load_state_dict(state)
+        return DeterministicRounds(core, 2, oversample=1.5, filter_groups=DropEqualRewards(3))
+
+    async def steps(strategy, versions):
+        return [[(g.uid, [s.response_ids for s in g.samples]) for g in (await strategy.batch(v))[0]] for v in versions]
+
+    straight = asyncio.run(steps(rounds(), range(3)))
+    first = rounds()
+    head = asyncio.run(steps(first, [0]))
+    import json
+
+    state = json.loads(json.dumps(first.buffer.state_dict()))
+    tail = asyncio.run(steps(rounds(first.buffer.counters["groups_added"], state), [1, 2]))
+    assert head + tail == straight
+    assert all(int(uid[1:]) % 3 == 0 for step in straight for uid, _ in step)  # only groups whose rewards differ
+
+
+def test_async_batches_with_the_filter_train_groups_whose_rewards_differ_within_the_bounds():
+    from bapo_megatron.rollout.filtering import DropEqualRewards
+
+    engine = VersionedEngine()
+    core = spread_core(engine, lambda i: i % 2 == 0, max_staleness=1, max_new=30)
+    stream = AsyncStream(core, 2, 1.5, filter_groups=DropEqualRewards(2))
+    P, K = 2, 1
+
+    async def run():
+        filtered = 0
+        for version in range(4):
+            groups, stats = await stream.batch(version)
+            buffer = stream.buffer
+            held = stream.filter_groups.held(buffer, P)
+            assert buffer.taken + buffer.in_flight + held <= (version + K + 1) * P  # admission
+            assert len(groups) == P and stats["rollout/filter_shortfall"] == 0
+            for g in groups:
+                assert int(g.uid[1:]) % 2 == 0 and all(min(s.versions) >= version - K for s in g.samples)
+            filtered += stats["rollout/filtered_groups"]
+            await _train(stream, engine, version)
+        for _ in range(1000):  # until the producer has set a group aside for the next step
+            if stream.buffer.set_aside:
+                break
+            await asyncio.sleep(0.002)
+        await stream.drain()
+        state = stream.buffer.state_dict()
+        await stream.close()
+        return filtered, state
+
+    filtered, state = asyncio.run(run())
+    assert filtered >= 4 and state["set_aside"]  # the odd prompts, set aside and replaced
+    restored = RolloutBuffer(2, max_new_tokens=30, max_staleness=1)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state  # the groups set aside since the last take, too
+
+
+def test_a_step_whose_every_group_has_equal_rewards_is_warned_about():
+    with pytest.warns(UserWarning, match=r"step 4 trains on nothing: within each of its 2 groups .*rewards seen: 0\)"):
+        asyncio.run(AbortSteps(spread_core(QuickEngine(), lambda i: False), 2).batch(3))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        asyncio.run(AbortSteps(spread_core(QuickEngine(), lambda i: i == 1), 2).batch(3))  # one group differs
+
+
+def test_the_filter_config_is_checked_and_chooses_the_strategys_filter():
+    from bapo_megatron.config import load_config
+    from bapo_megatron.driver import make_strategy
+    from bapo_megatron.errors import ConfigError
+    from bapo_megatron.rollout.filtering import DropEqualRewards, KeepAll
+
+    core = spread_core(QuickEngine(), lambda i: True)
+    cfg = load_config(None, ["rollout.filter_groups.enabled=true", "rollout.filter_groups.max_extra_rounds=3"])
+    sieve = make_strategy(cfg, core).filter_groups
+    assert isinstance(sieve, DropEqualRewards) and sieve.max_extra_rounds == 3
+    assert type(make_strategy(load_config(None, ["rollout.mode=async"]), core).filter_groups) is KeepAll
+    with pytest.raises(ConfigError, match="max_extra_rounds"):
+        load_config(None, ["rollout.filter_groups.max_extra_rounds=-1"])
+    with pytest.raises(ConfigError, match="no effect with rollout.replay"):
+        load_config(None, ["rollout.filter_groups.enabled=true", "rollout.replay=x.safetensors"])

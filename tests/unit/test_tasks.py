@@ -118,3 +118,46 @@ def test_repeat_wrong_answers_run_longer_and_carry_more_of_the_loss():
     addition = [("0168", True), ("0168", True), ("0167", True), ("1168", True)]
     shares = _loss_shares(addition, "0168", TASKS["addition"].max_new_tokens)
     assert shares["policy/positive_loss_share"] == pytest.approx(0.5)
+
+
+def test_verl_data_reads_through_the_loops_readers(tmp_path):
+    """`python -m bapo_megatron.tasks verl-data DIR`: parquet files in verl's gsm8k layout that the
+    loop's PromptSource reads through the chat model's template, the ground truth where verl puts
+    it, the solution a model writes scoring 1 with the gsm8k reward; the model without a template
+    (the other tasks') is an error naming model.hf_path."""
+    import pyarrow.parquet as pq
+
+    from bapo_megatron.config import DataConfig
+    from bapo_megatron.data.prompts import PromptSource, load_tokenizer
+    from bapo_megatron.rewards.functions import load_reward
+    from bapo_megatron.tasks import CHAT_TOKENS, main
+
+    out = tmp_path / "verl"
+    assert main(["verl-data", str(out), "--train", "30", "--heldout", "10", "--seed", "1"]) == 0
+    train, test = (pq.read_table(out / f"{name}.parquet").to_pylist() for name in ("train", "test"))
+    assert len(train) == 30 and len(test) == 10
+    assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
+    row = train[0]
+    assert set(row) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+    assert row["data_source"] == "openai/gsm8k" and row["reward_model"]["style"] == "rule"
+    a, b = row["extra_info"]["question"].rstrip("=").split("+")
+    assert row["reward_model"]["ground_truth"] == str(int(a) + int(b)) and row["extra_info"]["split"] == "train"
+    assert row["prompt"] == [{"role": "user", "content": row["extra_info"]["question"]}]
+
+    tok = load_tokenizer(out / "model")
+    config = DataConfig(
+        path=str(out / "train.parquet"), answer_field="reward_model.ground_truth", cache_dir=str(tmp_path / "c")
+    )
+    source = PromptSource(config, tokenizer=tok)
+    ids, meta = source.item(0)
+    assert tok.decode(ids) == f"<user>{a}+{b}=<assistant>" and ids[0] == tok.convert_tokens_to_ids(CHAT_TOKENS[1])
+    assert meta["answer"] == row["reward_model"]["ground_truth"] and meta["extra_info"] == row["extra_info"]
+    mark = tok.encode("#### 12", add_special_tokens=False)
+    assert len(mark) == 3 and tok.decode(mark) == "#### 12"  # the answer mark is one token
+    gsm8k = load_reward("gsm8k")
+    solutions = [(r["extra_info"]["answer"], r["reward_model"]["ground_truth"]) for r in train]
+    assert all(gsm8k(solution, [], {"answer": truth}) == 1.0 for solution, truth in solutions)
+
+    plain = write_task("addition", tmp_path / "plain", train=5, heldout=5)["model"]
+    with pytest.raises(ValueError, match=r"record 1: chat messages need .* set model.hf_path to a model directory"):
+        PromptSource(config, tokenizer=load_tokenizer(plain))

@@ -7,6 +7,7 @@ import concurrent.futures
 import math
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -75,6 +76,17 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _write_port(path: Path, port: int) -> None:
+    """The port, written whole (renamed into place): a reader never sees half of it."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{port}\n")
+    os.replace(partial, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bapo_megatron.engines.embedded",
@@ -82,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="HF model directory (safetensors)")
-    parser.add_argument("--port", type=_in_range(1, 65535), required=True)
+    parser.add_argument("--port", type=_in_range(0, 65535), required=True, help="0: a free port (see --port-file)")
+    parser.add_argument(
+        "--port-file", help="write the port listened on to this file once listening (with --port 0: the one it got)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch", type=_in_range(1, 1 << 16), default=64, help="requests decoded together")
@@ -137,12 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     core = engine_thread.submit(EngineCore, args.model, args.seed, args.max_batch, args.batch_invariant, dtype).result()
     server = EmbeddedServer(core, api_key, admin_key, engine_thread, args.log_interval, args.request_timeout)
+    # bound here (port 0: the kernel's free port), reported through the port file, then served
+    sock = socket.create_server((args.host, args.port), family=_family(args.host))
+    if args.port_file:
+        _write_port(Path(args.port_file), sock.getsockname()[1])
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request;
     # keepalive_timeout also closes a connection that has not sent its request's headers by then
     web.run_app(
         server.app(),
-        host=args.host,
-        port=args.port,
+        sock=sock,
         print=None,
         access_log=None,
         handler_cancellation=True,

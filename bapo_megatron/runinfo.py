@@ -1,0 +1,231 @@
+"""What a run says about itself: the identity its checkpoints record, its start banner, its end lines.
+
+    record = identity(cfg, spec)                       # each step directory's run.json
+    notice = check_resume(step_dir, record, allowed)   # ConfigError for another run's checkpoint
+    print(banner(cfg, spec, world, resume_from))       # rank 0, before the engines and the trainer start
+    print(ending(cfg, step, saved))                    # rank 0, after the last step
+
+A checkpoint is this run's when it records the same run name and the same algo, data, reward and
+model shape (SAME_RUN): the parallel layout, the step count, the optimizer, the engines and the
+evaluation may change on resume (the trainer reshards; more steps extend the run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.config import JobConfig, to_dict
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.trainer.checkpoint import run_record, step_of
+
+SAME_RUN = ("algo", "data", "reward")
+"""The config sections a resumed run shares with the run that saved its checkpoint (with the model's shape)."""
+MECHANICS = {
+    "data.cache_dir",
+    "data.check_records",
+    "reward.workers",
+    "reward.timeout_s",
+    "reward.memory_mb",
+    "reward.max_failure_share",
+    "reward.failure_steps",
+}
+"""Fields of those sections that change how the run computes, not what it trains on or for."""
+SHOWN = 4  # differences named in a refusal
+
+
+def _flatten(data: object, prefix: str) -> dict[str, object]:
+    if not isinstance(data, dict) or not data:
+        return {prefix: data}
+    out: dict[str, object] = {}
+    for key, value in data.items():
+        out.update(_flatten(value, f"{prefix}.{key}"))
+    return out
+
+
+def identity(cfg: JobConfig, spec: ModelSpec) -> dict:
+    """The run's name, its SAME_RUN fields (dotted, as run.json holds them) and their fingerprint."""
+    fields = {}
+    for section in SAME_RUN:
+        fields.update(_flatten(to_dict(getattr(cfg, section)), section))
+    fields.update(_flatten(to_dict(dataclasses.asdict(spec)), "model"))
+    fields = json.loads(json.dumps({k: v for k, v in fields.items() if k not in MECHANICS}))  # tuples as lists
+    fingerprint = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    return {"name": cfg.name, "fingerprint": fingerprint, "config": fields}
+
+
+def differences(recorded: dict, mine: dict) -> list[str]:
+    """How the run that saved a checkpoint differs from this one: its name, then each field both
+    know (a field one of them does not have came or went with a version of this package)."""
+    out = []
+    if recorded.get("name") != mine["name"]:
+        out.append(f"run name {recorded.get('name')!r}, this run {mine['name']!r}")
+    theirs = recorded.get("config")
+    if recorded.get("fingerprint") != mine["fingerprint"] and isinstance(theirs, dict):
+        ours = mine["config"]
+        shared = sorted(theirs.keys() & ours.keys())
+        out += [f"{k}={theirs[k]!r}, this run {ours[k]!r}" for k in shared if theirs[k] != ours[k]]
+    return out
+
+
+def check_resume(directory: Path, mine: dict, allow_foreign: bool) -> str | None:
+    """None when the step directory a run would resume was saved by this run; a one-line notice when
+    it records no run (saved before checkpoints did) or another run that checkpoint.allow_foreign
+    accepts; ConfigError naming what differs otherwise."""
+    recorded = run_record(directory)
+    if recorded is None:
+        return f"checkpoint {directory} does not record which run saved it (saved before run.json): resuming it"
+    found = differences(recorded, mine)
+    if not found:
+        return None
+    said = "; ".join(found[:SHOWN]) + (f"; and {len(found) - SHOWN} more" if len(found) > SHOWN else "")
+    if allow_foreign:
+        return f"resuming {directory}, saved by another run ({said}): checkpoint.allow_foreign=true"
+    raise ConfigError(
+        "checkpoint.dir",
+        str(directory.parent),
+        f"holds step {step_of(directory)} of another run ({said}). Give this run its own checkpoint.dir (by "
+        f"default its run directory's ckpt/), start it from those weights with model.mcore_path={directory}, or "
+        "resume that run's checkpoint anyway with checkpoint.allow_foreign=true",
+    )
+
+
+def parameters(spec: ModelSpec) -> int:
+    from bapo_megatron.trainer.memory import stage_params
+
+    return stage_params(spec, spec.vocab_size, 1, 1, 0)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _model(cfg: JobConfig, spec: ModelSpec) -> str:
+    shape = f"{spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}"
+    if spec.moe is not None:
+        shape += f", {spec.moe.num_experts} experts top-{spec.moe.top_k}"
+    where = cfg.model.hf_path or "the built-in tiny model"
+    return f"{where} ({shape}), {_count(parameters(spec))} parameters, {cfg.model.precision}"
+
+
+def _start(cfg: JobConfig, resume_from: Path | None, starting_weights: bool) -> str:
+    if resume_from is not None:
+        return f"resumed from {resume_from}, step {step_of(resume_from)} of {cfg.steps}"
+    if cfg.model.mcore_path:
+        return f"starting from the weights of {cfg.model.mcore_path}"
+    return f"starting from {cfg.model.hf_path}'s weights" if starting_weights else "starting from random weights"
+
+
+def _plural(n: int, noun: str, suffix: str = "s") -> str:
+    return f"{n} {noun}{suffix if n != 1 else ''}"
+
+
+def _address(host: str, first: int | None, count: int) -> str:
+    """Where `count` servers listen: host:port(s), or on a free port each (first None)."""
+    if first is None:
+        return f"a free port of {host}" if count == 1 else f"a free port each of {host}"
+    return f"{host}:{first}" if count == 1 else f"{host}:{first}-{first + count - 1}"
+
+
+def _batches(cfg: JobConfig) -> str:
+    ro, run = cfg.rollout, cfg.run_path
+    if ro.replay is not None:
+        return f"replayed from {ro.replay} (no engines)"
+    if cfg.algo.loss == "sft":
+        return f"supervised, from {cfg.data.path} (no engines)"
+    e = ro.engines
+    prompts = f"prompts from {cfg.data.path}; "
+    if e.urls:
+        return prompts + f"{_plural(len(e.urls), 'running engine')} at {', '.join(e.urls)}"
+    if e.kind == "embedded":
+        return prompts + (
+            f"{_plural(e.servers, 'embedded engine')} on {_address('127.0.0.1', e.first_port, e.servers)}, "
+            f"logs {run}/engine_*.log"
+        )
+    return prompts + (
+        f"{_plural(e.servers, 'SGLang server')} x TP {e.tensor_parallel} on "
+        f"{_address(e.host, e.first_port, e.servers)}, "
+        f"logs {run}/sglang_*.log"
+    )
+
+
+def metrics_path(cfg: JobConfig) -> Path | None:
+    if "jsonl" not in cfg.logging.backends:
+        return None
+    return Path(cfg.logging.jsonl_path) if cfg.logging.jsonl_path else cfg.run_path / "metrics.jsonl"
+
+
+def _records(cfg: JobConfig) -> str:
+    names = ["config.yaml", "status.json", "warnings.log"]
+    metrics = metrics_path(cfg)
+    if metrics is not None:
+        names.insert(1, metrics.name if metrics.parent == cfg.run_path else str(metrics))
+    if cfg.rollout.replay is None and cfg.algo.loss != "sft":
+        names.append("samples.jsonl")
+        if cfg.logging.samples:
+            names.append(f"rollouts.jsonl ({cfg.logging.samples} samples a step)")
+    if "wandb" in cfg.logging.backends:
+        names.append(f"wandb project {cfg.logging.wandb_project}")
+    return ", ".join(names)
+
+
+def _checkpoints(cfg: JobConfig) -> str:
+    c, path = cfg.checkpoint, cfg.checkpoint_path
+    if path is None:
+        return "nothing will be saved (checkpoint.save=false)"
+    when = f"every {c.interval} steps and at the end" if c.interval else "at the end"
+    return f"{path}, {when}, the newest {c.keep_last} kept"
+
+
+def banner(
+    cfg: JobConfig, spec: ModelSpec, world: int, resume_from: Path | None, starting_weights: bool = False
+) -> str:
+    """What the run is about to do, said before anything slow starts."""
+    p = cfg.parallel
+    dp = world // (p.tensor * p.pipeline * p.context)
+    layout = f"TP {p.tensor} x PP {p.pipeline}" + (f" x EP {p.expert}" if p.expert > 1 else "") + f" x DP {dp}"
+    rows = [
+        ("run directory", str(cfg.run_path)),
+        ("model", _model(cfg, spec)),
+        ("start", _start(cfg, resume_from, starting_weights)),
+        ("batches", _batches(cfg)),
+        ("records", _records(cfg)),
+        ("checkpoints", _checkpoints(cfg)),
+    ]
+    processes = _plural(world, "process", "es")
+    head = f"bapo-train {cfg.name}: {cfg.steps} steps, algo.loss={cfg.algo.loss}, {processes}, {layout}"
+    return "\n".join([head, *(f"  {name:<15}{text}" for name, text in rows)])
+
+
+def next_commands(cfg: JobConfig) -> list[str]:
+    """Export, evaluate and plot this run, with its paths."""
+    run, ckpt = cfg.run_path, cfg.checkpoint_path
+    metrics = metrics_path(cfg)
+    lines = []
+    if ckpt is not None:
+        hf = run / "hf"
+        heldout = cfg.eval.path or "HELDOUT.jsonl"
+        lines += [
+            f"  export:   python tools/convert_checkpoint.py mcore-to-hf --mcore {ckpt} --out {hf}",
+            f"  evaluate: python -m bapo_megatron.evaluate {hf} {heldout} --config {run / 'config.yaml'}",
+        ]
+    if metrics is not None:
+        lines.append(f"  plot:     python tools/plot_run.py {run if metrics.parent == run else metrics}")
+    return ["next:", *lines] if lines else []
+
+
+def ending(cfg: JobConfig, step: int, saved: Path | None, how: str = "finished") -> str:
+    """The run's last lines: where it ended, what it wrote, and the commands that come next."""
+    written = [f"checkpoint {saved}" if saved is not None else "no checkpoint (checkpoint.save=false)"]
+    metrics = metrics_path(cfg)
+    if metrics is not None:
+        written.append(f"metrics {metrics}")
+    if cfg.rollout.replay is None and cfg.algo.loss != "sft" and cfg.logging.samples:
+        written.append(f"rollouts {cfg.run_path / 'rollouts.jsonl'}")
+    return "\n".join([f"{how} at step {step} of {cfg.steps}: {', '.join(written)}", *next_commands(cfg)])
