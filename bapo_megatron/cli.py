@@ -18,6 +18,7 @@ import inspect
 import math
 import os
 import re
+import sys
 import textwrap
 import typing
 
@@ -30,7 +31,8 @@ USAGE = "bapo-train [CONFIG.yaml] [key=value ...] [--dry-run] [--world-size N] [
 GIB = 2**30
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line's options (None: it had no arguments at all)."""
     parser = argparse.ArgumentParser(
         prog="bapo-train",
         usage=USAGE,
@@ -53,6 +55,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--gpus-per-node", type=int, default=8, help="GPUs of the driver's node for --dry-run (default 8)"
     )
+    if argv is None:  # the command line, given nothing: the built-in defaults have no prompts
+        parser.print_usage(sys.stderr)
+        parser.exit(
+            2,
+            "bapo-train: give a config, e.g. `bapo-train examples/tiny_online.yaml` from the repository "
+            "root (--help: the options; --help-config: every field)\n",
+        )
     args = parser.parse_intermixed_args(argv)  # overrides before or after the options
     args.config = args.args[0] if args.args and "=" not in args.args[0] else None
     args.overrides = args.args[1:] if args.config else args.args
@@ -165,12 +174,14 @@ def dry_run(
     samples = r.prompts_per_step * r.samples_per_prompt // cfg.algo.updates_per_batch
     out = ["# resolved config", dump_config(cfg).rstrip(), "", "# layout"]
     out.append(
-        f"trainer: {world_size} processes = TP {p.tensor} x PP {p.pipeline} x VPP {p.virtual_pipeline or 1} "
+        f"trainer: {world_size} process{'es' if world_size != 1 else ''} = TP {p.tensor} x PP {p.pipeline} x "
+        f"VPP {p.virtual_pipeline or 1} "
         f"(virtual stages) x CP {p.context} x DP {dp}"
     )
     out.append(
         f"per optimizer step: {samples} samples, {math.ceil(samples / dp)} per data-parallel rank "
-        f"(responses up to {r.sampling.max_new_tokens} tokens); {cfg.algo.updates_per_batch} steps per batch"
+        f"(responses up to {r.sampling.max_new_tokens} tokens); {cfg.algo.updates_per_batch} optimizer "
+        f"step{'s' if cfg.algo.updates_per_batch != 1 else ''} per batch"
     )
     out.append(_microbatch_line(cfg, samples, dp))
     if spec.moe is not None:
@@ -300,7 +311,10 @@ def _engines(r: RolloutConfig, world_size: int, gpus_per_node: int, slurm: Slurm
             f"{used} of each node's {slurm.gpus_per_node} GPUs{room}; the script passes their URLs to the trainer "
             "(rollout.engines.urls; COLOCATE=1 puts them on the trainer's GPUs instead)"
         ]
-    where = "colocated with the trainer" if e.colocate else f"on GPUs of their own, listening on {e.host}"
+    if e.kind == "embedded":
+        where = "in processes of their own on this machine's CPU, on 127.0.0.1"
+    else:
+        where = "colocated with the trainer" if e.colocate else f"on GPUs of their own, listening on {e.host}"
     first = e.first_port
     ports = "a free port each" if first is None else f"ports {first}..{first + e.servers - 1}"
     out = [f"engines: {e.servers} {e.kind} server(s), TP {e.tensor_parallel} each, {ports}, {where}"]

@@ -188,6 +188,9 @@ class RolloutDriver:
         with (self.run_dir / "samples.jsonl").open("a") as f:  # which prompt groups the step trains on
             f.write(json.dumps({"step": version + 1, "groups": [g.uid for g in groups]}) + "\n")
         self.rollout_log.write(version + 1, groups, self.buffer.oldest_allowed(version))
+        if self.cfg.logging.save_batches:  # the trainer's half alone, later: rollout.replay=<run_dir>/batches
+            (self.run_dir / "batches").mkdir(exist_ok=True)
+            batch.save(self.run_dir / "batches" / f"step_{version + 1:08d}.safetensors")
         self.updates.release_memory()
         figures = {**stats, **checked, **batch_figures(groups, version, ro.sampling.max_new_tokens, self.buffer)}
         if self.cfg.data.max_prompt_tokens is not None:

@@ -64,7 +64,12 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int, machine: bool = T
     if cfg.algo.loss != "sft" and cfg.rollout.replay is None:
         for name, held in cfg.eval.sets.items():  # a preset's set left for the user's file
             if held.path is None:
-                raise ConfigError(f"eval.sets.{name}.path", None, "is not set: the set's prompts (file, shards, glob)")
+                raise ConfigError(
+                    f"eval.sets.{name}.path",
+                    None,
+                    f"is not set: the set's prompts (file, shards, glob): set eval.sets.{name}.path=FILE, or leave "
+                    f"the set out (eval.sets={{NAME: {{path: FILE}}}} names the sets to keep)",
+                )
     if machine:
         check_precision_support(cfg.model)
 

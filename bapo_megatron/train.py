@@ -126,7 +126,7 @@ def throughput(batch: RolloutBatch, seconds: float) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     """`bapo-train` (and python -m bapo_megatron.train): see cli.py for the options."""
     quiet.install()  # before Megatron is imported: its known notices go to the run's warnings.log
-    args = cli.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = cli.parse_args(sys.argv[1:] or None if argv is None else argv)
     if args.help_config:
         print(cli.help_config())
         return

@@ -26,9 +26,10 @@ LOG_RATIO_CLAMP = 20.0
 """r_t = exp(clamp(log pi - log mu, -20, 20)), as the spec defines it."""
 
 LossName = Literal["bapo", "ppo", "clip_higher", "dual_clip", "gspo", "cispo", "sft"]
-KLType = Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]
+KLType = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "kl", "mse", "low_var_kl", "low_var_kl+"]
 VERL_KL_TYPES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "abs": "abs", "k1+": "k1+", "low_var_kl+": "k3+"}
-"""verl's actor.kl_loss_type names -> ours (verl also takes k1, k2, k3, k3+ as they are)."""
+"""verl's actor.kl_loss_type names -> ours (verl also takes k1, k2, k3, k3+ as they are); kl_type
+takes either."""
 KL_CLAMP = 10.0
 """k3 is clamped to [-10, 10] (and its log-ratio to [-20, 20]) for numerical stability, as verl does."""
 
@@ -68,7 +69,8 @@ class PolicyLossConfig:
     token (Schulman's estimators; verl's actor.kl_loss_type names in brackets): k1 = d ("kl");
     k2 = d^2 / 2 ("mse"); k3 = exp(-d) + d - 1, d clamped to [-20, 20] and the value to
     [-10, 10] ("low_var_kl", verl's default); abs = |d| ("abs"); k1+ and k3+: k1's or k3's value
-    with k2's gradient, a straight-through estimator (verl's "k1+", "k3+"/"low_var_kl+")."""
+    with k2's gradient, a straight-through estimator (verl's "k1+", "k3+"/"low_var_kl+"). verl's
+    names are taken as they are."""
     entropy_coef: float = 0.0
     """An entropy bonus: the loss subtracts entropy_coef x the token mean of the policy's entropy
     (policy/entropy, at the sampling temperature). 0: off. verl: actor.entropy_coeff."""
@@ -98,7 +100,8 @@ class PolicyLossConfig:
             value = getattr(self, name)
             check(math.isfinite(value) and value >= 0.0, name, value, "must be a finite number >= 0 (0: off)")
         verl = ", ".join(f"{k} is {v}" for k, v in VERL_KL_TYPES.items() if k != v)
-        check(self.kl_type in KL_ESTIMATES, "kl_type", self.kl_type, f"must be one of {list(KL_ESTIMATES)} ({verl})")
+        known = self.kl_type in KL_ESTIMATES or self.kl_type in VERL_KL_TYPES
+        check(known, "kl_type", self.kl_type, f"must be one of {list(KL_ESTIMATES)} ({verl})")
 
 
 @dataclass
@@ -400,7 +403,7 @@ KL_ESTIMATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) at the sampled tokens (PolicyLossConfig.kl_type)."""
-    return KL_ESTIMATES[kl_type](logprobs - ref_logprobs)
+    return KL_ESTIMATES[VERL_KL_TYPES.get(kl_type, kl_type)](logprobs - ref_logprobs)
 
 
 def regularizers(batch: PolicyBatch, cfg: PolicyLossConfig) -> tuple[torch.Tensor, dict[str, tuple]]:

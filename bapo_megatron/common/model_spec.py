@@ -143,6 +143,10 @@ class ModelSpec:
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelSpec:
         file = Path(path) / "config.json"
+        if not Path(path).is_dir():
+            cwd = Path.cwd()
+            where = "" if Path(path).is_absolute() else f" (a relative path is taken from the working directory, {cwd})"
+            raise ConfigError("model.hf_path", str(path), f"no such directory{where}")
         if not file.is_file():
             raise ConfigError("model.hf_path", str(path), "has no config.json")
         try:

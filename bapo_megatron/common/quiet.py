@@ -10,7 +10,8 @@ calls, and its note that a rank's common checkpoint state differs from rank
 first thing by bapo-train, the demo and evaluate) keeps the warnings that match KNOWN, and the
 log records that match KNOWN_LOGS, off stderr and holds them; `flush(run_dir, rank)` appends them
 to run_dir/warnings.log once the run has a directory, each line tagged with its rank when one is
-given (every rank appends to the same file). Every other warning shows as before. The fallbacks
+given (every rank appends to the same file). Every other warning shows as before, this package's
+own as one `warning: ...` line. The fallbacks
 are harmless only without a GPU: with CUDA, Transformer Engine's absence is shown.
 """
 
@@ -70,10 +71,26 @@ def install(cuda: bool | None = None) -> None:
             shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
+    warnings.formatwarning = _formatter(warnings.formatwarning)
     for name, pattern, cpu_only in KNOWN_LOGS:
         if not (cpu_only and cuda):
             logging.getLogger(name).addFilter(_LogHolder(pattern))
     _installed = True
+
+
+PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def _formatter(upstream):
+    """This package's own warnings as one `warning: ...` line (they are addressed to the user, who
+    has no use for the file and line that raised them); everyone else's as Python formats them."""
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if str(filename).startswith(PACKAGE):
+            return f"warning: {message}\n"
+        return upstream(message, category, filename, lineno, line)
+
+    return format_warning
 
 
 class _LogHolder(logging.Filter):

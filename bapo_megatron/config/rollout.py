@@ -49,7 +49,12 @@ class PartialConfig:
 
     def __post_init__(self) -> None:
         if self.token_budget is not None:
-            check(self.enabled, "token_budget", self.token_budget, "only applies with enabled=true")
+            check(
+                self.enabled,
+                "token_budget",
+                self.token_budget,
+                "only applies with enabled=true (turning partial rollout off: rollout.partial.token_budget=null too)",
+            )
             check(self.token_budget >= 1, "token_budget", self.token_budget, "must be >= 1")
             check(
                 self.mode == "abort",

@@ -30,6 +30,10 @@ class LoggingConfig:
     groups of the step's batch, whole, in its order (the last one cut at this count); per sample its
     prompt and response text (token ids where the model has no tokenizer), reward, answer, lengths,
     finish reason and the policy versions that generated it."""
+    save_batches: bool = False
+    """Write each step's rollout batch (what the trainer trains on: tokens, behaviour log-probs,
+    versions, rewards, loss masks, routes) to batches/step_NNNNNNNN.safetensors in the run
+    directory: `rollout.replay=<run_dir>/batches` then trains on them alone, without engines."""
 
     def __post_init__(self) -> None:
         check(self.interval >= 1, "interval", self.interval, "must be >= 1")

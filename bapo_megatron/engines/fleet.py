@@ -89,6 +89,8 @@ class Engines:
             self.clients = [
                 EngineClient(s.url, admin_key=self.key, timeout_s=e.request_timeout_s) for s in self.servers
             ]
+            if e.first_port is None:  # the banner could only say "a free port": here is which
+                print(f"engines ready: {', '.join(s.url for s in self.servers)}", flush=True)
         self.pool = EnginePool(self.clients, wait_s=e.wait_s)
         return self.pool
 

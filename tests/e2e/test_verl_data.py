@@ -92,6 +92,7 @@ def test_tiny_verl_example_trains_on_generated_verl_data(tmp_path):
         "rollout.prompts_per_step=4",
         "rollout.samples_per_prompt=4",
         "logging.backends=[jsonl]",
+        "logging.save_batches=true",
     ]
     train(argv)
     got = metrics(run)
@@ -100,3 +101,26 @@ def test_tiny_verl_example_trains_on_generated_verl_data(tmp_path):
     assert all(0.0 <= m["rollout/reward_mean"] <= 1.0 and m["rollout/reward_errors"] == 0 for m in trained)
     assert [m["step"] for m in got if "eval/greedy_acc" in m] == [0, 2]
     no_engine_left(run)
+    # the trainer's half alone: the saved batches, replayed without engines, give the run's first step
+    from bapo_megatron.common.batch import RolloutBatch
+
+    saved = sorted((run / "batches").glob("*.safetensors"))
+    assert [f.name for f in saved] == ["step_00000001.safetensors", "step_00000002.safetensors"]
+    first = RolloutBatch.load(saved[0])
+    assert (
+        len(first) == 16 and abs(sum(s.reward for s in first.samples) / 16 - trained[0]["rollout/reward_mean"]) < 1e-6
+    )
+    replay = tmp_path / "replay"
+    train(
+        [
+            *argv[:2],
+            f"rollout.replay={run / 'batches'}",
+            f"run_dir={replay}",
+            "steps=1",
+            "eval.interval=0",
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=4",
+            "logging.backends=[jsonl]",
+        ]
+    )
+    assert metrics(replay)[-1]["loss/pg"] == pytest.approx(trained[0]["loss/pg"], rel=1e-5, abs=1e-7)

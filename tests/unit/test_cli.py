@@ -283,3 +283,13 @@ def test_the_dry_run_names_the_micro_batch_layout_and_prints_only_what_a_field_s
     assert "replicated" not in out  # GPU runs use the distributed optimizer: no field selects another
     main(["parallel.packing=padded", "--dry-run"])
     assert "micro-batches: padded rows of one sample each, at most 4096 tokens" in capsys.readouterr().out
+
+
+def test_bapo_train_with_nothing_shows_its_usage(capsys, monkeypatch):
+    from bapo_megatron.train import main
+
+    monkeypatch.setattr("sys.argv", ["bapo-train"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith("usage: bapo-train") and "give a config" in err

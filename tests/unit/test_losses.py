@@ -437,6 +437,8 @@ def test_entropy_bonus_gradient_raises_entropy():
 
 
 def test_kl_and_entropy_settings_and_inputs_are_checked():
+    from bapo_megatron.algo.losses import VERL_KL_TYPES, kl_estimate
+
     with pytest.raises(ValueError, match=r"kl_coef=0\.1 is set but PolicyBatch\.ref_logprobs is None"):
         policy_loss(_batch(0), PolicyLossConfig(loss="ppo", kl_coef=0.1))
     with pytest.raises(ValueError, match=r"entropy_coef=0\.1 is set but PolicyBatch\.entropy is None"):
@@ -445,8 +447,12 @@ def test_kl_and_entropy_settings_and_inputs_are_checked():
         PolicyLossConfig(kl_coef=-0.1)
     with pytest.raises(ValueError, match=r"entropy_coef=inf"):
         PolicyLossConfig(entropy_coef=math.inf)
-    with pytest.raises(ValueError, match=r"kl_type='low_var_kl': must be one of .* low_var_kl is k3"):
-        PolicyLossConfig(kl_type="low_var_kl")
+    with pytest.raises(ValueError, match=r"kl_type='k4': must be one of .* low_var_kl is k3"):
+        PolicyLossConfig(kl_type="k4")
+    d = torch.tensor([-3.0, 0.5, 25.0])  # verl's names are taken as they are
+    for verl_name, ours in VERL_KL_TYPES.items():
+        assert PolicyLossConfig(kl_type=verl_name).kl_type == verl_name
+        torch.testing.assert_close(kl_estimate(d, torch.zeros(3), verl_name), kl_estimate(d, torch.zeros(3), ours))
     with pytest.raises(ValueError, match="ref_logprobs has shape"):
         _with(_batch(0), ref_logprobs=torch.zeros(1, 2))
     assert PolicyLossConfig().kl_coef == 0 and PolicyLossConfig().entropy_coef == 0  # off, as the authors ran

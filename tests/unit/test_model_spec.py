@@ -48,6 +48,8 @@ def test_llama3_rope_scaling_and_unmapped_features():
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match=r"has no config.json"):
         ModelSpec.from_hf_dir(tmp_path)
+    with pytest.raises(ConfigError, match=r"no such directory \(a relative path is taken from the working directory"):
+        ModelSpec.from_hf_dir("no/such/model")
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"not valid JSON"):
         ModelSpec.from_hf_dir(tmp_path)

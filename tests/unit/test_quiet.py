@@ -82,3 +82,15 @@ def test_every_ranks_notices_go_to_one_log_tagged_with_the_rank(tmp_path):
         assert any(f"Rank {rank} common state dict differs" in line for line in mine)
         assert any("past_key_values" in line for line in mine)
     assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in lines)
+
+
+def test_this_packages_own_warnings_are_one_line():
+    import warnings
+
+    from bapo_megatron.common import quiet
+
+    own = quiet._formatter(warnings.formatwarning)
+    line = own(UserWarning("step 3 trains on nothing"), UserWarning, f"{quiet.PACKAGE}/rollout/filtering.py", 9)
+    assert line == "warning: step 3 trains on nothing\n"
+    theirs = own(UserWarning("x"), UserWarning, "/usr/lib/python3/site-packages/megatron/core/a.py", 9)
+    assert theirs.startswith("/usr/lib/python3/site-packages/megatron/core/a.py:9: UserWarning: x")
