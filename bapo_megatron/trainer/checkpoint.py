@@ -66,11 +66,14 @@ class Stateful(Protocol):
 def weights_dir(path: str | Path) -> Path:
     """The dist checkpoint whose weights a path names (model.mcore_path, the converters, reshard): a
     step or converted directory as it is; a run's checkpoint.dir, the step a resume would load (the
-    newest complete one, which `latest` names unless a save was cut short), read only. A path that
-    is neither comes back as it is, for the reader to refuse."""
+    newest complete one, which `latest` names unless a save was cut short), read only; a run's
+    directory, its ckpt/ as such. A path that is none of these comes back as it is, for the reader
+    to refuse."""
     root = Path(path)
     if (root / "metadata.json").is_file():
         return root
+    if not (root / LATEST).exists() and (root / "config.yaml").is_file() and (root / "ckpt").is_dir():
+        root = root / "ckpt"  # a run directory (checkpoint.dir's default)
     manager = CheckpointManager(CheckpointConfig(dir=str(root)))
     steps = manager.complete_steps()
     if steps:

@@ -159,7 +159,8 @@ def test_a_checkpoint_carries_its_models_config_and_tokenizer(hf_dir):
 def test_the_converters_resolve_a_run_checkpoint_dir_a_step_or_a_converted_dir(tmp_path):
     """weights_dir, the one reader of the --mcore of mcore-to-hf and reshard (and of model.mcore_path):
     a directory with metadata.json as it is; a run's checkpoint.dir, the newest complete step (what a
-    resume loads), also when `latest` is missing or stale; a pointer to nothing, refused by name."""
+    resume loads), also when `latest` is missing or stale; a run's directory, its ckpt/; a pointer to
+    nothing, refused by name."""
     from bapo_megatron.errors import BadInputError
     from bapo_megatron.trainer.checkpoint import weights_dir
 
@@ -173,6 +174,8 @@ def test_the_converters_resolve_a_run_checkpoint_dir_a_step_or_a_converted_dir(t
     assert weights_dir(run) == run / "step_00000004"  # stale: a resume takes the newest too
     assert weights_dir(run / "step_00000002") == run / "step_00000002"
     assert weights_dir(tmp_path / "empty") == tmp_path / "empty"  # for the reader to refuse
+    (tmp_path / "config.yaml").write_text("name: x\n")  # tmp_path is now a run directory, run its ckpt/
+    assert weights_dir(tmp_path) == run / "step_00000004"
     lost = tmp_path / "lost"
     lost.mkdir()
     (lost / "latest").write_text("step_00000009\n")
