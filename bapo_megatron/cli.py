@@ -191,6 +191,13 @@ def dry_run(
         out.append(f"rollout: replayed batches from {r.replay} (no engine)")
     else:
         out.append(_schedule(r))
+        if r.filter_groups.enabled:
+            f = r.filter_groups
+            out.append(
+                "dynamic sampling (rollout.filter_groups): groups whose rewards are all equal are set aside and "
+                f"replaced by new prompts, up to {f.max_extra_rounds} more steps' worth of groups a step "
+                f"(generation up to {1 + f.max_extra_rounds}x a step's)"
+            )
         out += _engines(r, world_size, gpus_per_node, slurm)
     out += ["", "# data (the run's own checks)", *dry_run_check(cfg, spec)]
     out += ["", f"# memory per GPU (estimate; GPU of {gpu_bytes / GIB:.0f} GiB)"]

@@ -293,3 +293,10 @@ def test_bapo_train_with_nothing_shows_its_usage(capsys, monkeypatch):
         main()
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.startswith("usage: bapo-train") and "give a config" in err
+
+
+def test_the_dry_run_says_dynamic_sampling_may_generate_more(capsys):
+    from bapo_megatron.train import main
+
+    main([str(ROOT / "examples" / "tiny_online.yaml"), "rollout.filter_groups.enabled=true", "--dry-run"])
+    assert "up to 4 more steps' worth of groups a step (generation up to 5x a step's)" in capsys.readouterr().out
