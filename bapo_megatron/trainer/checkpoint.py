@@ -171,7 +171,7 @@ class CheckpointManager:
                 "config": self.config_yaml,
                 "reference": trainer.reference is not None,
             }
-            files = model_files(trainer.spec, trainer.cfg.model.hf_path) if is_rank0() else None
+            files = dict(trainer.model_files) if is_rank0() else None  # read when the run started
             if files is not None and self.record is not None:
                 files[RUN_RECORD] = json.dumps(self.record, indent=1, sort_keys=True) + "\n"
             save_sharded(sharded, directory, extra_files=files)

@@ -89,6 +89,11 @@ class PolicyTrainer:
         self.vocab_local = mc.padded_vocab(spec, cfg.model, cfg.parallel) // info.tp_size
         self.step = 0
         self.progress = bars_on(cfg.logging.progress) and dist.get_rank() == 0  # on the rank that logs
+        from bapo_megatron.trainer.checkpoint import model_files
+
+        # what checkpoints carry of the model (its HF config, tokenizer), read now: model.hf_path may be
+        # gone by the time a checkpoint is saved (a moved or unmounted directory must not fail the save)
+        self.model_files = model_files(spec, cfg.model.hf_path) if dist.get_rank() == 0 else {}
         self.routers = None
         if spec.moe is not None:
             self.routers = Routers(self.model, spec, info, cfg.parallel.sequence_parallel, self.device)
