@@ -167,7 +167,8 @@ def test_async_run_keeps_its_bound_evaluates_beside_training_and_survives_sigter
     argv = args(task, run, 7, *extra)
     proc = start(argv)
     log = run / "metrics.jsonl"
-    wait_for(lambda: log.is_file() and len(metrics(run)) >= 2, proc, "the second step")
+    # two trained steps (an evaluation's line of step 0 is not one)
+    wait_for(lambda: log.is_file() and sum("loss/pg" in m for m in metrics(run)) >= 2, proc, "the second step")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
