@@ -69,36 +69,8 @@ def evaluate_hf(
     ends = torch.tensor(sorted(model.ends) or [-1], device=device)
 
     def generate(prompts: list[list[int]], greedy: bool) -> list[list[int]]:
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[model.pad] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        out = []
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        cache, step_ids = None, ids
-        with torch.no_grad():
-            for _ in range(max_new_tokens):
-                positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-                result = net(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                cache, logits = result.past_key_values, result.logits[:, -1].float()
-                if greedy:
-                    token = logits.argmax(-1)
-                else:
-                    probs = torch.softmax(logits / temperature, -1)
-                    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-                token = torch.where(done, model.pad, token)
-                out.append(token)
-                done |= torch.isin(token, ends)
-                step_ids = token[:, None]
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # what follows the end is never read
-                if done.all():
-                    break
-        return [model.trim(row) for row in torch.stack(out, 1).tolist()]
+        sampling = None if greedy else (temperature, generator)
+        return _generate(net, model, prompts, max_new_tokens, sampling, ends)
 
     def score(response: list[int], record: dict) -> float:
         return scored(reward, model.decode(response), response, record)[0]  # unscorable: 0, as in training
@@ -118,6 +90,43 @@ def evaluate_hf(
         out[f"avg@{samples}"] = sum(sum(v) / samples for v in sampled) / n
         out[f"pass@{samples}"] = sum(max(v) for v in sampled) / n
     return out
+
+
+def _generate(net, model: _Model, prompts: list[list[int]], max_new_tokens: int, sampling, ends) -> list[list[int]]:
+    """`net`'s responses to `prompts`, left-padded into one batch with a KV cache, each cut at its first
+    end token (`ends`); sampling: (temperature, generator), or None for greedy decoding."""
+    device = ends.device
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[model.pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    out = []
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    cache, step_ids = None, ids
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+            result = net(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = result.past_key_values, result.logits[:, -1].float()
+            if sampling is None:
+                token = logits.argmax(-1)
+            else:
+                temperature, generator = sampling
+                probs = torch.softmax(logits / temperature, -1)
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            token = torch.where(done, model.pad, token)
+            out.append(token)
+            done |= torch.isin(token, ends)
+            step_ids = token[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # what follows the end is never read
+            if done.all():
+                break
+    return [model.trim(row) for row in torch.stack(out, 1).tolist()]
 
 
 class _Model:
