@@ -3,7 +3,8 @@ in bf16, within bf16's precision. Both load the same HF weights; each is compare
 spec in float32 (the reference), and TE's error must be no larger than bf16's own. The tiny
 Qwen3-MoE runs its experts as TE's grouped GEMM (model.moe.grouped_gemm's default with TE: the
 HF weights loaded under its `linear_fc1.weightE` names) against the local spec's experts one
-after another."""
+after another. TE's run packs its micro-batches (parallel.packing's default with TE), the local
+ones pad theirs: log-probs are compared sample by sample."""
 
 import importlib.util
 import json
@@ -22,21 +23,17 @@ pytestmark = pytest.mark.skipif(
 MODELS = {"qwen2-gqa2": CASES["qwen2-gqa2"], "qwen3-moe": ("qwen3_moe", 2, False)}
 
 
-def token_logprobs(trainer, batch) -> torch.Tensor:
-    """Every response token's log-prob under `trainer` (one process: no pipeline), flattened."""
-    mbs, _ = trainer.microbatches(batch)
-
-    def record(mb, logits):
-        logp, _ = trainer._logprobs(mb, logits, batch.temperature)
-        kept = logp.detach().float()[mb.loss_mask.bool()]
-        return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), kept
-
-    with torch.no_grad():
-        found = trainer._run(mbs, record, forward_only=True)
-    return torch.cat([f.cpu() for f in found])
+RUNS = {
+    "local-fp32": ["model.transformer_impl=local", "model.precision=fp32"],
+    "local-bf16": ["model.transformer_impl=local", "model.precision=bf16"],
+    "transformer_engine-bf16": ["model.transformer_impl=transformer_engine", "model.precision=bf16"],
+}
 
 
-def _worker(rank: int, world: int, root: str, name: str) -> None:
+def logprobs_of_runs(rank: int, world: int, root: str, name: str, runs: dict[str, list[str]]) -> None:
+    """For each of `runs` (label: config overrides), every response token's log-prob of the same batch
+    under MODELS[name]'s HF weights, in sample order (the runs' micro-batch layouts may differ: TE
+    packs), and the attention the run's layout took; into root/logprobs.json."""
     import dataclasses
 
     from bapo_megatron.common.model_spec import tiny_spec
@@ -44,35 +41,37 @@ def _worker(rank: int, world: int, root: str, name: str) -> None:
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
     from bapo_megatron.weights.hf_load import load_hf_into_trainer
+    from tests.dist.test_packing import token_logprobs
 
     arch, kv, tied = MODELS[name]
     spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
     make_hf_model(Path(root), name, MODELS[name])
     batch = make_batch(5, groups=4, n=4, max_len=40)
-    out = {}
-    for impl, precision in (("local", "fp32"), ("local", "bf16"), ("transformer_engine", "bf16")):
-        cfg = load_config(
-            None,
-            [
-                f"model.transformer_impl={impl}",
-                f"model.precision={precision}",
-                "parallel.max_tokens_per_microbatch=512",
-            ],
-        )
+    out, attention = {}, {}
+    for label, overrides in runs.items():
+        cfg = load_config(None, [*overrides, "parallel.max_tokens_per_microbatch=512"])
         trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
         load_hf_into_trainer(trainer, Path(root) / name)
-        if spec.moe is not None and impl == "transformer_engine":
+        if spec.moe is not None and cfg.model.transformer_impl == "transformer_engine":
             names = [n for n, _ in trainer.model[0].named_parameters()]
             assert any(n.endswith("mlp.experts.linear_fc1.weight0") for n in names), names[:8]  # grouped
-        out[f"{impl}-{precision}"] = token_logprobs(trainer, batch).tolist()
+        found = token_logprobs(trainer, batch)
+        out[label] = torch.cat([found[i][0].float().cpu() for i in sorted(found)]).tolist()
+        attention[label] = type(trainer.layout.attention).__name__
         del trainer
-    (Path(root) / "logprobs.json").write_text(json.dumps(out))
+    (Path(root) / "logprobs.json").write_text(json.dumps({"logprobs": out, "attention": attention}))
+
+
+def read_runs(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What logprobs_of_runs wrote: (log-probs, attention) by run label."""
+    done = json.loads((root / "logprobs.json").read_text())
+    return {k: torch.tensor(v) for k, v in done["logprobs"].items()}, done["attention"]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_te_bf16_logprobs_match_the_local_spec(tmp_path, name):
-    run_workers(_worker, 1, str(tmp_path), name, device="cuda")
-    got = {k: torch.tensor(v) for k, v in json.loads((tmp_path / "logprobs.json").read_text()).items()}
+    run_workers(logprobs_of_runs, 1, str(tmp_path), name, RUNS, device="cuda")
+    got, _ = read_runs(tmp_path)
     ref = got["local-fp32"]
     local_err = (got["local-bf16"] - ref).abs()
     te_err = (got["transformer_engine-bf16"] - ref).abs()
