@@ -1,4 +1,4 @@
-"""The trainer's memory estimate (trainer/memory.py) against a CPU step's measured memory, term by term.
+"""The trainer's memory estimate (trainer/memory/estimate.py) against a CPU step's measured memory, term by term.
 
     python benchmarks/bench_memory.py                   # the table of benchmarks/RESULTS.md
     python benchmarks/bench_memory.py --quick --seq 128  # smoke run (tests/e2e/test_benchmarks.py)
@@ -6,9 +6,9 @@
 Each layout runs on its own gloo processes (TP2: two, PP2: two): for every sequence length and
 recompute setting, the real trainer (Megatron-Core, the local layer spec, the CPU shim, fp32) of a
 tiny model takes two optimizer steps on two samples of exactly --seq tokens, one micro-batch each,
-and trainer/memory_probe.py measures the second: the parameters, DDP's gradient buffer, Adam's
+and trainer/memory/probe.py measures the second: the parameters, DDP's gradient buffer, Adam's
 state, and the most bytes of tensors alive at once during the step beyond those (activations).
-Estimates are memory.stage_memory's for the same config on one data-parallel rank (no distributed
+Estimates are estimate.stage_memory's for the same config on one data-parallel rank (no distributed
 optimizer on CPU), a row per pipeline stage (tensor-parallel rank 0). Goal: activations and peak
 within 20% (ratio = measured / estimate).
 """
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, model: str, layout: str, runs: list, out: str
     from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.memory_probe import fixed_batch, measure_step
+    from bapo_megatron.trainer.memory.probe import fixed_batch, measure_step
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, model: str, layout: str, runs: list, out: str
 def estimate(model: str, layout: str, recompute: str, seq: int, stage: int) -> dict[str, int]:
     from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
-    from bapo_megatron.trainer.memory import stage_memory
+    from bapo_megatron.trainer.memory.estimate import stage_memory
 
     cfg = load_config(None, overrides(layout, recompute, seq))
     e = stage_memory(tiny_spec(MODELS[model]), cfg.model, cfg.parallel, 1, stage, distributed_optimizer=False)

@@ -5,14 +5,14 @@ Transformer Engine and Apex are missing (and falling back, as intended on a CPU)
 deprecations, torch's distributed-checkpoint deprecations met through Megatron, transformers'
 past_key_values notice; under torchrun, on every rank, Megatron's advice to set
 CUDA_DEVICE_MAX_CONNECTIONS, torch's deprecation of the collectives its sequence parallelism
-calls, and its note that a rank's common checkpoint state differs from rank
-0's (the driver's state is rank 0's alone, and rank 0's is what is saved). `install()` (called
-first thing by bapo-train, the demo and evaluate) keeps the warnings that match KNOWN, and the
-log records that match KNOWN_LOGS, off stderr and holds them; `flush(run_dir, rank)` appends them
-to run_dir/warnings.log once the run has a directory, each line tagged with its rank when one is
+calls, and its note that a rank's common checkpoint state differs from rank 0's (the driver's
+state is rank 0's alone, and rank 0's is what is saved). `hold_known_warnings()` (called first
+thing by bapo-train, the demo and evaluate) keeps the warnings that match KNOWN, and the log
+records that match KNOWN_LOGS, off stderr and holds them; `flush(run_dir, rank)` appends them to
+run_dir/warnings.log once the run has a directory, each line tagged with its rank when one is
 given (every rank appends to the same file). Every other warning shows as before, this package's
-own as one `warning: ...` line. The fallbacks
-are harmless only without a GPU: with CUDA, Transformer Engine's absence is shown.
+own as one `warning: ...` line. The fallbacks are harmless only without a GPU: with CUDA,
+Transformer Engine's absence is shown.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def known(message: Warning | str, category: type[Warning], cuda: bool) -> bool:
     )
 
 
-def install(cuda: bool | None = None) -> None:
+def hold_known_warnings(cuda: bool | None = None) -> None:
     """Hold known warnings instead of printing them (once per process; cuda: whether this process
     has CUDA, found with torch when None)."""
     global _installed

@@ -69,7 +69,7 @@ class EnginesConfig:
     mem_fraction_static: float | None = None
     """SGLang: fraction of GPU memory for weights and KV cache. None: 0.8 on GPUs of their own;
     colocated, what the trainer's resident memory (parameters, gradients, optimizer states:
-    trainer/memory.py) leaves, less 10% of the GPU for SGLang's activations and CUDA graphs."""
+    trainer/memory/estimate.py) leaves, less 10% of the GPU for SGLang's activations and CUDA graphs."""
     admin_key_file: str | None = None
     """File holding the engines' admin key (else $BAPO_ADMIN_API_KEY; generated when the servers
     listen beyond loopback and none is given)."""

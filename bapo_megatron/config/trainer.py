@@ -134,7 +134,7 @@ class ParallelConfig:
     context: int = 1
     """Context parallel: not supported yet (1). Megatron does not split sequences itself: each CP
     rank must be fed its 2 x CP load-balanced chunks, with TE attention on two GPUs or more; until
-    that exists, a value above 1 is refused before anything starts (trainer/fit.py, where the refusal
+    that exists, a value above 1 is refused before anything starts (trainer/memory/fit.py, where the refusal
     can name the longest response the layout fits without it) rather than silently training on
     wrong positions and attention."""
     virtual_pipeline: int | None = None
@@ -145,7 +145,7 @@ class ParallelConfig:
     2): less activation memory, the same compute."""
     recompute: Literal["none", "selective", "full", "auto"] = "none"
     """Activation recompute: "auto" is the least of the others whose estimated peak memory fits the
-    GPU (trainer/fit.py: none, selective, then full over 1, 2, ... layers), resolved before anything
+    GPU (trainer/memory/fit.py: none, selective, then full over 1, 2, ... layers), resolved before anything
     is built ("none" without a GPU); the dry run says what it chose and why. "selective" keeps
     every layer's activations but core attention's
     (recomputed in the backward pass, as Megatron's selective recompute does); "full" keeps only the
@@ -157,7 +157,7 @@ class ParallelConfig:
     """With recompute "full": how many layers of each pipeline stage (virtual stage) are recomputed,
     the first ones; None: all of them."""
     over_memory: bool = False
-    """Go on when the memory estimate (trainer/memory.py) puts the peak over the GPU: by default the
+    """Go on when the memory estimate (trainer/memory/estimate.py) puts the peak over the GPU: by default the
     run and the dry run refuse it ("does not fit", with what would fit); true runs it anyway, with
     a warning (recompute "auto" then takes the most recompute there is). For an estimate you have
     measured to be too high."""

@@ -59,14 +59,14 @@ SEPARATE_MEM_FRACTION = 0.8
 
 def mem_fraction(cfg: RolloutConfig, colocated_fraction: float | None = None) -> float:
     """The servers' mem_fraction_static: the config's; else, colocated, `colocated_fraction` (the
-    caller's, from the trainer's estimate: trainer/memory.rollout_mem_fraction); else SEPARATE_MEM_FRACTION."""
+    caller's, from the trainer's estimate: trainer/memory/estimate.rollout_mem_fraction); else SEPARATE_MEM_FRACTION."""
     if cfg.engines.mem_fraction_static is not None:
         return cfg.engines.mem_fraction_static
     if cfg.engines.colocate:
         if colocated_fraction is None:
             raise ValueError(
                 "rollout.engines.colocate: set rollout.engines.mem_fraction_static, or pass the fraction the trainer "
-                "leaves (trainer/memory.rollout_mem_fraction)"
+                "leaves (trainer/memory/estimate.rollout_mem_fraction)"
             )
         return colocated_fraction
     return SEPARATE_MEM_FRACTION

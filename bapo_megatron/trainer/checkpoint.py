@@ -45,7 +45,7 @@ from bapo_megatron.trainer.dist_ckpt import (
     verify_on_all_ranks,
 )
 from bapo_megatron.trainer.integrity import (
-    verify,
+    verify_integrity,
 )
 
 LATEST = "latest"
@@ -186,7 +186,7 @@ class CheckpointManager:
         from megatron.core import dist_checkpointing
 
         try:
-            verify(directory, check_contents=False)
+            verify_integrity(directory, check_contents=False)
             common = dist_checkpointing.load_common_state_dict(str(directory))["common"]
         except Exception:
             return None
@@ -324,7 +324,7 @@ class CheckpointManager:
         if directory is None:
             return None
         verify_on_all_ranks(directory)  # files there, whole and as written, before the slow part starts
-        safe_load.install()
+        safe_load.install_safe_loaders()
         common = dist_checkpointing.load_common_state_dict(str(directory))["common"]
         if trainer.reference is not None and not common.get("reference"):
             raise ConfigError(

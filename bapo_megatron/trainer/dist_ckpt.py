@@ -20,7 +20,7 @@ from bapo_megatron.trainer.integrity import (
     CorruptCheckpointError,
     checksums,
     listed_files,
-    verify,
+    verify_integrity,
     write_checksums,
 )
 from bapo_megatron.trainer.megatron_config import EXTRA_STATE
@@ -186,7 +186,7 @@ def load_sharded(sharded: dict, directory: str | Path) -> dict:
             f"checkpoint {directory} lacks {len(absent)} tensors this model needs, e.g. {absent[:3]} "
             "(a checkpoint of another model or layout?)"
         )
-    safe_load.install()
+    safe_load.install_safe_loaders()
     try:
         return dist_checkpointing.load(sharded, str(directory))
     except CheckpointException as wrapped:  # DCP's BaseException wrapper: raise what a rank raised
@@ -243,13 +243,13 @@ def save_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> No
 
 
 def verify_on_all_ranks(directory: str | Path) -> None:
-    """integrity.verify with the contents' checksums split over the ranks (each reads 1/world of
+    """integrity.verify_integrity with the contents' checksums split over the ranks (each reads 1/world of
     the files); every rank raises when any found a problem (a rank that found none: the first
     one's message, as a CorruptCheckpointError), so none is left waiting in a collective."""
     files = listed_files(directory)
     mine = problem = None
     try:
-        verify(directory, files=files[rank() :: world()])
+        verify_integrity(directory, files=files[rank() :: world()])
     except BadInputError as err:  # missing, corrupt, or crafted (a name leading outside it, a pickled command)
         mine, problem = err, str(err)
     problems = [problem]

@@ -2,7 +2,7 @@
 
 Every file of a checkpoint this project writes is listed in its `checksums.json` (CRC-32 and
 size, computed by the rank that wrote it right after the write, gathered by rank 0). Before a
-load, `verify` checks that the files the metadata refers to are there and long enough, and,
+load, `verify_integrity` checks that the files the metadata refers to are there and long enough, and,
 where the checkpoint lists checksums, that every file still matches: a truncated, corrupted or
 missing file is named instead of loaded (or of failing deep inside torch). Checkpoints written
 before checksums existed (or by other tools) get the presence and size checks only. A name in
@@ -60,7 +60,7 @@ def check_storage(directory: Path, metadata) -> None:
             )
 
 
-def verify(directory: str | Path, check_contents: bool = True, files: list[str] | None = None):
+def verify_integrity(directory: str | Path, check_contents: bool = True, files: list[str] | None = None):
     """The checkpoint's metadata (read without running code), once its files are checked;
     CorruptCheckpointError naming the first problem. `files`: verify only these checksummed
     files' contents (the others' presence and size are still checked)."""
@@ -107,7 +107,7 @@ def read_checksums(listed: Path) -> dict[str, dict[str, int]]:
 
 def listed_files(directory: str | Path) -> list[str]:
     """The files a checkpoint's checksums list (empty for one written without them, or with a broken
-    list: verify names its problem)."""
+    list: verify_integrity names its problem)."""
     listed = Path(directory) / CHECKSUMS
     try:
         return sorted(read_checksums(listed)) if listed.is_file() else []

@@ -100,7 +100,7 @@ def transformer_config(
     check_layout(
         spec, parallel.tensor, parallel.pipeline, parallel.virtual_pipeline, parallel.expert, parallel.sequence_parallel
     )
-    assert parallel.context == 1, "context parallel is refused before the model is built (trainer/fit.py)"
+    assert parallel.context == 1, "context parallel is refused before the model is built (trainer/memory/fit.py)"
     dtype = PARAMS_DTYPE[model.precision]
     fp8 = {}
     if model.precision == "fp8":
@@ -110,26 +110,8 @@ def transformer_config(
             "first_last_layers_bf16": model.fp8_bf16_first_last_layers,
         }
     return TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        # Parallel layout: set here too, or every stage builds every layer.
-        tensor_model_parallel_size=parallel.tensor,
-        pipeline_model_parallel_size=parallel.pipeline,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
-        context_parallel_size=parallel.context,
-        sequence_parallel=parallel.sequence_parallel,
+        **_shape(spec),
+        **_layout(parallel),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -144,9 +126,6 @@ def transformer_config(
         batch_p2p_comm=parallel.pipeline != 2,
         # Frees each stage's output activations once sent (Megatron-LM's default): less memory
         deallocate_pipeline_outputs=True,
-        qk_layernorm=spec.qk_norm,
-        expert_model_parallel_size=parallel.expert,
-        expert_tensor_parallel_size=1,  # an expert is never split (every anchor runs MoE at expert TP 1)
         # Dense models ignore the dispatcher, but 0.16.1 rejects its default ("allgather") with variable lengths.
         moe_token_dispatcher_type="alltoall",
         **_moe(spec, model),
@@ -158,6 +137,40 @@ def transformer_config(
         **_fusions(model.transformer_impl == "transformer_engine"),
         **fp8,
     )
+
+
+def _shape(spec: ModelSpec) -> dict:
+    """TransformerConfig's fields for the model's shape: a Qwen/Llama-style decoder."""
+    return {
+        "num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_heads,
+        "num_query_groups": spec.num_kv_heads,
+        "kv_channels": spec.head_dim,
+        "ffn_hidden_size": spec.ffn_hidden_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": spec.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": spec.qkv_bias,
+        "qk_layernorm": spec.qk_norm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
+
+
+def _layout(parallel: ParallelConfig) -> dict:
+    """TransformerConfig's parallel layout: set here too, or every stage builds every layer."""
+    return {
+        "tensor_model_parallel_size": parallel.tensor,
+        "pipeline_model_parallel_size": parallel.pipeline,
+        "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline,
+        "context_parallel_size": parallel.context,
+        "sequence_parallel": parallel.sequence_parallel,
+        "expert_model_parallel_size": parallel.expert,
+        "expert_tensor_parallel_size": 1,  # an expert is never split (every anchor runs MoE at expert TP 1)
+    }
 
 
 def _moe(spec: ModelSpec, model: ModelConfig) -> dict:
@@ -187,7 +200,7 @@ def _moe(spec: ModelSpec, model: ModelConfig) -> dict:
 def recompute_settings(spec: ModelSpec, parallel: ParallelConfig) -> dict:
     """TransformerConfig's activation recompute fields for parallel.recompute."""
     assert parallel.recompute != "auto", (
-        "parallel.recompute=auto is resolved before the model is built (trainer/fit.py)"
+        "parallel.recompute=auto is resolved before the model is built (trainer/memory/fit.py)"
     )
     if parallel.recompute == "none":
         return {}

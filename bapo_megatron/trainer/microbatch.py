@@ -2,7 +2,7 @@
 (trainer/packing.py packs them into rows instead).
 
 Samples are sorted by length and dealt to data-parallel ranks in snake order (equal counts,
-balanced tokens); each rank packs its samples, longest first, into micro-batches whose
+balanced tokens); each rank groups its samples, longest first, into micro-batches whose
 padded size (samples x longest) stays within the budget; then ranks with fewer
 micro-batches split their fullest ones, so that every rank runs the same number (Megatron's
 schedules and any collective inside the loss need that).
@@ -29,7 +29,7 @@ def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int, multipl
     for k, i in enumerate(order):
         lap, pos = divmod(k, dp_size)
         per_rank[pos if lap % 2 == 0 else dp_size - 1 - pos].append(i)
-    plans = [_pack(indices, lengths, max_tokens) for indices in per_rank]
+    plans = [_group_padded(indices, lengths, max_tokens) for indices in per_rank]
     target = math.ceil(max(len(p) for p in plans) / multiple_of) * multiple_of
     if target > n // dp_size:
         raise ValueError(
@@ -59,7 +59,7 @@ def check_fits(lengths: list[int], dp_size: int, max_tokens: int) -> None:
         )
 
 
-def _pack(indices: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+def _group_padded(indices: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Longest first: a micro-batch takes samples while count x longest fits the budget."""
     batches: list[list[int]] = []
     for i in indices:  # already longest first
@@ -148,7 +148,7 @@ def fill_sample(rows: dict[str, torch.Tensor], row: int, start: int, s: Sample, 
     rows["versions"][row, span] = torch.tensor(s.versions, dtype=torch.long)
 
 
-def pack_microbatch(
+def pad_microbatch(
     samples: list[Sample],
     indices: list[int],
     advantages: list[float],
@@ -168,7 +168,7 @@ def pack_microbatch(
     rows = new_rows(b, seq, pad_id)
     for row, (i, s) in enumerate(zip(indices, chosen, strict=True)):
         fill_sample(rows, row, 0, s, advantages[i])
-    routes, route_mask = pack_routes(chosen, b, seq)
+    routes, route_mask = place_routes(chosen, b, seq)
     return MicroBatch(
         **rows,
         position_ids=torch.arange(seq).unsqueeze(0).expand(b, seq).contiguous(),
@@ -184,10 +184,11 @@ def counted_tokens(chosen: list[Sample]) -> int:
     return int(sum(len(s.response_ids) if s.loss_mask is None else sum(s.loss_mask) for s in chosen))
 
 
-def pack_routes(
+def place_routes(
     chosen: list[Sample], rows: int, seq: int, offsets: list[int] | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """([rows, seq, moe_layers, top_k] routes, [rows, seq] mask of recorded ones), or (None, None)
+    """Each sample's routes placed where its tokens lie in a micro-batch of [rows, seq]:
+    ([rows, seq, moe_layers, top_k] routes, [rows, seq] mask of recorded ones), or (None, None)
     unless every sample has routes. offsets: each sample's start in row 0 (packed); None: sample k
     in row k from position 0 (padded)."""
     if not chosen or any(s.routes is None for s in chosen):

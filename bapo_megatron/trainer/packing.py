@@ -34,8 +34,8 @@ from bapo_megatron.trainer.microbatch import (
     counted_tokens,
     fill_sample,
     new_rows,
-    pack_microbatch,
-    pack_routes,
+    pad_microbatch,
+    place_routes,
     plan_microbatches,
     uniform_shape,
 )
@@ -137,7 +137,7 @@ def pack_row(
         bounds.append(length)  # the tail: a segment of padding
     starts = torch.tensor(bounds[:-1]).repeat_interleave(torch.tensor(bounds).diff())
     position_ids = (torch.arange(length) - starts).unsqueeze(0)
-    routes, route_mask = pack_routes(chosen, 1, length, offsets=bounds[: len(chosen)])
+    routes, route_mask = place_routes(chosen, 1, length, offsets=bounds[: len(chosen)])
     return MicroBatch(
         **rows,
         position_ids=position_ids,
@@ -209,7 +209,7 @@ class PaddedLayout:
 
     def build(self, samples: list[Sample], mine: list[list[int]], advantages: list[float]) -> list[MicroBatch]:
         shape = uniform_shape(samples, mine, self.sequence_multiple) if self.uniform else None
-        return [pack_microbatch(samples, idx, advantages, self.sequence_multiple, shape=shape) for idx in mine]
+        return [pad_microbatch(samples, idx, advantages, self.sequence_multiple, shape=shape) for idx in mine]
 
     def computed_tokens(self, lengths: list[int], plan: list[list[list[int]]]) -> int:
         """Positions the step's forward passes run over, every rank's."""

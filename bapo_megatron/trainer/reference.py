@@ -2,7 +2,7 @@
 
 A second set of the policy's Megatron model chunks, built by the same code at the same layout, with
 no gradient, optimizer or DDP wrapper: each rank holds its parameters' bytes once more (the dry
-run counts them: trainer/memory.py). The trainer fills it once, from the policy's weights after
+run counts them: trainer/memory/estimate.py). The trainer fills it once, from the policy's weights after
 they are loaded (a converted checkpoint, a Hugging Face model, or the seed's random weights). A
 checkpoint stores it beside the policy under REFERENCE_PREFIX and a resume loads it from there, so
 a resumed run measures its KL to the weights it started from, never to the weights it resumed

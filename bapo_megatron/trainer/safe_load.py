@@ -16,7 +16,7 @@ would run code in every tool and on resume. Here:
 Anything else is refused with an UnsafeCheckpointError naming the file and what it met, in our
 words: torch's own message advises loading the file with weights_only=False.
 
-`install()` puts the reader and the planner into Megatron's torch_dist load strategy (its
+`install_safe_loaders()` puts the reader and the planner into Megatron's torch_dist load strategy (its
 module-level reader factory and planner class) and the common.pt reader into its strategy
 registry, once per process. Pinned to megatron-core 0.16.1: tests/unit/test_confined_paths.py
 fails when those names move.
@@ -189,7 +189,7 @@ def _safe_common_strategy():
 _installed: dict[str, object] = {}
 
 
-def install() -> None:
+def install_safe_loaders() -> None:
     """Megatron's torch_dist loads read checkpoints through SafeFileSystemReader and SafeLoadPlanner,
     and common.pt (dist_checkpointing.load, load_common_state_dict) through read_common."""
     if _installed:

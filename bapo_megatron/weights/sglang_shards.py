@@ -41,7 +41,9 @@ def check_sglang_tp(spec: ModelSpec, tp: int) -> None:
         raise ValueError(f"SGLang TP {tp} must divide the MLP size {spec.ffn_hidden_size}")
 
 
-def padded_vocab(vocab: int, tp: int) -> int:
+def sglang_padded_vocab(vocab: int, tp: int) -> int:
+    """The rows of SGLang's vocab-parallel embedding at TP `tp` (pad_vocab_size: a multiple of 64, of
+    64 x tp when that does not divide by tp); not Megatron's (megatron_config.padded_vocab)."""
     pad = VOCAB_PADDING
     if (-(-vocab // pad) * pad) % tp:
         pad *= tp
@@ -62,7 +64,7 @@ def _rows(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 
 
 def _vocab_shard(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    rows = padded_vocab(weight.shape[0], tp) // tp
+    rows = sglang_padded_vocab(weight.shape[0], tp) // tp
     shard = weight.new_zeros(rows, *weight.shape[1:])
     part = weight[rank * rows : (rank + 1) * rows]
     shard[: part.shape[0]] = part
@@ -103,7 +105,7 @@ def rank_entries(spec: ModelSpec, tp: int, dtype: torch.dtype) -> list[TensorEnt
     d, hd = spec.hidden_size, spec.head_dim
     kv_heads = max(1, spec.num_kv_heads // tp)
     qkv = (spec.num_heads // tp + 2 * kv_heads) * hd
-    vocab = (padded_vocab(spec.vocab_size, tp) // tp, d)
+    vocab = (sglang_padded_vocab(spec.vocab_size, tp) // tp, d)
     entries = [TensorEntry("lm_head.weight" if spec.tie_embeddings else "model.embed_tokens.weight", vocab, dtype)]
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."

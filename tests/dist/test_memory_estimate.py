@@ -17,7 +17,7 @@ def _count(rank: int, world: int) -> None:
     from bapo_megatron.config import ModelConfig, ParallelConfig
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.memory import stage_params
+    from bapo_megatron.trainer.memory.estimate import stage_params
     from bapo_megatron.trainer.parallel import init_model_parallel
 
     activate_cpu_shim()
@@ -45,7 +45,7 @@ def test_parameter_counts_match_megatrons_model():
 def test_byte_figures_and_the_colocated_fraction():
     from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.config import ModelConfig, ParallelConfig
-    from bapo_megatron.trainer.memory import colocated_mem_fraction, trainer_memory
+    from bapo_megatron.trainer.memory.estimate import colocated_mem_fraction, trainer_memory
 
     qwen7b = ModelSpec.from_hf_config(QWEN7B)
     bf16 = ModelConfig(precision="bf16", transformer_impl="transformer_engine")

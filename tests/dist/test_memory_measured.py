@@ -1,5 +1,5 @@
-"""The memory estimate (trainer/memory.py) against what a CPU step measurably holds
-(trainer/memory_probe.py): parameters, gradients and Adam's state exactly, the activations of the
+"""The memory estimate (trainer/memory/estimate.py) against what a CPU step measurably holds
+(trainer/memory/probe.py): parameters, gradients and Adam's state exactly, the activations of the
 local implementation within 20% for the tiny dense and MoE models; and issue 36's own check: full
 recompute lowers a step's measured peak by about what the estimate predicts (that it leaves the
 step itself unchanged is tests/dist/test_recompute.py's)."""
@@ -19,8 +19,8 @@ def _measure(rank: int, world: int) -> None:
     from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
-    from bapo_megatron.trainer.memory import stage_memory
-    from bapo_megatron.trainer.memory_probe import fixed_batch, measure_step
+    from bapo_megatron.trainer.memory.estimate import stage_memory
+    from bapo_megatron.trainer.memory.probe import fixed_batch, measure_step
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
@@ -51,7 +51,7 @@ def test_estimate_against_measured_cpu_steps():
 def test_the_probe_counts_backward_and_frees():
     """The probe sees the autograd engine's allocations (a CPU backward runs on the calling thread,
     with its dispatch modes), counts a storage once whatever views it has, and takes it off when freed."""
-    from bapo_megatron.trainer.memory_probe import LiveBytes
+    from bapo_megatron.trainer.memory.probe import LiveBytes
 
     x = torch.randn(64, 32, requires_grad=True)
     w = torch.randn(32, 16, requires_grad=True)

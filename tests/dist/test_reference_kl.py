@@ -101,7 +101,7 @@ def test_the_dry_run_counts_the_reference_model():
     from bapo_megatron import cli
     from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
-    from bapo_megatron.trainer.memory import trainer_memory
+    from bapo_megatron.trainer.memory.estimate import trainer_memory
 
     spec, cfg = tiny_spec("qwen2"), load_config(None, ["algo.kl_coef=0.001"])
     off = trainer_memory(spec, cfg.model, cfg.parallel, 1)

@@ -123,13 +123,13 @@ def test_resume_refuses_storage_outside_the_checkpoint(tmp_path, how):
     from bapo_megatron.config import CheckpointConfig
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.dist_ckpt import load_sharded
-    from bapo_megatron.trainer.integrity import verify
+    from bapo_megatron.trainer.integrity import verify_integrity
 
     step = _mcore(tmp_path / "run" / "step_00000001", common={"common": {"step": 1, "world_size": 1}})
     name = _data_outside(step, how)
     refused = rf"{step / '.metadata'}: {name!r} .*outside"
     with pytest.raises(BadInputError, match=refused):
-        verify(step, check_contents=False)  # the job's check before it starts
+        verify_integrity(step, check_contents=False)  # the job's check before it starts
     with pytest.raises(BadInputError, match=refused):
         CheckpointManager(CheckpointConfig(dir=str(step.parent))).load(None, step)  # the resume
     with pytest.raises(BadInputError, match=refused):
@@ -138,25 +138,25 @@ def test_resume_refuses_storage_outside_the_checkpoint(tmp_path, how):
 
 def test_storage_in_a_system_file_reveals_nothing_of_it(tmp_path):
     """The probe's case: a name such as /etc/passwd was reported with the file's size."""
-    from bapo_megatron.trainer.integrity import verify
+    from bapo_megatron.trainer.integrity import verify_integrity
 
     ckpt = _mcore(tmp_path / "ckpt")
     _storage_named(ckpt, "/etc/passwd")
     with pytest.raises(BadInputError) as caught:
-        verify(ckpt)
+        verify_integrity(ckpt)
     assert f"{ckpt / '.metadata'}: '/etc/passwd'" in str(caught.value)
     assert "bytes" not in str(caught.value) and str(os.stat("/etc/passwd").st_size) not in str(caught.value)
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../outside.distcp", "sub/../../outside.distcp"])
 def test_checksums_naming_files_outside_are_refused(tmp_path, name):
-    from bapo_megatron.trainer.integrity import CHECKSUMS, verify
+    from bapo_megatron.trainer.integrity import CHECKSUMS, verify_integrity
 
     ckpt = _mcore(tmp_path / "ckpt")
     (tmp_path / "outside.distcp").write_bytes(b"x" * 7)
     (ckpt / CHECKSUMS).write_text(json.dumps({name: {"crc32": 0, "size": 1}}))
     with pytest.raises(BadInputError) as caught:
-        verify(ckpt)
+        verify_integrity(ckpt)
     message = str(caught.value)
     assert f"{ckpt / CHECKSUMS}: {name!r}" in message and "outside" in message, message
     assert "bytes" not in message, message  # nothing read about the file it names
@@ -191,7 +191,7 @@ def test_plain_common_pt_still_loads(tmp_path):
     from bapo_megatron.trainer import safe_load
 
     step = _mcore(tmp_path / "step", common={"common": {"step": 3, "scheduler": {"lr": 0.5}, "config": "x: 1"}})
-    safe_load.install()
+    safe_load.install_safe_loaders()
     assert dist_checkpointing.load_common_state_dict(str(step))["common"]["scheduler"] == {"lr": 0.5}
 
 

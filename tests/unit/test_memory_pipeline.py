@@ -23,7 +23,7 @@ def _megatron_in_flight(pp: int, vpp: int | None, rank: int) -> Fraction:
 
 @pytest.mark.parametrize(("pp", "vpp"), [(2, None), (4, None), (2, 2), (4, 2), (4, 4), (8, 3)])
 def test_micro_batches_in_flight_are_megatrons(pp, vpp):
-    from bapo_megatron.trainer.memory import micro_batches_in_flight
+    from bapo_megatron.trainer.memory.estimate import micro_batches_in_flight
 
     more = [f"parallel.virtual_pipeline={vpp}"] if vpp else []
     parallel = load_config(None, [f"parallel.pipeline={pp}", *more]).parallel
@@ -37,7 +37,7 @@ def test_the_dry_run_counts_the_virtual_pipeline():
     """The 32B preset's layout (PP 2, no recompute) with VPP 2: its first stage holds 2.5 micro-batches'
     activations instead of 2."""
     from bapo_megatron.preflight import model_spec
-    from bapo_megatron.trainer.memory import activation_bytes
+    from bapo_megatron.trainer.memory.estimate import activation_bytes
 
     shape = ["model.hf_path=examples/qwen2.5-32b/shape", "model.transformer_impl=transformer_engine"]
     plain = load_config(None, [*shape, "model.precision=bf16", "parallel.tensor=8", "parallel.pipeline=2"])

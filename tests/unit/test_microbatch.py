@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
-from bapo_megatron.trainer.microbatch import pack_microbatch, plan_microbatches, uniform_shape
+from bapo_megatron.trainer.microbatch import pad_microbatch, plan_microbatches, uniform_shape
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -43,11 +43,11 @@ def test_uniform_shape_pads_every_micro_batch_to_one_shape():
     plan = [[0, 1], [2]]
     shape = uniform_shape(samples, plan, sequence_multiple=4)
     assert shape == (2, 8)
-    mbs = [pack_microbatch(samples, idx, [1.0, 1.0, 1.0], 4, shape=shape) for idx in plan]
+    mbs = [pad_microbatch(samples, idx, [1.0, 1.0, 1.0], 4, shape=shape) for idx in plan]
     assert {mb.input_ids.shape for mb in mbs} == {(2, 8)}
     assert mbs[1].loss_mask[1].sum() == 0 and mbs[1].num_tokens == 1  # the padding row counts nothing
     with pytest.raises(ValueError, match="smaller than the micro-batch"):
-        pack_microbatch(samples, [0, 1], [1.0] * 3, 4, shape=(1, 8))
+        pad_microbatch(samples, [0, 1], [1.0] * 3, 4, shape=(1, 8))
 
 
 def _sample(prompt, response, group=0, mask=None):
@@ -64,7 +64,7 @@ def _sample(prompt, response, group=0, mask=None):
 
 def test_pack_aligns_targets_logprobs_and_mask():
     samples = [_sample([5, 6], [7, 8, 9]), _sample([1], [2], mask=[0])]
-    mb = pack_microbatch(samples, [0, 1], advantages=[0.5, -1.0], sequence_multiple=4)
+    mb = pad_microbatch(samples, [0, 1], advantages=[0.5, -1.0], sequence_multiple=4)
     assert mb.input_ids.shape == (2, 8)
     assert mb.input_ids[0, :5].tolist() == [5, 6, 7, 8, 9]
     assert mb.targets[0, :4].tolist() == [6, 7, 8, 9]

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import sys, warnings
 from bapo_megatron.common import quiet
-quiet.install(cuda=sys.argv[1] == "cuda")
+quiet.hold_known_warnings(cuda=sys.argv[1] == "cuda")
 warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
 warnings.warn("`load_state_dict` is deprecated and will be removed in future versions.", FutureWarning)
 warnings.warn("something the user must see")
@@ -41,7 +41,7 @@ def test_transformer_engines_absence_shows_where_there_is_cuda(tmp_path):
 RANKS = """
 import logging, sys, warnings
 from bapo_megatron.common import quiet
-quiet.install(cuda=False)
+quiet.hold_known_warnings(cuda=False)
 rank, run_dir = int(sys.argv[1]), sys.argv[2]
 warnings.warn("When using sequence parallelism it is recommended to set the environment variable "
               "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")

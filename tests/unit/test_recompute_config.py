@@ -30,7 +30,7 @@ def test_recompute_settings_and_refusals():
 
 
 def test_full_recompute_keeps_each_recomputed_layers_input_and_rebuilds_one_at_a_time():
-    from bapo_megatron.trainer.memory import activation_bytes, layer_activation_bytes, recomputed_layers
+    from bapo_megatron.trainer.memory.estimate import activation_bytes, layer_activation_bytes, recomputed_layers
 
     spec = tiny_spec()
     plain = load_config(None, [TE, "parallel.pipeline=2"])
@@ -65,7 +65,7 @@ def _qwen32b(new_tokens: int, *more: str):
 def test_auto_takes_the_least_recompute_whose_estimate_fits():
     import dataclasses
 
-    from bapo_megatron.trainer.fit import fit_to_gpu, peak_bytes, usable_bytes
+    from bapo_megatron.trainer.memory.fit import fit_to_gpu, peak_bytes, usable_bytes
 
     usable = usable_bytes(80 * GIB)
     assert usable == 73 * GIB  # 80 GiB less 3 GiB and 5%
@@ -95,7 +95,7 @@ def test_auto_takes_the_least_recompute_whose_estimate_fits():
 def test_auto_tries_selective_before_full(monkeypatch):
     """The order of the options, with an estimate where selective recompute saves memory (core
     attention's activations counted, as for the local implementation)."""
-    from bapo_megatron.trainer import fit
+    from bapo_megatron.trainer.memory import fit
 
     cost = {"none": 90, "selective": 70, "full": 40}
     monkeypatch.setattr(fit, "peak_bytes", lambda cfg, spec, p, dp: cost[p.recompute] * GIB)
@@ -107,7 +107,7 @@ def test_auto_tries_selective_before_full(monkeypatch):
 
 
 def test_auto_refuses_what_nothing_fits_saying_what_would():
-    from bapo_megatron.trainer.fit import fit_to_gpu, longest_response, recompute_options
+    from bapo_megatron.trainer.memory.fit import fit_to_gpu, longest_response, recompute_options
 
     cfg, spec = _qwen32b(65536)
     with pytest.raises(ConfigError) as err:
@@ -125,7 +125,7 @@ def test_auto_refuses_what_nothing_fits_saying_what_would():
 
 
 def test_longest_response_and_what_it_costs():
-    from bapo_megatron.trainer.fit import longest_response, nominal_bytes, recompute_cost
+    from bapo_megatron.trainer.memory.fit import longest_response, nominal_bytes, recompute_cost
 
     cfg, spec = _qwen32b(32768)
     most, plain = longest_response(cfg, spec, 2, 80 * GIB), longest_response(cfg, spec, 2, 80 * GIB, recompute=False)

@@ -1,4 +1,4 @@
-"""What a job needs to fit its GPUs, by the memory estimate (trainer/memory.py): the activation
+"""What a job needs to fit its GPUs, by the memory estimate (estimate.py): the activation
 recompute `parallel.recompute: auto` stands for, and the longest response a layout fits.
 
     fitted = fit_to_gpu(cfg, spec, world_size, gpu_bytes)   # before anything is built
@@ -8,8 +8,8 @@ recompute `parallel.recompute: auto` stands for, and the longest response a layo
 `auto` becomes the least recompute whose estimated peak fits the GPU less a reserve: none, then
 selective, then full over the first 1, 2, ... layers of each pipeline stage; with nothing that
 fits (or a recompute set by hand that does not), a ConfigError names the peak, the GPU and what
-would make it fit, unless parallel.over_memory asks to go on (a warning). The dry run (cli.py,
---gpu-memory-gib) and the run (job.py, its GPU's size) call the same function, so what one
+would make it fit, unless parallel.over_memory asks to go on (a warning). The dry run
+(--gpu-memory-gib) and the run (its GPU's size) call the same function, so what one
 accepts the other accepts. Context parallel is refused here too, where the figure that replaces
 it (the longest response this layout fits without it) can be worked out.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from bapo_megatron.common.model_spec import ModelSpec, check_layout
 from bapo_megatron.config import JobConfig, ParallelConfig
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.trainer.memory import layer_params, recomputed_layers, trainer_memory
+from bapo_megatron.trainer.memory.estimate import layer_params, recomputed_layers, trainer_memory
 
 GIB = 2**30
 RESERVE_BYTES = 3 * GIB
@@ -170,18 +170,6 @@ def longest_response(
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
     least = least_recompute(cfg, spec, data_parallel, gpu_bytes, room + low) if recompute and low else None
     return Reach(low, least or dataclasses.replace(most, max_tokens_per_microbatch=room + low), 0 < low == context)
-
-
-def reach_line(cfg: JobConfig, spec: ModelSpec, data_parallel: int, gpu_bytes: int) -> str:
-    """The dry run's figure: the longest response with the most recompute, and with none."""
-    most = longest_response(cfg, spec, data_parallel, gpu_bytes)
-    plain = longest_response(cfg, spec, data_parallel, gpu_bytes, recompute=False)
-    limit = ", the model's context" if most.context else ""
-    return (
-        f"longest response this layout fits: {most.tokens:,} tokens{limit} (recompute "
-        f"{describe(spec, most.parallel, prompt_room(cfg) + most.tokens)}); without recompute "
-        f"{plain.tokens:,}; after prompts of up to {prompt_room(cfg):,} tokens, on {gpu_bytes / GIB:.0f} GiB GPUs"
-    )
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ stage (tests compare with Megatron's own model); the rest follows Megatron's sto
   - activations with the local implementation (model.transformer_impl "local", the CPU's: no
     fusion, no flash attention), local_activation_bytes: what its ops keep per token, each layer's
     [heads, tokens, tokens] attention probabilities, and the peak of the phase that needs most
-    (the loss's backward, or a core attention's); measured on CPU by benchmarks/bench_memory.py
-    (tests/dist/test_memory_measured.py holds it to 20%).
+    (the loss's backward, or a core attention's); measured on CPU (probe.py, benchmarks/bench_memory.py;
+    tests/dist/test_memory_measured.py holds it to 20%).
 
 Mixture-of-experts layers (expert tensor parallel 1, Megatron's alltoall dispatcher): attention,
 norms and the router are held as in a dense layer (the router whole on every TP rank), the
@@ -35,8 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from bapo_megatron.common.model_spec import ModelSpec, padded_vocab_size
+from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig, ModelConfig, ParallelConfig
+from bapo_megatron.trainer.megatron_config import padded_vocab
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
@@ -122,7 +123,7 @@ def stage_layers(num_layers: int, pipeline: int, stage: int, virtual: int | None
 
 def rank_params(
     spec: ModelSpec,
-    padded_vocab: int,
+    vocab: int,
     tp: int,
     pp: int,
     stage: int,
@@ -130,11 +131,12 @@ def rank_params(
     expert: int = 1,
     virtual: int | None = None,
 ) -> RankParams:
-    """Parameters one tensor- and expert-parallel rank of pipeline `stage` holds."""
+    """Parameters one tensor- and expert-parallel rank of pipeline `stage` holds (`vocab`: the
+    embedding's rows, padding included)."""
     d = spec.hidden_size
     layers = [layer_params(spec, i) for i in stage_layers(spec.num_layers, pp, stage, virtual)]
     dense = sum(p.tensor // tp + p.replicated + p.router for p in layers)
-    embedding = padded_vocab * d // tp
+    embedding = vocab * d // tp
     if stage == 0:
         dense += embedding
     if stage == pp - 1:
@@ -146,18 +148,10 @@ def rank_params(
     )
 
 
-def stage_params(
-    spec: ModelSpec,
-    padded_vocab: int,
-    tp: int,
-    pp: int,
-    stage: int,
-    *,
-    expert: int = 1,
-    virtual: int | None = None,
-) -> int:
-    """All the parameters one rank of pipeline `stage` holds (norms and routers are replicated)."""
-    return rank_params(spec, padded_vocab, tp, pp, stage, expert=expert, virtual=virtual).total
+def stage_params(spec: ModelSpec, vocab: int, tp: int, pp: int, stage: int, **layout: int | None) -> int:
+    """All the parameters one rank of pipeline `stage` holds (norms and routers are replicated):
+    rank_params's total, with its `expert` and `virtual`."""
+    return rank_params(spec, vocab, tp, pp, stage, **layout).total
 
 
 def layer_activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, layer: int) -> int:
@@ -226,10 +220,8 @@ def activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConf
     if rerun:
         total += max(layer_activation_bytes(spec, model, parallel, i) for i in rerun) * tokens
     if stage == parallel.pipeline - 1:
-        vocab = padded_vocab_size(
-            spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp
-        )
-        total += tokens * vocab // parallel.tensor * (PARAM_BYTES[model.precision] + 4)  # logits, fp32 gradient
+        logits = tokens * padded_vocab(spec, model, parallel) // parallel.tensor
+        total += logits * (PARAM_BYTES[model.precision] + 4)  # the logits and their fp32 gradient
         total += model.logprob_memory_mb << 20
     return total
 
@@ -317,10 +309,7 @@ def local_activation_bytes(
         rebuilt = max(local_layer_bytes(spec, model, parallel, i) for i in rerun) * tokens + score + tokens * tokens
         phases.append(inputs + rebuilt + 3 * score)
     if stage == parallel.pipeline - 1:
-        vocab = padded_vocab_size(
-            spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp
-        )
-        logits = tokens * vocab // parallel.tensor
+        logits = tokens * padded_vocab(spec, model, parallel) // parallel.tensor
         temporaries = min(model.logprob_memory_mb << 20, LIVE_TEMPORARIES * 4 * logits)
         phases.append(kept + 2 * PARAM_BYTES[model.precision] * logits + temporaries)  # logits, their gradient
     in_flight = micro_batches_in_flight(parallel, stage) - 1  # beside the running one
@@ -337,14 +326,11 @@ def trainer_memory(
 ) -> MemoryEstimate:
     """The estimate for the most loaded pipeline stage, with micro-batches of
     parallel.max_tokens_per_microbatch tokens; `reference`: a KL loss's reference model counted."""
-    vocab = padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp)
-    return max(
-        (
-            _stage_memory(spec, model, parallel, vocab, data_parallel, distributed_optimizer, s, reference)
-            for s in range(parallel.pipeline)
-        ),
-        key=lambda e: e.peak,
+    stages = range(parallel.pipeline)
+    estimates = (
+        stage_memory(spec, model, parallel, data_parallel, s, distributed_optimizer, reference) for s in stages
     )
+    return max(estimates, key=lambda e: e.peak)
 
 
 def stage_memory(
@@ -354,30 +340,16 @@ def stage_memory(
     data_parallel: int,
     stage: int,
     distributed_optimizer: bool = True,
-) -> MemoryEstimate:
-    """The estimate for pipeline rank `stage` (trainer_memory takes the most loaded of them)."""
-    vocab = padded_vocab_size(spec.vocab_size, model.make_vocab_size_divisible_by, parallel.tensor, model.vocab_pad_tp)
-    return _stage_memory(spec, model, parallel, vocab, data_parallel, distributed_optimizer, stage)
-
-
-def _stage_memory(
-    spec: ModelSpec,
-    model: ModelConfig,
-    parallel: ParallelConfig,
-    vocab: int,
-    data_parallel: int,
-    distributed_optimizer: bool,
-    stage: int,
     reference: bool = False,
 ) -> MemoryEstimate:
-    """One pipeline stage's estimate (`vocab`: the padded vocabulary)."""
+    """The estimate for pipeline rank `stage` (trainer_memory takes the most loaded of them)."""
     width = PARAM_BYTES[model.precision]
     per_param = 8 + (4 if width < 4 else 0)  # Adam's moments, and fp32 main parameters under bf16/fp8
     expert_data_parallel = parallel.tensor * data_parallel // parallel.expert
     shards, expert_shards = (data_parallel, expert_data_parallel) if distributed_optimizer else (1, 1)
     n = rank_params(
         spec,
-        vocab,
+        padded_vocab(spec, model, parallel),
         parallel.tensor,
         parallel.pipeline,
         stage,

@@ -1,4 +1,4 @@
-"""Measure a training step's memory on the CPU, term by term, to hold the estimate (memory.py) to.
+"""Measure a training step's memory on the CPU, term by term, to hold the estimate (estimate.py) to.
 
     with LiveBytes() as probe:      # counts what ops allocate inside the block
         trainer.train_step(batch)
@@ -92,7 +92,7 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
 
 @dataclass(frozen=True)
 class MeasuredMemory:
-    """Bytes one trainer rank holds, measured: the terms of memory.MemoryEstimate."""
+    """Bytes one trainer rank holds, measured: the terms of estimate.MemoryEstimate."""
 
     params: int
     grads: int
