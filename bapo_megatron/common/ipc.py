@@ -212,8 +212,14 @@ class _PayloadUnpickler(pickle.Unpickler):
 def loads(data: str | bytes):
     """A CPU payload made by `serialized` back as tensors. Anything but shared-memory tensors and
     plain data is refused, so a payload cannot run code or read other files, nor make this process
-    allocate more than the payload's own size."""
-    raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
+    allocate more than the payload's own size: a payload that is neither text nor bytes is refused
+    before anything is allocated (bytes(n) of a JSON integer n would allocate n bytes)."""
+    if isinstance(data, str):
+        raw = base64.b64decode(data, validate=True)
+    elif isinstance(data, bytes | bytearray | memoryview):
+        raw = bytes(data)
+    else:
+        raise TypeError(f"a weight payload is a base64 string or bytes, not {type(data).__name__}")
     _check_lengths(raw)
     return _PayloadUnpickler(io.BytesIO(raw)).load()
 

@@ -205,10 +205,11 @@ def test_memory_released_and_resumed_as_a_colocated_trainer_does(server, model_d
 
 def test_released_memory_is_freed(model_dir):
     """The engine core gives the memory back: no parameter storage, no cache, no prefix store."""
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     core = EngineCore(model_dir, max_batch=2)
-    request = Request("r", [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    request = EngineRequest("r", [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
     core.add(request)
     core.step()  # prefill: the cache exists
     with pytest.raises(ValueError, match="idle"):
@@ -256,12 +257,13 @@ def test_slotted_cache_under_arrivals_finishes_retracts_and_growth(model_dir):
     """The engine loop itself: requests arriving while others decode, a waiting queue (3 slots),
     finishes that move slots, a retract (caches dropped mid-generation) and caches growing past
     their first capacity; every token's log-prob is still transformers' own."""
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     core = EngineCore(model_dir, max_batch=3)
     lengths = [150, 7, 90, 3, 40, 12]
     requests = [
-        Request(
+        EngineRequest(
             f"r{i}",
             [(11 * i + j) % 90 + 1 for j in range(2 + 3 * i)],
             SamplingParams(max_new_tokens=n, temperature=0.8, ignore_eos=True),
@@ -292,12 +294,13 @@ def test_resubmitted_partial_response_reuses_its_cache_until_weights_change(mode
     values are taken back (no prefill, also after the idle engine gave its cache's memory back)
     and the log-probs are still transformers' own; after a weight load the store is empty and
     it is prefilled again."""
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     core = EngineCore(model_dir, max_batch=4)
 
     def run(rid, ids, n):
-        request = Request(rid, ids, SamplingParams(max_new_tokens=n, temperature=0.8, ignore_eos=True))
+        request = EngineRequest(rid, ids, SamplingParams(max_new_tokens=n, temperature=0.8, ignore_eos=True))
         core.add(request)
         while core.busy:
             core.step()
@@ -323,12 +326,13 @@ def test_batch_invariant_requests_do_not_depend_on_what_else_runs(model_dir):
     bit the same alone, beside others arriving at other times, and resubmitted after a cut (its
     continuation prefills anew either way), and still transformers' log-probs; the batched engine
     gives the same tokens but only close log-probs."""
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     def request(i, n=9):
         prompt = [(7 * i + j) % 90 + 1 for j in range(3 + 5 * i)]
         sampling = SamplingParams(max_new_tokens=n, temperature=0.9, ignore_eos=True, sampling_seed=1000 + i)
-        return Request(f"r{i}", prompt, sampling)
+        return EngineRequest(f"r{i}", prompt, sampling)
 
     def run(core, arrivals):
         """arrivals: {engine step: [requests added then]}; every request to its end."""
@@ -351,14 +355,14 @@ def test_batch_invariant_requests_do_not_depend_on_what_else_runs(model_dir):
     assert mixed == alone
     core = EngineCore(model_dir, batch_invariant=True)
     first = run(core, {0: [request(2, n=4)]})["r2"]
-    rest = Request(
+    rest = EngineRequest(
         "r2#2",
         request(2).input_ids + first[0],
         SamplingParams(max_new_tokens=5, temperature=0.9, ignore_eos=True, sampling_seed=1002),
     )
     second = run(core, {0: [rest], 1: [request(0)]})["r2#2"]
     assert core.counters["prefix_hits"] == 0 and not core.prefixes
-    again = Request("r2#3", request(2).input_ids + first[0], rest.sampling)
+    again = EngineRequest("r2#3", request(2).input_ids + first[0], rest.sampling)
     assert run(EngineCore(model_dir, batch_invariant=True), {0: [again]})["r2#3"] == second
     for rid, (tokens, logprobs) in alone.items():
         i = int(rid[1:])
@@ -373,11 +377,12 @@ def test_batch_invariant_requests_do_not_depend_on_what_else_runs(model_dir):
 
 
 def test_prefix_store_holds_no_more_positions_than_the_slots(model_dir):
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     core = EngineCore(model_dir, max_batch=1)
     for i in range(4):  # each leaves 39 cached positions; one slot of capacity 64 bounds the store at 64
-        core.add(Request(f"r{i}", [i + 1] * 30, SamplingParams(max_new_tokens=10, ignore_eos=True)))
+        core.add(EngineRequest(f"r{i}", [i + 1] * 30, SamplingParams(max_new_tokens=10, ignore_eos=True)))
         while core.busy:
             core.step()
     assert core.kv.capacity == 64
@@ -388,17 +393,18 @@ def test_prefill_of_mixed_lengths_runs_in_length_sorted_forwards_and_stays_exact
     """Requests of very different lengths arriving together are prefilled in several forwards
     (unmasked, right-padded, logits at each row's last token only); every token's log-prob is
     still transformers' own, through the decode steps that follow in the shared slots."""
-    from bapo_megatron.engines.embedded import core as engine_core
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded import decode
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
-    monkeypatch.setattr(engine_core, "PREFILL_OVERHEAD_POSITIONS", 16)
+    monkeypatch.setattr(decode, "PREFILL_OVERHEAD_POSITIONS", 16)
     core = EngineCore(model_dir, max_batch=8)
     forwards = []
     forward = core.model.forward
     core.model.forward = lambda *a, **k: forwards.append(tuple(k["input_ids"].shape)) or forward(*a, **k)
     prompts = [[(13 * i + j) % 97 + 1 for j in range(n)] for i, n in enumerate([3, 120, 5, 64, 118, 2, 61])]
     requests = [
-        Request(f"r{i}", p, SamplingParams(max_new_tokens=9, temperature=0.9, ignore_eos=True))
+        EngineRequest(f"r{i}", p, SamplingParams(max_new_tokens=9, temperature=0.9, ignore_eos=True))
         for i, p in enumerate(prompts)
     ]
     for request in requests:
@@ -538,11 +544,12 @@ def test_moe_routes_survive_a_retract_and_batch_invariant_resumption(moe_dir):
     batch-invariant (alone, and its continuation prefilled anew): always those of transformers'
     whole forward."""
     from bapo_megatron.common.protocol import compact_routes
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     def request(i, n):
         prompt = [(5 * i + j) % 90 + 1 for j in range(2 + 3 * i)]
-        return Request(f"r{i}", prompt, SamplingParams(max_new_tokens=n, temperature=0.9, ignore_eos=True))
+        return EngineRequest(f"r{i}", prompt, SamplingParams(max_new_tokens=n, temperature=0.9, ignore_eos=True))
 
     def check(r):
         want = compact_routes(
@@ -573,7 +580,7 @@ def test_moe_routes_survive_a_retract_and_batch_invariant_resumption(moe_dir):
     alone.add(cut)
     while alone.busy:
         alone.step()
-    rest = Request("r4#2", cut.input_ids + cut.output_ids, cut.sampling)
+    rest = EngineRequest("r4#2", cut.input_ids + cut.output_ids, cut.sampling)
     alone.add(rest)
     while alone.busy:
         alone.step()
@@ -589,7 +596,8 @@ def test_moe_weights_load_one_tensor_per_expert_into_the_fused_parameters(moe_di
     from safetensors.torch import load_file, save_file
 
     from bapo_megatron.common.protocol import compact_routes
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     new_dir = tmp_path / "new"
     shutil.copytree(moe_dir, new_dir)
@@ -621,7 +629,7 @@ def test_moe_weights_load_one_tensor_per_expert_into_the_fused_parameters(moe_di
     assert "1 weight tensors were released" in core.can_generate()
     core.load_weights([(last, tensors[last])])
     assert core.can_generate() is None
-    r = Request("new", [3, 1, 4, 1, 5], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True))
+    r = EngineRequest("new", [3, 1, 4, 1, 5], SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True))
     core.add(r)
     while core.busy:
         core.step()
@@ -651,7 +659,8 @@ def test_moe_weights_load_one_tensor_per_expert_into_the_fused_parameters(moe_di
 def test_moe_engine_in_bfloat16_differs_from_float32_measurably_but_boundedly(moe_dir):
     """rollout.engines.dtype=bfloat16: the model runs in bfloat16 (weights sent in float32 are cast
     as they load) and its log-probs differ from a float32 forward as a GPU engine's do."""
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     core = EngineCore(moe_dir, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in core.model.parameters())
@@ -659,7 +668,9 @@ def test_moe_engine_in_bfloat16_differs_from_float32_measurably_but_boundedly(mo
     core.load_weights([("model.norm.weight", norm)])
     assert core.model.model.norm.weight.dtype == torch.bfloat16 and (core.model.model.norm.weight == 1).all()
     requests = [
-        Request(f"r{i}", [9 + i, 2, 7, 30 + i], SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True))
+        EngineRequest(
+            f"r{i}", [9 + i, 2, 7, 30 + i], SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True)
+        )
         for i in range(2)
     ]
     for r in requests:
@@ -680,14 +691,15 @@ def test_qwen3_dense_serves_transformers_logprobs_and_loads_its_weights(hf_model
     routers, and its log-probs are transformers'."""
     from safetensors.torch import load_file
 
-    from bapo_megatron.engines.embedded.core import EngineCore, Request
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     qwen3 = hf_model("qwen3", ("qwen3", 2, False))
     core = EngineCore(qwen3)
     tensors = [pair for file in sorted(qwen3.glob("*.safetensors")) for pair in load_file(str(file)).items()]
     assert any(name.endswith("self_attn.q_norm.weight") for name, _ in tensors)
-    assert core.load_weights(tensors) == len(tensors) and core.routers is None
-    r = Request("q", [5, 6, 7], SamplingParams(max_new_tokens=10, temperature=0.7, ignore_eos=True))
+    assert core.load_weights(tensors) == len(tensors) and core.route_recorder is None
+    r = EngineRequest("q", [5, 6, 7], SamplingParams(max_new_tokens=10, temperature=0.7, ignore_eos=True))
     core.add(r)
     while core.busy:
         core.step()

@@ -164,7 +164,7 @@ def test_a_step_that_fails_mid_prefill_aborts_its_requests_instead_of_losing_the
     def broken(batch):
         raise RuntimeError("simulated prefill failure")
 
-    monkeypatch.setattr(core, "_prefill_chunk", broken)
+    monkeypatch.setattr(core.loop, "_prefill_chunk", broken)
 
     async def run():
         async with TestClient(TestServer(EmbeddedServer(core).app())) as client:
@@ -191,7 +191,8 @@ class _Rebuilt:
 def test_weight_payloads_the_model_cannot_take_get_400s_and_change_nothing(model_dir):
     """In a weight-update session, a payload whose names, dtypes or shapes cannot be the served
     model's is refused with a 400 naming what is wrong, and the weights stay as they were. (Before:
-    a payload of a few bytes that declared a terabyte of them was allocated first: 500 MemoryError.)"""
+    a payload of a few bytes that declared a terabyte of them was allocated first: 500 MemoryError;
+    so was the JSON number 10^12 sent as the payload, taken for a length by bytes().)"""
     import base64
     import pickle
 
@@ -223,6 +224,7 @@ def test_weight_payloads_the_model_cannot_take_get_400s_and_change_nothing(model
             ):
                 cases = [
                     ("declares a terabyte", raw(terabyte), None, "bytes8"),
+                    ("a number, not a payload", [10**12], None, "serialized_named_tensors[0] does not decode"),
                     ("10^12 empty rows", raw(empty_rows), None, f"shape (1000000000000, 0), the model's is ({numel},)"),
                     ("a negative dimension", raw(negative), None, "[-1, 0]"),
                     ("unknown name", unknown, None, "model.layers.99.mlp.up_proj.weight: the model has no such"),
@@ -283,6 +285,7 @@ def test_a_distributed_update_the_model_cannot_take_is_refused_before_the_broadc
                 [("model.layers.99.mlp.up_proj.weight", torch.ones(64))],
                 [("model.norm.weight", torch.ones(65))],
                 [("model.norm.weight", torch.ones(64, dtype=torch.int32))],
+                [("model.norm.weight", torch.ones(64)), ("model.norm.weight", torch.ones(64))],  # a name twice
             ]
             for bucket in bad:
                 loop.run(sender.connect())
@@ -381,20 +384,20 @@ def test_an_empty_admin_key_is_an_error_at_start(where, model_dir, tmp_path, mon
 
 def test_a_request_whose_sampling_fails_fails_alone(model_dir, monkeypatch):
     from bapo_megatron.common.protocol import SamplingParams
-    from bapo_megatron.engines.embedded import core as engine_core
-    from bapo_megatron.engines.embedded.core import Request
+    from bapo_megatron.engines.embedded import sampling
+    from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     core = EngineCore(model_dir)
-    real = engine_core.sample
+    real = sampling.sample
 
     def flaky(logits, s, generator):
         if s.top_k == 7:
             raise RuntimeError("simulated sampling failure\nsecond line")
         return real(logits, s, generator)
 
-    monkeypatch.setattr(engine_core, "sample", flaky)
-    good = Request("good", [1, 2, 3], SamplingParams(max_new_tokens=6, top_k=5, ignore_eos=True))
-    bad = Request("bad", [4, 5], SamplingParams(max_new_tokens=6, top_k=7, ignore_eos=True))
+    monkeypatch.setattr(sampling, "sample", flaky)
+    good = EngineRequest("good", [1, 2, 3], SamplingParams(max_new_tokens=6, top_k=5, ignore_eos=True))
+    bad = EngineRequest("bad", [4, 5], SamplingParams(max_new_tokens=6, top_k=7, ignore_eos=True))
     core.add(good)
     core.add(bad)
     while core.busy:

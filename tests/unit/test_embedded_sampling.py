@@ -1,4 +1,4 @@
-"""The embedded engine's sampling rule (engines/embedded/core.py sample), as SGLang's: top_p keeps the
+"""The embedded engine's sampling rule (engines/embedded/sampling.py sample), as SGLang's: top_p keeps the
 smallest set of the likeliest tokens whose probability reaches top_p, which always holds the most
 likely one (a top_p of 5e-324, 0 in float32, once kept none: "invalid multinomial distribution")."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bapo_megatron.common.protocol import SamplingParams
-from bapo_megatron.engines.embedded.core import sample
+from bapo_megatron.engines.embedded.sampling import sample
 
 PROBS = torch.tensor([0.1, 0.5, 0.2, 0.15, 0.05])  # token 1 likeliest, then 2, 3, 0, 4
 

@@ -104,3 +104,20 @@ def test_loads_refuses_a_payload_that_declares_more_than_it_holds_before_allocat
         with pytest.raises(pickle.UnpicklingError, match="not a list of sizes >= 0"):
             ipc.rebuild_shared("", "float32", shape)
     assert ipc.loads(base64.b64encode(pickle.dumps([("w", 1.5)])).decode()) == [("w", 1.5)]
+
+
+@pytest.mark.parametrize("payload", [8 << 20, True, 1.5, None, [1, 2], {"a": 1}])
+def test_loads_refuses_a_payload_of_another_type_before_allocating_anything(payload):
+    """A weight payload from a JSON body that is no string (probe G7): the integer 10^12 was
+    bytes(10^12), a MemoryError that answered 500, and 2 x 10^8 allocated 200 MB before its 400.
+    Refused for its type now, allocating nothing of the size it names."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(TypeError, match=f"a base64 string or bytes, not {type(payload).__name__}$"):
+            ipc.loads(payload)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"

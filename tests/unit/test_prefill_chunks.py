@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from bapo_megatron.engines.embedded.core import prefill_chunks
+from bapo_megatron.engines.embedded.decode import prefill_chunks
 
 
 def _cost(lengths, chunks, overhead):

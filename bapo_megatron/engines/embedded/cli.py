@@ -87,7 +87,7 @@ def _write_port(path: Path, port: int) -> None:
     os.replace(partial, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bapo_megatron.engines.embedded",
         description=embedded_server.__doc__,
@@ -126,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--admin-api-key-file", help="file holding the admin key (else $BAPO_ADMIN_API_KEY)")
     parser.add_argument("--api-key-file", help="file holding the API key (else $BAPO_API_KEY)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         admin_key = _key("BAPO_ADMIN_API_KEY", args.admin_api_key_file)
         api_key = _key("BAPO_API_KEY", args.api_key_file)
@@ -144,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: --model {args.model}: {problem}", file=sys.stderr)
         return 2
+    _serve(args, api_key, admin_key)
+    return 0
+
+
+def _serve(args: argparse.Namespace, api_key: str | None, admin_key: str | None) -> None:
+    """Build the engine on its own thread, bind the socket, report the port, and serve until stopped."""
     from aiohttp import web
 
     # Slurm's warning signal (SIGUSR1) is for the driver, which saves and then stops its engines
@@ -166,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
         handler_cancellation=True,
         keepalive_timeout=args.request_timeout,
     )
-    return 0
 
 
 if __name__ == "__main__":

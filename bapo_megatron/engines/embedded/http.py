@@ -7,7 +7,7 @@ import asyncio
 import functools
 import traceback
 
-from bapo_megatron.engines.embedded.core import one_line
+from bapo_megatron.engines.embedded.request_queue import one_line
 
 
 def ok(message: str, refused: str | None = None):

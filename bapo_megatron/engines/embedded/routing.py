@@ -3,7 +3,7 @@ every position a forward runs (SGLang's return_routed_experts, common/protocol.p
 
 Forward hooks on transformers' Qwen3-MoE routers (`Qwen3MoeTopKRouter.forward` returns
 (logits, scores, indices), indices [tokens, top_k] over the forward's batch x positions, row-major).
-The engine core takes each forward's routes right after it and keeps them per request, compactly
+The decode loop (decode.py) takes each forward's routes right after it and keeps them per request, compactly
 (MoE layers only, protocol.route_dtype), so that a request resumed from the prefix store still has
 the routes of the positions it skipped.
 """
@@ -17,8 +17,9 @@ import torch
 from bapo_megatron.common import protocol
 
 
-class Routers:
-    """The routers of a transformers mixture-of-experts model, hooked; `of(model)` is None for a dense one."""
+class RouteRecorder:
+    """Records the experts a transformers mixture-of-experts model's routers pick, through hooks on
+    them; `of(model)` is None for a dense one."""
 
     def __init__(self, model: torch.nn.Module, found: list[tuple[int, torch.nn.Module]]) -> None:
         self.num_layers = len(model.model.layers)
@@ -31,8 +32,8 @@ class Routers:
             router.register_forward_hook(partial(self._hook, slot))
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> Routers | None:
-        """The model's routers, hooked (None: no layer routes to experts)."""
+    def of(cls, model: torch.nn.Module) -> RouteRecorder | None:
+        """A recorder of the model's routers, hooked (None: no layer routes to experts)."""
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
         layers = getattr(getattr(model, "model", None), "layers", [])

@@ -32,8 +32,9 @@ import traceback
 import uuid
 
 from bapo_megatron.common import protocol
-from bapo_megatron.engines.embedded.core import EngineCore, Request
+from bapo_megatron.engines.embedded.core import EngineCore
 from bapo_megatron.engines.embedded.http import guarded, json_object, request_timeout_key
+from bapo_megatron.engines.embedded.request_queue import EngineRequest
 from bapo_megatron.engines.embedded.weight_updates import WeightUpdateEndpoints
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -213,10 +214,10 @@ class EmbeddedServer(WeightUpdateEndpoints):
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
-        def finished(r: Request) -> None:
+        def finished(r: EngineRequest) -> None:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
 
-        self.core.add(Request(rid, ids, sampling, on_finish=finished))  # joins at the next step
+        self.core.add(EngineRequest(rid, ids, sampling, on_finish=finished))  # joins at the next step
         self._poke()
         try:
             r = await done
@@ -225,7 +226,7 @@ class EmbeddedServer(WeightUpdateEndpoints):
             self._background.add(task)  # held until done (the loop keeps only weak references)
             task.add_done_callback(self._background.discard)
             raise
-        routes = None if routes_from is None else self.core.routers.response(r.routes, routes_from)
+        routes = None if routes_from is None else self.core.route_recorder.response(r.routes, routes_from)
         return web.json_response(
             protocol.generate_response(
                 r.rid,
@@ -247,7 +248,7 @@ class EmbeddedServer(WeightUpdateEndpoints):
             raise ValueError(f"return_routed_experts={wanted!r}: must be true or false")
         if not wanted:
             return None
-        if self.core.routers is None:
+        if self.core.route_recorder is None:
             raise ValueError("return_routed_experts: the served model is dense, it routes to no experts")
         start = body.get("routed_experts_start_len", 0)
         if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= prompt_tokens:

@@ -1,5 +1,5 @@
 """The embedded engine's slotted KV cache: one preallocated buffer per layer, running request i in slot i,
-and the transformers cache view a decode step writes through (engines/embedded/core.py uses them)."""
+and the transformers cache view a decode step writes through (engines/embedded/decode.py uses them)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ handle or from disk, with SGLang's version, abort and cache-flush rules."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,9 @@ class WeightUpdateEndpoints:
             raise ValueError("names, dtypes and shapes must be lists of one length")
         if not all(isinstance(n, str) for n in names):
             raise ValueError("names must be strings")
+        if len(set(names)) != len(names):  # each repeat would be allocated before the broadcast
+            twice = sorted(n for n, k in Counter(names).items() if k > 1)
+            raise ValueError(f"names must be distinct: {', '.join(twice)[:200]} announced more than once")
         if not all(isinstance(s, list) and all(type(d) is int and d >= 0 for d in s) for s in shapes):
             raise ValueError(f"shapes must be lists of sizes >= 0, got {shapes!r:.200}")
         if body.get("load_format") not in (None, protocol.FLATTENED):

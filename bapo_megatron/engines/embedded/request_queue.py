@@ -1,0 +1,101 @@
+"""The embedded engine's requests: one request's generation state, the reasons it finishes with,
+and the queue it arrives, waits and runs in."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from bapo_megatron.common.protocol import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """One /generate request inside the engine: its input, its sampling, and what it has made so far."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    on_finish: Callable[[EngineRequest], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[list] = field(default_factory=list)  # [version, start, end] over output tokens
+    finish: dict | None = None
+    generator: torch.Generator | None = None
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """A MoE model's routes of the positions run so far, [0, n) in order: [positions, moe_layers, top_k] chunks."""
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+
+def one_line(err: BaseException) -> str:
+    """An error as one line for a response: its type and the first line of its message."""
+    text = str(err)
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def failure(err: Exception) -> dict:
+    """The finish reason of a request that met an error of its own (status 500, one line, no traceback)."""
+    message = f"request failed: {one_line(err)}"
+    return {"type": "abort", "message": message, "status_code": 500, "err_type": type(err).__name__}
+
+
+class RequestQueue:
+    """The requests in the engine: arrived (from any thread), waiting, and running, where running[i]
+    owns slot i of the KV cache. Each request gets its own sampling generator as it arrives."""
+
+    def __init__(self, seed: int, vocab_size: int) -> None:
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.incoming: collections.deque[EngineRequest] = collections.deque()  # added by other threads
+        self.waiting: list[EngineRequest] = []
+        self.running: list[EngineRequest] = []
+        self._count = 0
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request; safe to call from another thread while a step runs."""
+        if any(r.rid == request.rid for r in [*self.incoming, *self.waiting, *self.running]):
+            raise ValueError(f"request id {request.rid!r} is already in flight")
+        vocab = self.vocab_size
+        if not request.input_ids or any(not 0 <= t < vocab for t in request.input_ids):
+            raise ValueError(f"input_ids must be a non-empty list of token ids in [0, {vocab})")
+        seed = request.sampling.sampling_seed
+        self._count += 1
+        request.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self._count if seed is None else seed)
+        self.incoming.append(request)
+
+    def admit(self) -> None:
+        """The requests that arrived join the waiting ones (on the engine's thread)."""
+        while self.incoming:
+            self.waiting.append(self.incoming.popleft())
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.incoming or self.waiting or self.running)
+
+    def matching(self, rid: str | None) -> list[EngineRequest]:
+        """The waiting and running requests with id `rid` (None: all of them), arrivals admitted first."""
+        self.admit()
+        return [r for r in self.waiting + self.running if rid is None or r.rid == rid]
+
+    def retract(self) -> None:
+        """Every running request back to the front of the waiting ones (their caches are dropped)."""
+        self.waiting = self.running + self.waiting
+        self.running = []
+
+    def slot_of(self, request: EngineRequest) -> int | None:
+        """The slot `request` runs in (None: it is not running)."""
+        return next((i for i, r in enumerate(self.running) if r is request), None)
+
+    def vacate(self, slot: int) -> int | None:
+        """Free `slot`: the last running request moves into it; the slot it moved from (None: `slot` was the last)."""
+        last = self.running.pop()
+        if slot == len(self.running):
+            return None
+        self.running[slot] = last
+        return len(self.running)
