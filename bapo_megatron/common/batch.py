@@ -18,6 +18,9 @@ from typing import Protocol
 
 import torch
 
+from bapo_megatron.common import protocol
+from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.routes import RouteShape
 from bapo_megatron.fsutil import publish, temporary_sibling
 
 FORMAT_VERSION = "1"
@@ -92,23 +95,22 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def problem(self, vocab_size: int) -> str | None:
-        """What makes this batch untrainable by a model of `vocab_size` tokens (None: nothing):
-        token ids outside the vocabulary (rows past it are padding, which would train silently),
-        non-finite or positive log-probs, non-finite rewards or temperature."""
+    def problem(self, spec: ModelSpec) -> str | None:
+        """What makes this batch untrainable by the model `spec` describes (None: nothing), as an
+        engine's answer is checked on arrival (engines/client.py): token ids outside its vocabulary
+        (rows past it are padding, which would train silently), log-probs that are none (non-finite,
+        above 0), routes that are not its routers' choices (another count of MoE layers or top-k, an
+        id past its experts: a failure inside Megatron's router once the model is built; an expert
+        twice in a top-k: a route no router took, trained on); non-finite rewards or temperature."""
         if not self.samples:
             return "no samples"
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             return f"temperature {self.temperature!r}: must be finite and > 0"
+        shape = RouteShape.of(spec) if spec.moe is not None else None
         for i, s in enumerate(self.samples):
-            bad = [t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= t < vocab_size]
-            if bad:
-                return f"sample {i}: token id {bad[0]} outside the model's vocabulary [0, {vocab_size})"
-            bad_lp = [x for x in s.behaviour_logprobs if not (math.isfinite(x) and x <= 0)]
-            if bad_lp:
-                return f"sample {i}: behaviour log-prob {bad_lp[0]!r} (must be finite and <= 0)"
-            if not math.isfinite(s.reward):
-                return f"sample {i}: reward {s.reward!r} is not finite"
+            problem = _sample_problem(s, spec, shape)
+            if problem:
+                return f"sample {i}: {problem}"
         sizes: dict[int, int] = {}
         for s in self.samples:
             sizes[s.group] = sizes.get(s.group, 0) + 1
@@ -257,6 +259,23 @@ class RolloutBatch:
         except ValueError:
             raise ValueError(f"rollout batch {path}: its metadata is not JSON") from None
         return cls(samples=samples, temperature=temperature, metadata=metadata)
+
+
+def _sample_problem(s: Sample, spec: ModelSpec, shape: RouteShape | None) -> str | None:
+    for part, ids in (("prompt", s.prompt_ids), ("response", s.response_ids)):
+        problem = protocol.token_problem(ids, spec.vocab_size)
+        if problem:
+            return f"{part} {problem}"
+    problem = protocol.logprob_problem(s.behaviour_logprobs)
+    if problem:
+        return f"behaviour {problem}"
+    if s.routes is not None:
+        if shape is None:
+            return f"it carries routed experts, but the model ({spec.architecture}) has no experts"
+        problem = shape.problem(s.routes)
+        if problem:
+            return problem
+    return None if math.isfinite(s.reward) else f"reward {s.reward!r} is not finite"
 
 
 def _recorded(shape, sample) -> torch.Tensor | None:

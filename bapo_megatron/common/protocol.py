@@ -48,8 +48,45 @@ SAMPLING_EPS = 1e-6
 """Temperatures below this sample greedily (SGLang's _SAMPLING_EPS): dividing logits by them overflows."""
 
 
+LOGPROB_SLACK = 1e-5
+"""How far above 0 a sampled token's log-prob may lie. SGLang's is log_softmax of float32 logits, which
+torch keeps <= 0 exactly; another kernel's rounding (a probability of 1 plus a few ulps) gives about 1e-7.
+That is let through, as it came; anything larger is no log-probability."""
+
+
 class MalformedResponse(ValueError):
-    """An engine answered with a body that does not have the fields and types the protocol promises."""
+    """An engine answered with a body that does not have the fields and types the protocol promises,
+    or with values no model produces (a token id that is no id, a log-prob above 0)."""
+
+
+def token_problem(ids: Sequence[object], vocab_size: int | None = None) -> str | None:
+    """What makes `ids` no token ids of a model of `vocab_size` tokens (None: of any model), as text
+    naming the first bad one; None when they all are. Rows of the embedding past vocab_size are
+    padding: an id there is no token, and would train those rows silently."""
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            return f"token id {t!r} is not an integer >= 0 (at index {i})"
+        if vocab_size is not None and t >= vocab_size:
+            return f"token id {t!r} outside the model's vocabulary [0, {vocab_size}) (at index {i})"
+    return None
+
+
+def logprob_problem(values: Sequence[object]) -> str | None:
+    """What makes `values` no log-probabilities of sampled tokens (each finite, <= LOGPROB_SLACK), as
+    text naming the first bad one; None when they all are."""
+    for i, x in enumerate(values):
+        if not _finite(x) or x > LOGPROB_SLACK:
+            return f"log-prob {x!r} is not a finite number <= 0 (at index {i})"
+    return None
+
+
+def _finite(x: object) -> bool:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # a JSON integer past float's range
+        return False
 
 
 @dataclass(frozen=True)
@@ -199,12 +236,17 @@ def _need(container: dict, key: str, kinds, where: str):
     return value
 
 
-def parse_generate_response(body: Any, rid: str) -> Completion:
-    """A /generate response (non-streaming, one request) as a Completion; MalformedResponse if it is not one."""
-    where = f"/generate response for {rid}"
+def parse_generate_response(body: Any, rid: str, source: str = "") -> Completion:
+    """A /generate response (non-streaming, one request) as a Completion; MalformedResponse, its message
+    beginning with `source` (the engine's URL), if it is not one: a field missing or of another type,
+    output ids that are no token ids, log-probs that are none (non-finite, above 0), one per token."""
+    where = f"{source}/generate response for {rid}"
     if isinstance(body, list) and len(body) == 1:
         body = body[0]
     output_ids = _need(body, "output_ids", list, where)
+    problem = token_problem(output_ids)
+    if problem:
+        raise MalformedResponse(f"{where}: output_ids: {problem}")
     meta = _need(body, "meta_info", dict, where)
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else None
@@ -219,7 +261,10 @@ def parse_generate_response(body: Any, rid: str) -> Completion:
             raise MalformedResponse(f"{where}: output_token_logprobs[{i}] = {triple!r} does not match token {token}")
         if not isinstance(triple[0], int | float):
             raise MalformedResponse(f"{where}: output_token_logprobs[{i}] has no logprob ({triple[0]!r})")
-        logprobs.append(float(triple[0]))
+        logprobs.append(triple[0])
+    problem = logprob_problem(logprobs)
+    if problem:
+        raise MalformedResponse(f"{where}: output_token_logprobs: {problem}")
     spans = []
     for span in meta.get("weight_versions") or []:
         try:
@@ -227,18 +272,21 @@ def parse_generate_response(body: Any, rid: str) -> Completion:
         except (KeyError, TypeError, ValueError):
             raise MalformedResponse(f"{where}.meta_info.weight_versions: bad span {span!r}") from None
     version = meta.get("weight_version")
+    prompt_tokens = meta.get("prompt_tokens", 0)
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
+        raise MalformedResponse(f"{where}.meta_info.prompt_tokens: expected an integer, got {prompt_tokens!r}")
     status = finish.get("status_code")
     error = None
     if kind == "abort" and isinstance(status, int) and status >= 500:
         error = f"{finish.get('err_type') or 'error'} (HTTP {status}): {finish.get('message', '')}"
     return Completion(
         rid=str(meta.get("id", rid)),
-        output_ids=[int(t) for t in output_ids],
-        logprobs=logprobs,
+        output_ids=list(output_ids),
+        logprobs=[float(x) for x in logprobs],
         finish=kind,
         weight_version=None if version is None else str(version),
         version_spans=spans,
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        prompt_tokens=prompt_tokens,
         error=error,
         routed_experts=meta.get("routed_experts"),
     )
@@ -314,7 +362,8 @@ def route_dtype(num_experts: int) -> torch.dtype:
 
 def compact_routes(routes: torch.Tensor, sparse_layers: Sequence[int], num_experts: int) -> torch.Tensor:
     """Routes to keep: [positions, len(sparse_layers), top_k] in route_dtype(num_experts), the MoE
-    layers' rows only (a dense layer's carry nothing); ValueError when an id is no expert."""
+    layers' rows only (a dense layer's carry nothing); ValueError when an id is no expert (it would
+    wrap around in the dtype). common/routes.py checks the rest of what a router's choices are."""
     kept = routes[:, list(sparse_layers)]
     if kept.numel() and not (int(kept.min()) >= 0 and int(kept.max()) < num_experts):
         raise ValueError(f"routes hold expert ids in [{int(kept.min())}, {int(kept.max())}], not [0, {num_experts})")

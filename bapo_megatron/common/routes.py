@@ -54,16 +54,48 @@ class RouteShape:
 
     def from_engine(self, text: str | None, positions: int, where: str) -> bytes:
         """An engine's meta_info["routed_experts"] (SGLang's base64 int32 [positions, num_layers, top_k])
-        as compact bytes of the MoE layers; MalformedResponse unless it holds `positions` positions."""
+        as compact bytes of the MoE layers; MalformedResponse unless it holds `positions` positions of
+        a router's choices (`problem`)."""
         routes = protocol.routed_experts(text, self.num_layers, self.top_k)
         if routes.shape[0] != positions:
             raise protocol.MalformedResponse(
                 f"{where}: routed_experts for {routes.shape[0]} positions, expected {positions}"
             )
         try:
-            return self.to_bytes(protocol.compact_routes(routes, self.sparse_layers, self.num_experts))
+            compact = protocol.compact_routes(routes, self.sparse_layers, self.num_experts)
         except ValueError as err:
             raise protocol.MalformedResponse(f"{where}: {err}") from None
+        problem = self.problem(compact)
+        if problem:
+            raise protocol.MalformedResponse(f"{where}: {problem}")
+        return self.to_bytes(compact)
+
+    def problem(self, routes: torch.Tensor) -> str | None:
+        """What makes compact `routes` (a sample's, or an engine's MoE rows) no routes of this model
+        (None: nothing): another shape than [positions, moe_layers, top_k], an id outside
+        [0, num_experts), or one expert twice in a position's top-k. A router picks top_k distinct
+        experts; a repeat would be replayed and trained as a route no router took, and an id past
+        the experts fails inside Megatron's router."""
+        if routes.dim() != 3 or tuple(routes.shape[1:]) != (self.moe_layers, self.top_k):
+            return (
+                f"routes of shape {list(routes.shape)}, not [positions, {self.moe_layers}, {self.top_k}] "
+                f"(the model's {self.moe_layers} MoE layers, top-{self.top_k})"
+            )
+        if not routes.numel():
+            return None
+        low, high = int(routes.min()), int(routes.max())
+        if low < 0 or high >= self.num_experts:
+            return f"routes hold expert ids in [{low}, {high}], not [0, {self.num_experts}) (the model's experts)"
+        ordered = routes.sort(dim=-1).values
+        repeats = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1).nonzero()
+        if len(repeats):
+            position, layer = (int(i) for i in repeats[0])
+            return (
+                f"routes name one expert twice in a top-{self.top_k} (position {position}, MoE layer "
+                f"{self.sparse_layers[layer]}: experts {routes[position, layer].tolist()}); a router picks "
+                "distinct experts"
+            )
+        return None
 
     def positions(self, data: bytes) -> int:
         return len(data) // self.bytes_per_position

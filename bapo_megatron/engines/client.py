@@ -5,6 +5,12 @@ Every call names the server and endpoint in its errors. Timeouts, refused connec
 EngineUnavailable (the caller drops the server and resubmits its requests elsewhere); 4xx
 answers are raised at once as EngineError with the server's message. A /generate retry
 first aborts the request id on the server, so a request is never generating twice.
+
+A /generate answer is checked in full on arrival, against the protocol and against the model the
+engine serves (`ServedModel`: token ids in its vocabulary, log-probs finite and <= 0, one per
+token, no more tokens than asked, routed experts of its shape for every position run); one that
+fails is raised as BadAnswer, an EngineUnavailable: nothing of it is kept, the engine is retired
+and the request goes elsewhere (engines/pool.py counts these and stops a run that meets too many).
 """
 
 from __future__ import annotations
@@ -12,10 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bapo_megatron.common import protocol
-from bapo_megatron.common.protocol import Completion, SamplingParams
+from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.protocol import Completion, MalformedResponse, SamplingParams
+from bapo_megatron.common.routes import RouteShape
 
 
 class EngineError(RuntimeError):
@@ -30,6 +39,38 @@ class EngineUnavailable(ConnectionError):
     """The engine did not answer (refused, timed out, or 5xx) after the retries."""
 
 
+class BadAnswer(EngineUnavailable):
+    """The engine answered /generate with what the protocol or its model rules out; the message names
+    the engine (its URL), the request and what is wrong. Unavailable for this request, as after a 5xx."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the model an engine serves can answer: token ids below vocab_size (ModelSpec's: the rows of
+    the embedding past it are padding, never a token) and, when a run records them, routes of this shape."""
+
+    vocab_size: int
+    routes: RouteShape | None = None
+
+    @classmethod
+    def of(cls, spec: ModelSpec, routes: RouteShape | None) -> ServedModel:
+        return cls(spec.vocab_size, routes)
+
+    def problem(self, answer: Completion, input_ids: list[int], routes_from: int | None) -> str | None:
+        """What makes `answer` (to a request of input_ids, with routes from position routes_from on)
+        no answer of this model (None: nothing)."""
+        problem = protocol.token_problem(answer.output_ids, self.vocab_size)
+        if problem:
+            return f"output_ids: {problem}"
+        if self.routes is not None and routes_from is not None:
+            ran = len(input_ids) + len(answer.output_ids) - 1 - routes_from  # the last token is never fed in
+            try:
+                self.routes.from_engine(answer.routed_experts, ran, "meta_info")
+            except MalformedResponse as err:
+                return str(err)
+        return None
+
+
 class EngineClient:
     def __init__(
         self,
@@ -39,10 +80,14 @@ class EngineClient:
         timeout_s: float = 600.0,
         retries: int = 3,
         backoff_s: float = 0.5,
+        served: ServedModel | None = None,
     ) -> None:
+        """served: the model the engine serves, which /generate answers are checked against (None:
+        against the protocol only, for a client of control calls or of an engine of any model)."""
         self.base_url = base_url.rstrip("/")
         self.admin_key, self.api_key = admin_key, api_key
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.served = served
         self._session = None
         self._closed = False
 
@@ -109,19 +154,38 @@ class EngineClient:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: str, routes_from: int | None = None
     ) -> Completion:
-        """One /generate call; routes_from: also the routed experts of positions from there on."""
+        """One /generate call; routes_from: also the routed experts of positions from there on.
+        BadAnswer when the answer fails the checks (the module says which)."""
         body = protocol.generate_request(input_ids, sampling, rid, routed_experts_start_len=routes_from)
         for attempt in range(self.retries + 1):
             try:
                 result = await self.request("/generate", body, retry=False)
-                return protocol.parse_generate_response(result, rid)
+                break
+            except MalformedResponse as err:  # not JSON
+                raise BadAnswer(str(err)) from None
             except EngineUnavailable:
                 if attempt == self.retries:
                     raise
                 await asyncio.sleep(self.backoff_s * 2**attempt)
                 with contextlib.suppress(EngineUnavailable, EngineError):  # never let it generate twice
                     await self.abort(rid)
-        raise AssertionError("unreachable")
+        return self._checked_answer(result, rid, input_ids, sampling.max_new_tokens, routes_from)
+
+    def _checked_answer(
+        self, result: Any, rid: str, input_ids: list[int], max_new_tokens: int, routes_from: int | None
+    ) -> Completion:
+        try:
+            answer = protocol.parse_generate_response(result, rid, source=self.base_url)
+        except MalformedResponse as err:
+            raise BadAnswer(str(err)) from None
+        problem = None
+        if len(answer.output_ids) > max_new_tokens:
+            problem = f"{len(answer.output_ids)} output tokens for max_new_tokens {max_new_tokens}"
+        elif self.served is not None:
+            problem = self.served.problem(answer, input_ids, routes_from)
+        if problem:
+            raise BadAnswer(f"{self.base_url}/generate response for {rid}: {problem}")
+        return answer
 
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request (its /generate call returns the partial output), or every request."""

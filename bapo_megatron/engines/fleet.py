@@ -22,7 +22,7 @@ from pathlib import Path
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.routes import recorded_routes
 from bapo_megatron.config import JobConfig
-from bapo_megatron.engines.client import EngineClient, EngineError, EngineUnavailable
+from bapo_megatron.engines.client import EngineClient, EngineError, EngineUnavailable, ServedModel
 from bapo_megatron.engines.launcher import ServerProcess, embedded_servers
 from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.pool import EnginePool
@@ -53,6 +53,7 @@ class Engines:
         start, SGLang's placement on this node (beside `local_ranks` trainer ranks), engines of
         another job answering with this shape."""
         self.cfg, self.spec, self.run_dir, self.loop = cfg, spec, Path(run_dir), loop
+        self.served = ServedModel.of(spec, recorded_routes(cfg, spec))  # what /generate answers are checked against
         e = cfg.rollout.engines
         self.servers: list[ServerProcess] = []
         self.clients: list[EngineClient] = []
@@ -65,7 +66,9 @@ class Engines:
 
             given = e.admin_key_file or os.environ.get(KEY_ENV)
             self.key = admin_key(cfg.rollout, self.run_dir) if given else None  # theirs: never one generated here
-            self.clients = [EngineClient(url, self.key, timeout_s=e.request_timeout_s) for url in e.urls]
+            self.clients = [
+                EngineClient(url, self.key, timeout_s=e.request_timeout_s, served=self.served) for url in e.urls
+            ]
             self.loop.run(self._check_answering())
         else:
             host = "127.0.0.1" if e.kind == "embedded" else e.host
@@ -87,7 +90,7 @@ class Engines:
                 server.wait_ready(e.startup_timeout_s, key=self.key)
         if not e.urls:
             self.clients = [
-                EngineClient(s.url, admin_key=self.key, timeout_s=e.request_timeout_s) for s in self.servers
+                EngineClient(s.url, self.key, timeout_s=e.request_timeout_s, served=self.served) for s in self.servers
             ]
             if e.first_port is None:  # the banner could only say "a free port": here is which
                 print(f"engines ready: {', '.join(s.url for s in self.servers)}", flush=True)

@@ -1,7 +1,10 @@
 """The engines a rollout spreads its requests over: who serves, who is loaded, how long each was busy.
 
 An engine is live, dead or refitting. A request that fails with EngineUnavailable (after the
-client's retries) marks its engine dead and is resubmitted to another. A dead engine comes back
+client's retries) marks its engine dead and is resubmitted to another; so does one the engine
+answers wrongly (BadAnswer: engines/client.py), which `retire`s it. A systematically wrong engine
+is no fault a restart mends: the MAX_RETIRED-th retirement of a run stops it, with the last
+wrong answer as its one line. A dead engine comes back
 (engines/supervisor.py: restarted, or answering again) as refitting: it holds weights that are
 not the policy's (a restart's are the starting ones), so it is never picked until the driver
 has sent it the current weights and checked them (`revive`). With no live engine, `pick` waits
@@ -16,12 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from bapo_megatron.engines.client import EngineClient, EngineUnavailable
+from bapo_megatron.engines.client import BadAnswer, EngineClient, EngineUnavailable
 from bapo_megatron.errors import RunStopped
+
+MAX_RETIRED = 3
+"""Engines retired for a wrong answer that stop a run (the third time, whichever engines answered)."""
 
 
 class EnginePool:
@@ -37,6 +44,8 @@ class EnginePool:
         self.error: str | None = None  # why no engine can come back (the supervisor's): pick stops the run
         self.wait_s, self.probe_s = wait_s, probe_s
         self.failures = 0
+        self.retired = 0  # engines retired for a wrong answer, this run
+        self.why: dict[int, str] = {}  # dead engine -> why (what the supervisor says as it brings it back)
         self.paused = False
         self._busy, self._since = 0.0, time.monotonic()
 
@@ -86,11 +95,37 @@ class EnginePool:
         self._account()
         self.refitting.discard(index)
 
-    def mark_dead(self, index: int) -> None:
+    def mark_dead(self, index: int, why: str = "stopped answering") -> None:
         self._account()
         self.refitting.discard(index)
         self.dead.add(index)
+        self.why[index] = why
         self.failures += 1
+
+    def retire(self, index: int, answer: BadAnswer) -> None:
+        """Engine `index` gave a wrong answer: dead, as one that stopped answering (brought back by the
+        supervisor, with the current weights), its request sent to another; RunStopped, with the
+        answer's message, at the run's MAX_RETIRED-th retirement (and at every wrong answer after
+        it). Answers to requests it held when it was retired retire it no further (one fault spoils
+        a whole batch of them)."""
+        if self.error is not None:
+            raise RunStopped(self.error)
+        if index not in self.live():
+            return
+        self.retired += 1
+        if self.retired >= MAX_RETIRED:
+            self.error = (
+                f"{answer} (the engines answered wrongly {self.retired} times in this run, each time retired "
+                "and their requests sent elsewhere: stopping)"
+            )
+            raise RunStopped(self.error)
+        print(
+            f"{answer}: retiring {self.clients[index].base_url} ({self.retired} of {MAX_RETIRED} wrong answers "
+            "stop the run); its requests go to another engine",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.mark_dead(index, "answered wrongly")
 
     @contextlib.contextmanager
     def holding(self, index: int):

@@ -3,7 +3,7 @@
     supervisor = Supervisor(pool, servers, max_restarts=3, startup_timeout_s=600)
     await supervisor.start()     # on the driver's loop: watches pool.dead from then on
     ...                          # a dead engine comes back as pool.refitting; the driver sends it
-                                 # the weights, checks them and revives it (driver.publish)
+                                 # the weights, checks them and revives it (weights/publish.py)
     await supervisor.close()
 
 An engine the job started (`servers[i]`) that the pool marks dead is killed if still running,
@@ -69,8 +69,9 @@ class Supervisor:
         if server is None:  # another job's engine: back when it answers
             if index not in self._waiting:
                 self._waiting.add(index)
+                why = self.pool.why.get(index, "stopped answering")
                 print(
-                    f"engine {client.base_url} stopped answering: waiting for it (rollout.engines.wait_s="
+                    f"engine {client.base_url} {why}: waiting for it (rollout.engines.wait_s="
                     f"{self.pool.wait_s:g} s with no engine serving stops the run)",
                     file=sys.stderr,
                     flush=True,
@@ -85,8 +86,9 @@ class Supervisor:
         attempt = self.failed_in_a_row[index] + 1
         code = server.process.poll() if server.process is not None else None
         how = f"exit code {code}" if code is not None else "still running"
+        why = self.pool.why.get(index, "stopped answering")
         print(
-            f"engine {server.url} stopped answering ({how}): restarting it (attempt {attempt} of "
+            f"engine {server.url} {why} ({how}): restarting it (attempt {attempt} of "
             f"{self.max_restarts}); it serves again once it has the current weights",
             file=sys.stderr,
             flush=True,

@@ -6,8 +6,11 @@ versions in the buffer as it arrives, and scores finished samples beside generat
 strategies (rollout/strategies.py) decide only when to send, when to stop and what to cut.
 
 Faults: a request that fails with EngineUnavailable marks its engine dead (engines/pool.py) and
-is resubmitted elsewhere. A request the engine answers with a failure (an abort carrying an
-error status) keeps what it generated and is sent again; the same sample failing
+is resubmitted elsewhere. One answered wrongly (BadAnswer: engines/client.py checks every answer
+on arrival, for tokens outside the vocabulary, log-probs above 0, routes of another shape...)
+retires its engine and is resubmitted the same way, nothing of the answer kept; the pool stops the
+run at its MAX_RETIRED-th retirement. A request the engine answers with a failure (an abort
+carrying an error status) keeps what it generated and is sent again; the same sample failing
 MAX_SAMPLE_FAILURES times in a row stops the rollout with its error (RolloutError), rather
 than resubmitting it for ever. A completion's tokens are recorded exactly once, by the one
 request that produced them, so no sample is lost or duplicated.
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bapo_megatron.common.protocol import Completion, SamplingParams
-from bapo_megatron.engines.client import EngineError, EngineUnavailable
+from bapo_megatron.engines.client import BadAnswer, EngineError, EngineUnavailable
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.errors import RunStopped
 from bapo_megatron.rewards.workers import RewardWorkers
@@ -227,6 +230,9 @@ class RolloutCore:
                     self._home[uid] = flight.engine
                     self._count_failure(uid, completion)
                     return completion
+                except BadAnswer as answer:
+                    self.pool.retire(flight.engine, answer)
+                    flight.engine = None
                 except EngineUnavailable:
                     self.pool.mark_dead(flight.engine)  # resubmitted elsewhere (or here, once it answers again)
                     flight.engine = None  # on no engine while it waits for one: a cut cancels it there

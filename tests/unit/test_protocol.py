@@ -32,6 +32,10 @@ def test_parser_reads_tokens_logprobs_and_versions():
         (lambda b: b["meta_info"]["output_token_logprobs"][1].__setitem__(0, None), "has no logprob"),
         (lambda b: b["meta_info"].update(weight_versions=[{"version": "1"}]), "weight_versions: bad span"),
         (lambda b: b.update(meta_info=[]), "meta_info: expected"),
+        # values no model answers (once kept: 5.0 read as token 5, a log-prob above 0 trained on)
+        (lambda b: b["output_ids"].__setitem__(0, 5.0), "output_ids: token id 5.0 is not an integer >= 0"),
+        (lambda b: b["meta_info"]["output_token_logprobs"][1].__setitem__(0, 0.5), "log-prob 0.5 is not a finite"),
+        (lambda b: b["meta_info"].update(prompt_tokens="3"), "prompt_tokens: expected an integer, got '3'"),
     ],
 )
 def test_malformed_responses_name_the_field(mutate, message):
