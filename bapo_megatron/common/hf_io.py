@@ -2,20 +2,23 @@
 
 Only safetensors are read: a checkpoint is never unpickled. Every problem names the file
 or tensor at fault before any expensive work is done with it; a shard outside the directory
-(named so by the index, or a symbolic link leading out) is refused before any is opened.
+(named so by the index, or a symbolic link leading out) is refused before any is opened. A
+directory whose config.json or tokenizer_config.json would have transformers import code from it
+(auto_map) is refused by name (refuse_remote_code_in); an export drops auto_map instead.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
-from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.model_spec import REMOTE_CODE, ModelSpec, refuse_remote_code
 from bapo_megatron.common.safetensors_stream import StreamingWriter, TensorEntry, plan_files
-from bapo_megatron.errors import inside
+from bapo_megatron.errors import BadInputError, inside
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -30,6 +33,38 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",  # transformers 5 saves a tokenizer's chat template here
 )
+
+
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
+"""The files of a model directory through which transformers would import code from it (auto_map)."""
+
+
+def read_json_object(file: Path) -> dict:
+    """A HF JSON file that must hold an object; BadInputError naming it otherwise."""
+    try:
+        value = json.loads(file.read_text())
+    except ValueError as err:  # UnicodeDecodeError included
+        raise BadInputError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise BadInputError(f"{file}: not a JSON object")
+    return value
+
+
+def refuse_remote_code_in(directory: str | Path) -> None:
+    """BadInputError naming the file when a model directory's config.json or tokenizer_config.json
+    asks transformers to import code from it: checked before transformers (or anything) reads it."""
+    for name in REMOTE_CODE_FILES:
+        if (Path(directory) / name).is_file():
+            refuse_remote_code(read_json_object(Path(directory) / name), Path(directory) / name)
+
+
+def without_remote_code(config: dict, source: str | Path) -> dict:
+    """`config` as an export writes it: without auto_map, with a warning naming `source` when it had one
+    (the export then loads with transformers' own classes, as the mapped models need)."""
+    if REMOTE_CODE not in config:
+        return config
+    warnings.warn(f"{source}: its {REMOTE_CODE} is left out of the export (code that is never run)", stacklevel=2)
+    return {k: v for k, v in config.items() if k != REMOTE_CODE}
 
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
@@ -93,6 +128,7 @@ class HFCheckpoint:
 
         self.dir = Path(directory)
         self.spec = ModelSpec.from_hf_dir(self.dir)
+        refuse_remote_code_in(self.dir)  # its tokenizer_config.json too: the engines and evaluate load it
         self.config = json.loads((self.dir / "config.json").read_text())
         self.files, paths = self._shard_map()
         self._handles = {}
@@ -179,8 +215,8 @@ def hf_writer(directory: Path, entries: list[TensorEntry], max_shard_bytes: int 
 def finish_hf_checkpoint(
     directory: Path, config: dict, template: Path | None, shards: StreamingWriter | None = None
 ) -> None:
-    """config.json, the template's tokenizer files and, for HF shards written (and closed) by
-    `shards` into several files, the index."""
+    """config.json, the template's tokenizer files (tokenizer_config.json without auto_map) and, for HF
+    shards written (and closed) by `shards` into several files, the index."""
     if shards is not None and len(set(shards.weight_map.values())) > 1:
         (directory / INDEX).write_text(
             json.dumps({"metadata": {"total_size": shards.total_bytes}, "weight_map": shards.weight_map}, indent=2)
@@ -188,5 +224,10 @@ def finish_hf_checkpoint(
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if template is not None:
         for name in TOKENIZER_FILES:
-            if (template / name).is_file():
-                shutil.copy2(template / name, directory / name)
+            source = template / name
+            if not source.is_file():
+                continue
+            if name == "tokenizer_config.json" and REMOTE_CODE in (settings := read_json_object(source)):
+                (directory / name).write_text(json.dumps(without_remote_code(settings, source), indent=2))
+            else:
+                shutil.copy2(source, directory / name)

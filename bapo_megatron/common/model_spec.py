@@ -5,7 +5,8 @@ Qwen2 / Qwen2.5 (Qwen2ForCausalLM), Llama 3 (LlamaForCausalLM), Qwen3 (Qwen3ForC
 RMSNorm over each head, head_dim of its own) and Qwen3-MoE (Qwen3MoeForCausalLM: routed experts,
 no shared expert) are mapped; anything else, and any feature of theirs not mapped (shared
 experts, sliding windows, a RoPE scaling other than Llama 3.1's, biases beyond q/k/v), is a clear
-error naming it before any model is built.
+error naming it before any model is built. So is a config that would have transformers import code
+from the model's directory (refuse_remote_code): nothing of a received directory is ever run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from bapo_megatron.errors import ConfigError, check
+from bapo_megatron.errors import BadInputError, ConfigError, check
 
 ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
@@ -25,6 +26,65 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 Architecture = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
+"""Each also the model_type transformers builds that architecture for."""
+REMOTE_CODE = "auto_map"
+"""The key of a HF config (config.json, tokenizer_config.json) that names Python files of its own
+directory for transformers to import."""
+HF_FIELDS = {
+    "architecture": "architectures",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "ffn_hidden_size": "intermediate_size",
+    "qkv_bias": "architectures",
+    "qk_norm": "architectures",
+    "tie_embeddings": "tie_word_embeddings",
+    "rope_scaling_factor": "rope_scaling.factor",
+    "moe": "num_experts",
+    "moe.num_experts": "num_experts",
+    "moe.top_k": "num_experts_per_tok",
+    "moe.ffn_hidden_size": "moe_intermediate_size",
+    "moe.sparse_layers": "mlp_only_layers",
+}
+"""ModelSpec fields by the config.json key that sets them (the others have the same name)."""
+
+
+def refuse_remote_code(config: object, source: str | Path) -> None:
+    """BadInputError naming `source` when a HF config file (a model's config.json, a checkpoint's
+    hf_config.json, tokenizer_config.json) has an auto_map: transformers would import the Python
+    files it names from the directory (after a [y/N] question on a terminal). The mapped models
+    need no such code, and a received directory's code is never run."""
+    if isinstance(config, dict) and REMOTE_CODE in config:
+        raise BadInputError(
+            f"{source}: its {REMOTE_CODE} names code of the model's directory for transformers to import "
+            f"({_shown(config[REMOTE_CODE])}); refusing it: the mapped models need none (remove {REMOTE_CODE})"
+        )
+
+
+def _shown(value: object, limit: int = 120) -> str:
+    text = json.dumps(value) if isinstance(value, dict | list | str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def spec_fields(spec: ModelSpec) -> dict[str, object]:
+    """The spec's fields, dotted (moe.top_k) and as JSON holds them (tuples as lists): a run.json's
+    model.* entries are these."""
+
+    def flat(value: object, prefix: str) -> dict[str, object]:
+        if not isinstance(value, dict):
+            return {prefix: value}
+        return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}.{key}").items()}
+
+    return {k.removeprefix("."): v for k, v in flat(json.loads(json.dumps(asdict(spec))), "").items()}
+
+
+def first_difference(ours: dict[str, object], theirs: dict[str, object]) -> tuple[str, object, object] | None:
+    """(config.json key, our value, their value) of the first field two spec_fields (or a run.json's
+    model.* entries) both hold and disagree on; None when they agree."""
+    for key in ours:
+        if key in theirs and ours[key] != theirs[key]:
+            return HF_FIELDS.get(key, key), ours[key], theirs[key]
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,13 +169,19 @@ class ModelSpec:
         return self.num_kv_heads
 
     @classmethod
-    def from_hf_config(cls, hf: dict) -> ModelSpec:
-        """Parse a config.json mapping; ConfigError for architectures or features we do not map."""
+    def from_hf_config(cls, hf: dict, source: str | Path = "config.json") -> ModelSpec:
+        """Parse a config.json mapping read from `source`; ConfigError for architectures or features we
+        do not map, BadInputError naming `source` for one that would run code of its directory."""
+        refuse_remote_code(hf, source)
         archs = hf.get("architectures") or []
         known = [a for a in archs if a in ARCHITECTURES]
         if not known:
             raise ConfigError("architectures", archs, f"not mapped; supported: {sorted(ARCHITECTURES)}")
         arch = ARCHITECTURES[known[0]]
+        if hf.get("model_type") != arch:  # transformers builds the class of model_type, not of architectures
+            raise BadInputError(
+                f"{source}: model_type {hf.get('model_type')!r} is not {arch!r}, the model type of {known[0]}"
+            )
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             if key not in hf:
                 raise ConfigError(key, None, "missing from config.json")
@@ -153,7 +219,7 @@ class ModelSpec:
             hf = json.loads(file.read_text())
         except json.JSONDecodeError as err:
             raise ConfigError("model.hf_path", str(file), f"config.json is not valid JSON ({err})") from None
-        return cls.from_hf_config(hf)
+        return cls.from_hf_config(hf, file)
 
     def to_hf_config(self) -> dict:
         """A config.json for this spec that transformers loads (used by tests and conversion)."""
@@ -318,6 +384,11 @@ def check_layout(
 ) -> None:
     """ConfigError unless the model splits evenly over this tensor/pipeline/expert layout (and, for
     training, sequence_parallel not None: a MoE model at TP > 1 trains only with sequence parallel)."""
+    for field, size in (("parallel.tensor", tensor), ("parallel.pipeline", pipeline), ("parallel.expert", expert)):
+        check(size >= 1, field, size, "must be >= 1")
+    check(
+        virtual_pipeline is None or virtual_pipeline >= 1, "parallel.virtual_pipeline", virtual_pipeline, "must be >= 1"
+    )
     if spec.moe is not None and sequence_parallel is not None:
         check(
             tensor == 1 or sequence_parallel,

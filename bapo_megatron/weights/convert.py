@@ -5,7 +5,11 @@ building anything, runs as a world of one process, and writes its output through
 temporary directory renamed into place when complete. A Megatron checkpoint keeps its
 model's HF config beside it (hf_config.json) with the tokenizer files of the HF directory it came
 from (the converted one, or the run's model.hf_path), so mcore-to-hf needs no template; a template
-(an override) gives the config and tokenizer files instead, its config checked against the tensors.
+(an override) gives the config and tokenizer files instead, its config checked against the tensors
+and against the model the checkpoint records (its hf_config.json, its run.json): top-k and the
+vocabulary inside its padding show in no tensor. Nothing in a model directory or a checkpoint is run:
+a config asking transformers to import code from its directory (auto_map) is refused on the way in and
+left out of an export.
 """
 
 from __future__ import annotations
@@ -156,32 +160,7 @@ def mcore_to_hf(
     source = McoreCheckpoint(weights_dir(mcore_dir), template)  # memory-mapped; no process group needed
     tokenizer = template if template is not None else _carried_tokenizer(source.dir)
     dtype = dtype or config_dtype(source.config)
-    spec, torch_dtype = source.spec, DTYPES[dtype]
-    if sglang_tp is None:
-
-        def layout(tmp: Path) -> list[StreamingWriter]:
-            return [hf_writer(tmp, hf_entries(spec, torch_dtype), max_shard_bytes)]
-
-        def split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-            return [group]
-    else:
-        sglang_shards.check_sglang_tp(spec, sglang_tp)
-        entries = sglang_shards.rank_entries(spec, sglang_tp, torch_dtype)
-
-        def layout(tmp: Path) -> list[StreamingWriter]:
-            return [
-                StreamingWriter(
-                    tmp,
-                    plan_files(
-                        entries, max_shard_bytes, lambda i, n, r=r: sglang_shards.PATTERN.format(rank=r, part=i)
-                    ),
-                )
-                for r in range(sglang_tp)
-            ]
-
-        def split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-            return [sglang_shards.rank_tensors(spec, group, sglang_tp, r) for r in range(sglang_tp)]
-
+    layout, split = _output_layout(source.spec, DTYPES[dtype], sglang_tp, max_shard_bytes)
     from bapo_megatron.trainer.dist_ckpt import SPACE_MARGIN, check_free_space
 
     with atomic_directory(out) as tmp:
@@ -202,6 +181,36 @@ def mcore_to_hf(
     return Path(out)
 
 
+def _output_layout(spec: ModelSpec, torch_dtype: torch.dtype, sglang_tp: int | None, max_shard_bytes: int):
+    """(the writers of the output files in a directory, a group of HF tensors -> each writer's part):
+    HF shards, or with sglang_tp each SGLang rank's files."""
+    if sglang_tp is None:
+
+        def layout(tmp: Path) -> list[StreamingWriter]:
+            return [hf_writer(tmp, hf_entries(spec, torch_dtype), max_shard_bytes)]
+
+        def split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+            return [group]
+
+        return layout, split
+    sglang_shards.check_sglang_tp(spec, sglang_tp)
+    entries = sglang_shards.rank_entries(spec, sglang_tp, torch_dtype)
+
+    def sglang_layout(tmp: Path) -> list[StreamingWriter]:
+        return [
+            StreamingWriter(
+                tmp,
+                plan_files(entries, max_shard_bytes, lambda i, n, r=r: sglang_shards.PATTERN.format(rank=r, part=i)),
+            )
+            for r in range(sglang_tp)
+        ]
+
+    def sglang_split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        return [sglang_shards.rank_tensors(spec, group, sglang_tp, r) for r in range(sglang_tp)]
+
+    return sglang_layout, sglang_split
+
+
 def _carried_tokenizer(directory: Path) -> Path:
     """A checkpoint directory as the source of the tokenizer files it carries (checksummed with it,
     verified by McoreCheckpoint); one that is a link out of it is refused before anything is copied."""
@@ -211,7 +220,9 @@ def _carried_tokenizer(directory: Path) -> Path:
     return directory
 
 
-def verify(hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int = 2, seq: int = 32) -> dict[str, float]:
+def verify_conversion(
+    hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int = 2, seq: int = 32
+) -> dict[str, float]:
     """Logits of the HF model (transformers, on the CPU) and the Megatron checkpoint (on the GPU
     where there is one, in float32 without TF32) on random token ids."""
     import transformers
@@ -223,7 +234,9 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int 
 
     load_model([model], mcore_dir)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float32, trust_remote_code=False
+    ).eval()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(hf.spec.vocab_size, (batch, seq), generator=g)
     positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)

@@ -10,7 +10,11 @@ the expert-parallel size that saved it. Norms are stored under Transformer Engin
 whatever layer spec saved them, a MoE layer's pre-MLP norm included. Asking for one layer's (one
 expert's) slice reads just that slice, so a conversion holds one layer's dense part, or one
 expert, at a time. Works on checkpoints written by the converter and by the trainer (their model
-keys are the same; optimizer keys are ignored), saved at any TP/PP/EP.
+keys are the same; optimizer keys are ignored), saved at any TP/PP/EP. The model's shape is the
+checkpoint's: a config (the carried hf_config.json, or a template) is checked against the tensors
+(layers, hidden size, a separate output layer, the embedding's rows) and against what the checkpoint
+records of its model (hf_config.json, run.json), since top-k and the vocabulary inside its padding
+show in no tensor; a disagreement is refused naming the field and both values.
 
 Writing goes through dist_checkpointing.save with StreamingSaveStrategy: the sharded state
 dict is a model's, built on the meta device (so the keys, shards and objects are exactly
@@ -20,7 +24,6 @@ Megatron's), and each tensor is made when the writer reaches it.
 from __future__ import annotations
 
 import io
-import json
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -34,10 +37,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.common.hf_io import read_json_object, without_remote_code
+from bapo_megatron.common.model_spec import REMOTE_CODE, ModelSpec, first_difference, spec_fields
 from bapo_megatron.errors import inside
-from bapo_megatron.trainer.checkpoint import HF_CONFIG
-from bapo_megatron.trainer.integrity import verify
+from bapo_megatron.trainer.checkpoint import HF_CONFIG, RUN_RECORD, run_record
+from bapo_megatron.trainer.integrity import verify_integrity
 from bapo_megatron.weights.layout import expert_names, megatron_layer_to_hf
 from bapo_megatron.weights.stored_chunks import StoredChunks
 
@@ -78,10 +82,11 @@ def layer_shapes(spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_hf_config(directory: Path, template: Path | None = None) -> dict:
-    """The HF config.json of a Megatron checkpoint's model: the template's when one is given (an
-    override, checked against the tensors as any config is), else the checkpoint's hf_config.json
-    (the converter's and the trainer's step directories carry one)."""
+def read_hf_config(directory: Path, template: Path | None = None) -> tuple[dict, Path]:
+    """The HF config.json of a Megatron checkpoint's model, as an export writes it (auto_map left out),
+    and the file it came from: the template's when one is given (an override, checked against the
+    checkpoint's tensors and records), else the checkpoint's hf_config.json (the converter's and the
+    trainer's step directories carry one)."""
     if template is not None:
         source = template / "config.json"
     elif (directory / HF_CONFIG).exists() or (directory / HF_CONFIG).is_symlink():
@@ -90,13 +95,23 @@ def read_hf_config(directory: Path, template: Path | None = None) -> dict:
         raise ValueError(f"{directory}: no {HF_CONFIG}; pass --hf-template DIR with the model's config.json")
     if not source.is_file():
         raise ValueError(f"{source}: no such file")
-    try:
-        config = json.loads(source.read_text())
-    except ValueError as err:  # UnicodeDecodeError included
-        raise ValueError(f"{source}: not a JSON config ({err})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{source}: not a JSON object")
-    return config
+    return without_remote_code(read_json_object(source), source), source
+
+
+def recorded_models(directory: Path) -> list[tuple[Path, dict[str, object]]]:
+    """What a checkpoint itself says its model is, as spec_fields: its hf_config.json (when it carries
+    one) and its run.json's model.* entries (a trainer's step directory); the fields tensors cannot
+    show (top-k, the vocabulary inside its padding, head sizes) come only from these."""
+    found = []
+    if (directory / HF_CONFIG).exists() or (directory / HF_CONFIG).is_symlink():
+        source = inside(directory, HF_CONFIG, directory)
+        config = {k: v for k, v in read_json_object(source).items() if k != REMOTE_CODE}  # compared, not run
+        found.append((source, spec_fields(ModelSpec.from_hf_config(config, source))))
+    run = run_record(directory)
+    if run is not None and isinstance(run.get("config"), dict):
+        model = {k.removeprefix("model."): v for k, v in run["config"].items() if k.startswith("model.")}
+        found.append((directory / RUN_RECORD, model))
+    return found
 
 
 @dataclass(frozen=True)
@@ -124,16 +139,61 @@ class McoreCheckpoint:
                 f"{self.dir}: not a complete Megatron dist checkpoint (no metadata.json), nor a run's "
                 "checkpoint.dir (no complete step_NNNNNNNN in it)"
             )
-        self.config = read_hf_config(self.dir, Path(template) if template else None)
-        self.spec = ModelSpec.from_hf_config(self.config)
-        metadata = verify(self.dir)  # files present, whole, and as written; .metadata read without running code
+        self.config, self.source = read_hf_config(self.dir, Path(template) if template else None)
+        self.spec = ModelSpec.from_hf_config(self.config, self.source)
+        self._check_records()
+        # files present, whole, and as written; .metadata read without running code
+        metadata = verify_integrity(self.dir)
         self.meta = {
             k: (tuple(m.size), m.properties.dtype)
             for k, m in metadata.state_dict_metadata.items()
             if hasattr(m, "size")
         }
         self._chunks = StoredChunks(self.dir, metadata)
+        self._check_model_shape()
         self._check()
+
+    def _check_records(self) -> None:
+        """The config in use (a template's, or the carried one) describes the model the checkpoint
+        records: every field, top-k and the vocabulary size included, as its hf_config.json and its
+        run.json state them; an export routing top-3 on a top-2 model, or cutting the vocabulary, is
+        refused naming the field."""
+        ours = spec_fields(self.spec)
+        for file, theirs in recorded_models(self.dir):
+            found = first_difference(ours, theirs)
+            if found is not None and file != self.source:
+                field, mine, recorded = found
+                raise ValueError(
+                    f"{self.source}: {field}={mine!r}, but the checkpoint's {file.name} says {recorded!r} ({file})"
+                )
+
+    def _check_model_shape(self) -> None:
+        """The config's shape against what the tensors show, by field: hidden size, layer count, a
+        separate output layer, a vocabulary that fits the embedding's (padded) rows."""
+        spec, rows = self.spec, self.meta.get(EMBEDDING, ((0,),))[0][0]
+        shown = [("num_hidden_layers", spec.num_layers, self._stored_layers())]
+        if FINAL_NORM in self.meta:
+            shown.append(("hidden_size", spec.hidden_size, self.meta[FINAL_NORM][0][0]))
+        shown.append(("tie_word_embeddings", spec.tie_embeddings, OUTPUT not in self.meta))
+        for field, mine, stored in shown:
+            if mine != stored:
+                raise ValueError(
+                    f"{self.source}: {field}={mine!r}, but the checkpoint's tensors say {stored!r} ({self.dir})"
+                )
+        if spec.vocab_size > rows:
+            raise ValueError(
+                f"{self.source}: vocab_size={spec.vocab_size}, but the checkpoint's embedding holds {rows} rows "
+                f"({self.dir})"
+            )
+
+    def _stored_layers(self) -> int:
+        """The decoder layers the tensors hold: a stacked key's leading axis, or the layers' own keys."""
+        count = 0
+        for key, (shape, _) in self.meta.items():
+            if key.startswith("decoder.layers."):
+                head = key.split(".")[2]
+                count = max(count, int(head) + 1 if head.isdigit() else shape[0])
+        return count
 
     def _stored(self, layer: int, suffix: str) -> Read:
         """Where layer `layer`'s `suffix` is: a key of its own (MoE models) or a slice of the stacked key

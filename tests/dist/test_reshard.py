@@ -102,7 +102,7 @@ def test_trainer_checkpoint_to_hf_bitwise(saved, tmp_path):
 
 def _expected_rank(original: dict, rank: int, tp: int, kv_heads: int, head_dim: int, heads: int, vocab: int):
     """Rank `rank`'s tensors for layer 0 and the embedding, cut directly from the HF tensors."""
-    from bapo_megatron.weights.sglang_shards import padded_vocab
+    from bapo_megatron.weights.sglang_shards import sglang_padded_vocab
 
     q = original["model.layers.0.self_attn.q_proj.weight"]
     k, v = original["model.layers.0.self_attn.k_proj.weight"], original["model.layers.0.self_attn.v_proj.weight"]
@@ -112,7 +112,7 @@ def _expected_rank(original: dict, rank: int, tp: int, kv_heads: int, head_dim: 
     )
     kv_rows = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in kv_head])
     qkv = torch.cat([q[rank * q_rows : (rank + 1) * q_rows], k[kv_rows], v[kv_rows]])
-    per = padded_vocab(vocab, tp) // tp
+    per = sglang_padded_vocab(vocab, tp) // tp
     embed = torch.zeros(per, q.shape[1])
     part = original["model.embed_tokens.weight"][rank * per : (rank + 1) * per]
     embed[: part.shape[0]] = part
@@ -220,7 +220,7 @@ def test_reshard_bad_input(saved, tmp_path, capsys):
         == 2
     )
     err = capsys.readouterr().err
-    assert "layer_norm_weight has shape (4, 64), the model's config implies (6, 64)" in err, err
+    assert "num_hidden_layers=6, but the checkpoint's tensors say 4" in err, err
     assert not (tmp_path / "c").exists()
     assert reshard.main(["--mcore", str(root / "trained"), "--out", str(root / NAME), *args]) == 2
     assert "exists already" in capsys.readouterr().err
@@ -354,7 +354,7 @@ def test_moe_bad_input_is_named_before_writing(moe_saved, tmp_path, capsys):
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "num_experts": 8, "num_local_experts": 8}))
     err = fails(root / "run", other, "a")
-    assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight holds 4 experts, the model's config says " in err
+    assert "num_experts=8, but the checkpoint's hf_config.json says 4" in err  # the run records its model
 
     def copy(name: str) -> tuple[Path, object]:  # another tool's checkpoint: no checksums to catch the damage
         step = shutil.copytree(root / "run" / "step_00000001", tmp_path / name)

@@ -69,6 +69,28 @@ def test_layouts_that_cannot_split():
     # The translation refuses them too, before building anything.
     with pytest.raises(ConfigError, match=r"query groups"):
         transformer_config(spec, ModelConfig(), ParallelConfig(tensor=4))
+    # Sizes below one (the converter's --ep 0 was a ZeroDivisionError) name their field.
+    for field, sizes in (("tensor", (0, 1, 1)), ("pipeline", (1, 0, 1)), ("expert", (1, 1, 0))):
+        with pytest.raises(ConfigError, match=rf"parallel.{field}=0: must be >= 1"):
+            check_layout(tiny_spec("qwen3_moe"), tensor=sizes[0], pipeline=sizes[1], expert=sizes[2])
+    with pytest.raises(ConfigError, match=r"parallel.virtual_pipeline=0: must be >= 1"):
+        check_layout(spec, tensor=1, pipeline=1, virtual_pipeline=0)
+
+
+def test_spec_fields_name_differences_by_their_config_json_key():
+    """What mcore-to-hf compares a template with a checkpoint's own records by (hf_config.json, run.json)."""
+    import dataclasses
+
+    from bapo_megatron.common.model_spec import first_difference, spec_fields
+
+    moe = tiny_spec("qwen3_moe")
+    fields = spec_fields(moe)
+    assert fields["moe.top_k"] == 2 and fields["moe.sparse_layers"] == [1, 2, 3]  # as run.json holds them
+    assert first_difference(fields, spec_fields(moe)) is None
+    top3 = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, top_k=3))
+    assert first_difference(spec_fields(top3), fields) == ("num_experts_per_tok", 3, 2)
+    assert first_difference({"vocab_size": 249}, fields) == ("vocab_size", 249, 250)
+    assert first_difference({"a_field_of_a_later_version": 1}, fields) is None  # only fields both hold
 
 
 def test_vocab_padding():
@@ -144,7 +166,7 @@ def test_blockwise_fp8_needs_hopper_and_cuda_12_9():
 
 
 def test_context_parallel_is_refused_until_it_splits_sequences():
-    from bapo_megatron.trainer.fit import fit_to_gpu
+    from bapo_megatron.trainer.memory.fit import fit_to_gpu
 
     cfg = load_config(None, ["parallel.context=2"])  # refused where the model is known (its message has a figure)
     with pytest.raises(ConfigError, match=r"parallel.context=2: context parallel is not supported"):
