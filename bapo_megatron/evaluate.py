@@ -8,11 +8,11 @@ Megatron): greedy accuracy, avg@k and pass@k, read and scored as the loop reads 
 The records go through the loop's readers (bapo_megatron/data/): jsonl, JSON or parquet (through
 the Arrow cache), a file, a directory of shards or a glob, with the run's field map
 (data.prompt_field, data.answer_field), chat template and system prompt; the reward is the run's
-reward section (reward.function, reward.by routes, the overlong penalty). --config takes a run's
-config (its config.yaml, or the YAML it was started with) and key=value overrides as bapo-train
-does; without it the config's defaults apply. Flags override the config. MODEL_DIR without a
-tokenizer borrows the config's model.hf_path's; prompts of token ids need none (the reward then
-sees the ids and empty text, as in the loop).
+reward section (reward.function, reward.by with reward.table, the overlong penalty). --config
+takes a run's config (its config.yaml, or the YAML it was started with) and key=value overrides
+as bapo-train does; without it the config's defaults apply. Flags override the config. MODEL_DIR
+without a tokenizer borrows the config's model.hf_path's; prompts of token ids need none (the
+reward then sees the ids and empty text, as in the loop).
 
 The same figures as the loop's eval/*, computed independently: this is the check that the
 exported checkpoint is the trained policy.
@@ -64,7 +64,10 @@ def evaluate_hf(
     load_reward(reward)
     records = _read(model, path, field, data or DataConfig(), max_new_tokens, max_prompts, reward)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    net = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    net = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, trust_remote_code=False
+    )
+    net = net.to(device).eval()
     generator = torch.Generator(device=device).manual_seed(seed)
     ends = torch.tensor(sorted(model.ends) or [-1], device=device)
 
@@ -314,7 +317,7 @@ def _settings(args: argparse.Namespace) -> dict:
         raise ValueError(f"give HELDOUT, or a config with eval.path{f' (its eval.sets: {sets})' if sets else ''}")
     new = cfg.rollout.sampling.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     r = cfg.reward
-    reward = args.reward or reward_spec(r.function, r.by, r.routes, r.overlong_buffer, r.overlong_penalty_factor, new)
+    reward = args.reward or reward_spec(r.function, r.by, r.table, r.overlong_buffer, r.overlong_penalty_factor, new)
     return {
         "path": path,
         "field": field,
@@ -338,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = settings.pop("run_dir")
         # transformers' known notices off the console: in the run's warnings.log, as the run keeps
         # them (without a run, dropped: flush(None))
-        quiet.install()
+        quiet.hold_known_warnings()
         shown = {k: v for k, v in settings.items() if k not in ("data", "tokenizer_dir")}
         print(f"evaluate {args.model_dir}: {json.dumps(shown)}", file=sys.stderr, flush=True)
         result = evaluate_hf(args.model_dir, **settings)

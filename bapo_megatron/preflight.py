@@ -22,7 +22,7 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int, machine: bool = T
     """The layout against the model and the world, the batch against the data-parallel ranks, a
     sample against the micro-batch, the precision against this machine (machine=False: not, for a
     dry run planning another machine), and what the job's sources need; of a job fitted to its GPUs
-    first (trainer/fit.py: parallel.recompute=auto resolved, context parallel refused). The run and
+    first (trainer/memory/fit.py: parallel.recompute=auto resolved, context parallel refused). The run and
     the dry run both call it: what one refuses the other refuses."""
     from bapo_megatron.trainer.megatron_config import check_precision_support, recompute_settings
 
@@ -101,10 +101,10 @@ def check_starting_weights(cfg: JobConfig) -> bool:
     checked before any model is built. A config without weights: random ones, loudly."""
     from bapo_megatron.common.hf_io import HFCheckpoint
     from bapo_megatron.trainer.checkpoint import weights_dir
-    from bapo_megatron.trainer.integrity import verify
+    from bapo_megatron.trainer.integrity import verify_integrity
 
     if cfg.model.mcore_path:
-        verify(weights_dir(cfg.model.mcore_path), check_contents=False)
+        verify_integrity(weights_dir(cfg.model.mcore_path), check_contents=False)
         return False
     if not cfg.model.hf_path:
         return False

@@ -17,13 +17,21 @@ writes train.parquet and test.parquet in verl's gsm8k layout (data_source, promp
 messages, ability, reward_model {style, ground_truth}, extra_info) over one-digit sums
 ("3+4=", ground truth "7", answered "#### 7"), and model/: the tiny Qwen2 with the chat
 tokenizer (the characters above, " ", "#", role markers and "#### " as tokens, a chat template).
+
+The output directory is new or empty (--force replaces one that is not): it is written whole, in
+a directory beside it renamed to it at the end, or not at all; counts, paths and the disk's
+errors are one `error:` line naming them (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
+import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +51,8 @@ class Task:
     max_new_tokens: int = 6
     """rollout.sampling.max_new_tokens for the task (the demo's): room for the longest answer and,
     where the task is about ending, for running past it."""
+    prompts: int | None = None
+    """How many distinct prompts `make` can draw (None: not known); at most half are held out."""
 
 
 def _addition(digits: int) -> Callable[[random.Random], tuple[str, str]]:
@@ -71,8 +81,8 @@ def _repeat(longest_pattern: int, most_times: int) -> Callable[[random.Random], 
 
 
 TASKS = {
-    "addition": Task("addition", _addition(3), 4, "3-digit addition, zero-padded: '123+045=' -> '0168'"),
-    "sort": Task("sort", _sort(6), 6, "sort 6 digits: 's315024=' -> '012345'"),
+    "addition": Task("addition", _addition(3), 4, "3-digit addition, zero-padded: '123+045=' -> '0168'", prompts=10**6),
+    "sort": Task("sort", _sort(6), 6, "sort 6 digits: 's315024=' -> '012345'", prompts=10**6),
     "repeat": Task(
         "repeat",
         _repeat(3, 6),
@@ -81,6 +91,7 @@ TASKS = {
         "that the model must end itself: a response that does not stop runs on to rollout.sampling."
         "max_new_tokens and scores 0, so wrong responses run longer than right ones, as in reasoning",
         max_new_tokens=24,
+        prompts=(10 + 100 + 1000) * 6,
     ),
 }
 
@@ -96,9 +107,24 @@ VERL_TASK = Task(
     2,
     "one-digit sums in verl's gsm8k layout: '3+4=' with ground truth '7', answered '#### 7' (reward gsm8k)",
     max_new_tokens=4,
+    prompts=100,
 )
 """The verl-layout data set's problems (100 prompts in all): a random model writes the answer mark
 and a right sum in about one response of 200, enough for the first groups with a reward."""
+
+
+def check_counts(task: Task, train: int, heldout: int) -> None:
+    """ValueError naming the count: `train` and `heldout` at least 1, `heldout` at most half of the
+    task's distinct prompts (the rest are drawn for training; near all of them, the draws of
+    distinct held-out prompts would run on)."""
+    for name, count in (("train", train), ("heldout", heldout)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name}={count!r}: must be a whole number of prompts, at least 1")
+    if task.prompts is not None and heldout > task.prompts // 2:
+        raise ValueError(
+            f"heldout={heldout}: task {task.name} has {task.prompts} distinct prompts, and at most half of them "
+            f"({task.prompts // 2}) are held out: the rest are what it trains on"
+        )
 
 
 def split(task: Task, train: int, heldout: int, seed: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -215,7 +241,7 @@ def write_model(directory: str | Path, seed: int = 0, architecture: str = "qwen2
     tokenizer = char_tokenizer(chat)
     config = transformers.AutoConfig.for_model(**MODELS[architecture](vocab_size=tokenizer.get_vocab_size()))
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     model.save_pretrained(directory)
     tokenizer.save(str(directory / "tokenizer.json"))
     settings = {"eos_token": "<eos>", "pad_token": "<pad>", "model_max_length": config.max_position_embeddings}
@@ -232,6 +258,7 @@ def write_task(
     returns their paths."""
     if name not in TASKS:
         raise ValueError(f"data.task={name!r}: expected one of {sorted(TASKS)}")
+    check_counts(TASKS[name], train, heldout)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pairs, held = split(TASKS[name], train, heldout, seed)
@@ -265,6 +292,7 @@ def write_verl_data(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    check_counts(VERL_TASK, train, heldout)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pairs, held = split(VERL_TASK, train, heldout, seed)
@@ -275,19 +303,111 @@ def write_verl_data(
     return paths
 
 
+def staged(out: str, force: bool, write: Callable[[Path], dict[str, Path]]) -> dict[str, Path]:
+    """write(directory) into a new directory beside `out`, renamed to `out` when it is done, so that
+    a failure leaves `out` as it was and nothing beside it. `out` must be new or an empty directory
+    (force: a non-empty one is replaced), never empty text nor something else; a symlink to a
+    directory is followed. ValueError naming the path for each, and for any OSError on the way."""
+    if not out.strip():
+        raise ValueError("the output directory is empty text: name one (it is made, with its parents)")
+    target = Path(os.path.abspath(out))  # "." too: the new directory goes beside it, not inside
+    if target.parent == target:
+        raise ValueError(f"{out}: the file system's root: name a directory under it")
+    try:
+        try:
+            os.stat(target)  # a symlink loop: ELOOP here, where Path.exists would say False
+        except FileNotFoundError:
+            if target.is_symlink():
+                raise ValueError(f"{out}: a symlink to nothing ({os.readlink(target)})") from None
+        if target.is_symlink():
+            target = Path(os.path.realpath(target))
+        if target.exists() and not target.is_dir():
+            raise ValueError(f"{out}: exists and is not a directory")
+        held = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
+        if held and not force:
+            shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+            raise ValueError(f"{out}: not empty ({shown}): name a new or empty directory, or replace it with --force")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fresh = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        fresh.chmod(0o777 & ~umask)  # mkdtemp's is private; the directory is the user's as mkdir makes it
+    except OSError as err:
+        raise ValueError(f"{out}: {_said(err, target)}") from None
+    try:
+        paths = write(fresh)
+        _swap(fresh, target, replace=bool(held))
+    except OSError as err:
+        raise ValueError(f"{out}: {_said(err, target)}; nothing was written") from None
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)  # gone already, renamed, unless the write failed
+    return {key: target / path.relative_to(fresh) for key, path in paths.items()}
+
+
+def _swap(fresh: Path, target: Path, replace: bool) -> None:
+    """`fresh` renamed to `target` (an empty directory there is replaced by the rename itself; a
+    full one, when `replace`, is set aside first and removed after)."""
+    if not replace:
+        os.rename(fresh, target)
+        return
+    aside = fresh.with_name(fresh.name + ".old")
+    os.rename(target, aside)
+    try:
+        os.rename(fresh, target)
+    except OSError:
+        os.rename(aside, target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _said(err: OSError, target: Path) -> str:
+    """An OSError as words, with the file it names when that is not `target` itself."""
+    what = err.strerror or str(err)
+    where = err.filename if err.filename and Path(err.filename) != target else None
+    return f"{what} ({where})" if where else what
+
+
+def _count(text: str) -> int:
+    """An argparse type: a whole number of prompts, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=[*sorted(TASKS), VERL_TASK.name])
-    parser.add_argument("out")
-    parser.add_argument("--train", type=int, help="training prompts (default 20000; verl-data 2000)")
-    parser.add_argument("--heldout", type=int, help="held-out prompts (default 1000; verl-data 20 of its 100)")
+    parser.add_argument("out", help="a new or empty directory (made with its parents); written whole or not at all")
+    parser.add_argument("--train", type=_count, help="training prompts (default 20000; verl-data 2000)")
+    parser.add_argument(
+        "--heldout",
+        type=_count,
+        help="held-out prompts, at most half of the task's distinct ones (default 1000; verl-data 20 of its 100)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--architecture", default="qwen2", choices=sorted(MODELS))
+    parser.add_argument("--force", action="store_true", help="replace OUT when it is a directory that is not empty")
     args = parser.parse_args(argv)
-    if args.task == VERL_TASK.name:
-        paths = write_verl_data(args.out, args.train or 2000, args.heldout or 20, args.seed, args.architecture)
-    else:
-        paths = write_task(args.task, args.out, args.train or 20000, args.heldout or 1000, args.seed, args.architecture)
+    verl = args.task == VERL_TASK.name
+    train = args.train if args.train is not None else 2000 if verl else 20000
+    heldout = args.heldout if args.heldout is not None else 20 if verl else 1000
+    try:
+        check_counts(VERL_TASK if verl else TASKS[args.task], train, heldout)  # before anything is made
+        if verl:
+            paths = staged(
+                args.out, args.force, lambda d: write_verl_data(d, train, heldout, args.seed, args.architecture)
+            )
+        else:
+            paths = staged(
+                args.out, args.force, lambda d: write_task(args.task, d, train, heldout, args.seed, args.architecture)
+            )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     for key, path in paths.items():
         print(f"{key}: {path}")
     return 0

@@ -14,6 +14,7 @@ import difflib
 import math
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,7 +59,7 @@ MOVED = {
     "rollout.sync_check_max_gap": "rollout.sync.check_max_gap",
     "data.reward": "reward.function",
     "data.reward_by": "reward.by",
-    "data.rewards": "reward.routes",
+    "data.rewards": "reward.table",
     "data.overlong_buffer": "reward.overlong_buffer",
     "data.overlong_penalty_factor": "reward.overlong_penalty_factor",
     "data.reward_workers": "reward.workers",
@@ -67,8 +68,22 @@ MOVED = {
     "data.reward_range": "reward.range",
     "data.max_reward_failure_share": "reward.max_failure_share",
     "data.reward_failure_steps": "reward.failure_steps",
+    "reward.routes": "reward.table",
 }
 """Fields of an earlier layout and where they are now: a config that still names one is told where."""
+STILL_READ = frozenset({"reward.routes"})
+"""MOVED fields read into their new place (in the same section), with a warning, not refused:
+every config.yaml a run saved before the rename names reward.routes (`evaluate --config` and a
+rerun read them)."""
+
+
+def _new_name(path: str, key: str) -> str | None:
+    """The field's name now when `path`.`key` is a STILL_READ one (with a FutureWarning), else None."""
+    dotted = f"{path}.{key}" if path else key
+    if dotted not in STILL_READ:
+        return None
+    warnings.warn(f"{dotted} is now called {MOVED[dotted]}: read as that", FutureWarning, stacklevel=3)
+    return MOVED[dotted].rpartition(".")[2]
 
 
 def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
@@ -171,6 +186,10 @@ def build(cls: type, data: Any, path: str = "") -> Any:
         base = {name: getattr(presets[preset], name) for name in names}
     kwargs = dict(base)
     for key, value in data.items():
+        if key not in names and (new := _new_name(path, key)) is not None:
+            if new in data:
+                raise ConfigError(f"{path}.{key}" if path else key, value, f"is {new}'s old name, and {new} is set too")
+            key = new
         if key not in names:
             raise _unknown_key(path, key, names + (["preset"] if presets else []))
         kwargs[key] = _coerce(value, hints[key], f"{path}.{key}" if path else key)
@@ -201,6 +220,10 @@ def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
         key = keys[i]
         names = [f.name for f in dataclasses.fields(node_cls)]
         allowed = names + (["preset"] if node_cls in SECTION_PRESETS else [])
+        if key not in allowed and (new := _new_name(path, key)) is not None:
+            if key in node and new not in node:  # the file's old name and the override's meet under the new one
+                node[new] = node.pop(key)
+            key = new
         if key not in allowed:
             raise _unknown_key(path, key, allowed)
         path = f"{path}.{key}" if path else key

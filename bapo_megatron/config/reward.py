@@ -16,14 +16,19 @@ class RewardConfig:
     """"math" (math-verify on the last \\boxed answer), "dapo" (the last "Answer:" line, +1 / -1),
     "gsm8k" (the number after the last "#### ", 1 / 0, as verl scores GSM8K; "gsm8k_flexible": the
     last number), "exact" (the text, stripped), "exact_ids", or a function of yours, "pkg.module:fn" or
-    "path/to/file.py:fn", called as fn(text, ids, record) -> float with data.answer_field's value
-    as record["answer"]. A call that fails scores 0 and is counted (rollout/reward_errors)."""
+    "path/to/file.py:fn", called the way its parameters say: fn(text, ids, record) -> float with
+    data.answer_field's value as record["answer"]; or, named as verl's are, as verl calls its
+    compute_score(data_source, solution_str, ground_truth, extra_info): the record's data_source, the
+    response text, data.answer_field's value, the record's extra_info; a number or {"score": ...}
+    back. Parameters that take neither call are an error before the first step. A call that fails
+    scores 0 and is counted (rollout/reward_errors)."""
     by: str | None = None
     """Pick each record's reward by this field (a dotted path; verl's data_source): its value names
-    the reward in `routes`, and `function` goes unused. A value without an entry is an error
+    the reward in `table`, and `function` goes unused. A value without an entry is an error
     before the first step."""
-    routes: dict[str, str] = field(default_factory=dict)
-    """by's map, value -> reward ({math_dapo: dapo, aime: math, mine: "path/to/file.py:fn"})."""
+    table: dict[str, str] = field(default_factory=dict)
+    """by's map, value -> reward ({math_dapo: dapo, aime: math, mine: "path/to/file.py:fn"});
+    formerly reward.routes, a name still read."""
     overlong_buffer: int | None = None
     """DAPO's overlong penalty, over any reward: a response longer than rollout.sampling.max_new_tokens
     minus this many tokens loses up to overlong_penalty_factor, linearly to the budget's end (None: off)."""
@@ -48,7 +53,7 @@ class RewardConfig:
     """Failing steps in a row (see max_failure_share) that stop the run."""
 
     def __post_init__(self) -> None:
-        check((self.by is not None) == bool(self.routes), "routes", self.routes, "goes with by (both or neither)")
+        check((self.by is not None) == bool(self.table), "table", self.table, "goes with by (both or neither)")
         if self.overlong_buffer is not None:
             check(self.overlong_buffer >= 1, "overlong_buffer", self.overlong_buffer, "must be >= 1")
         factor = self.overlong_penalty_factor

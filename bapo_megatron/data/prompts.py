@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from bapo_megatron.common.fields import MissingField, get_field, has_field
+from bapo_megatron.common.hf_io import refuse_remote_code_in
 from bapo_megatron.config import DataConfig
 from bapo_megatron.data.records import open_records
 from bapo_megatron.errors import BadInputError
@@ -43,6 +44,7 @@ def load_tokenizer(model_dir: str | Path | None):
     if model_dir is None:
         return None
     root = Path(model_dir)
+    refuse_remote_code_in(root)  # auto_map: code of the directory that transformers would import
     import transformers
 
     if (root / "tokenizer.json").is_file():
@@ -53,10 +55,31 @@ def load_tokenizer(model_dir: str | Path | None):
             kwargs["chat_template"] = extra["chat_template"]
         elif (root / "chat_template.jinja").is_file():
             kwargs["chat_template"] = (root / "chat_template.jinja").read_text()
-        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json"), **kwargs)
+        # name_or_path: the directory, as from_pretrained records it; template_file reads it for errors
+        return transformers.PreTrainedTokenizerFast(
+            tokenizer_file=str(root / "tokenizer.json"), name_or_path=str(root), **kwargs
+        )
     if (root / "tokenizer_config.json").is_file():  # a tokenizer of vocabulary files only
-        return transformers.AutoTokenizer.from_pretrained(str(root))
+        return transformers.AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
     return None
+
+
+def template_file(tokenizer) -> str:
+    """Where `tokenizer`'s chat template was read from, for errors: its model directory's
+    tokenizer_config.json (a chat_template in it) or chat_template.jinja, as load_tokenizer reads
+    them; else the tokenizer's name."""
+    name = str(getattr(tokenizer, "name_or_path", "") or "")
+    root = Path(name)
+    if name and root.is_dir():
+        config = root / "tokenizer_config.json"
+        try:
+            if isinstance(json.loads(config.read_text()).get("chat_template"), str):
+                return str(config)
+        except (OSError, ValueError, AttributeError):
+            pass
+        if (root / "chat_template.jinja").is_file():
+            return str(root / "chat_template.jinja")
+    return f"the chat template of tokenizer {name!r}" if name else "the tokenizer's chat template"
 
 
 @dataclass(frozen=True)
@@ -124,9 +147,16 @@ class Renderer:
                 "or chat_template.jinja), and there is none: set model.hf_path to a model directory that has one "
                 "(`python -m bapo_megatron.tasks verl-data DIR` writes a tiny one, DIR/model)"
             )
-        # the template writes any special tokens itself: encoded as they are
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self._text(text)
+        try:  # the model directory's template: a syntax error, its raise_exception(...), the sandbox's refusal
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as err:
+            said = " ".join(str(err).split())
+            line = f" (line {err.lineno})" if getattr(err, "lineno", None) else ""
+            raise ValueError(
+                f"the chat template ({template_file(self.tokenizer)}) does not render its messages: "
+                f"{type(err).__name__}{line}: {said}"
+            ) from None
+        return self._text(text)  # the template wrote any special tokens itself: encoded as they are
 
 
 def _kind(value: Any) -> str:

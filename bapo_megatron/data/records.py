@@ -60,7 +60,7 @@ def data_files(path: str, fmt: str, field: str = "data.path") -> list[tuple[Path
         if fmt != "auto":
             files = [p for p in files if SUFFIXES[p.suffix] == fmt or (fmt == "json" and p.suffix == ".jsonl")]
         if not files:
-            raise ValueError(f"{field}={path}: a directory with no {fmt if fmt != 'auto' else ''} data files")
+            raise ValueError(f"{field}={path}: a directory with no {'' if fmt == 'auto' else fmt + ' '}data files")
     elif Path(path).is_file():
         files = [Path(path)]
     else:

@@ -8,10 +8,13 @@ else -1); "gsm8k" is GSM8K's "#### answer" convention as verl scores it (1 for t
 after the last "####", else 0; "gsm8k_flexible": the last number anywhere); "exact"
 ("exact_text") compares the text, "exact_ids" the tokens. Any other name is a
 user function: "pkg.module:fn" (imported) or "path/to/file.py:fn" (loaded from the file),
-resolved once per process (`load_reward`).
+resolved once per process (`load_reward`) and called the way its parameters say
+(`called_as_declared`): fn(text, ids, record), or, with verl's parameter names (data_source,
+solution_str, ground_truth, extra_info), as verl calls its compute_score (VerlReward); one whose
+parameters take neither call is refused there, before the first step.
 
 A run's reward may be composite (`reward_spec`): routed by a record field (reward.by and
-reward.routes, verl's data_source), and/or shaped by DAPO's overlong penalty (reward.overlong_buffer):
+reward.table, verl's data_source), and/or shaped by DAPO's overlong penalty (reward.overlong_buffer):
 its spec is a JSON text that travels to the workers as a name does.
 Scoring runs in worker processes (workers.py), each call bounded in time and memory;
 math-verify also bounds its own stages with SIGALRM, which works only in a main thread, as each
@@ -20,9 +23,11 @@ worker's call is.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import re
@@ -198,7 +203,7 @@ class Composite:
 
         value = get_field(meta, self.by)
         if str(value) not in self.table:
-            raise ValueError(f"{self.by}={value!r} has no reward in reward.routes ({', '.join(sorted(self.table))})")
+            raise ValueError(f"{self.by}={value!r} has no reward in reward.table ({', '.join(sorted(self.table))})")
         return self.table[str(value)]
 
     def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> float:
@@ -238,7 +243,91 @@ def load_reward(name: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward {name!r}: {where} has no function {attr!r}")
-    return fn
+    return called_as_declared(fn, name)
+
+
+VERL_CALL = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""The keywords verl's reward manager calls compute_score with (verl 0.9.1, experimental/
+reward_loop/reward_manager/naive.py; the legacy workers/reward_manager/naive.py too)."""
+VERL_TURNS = 2
+"""extra_info["num_turns"] of a single-turn sample in verl 0.9.1 (its single-turn agent loop's:
+the prompt and the response)."""
+
+
+class VerlReward:
+    """A reward in verl's form, called as verl's reward manager calls compute_score: data_source
+    the record's data_source, solution_str the response text, ground_truth data.answer_field's
+    value (record["answer"]; verl's reward_model.ground_truth), extra_info a copy of the record's
+    extra_info ({} without one) with num_turns and rollout_reward_scores added as verl adds them.
+    It returns a number, or a dict whose "score" is the reward (verl's other keys are dropped);
+    an `async def` one is run to its end."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> Any:
+        result = self.fn(**verl_arguments(text, meta))
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+        if isinstance(result, dict):
+            if "score" not in result:  # not a KeyError: the pre-run check reads that as a missing record field
+                raise ValueError(f"returned a dict without 'score' (verl's key for the reward): keys {sorted(result)}")
+            return result["score"]
+        return result
+
+
+async def _awaited(result: Any) -> Any:
+    return await result
+
+
+def verl_arguments(text: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """What verl passes compute_score for a sample of record `meta` (as the reward gets it, with
+    data.answer_field's value as "answer") whose response is `text`: KeyError for a record without
+    data_source or the answer, as verl's reward manager raises for one."""
+    extra = dict(meta.get("extra_info") or {})
+    extra.update(num_turns=VERL_TURNS, rollout_reward_scores={})
+    return {
+        "data_source": meta["data_source"],
+        "solution_str": text,
+        "ground_truth": meta["answer"],
+        "extra_info": extra,
+    }
+
+
+def called_as_declared(fn: Callable[..., Any], name: str) -> RewardFn:
+    """`fn` as a RewardFn: a VerlReward when its parameters bear verl's names (data_source,
+    solution_str, ground_truth) and take verl's keyword call, or take only that call (**kwargs);
+    as it is when they take fn(text, ids, record); ValueError naming the function and its
+    signature when they take neither."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a C function): called as ours
+        return fn
+    verl = f"compute_score({'=..., '.join(VERL_CALL)}=...)"
+    if set(signature.parameters) & set(VERL_CALL[:3]):
+        if problem := _unbound(signature, **dict.fromkeys(VERL_CALL)):
+            raise ValueError(
+                f"reward {name!r}: its signature {signature} has verl's parameter names, and verl calls it as "
+                f"{verl}; it does not take that call ({problem})"
+            )
+        return VerlReward(fn)
+    if (problem := _unbound(signature, "", [], {})) is None:
+        return fn
+    if _unbound(signature, **dict.fromkeys(VERL_CALL)) is None:
+        return VerlReward(fn)
+    raise ValueError(
+        f"reward {name!r} is called as fn(text, ids, record), or, when its parameters bear verl's names, as "
+        f"verl calls {verl}; its signature {signature} takes neither ({problem})"
+    )
+
+
+def _unbound(signature: inspect.Signature, *args: Any, **kwargs: Any) -> str | None:
+    """Why `signature` does not take the call (args, kwargs); None when it does."""
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        return str(err)
+    return None
 
 
 def score(

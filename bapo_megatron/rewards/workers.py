@@ -25,7 +25,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import inspect
 import json
 import os
 import pickle
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from bapo_megatron.common.processes import usr1_shielded
 from bapo_megatron.errors import RunStopped
-from bapo_megatron.rewards.functions import REWARDS, load_reward, score
+from bapo_megatron.rewards.functions import REWARDS, VerlReward, load_reward, score
 
 if TYPE_CHECKING:  # a worker process starts from this module: it must not import the config's torch
     from bapo_megatron.config.reward import RewardConfig
@@ -66,7 +65,7 @@ class RewardWorkers:
         memory_mb: int = 4096,
         bounds: tuple[float, float] = (-1e6, 1e6),
     ) -> None:
-        load_reward(name)  # an unknown name or a file that does not import fails here, not in a worker
+        load_reward(name)  # an unknown name, a file that does not import, a signature of neither form: here
         self.name, self.size, self.inline = name, workers, inline
         self.timeout_s, self.memory_mb, self.bounds = timeout_s, memory_mb, bounds
         self.failures = 0  # failed calls, all time (rollout/reward_errors)
@@ -203,19 +202,10 @@ def reads(name: str) -> str | None:
     return "answer_ids" if name == "exact_ids" else "answer"
 
 
-def signature_problem(name: str) -> str | None:
-    """Why user reward `name` cannot be called as fn(text, ids, record), from its signature alone
-    (None: it can, or it has none to read). Its module is imported here, as RewardWorkers does."""
-    fn = load_reward(name)
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    try:
-        signature.bind("", [], {})
-    except TypeError as err:
-        return f"reward {name!r} is called as fn(text, ids, record); its signature {signature} does not take it ({err})"
-    return None
+def takes_verl_call(name: str) -> bool:
+    """Whether reward `name` is a function of verl's form (functions.VerlReward): it is handed the
+    record's data_source and data.answer_field's value (ground_truth), which verl's records have."""
+    return isinstance(load_reward(name), VerlReward)
 
 
 def value_problem(name: str, record: dict[str, Any]) -> str | None:

@@ -8,10 +8,12 @@ Checked now: the first data.check_records training records (read, rendered, with
 rollout.sampling.max_new_tokens in the model's context and in one micro-batch), the others when
 drawn; every record of every evaluation set (they are all read now); with reward.by, every training
 record's route (one read of that field). In each record checked, what its reward reads: a built-in's
-answer (data.answer_field) present, as text or a number; a user function's signature, and one call
-of it on each set's first record (an empty response, in a worker bounded as the run's are), whose
-KeyError for a field the record lacks is an error. An error names the field that gave the path
-(data.path, eval.path, eval.sets.NAME.path), the record, the field path and the record's fields.
+answer (data.answer_field) present, as text or a number; for a function of verl's form, the answer
+and data_source present; a user function's signature (the call it takes: rewards/functions.py's
+called_as_declared, as the workers call it), and one call of it on each set's first record (an
+empty response, in a worker bounded as the run's are), whose KeyError for a field the record lacks
+is an error. An error names the field that gave the path (data.path, eval.path,
+eval.sets.NAME.path), the record, the field path and the record's fields.
 
     lines = dry_run_check(cfg, spec)     # the dry run's call: the same checks, where the data is here
 """
@@ -27,7 +29,7 @@ from bapo_megatron.data.prompts import PromptLimits, PromptSource, load_tokenize
 from bapo_megatron.data.records import data_files
 from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.rewards.functions import load_reward, reward_spec
-from bapo_megatron.rewards.workers import dry_calls, reads, signature_problem, value_problem
+from bapo_megatron.rewards.workers import dry_calls, reads, takes_verl_call, value_problem
 from bapo_megatron.rollout.evaluation import EvalSet
 
 
@@ -46,19 +48,16 @@ class RolloutInputs:
         self.reward = reward_spec(
             r.function,
             r.by,
-            r.routes,
+            r.table,
             r.overlong_buffer,
             r.overlong_penalty_factor,
             cfg.rollout.sampling.max_new_tokens,
         )
-        field, value = ("reward.routes", r.routes) if r.by else ("reward.function", r.function)
-        try:
+        field, value = ("reward.table", r.table) if r.by else ("reward.function", r.function)
+        try:  # a function of yours imported, and its parameters read for the call they take, as the workers will
             self._loaded = load_reward(self.reward)
         except ValueError as err:
             raise ConfigError(field, value, str(err)) from None
-        for name in sorted(set(r.routes.values()) if r.by else {r.function}):
-            if reads(name) is None and (problem := signature_problem(name)):
-                raise ConfigError(field, value, problem)
         self.sources: dict[str, PromptSource] = {}  # the config key that gave each path -> its records
         self._first: dict[tuple[str, str], dict] = {}  # (user reward, key): the first record it scores
         self.prompts = self._prompts("data.path", cfg.data)
@@ -133,11 +132,14 @@ class RolloutInputs:
                     self._loaded.route(meta)
                 except KeyError:
                     raise ValueError(missing_field(shown(meta), r.by, "reward.by", extra=[prompt])) from None
-                name = r.routes[str(get_field(meta, r.by))]
-            field = reads(name)
-            if field == "answer" and not has_field(meta, d.answer_field):
-                needed = f"which reward {name!r} scores against"
+                name = r.table[str(get_field(meta, r.by))]
+            field, verl = reads(name), takes_verl_call(name)
+            if (field == "answer" or verl) and not has_field(meta, d.answer_field):
+                needed = f"which reward {name!r} {'takes as ground_truth' if verl else 'scores against'}"
                 raise ValueError(missing_field(shown(meta), d.answer_field, "data.answer_field", needed, [prompt]))
+            if verl and "data_source" not in meta:
+                needed = f"which reward {name!r} takes as data_source, as verl gives it"
+                raise ValueError(missing_field(shown(meta), "data_source", None, needed, [prompt]))
             if field is not None and field not in meta:
                 raise ValueError(missing_field(shown(meta), field, None, f"which reward {name!r} reads", [prompt]))
             if problem := value_problem(name, meta):

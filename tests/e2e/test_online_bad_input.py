@@ -98,7 +98,7 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
                 "reward.by=data_source",
                 "data.answer_field=reward_model.ground_truth",
             ),
-            ("verl.parquet record 2", "data_source='aime' has no reward in reward.routes"),
+            ("verl.parquet record 2", "data_source='aime' has no reward in reward.table"),
         ),
         ("data.path={root}/shards", ("b.parquet: not a parquet file",)),
         (
@@ -109,7 +109,7 @@ def fails(task, tmp_path, *overrides: str, phrases: tuple[str, ...]) -> None:
                 "data.answer_field=reward_model.ground_truth",
                 "data.check_records=1",
             ),
-            ("data.path: ", "verl.parquet record 2", "data_source='aime' has no reward in reward.routes"),
+            ("data.path: ", "verl.parquet record 2", "data_source='aime' has no reward in reward.table"),
         ),
         (
             ("eval.sets.aime.path={root}/bad_eval.jsonl", "data.check_records=1"),
@@ -150,7 +150,7 @@ def test_bad_data_reward_and_tokenizer(task, tmp_path, override, phrases):
     if not any(o.startswith("data.cache_dir=") for o in overrides):
         overrides.append(f"data.cache_dir={task / 'cache'}")
     if "reward.by=data_source" in overrides:
-        overrides.append("reward.routes={math_dapo: dapo}")
+        overrides.append("reward.table={math_dapo: dapo}")
     fails(task, tmp_path, *overrides, phrases=phrases)
 
 

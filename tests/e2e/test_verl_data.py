@@ -39,7 +39,7 @@ def test_a_verl_parquet_trains_as_it_is(tmp_path, hf_model):
     argv += [
         "data.answer_field=reward_model.ground_truth",
         "reward.by=data_source",
-        f"reward.routes={{math_dapo: dapo, even: {task / 'reward.py'}:even}}",
+        f"reward.table={{math_dapo: dapo, even: {task / 'reward.py'}:even}}",
         "data.max_prompt_tokens=12",
         f"data.cache_dir={tmp_path / 'cache'}",
         "data.system_prompt=t4",

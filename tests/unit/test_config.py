@@ -4,6 +4,7 @@ import pytest
 
 from bapo_megatron.algo.bapo import PRESETS
 from bapo_megatron.config import MOVED, JobConfig, build, dump_config, load_config, parse_override, parse_stop_when
+from bapo_megatron.config.loader import STILL_READ
 from bapo_megatron.errors import ConfigError
 
 
@@ -55,7 +56,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("algo.updates_per_batch=3", "algo.updates_per_batch=3: must divide rollout.prompts_per_step=8"),
         ("reward.workers=0", "reward.workers=0: must be >= 1"),
         ("reward.range=[1, -1]", "reward.range=[1.0, -1.0]: needs low < high"),
-        ("reward.by=data_source", "reward.routes={}: goes with by (both or neither)"),
+        ("reward.by=data_source", "reward.table={}: goes with by (both or neither)"),
         ("reward.overlong_buffer=65", "reward.overlong_buffer=65: must not exceed rollout.sampling.max_new_tokens=64"),
         ("reward.max_failure_share=1", "reward.max_failure_share=1.0: must be in [0, 1)"),
         ("noequals", "override='noequals'"),
@@ -187,10 +188,10 @@ def test_asynchronous_mode_refuses_what_cannot_work_with_it():
 
 def test_the_reward_section_from_yaml_and_overrides(tmp_path):
     path = tmp_path / "job.yaml"
-    path.write_text("reward:\n  by: data_source\n  routes: {math_dapo: dapo}\n  range: [-1, 1]\n  workers: 4\n")
-    cfg = load_config(path, ["reward.routes.aime=math", "reward.timeout_s=5", "reward.overlong_buffer=16"])
+    path.write_text("reward:\n  by: data_source\n  table: {math_dapo: dapo}\n  range: [-1, 1]\n  workers: 4\n")
+    cfg = load_config(path, ["reward.table.aime=math", "reward.timeout_s=5", "reward.overlong_buffer=16"])
     r = cfg.reward
-    assert r.by == "data_source" and r.routes == {"math_dapo": "dapo", "aime": "math"}
+    assert r.by == "data_source" and r.table == {"math_dapo": "dapo", "aime": "math"}
     assert (r.range, r.workers, r.timeout_s, r.overlong_buffer, r.function) == ((-1.0, 1.0), 4, 5.0, 16, "math")
     (tmp_path / "resolved.yaml").write_text(dump_config(cfg))
     assert load_config(tmp_path / "resolved.yaml") == cfg
@@ -202,8 +203,27 @@ def test_the_reward_fields_that_were_under_data_are_refused_naming_their_new_pla
     (tmp_path / "old.yaml").write_text("data:\n  path: x.jsonl\n  reward: dapo\n")
     with pytest.raises(ConfigError, match=r"^data.reward: unknown key; moved to reward.function$"):
         load_config(tmp_path / "old.yaml")
-    old = [key for key, new in MOVED.items() if new.startswith("reward.")]
+    old = [key for key, new in MOVED.items() if new.startswith("reward.") and key not in STILL_READ]
     assert len(old) == 11
+    with pytest.raises(ConfigError, match=r"^data.rewards: unknown key; moved to reward.table$"):
+        load_config(None, ["data.rewards={a: math}"])
     for key in old:
         with pytest.raises(ConfigError, match=f"moved to {MOVED[key]}"):
             load_config(None, [f"{key}=1"])
+
+
+def test_reward_routes_is_still_read_as_reward_table(tmp_path):
+    """reward.table was reward.routes (a name MoE "routes" also had): every config.yaml a run saved
+    before the rename names it, so the old name is read into the new field, with a warning, from a
+    file, an override, or both at once; beside the new name it is an error."""
+    saved = tmp_path / "config.yaml"
+    saved.write_text("reward:\n  by: data_source\n  routes: {math_dapo: dapo}\n")
+    with pytest.warns(FutureWarning, match=r"reward.routes is now called reward.table"):
+        cfg = load_config(saved, ["reward.routes.aime=math"])
+    assert cfg.reward.table == {"math_dapo": "dapo", "aime": "math"}
+    with pytest.warns(FutureWarning):
+        assert load_config(None, ["reward.by=src", "reward.routes={a: exact}"]).reward.table == {"a": "exact"}
+    (tmp_path / "both.yaml").write_text("reward:\n  by: src\n  routes: {a: math}\n  table: {b: math}\n")
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"reward.routes=.*table.s old name, and table"):
+        load_config(tmp_path / "both.yaml")
+    assert "  table:" in dump_config(cfg) and "  routes:" not in dump_config(cfg)

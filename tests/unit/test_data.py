@@ -4,11 +4,13 @@ or refused; one clear error naming the record for what cannot work; a cursor tha
 
 import json
 import os
+import re
 
 import pytest
 
 from bapo_megatron.config import DataConfig
 from bapo_megatron.data.prompts import PromptLimits, PromptSource
+from bapo_megatron.data.records import data_files
 from tests.helpers import verl_parquet, word_tokenizer
 
 
@@ -320,3 +322,96 @@ def test_one_field_of_every_record_read_alone_agrees_with_a_plain_read(tmp_path,
     bad.write_text('{"d": "a"}\n{oops\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: not JSON"):
         records.open_records(str(bad)).first_of_each("d")
+
+
+BAD_TEMPLATES = {
+    "syntax": (
+        "{% for m in messages %}{{ m['content'] }{% endfor %}",
+        r"TemplateSyntaxError \(line 1\): unexpected '}'",
+    ),
+    "raise_exception": (  # as real templates refuse a role they do not take
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ raise_exception('Only system and assistant roles "
+        "are supported!') }}{% endif %}{% endfor %}",
+        r"TemplateError: Only system and assistant roles are supported!",
+    ),
+    "sandbox": ("{{ messages.append(messages[0]) }}", r"SecurityError: access to attribute 'append' of 'list' object"),
+}
+"""Chat templates that cannot render a user turn, and what their one error line says."""
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """The tiny chat model of `tasks verl-data` (weights, tokenizer, template): copied per test."""
+    from bapo_megatron.tasks import write_model
+
+    return write_model(tmp_path_factory.mktemp("chat") / "model", chat=True)
+
+
+def _with_template(model_dir, tmp_path, template: str, in_jinja: bool):
+    """A copy of model_dir whose chat template is `template`, in tokenizer_config.json or in
+    chat_template.jinja (then none in tokenizer_config.json)."""
+    import shutil
+
+    copy = shutil.copytree(model_dir, tmp_path / "model")
+    settings = json.loads((copy / "tokenizer_config.json").read_text())
+    settings.pop("chat_template")
+    if in_jinja:
+        (copy / "chat_template.jinja").write_text(template)
+    else:
+        settings["chat_template"] = template
+    (copy / "tokenizer_config.json").write_text(json.dumps(settings))
+    return copy, copy / ("chat_template.jinja" if in_jinja else "tokenizer_config.json")
+
+
+@pytest.mark.parametrize("in_jinja", [False, True], ids=["tokenizer_config", "jinja_file"])
+@pytest.mark.parametrize("kind", sorted(BAD_TEMPLATES))
+def test_a_template_that_does_not_render_is_one_error_naming_its_file(chat_model_dir, tmp_path, kind, in_jinja):
+    """Where the prompts are first rendered (the records checked before anything starts): a
+    ValueError naming the record, the template's file and jinja's error, in one line."""
+    from bapo_megatron.data.prompts import load_tokenizer
+
+    template, said = BAD_TEMPLATES[kind]
+    model, source = _with_template(chat_model_dir, tmp_path, template, in_jinja)
+    data = verl_parquet(tmp_path / "train.parquet", ["1+2="], ["3"])
+    config = DataConfig(path=str(data), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError) as err:
+        PromptSource(config, tokenizer=load_tokenizer(model))
+    assert "\n" not in str(err.value)
+    assert re.fullmatch(
+        rf"data.path: \S+train.parquet record 1: the chat template \({re.escape(str(source))}\) does not render "
+        rf"its messages: {said}.*",
+        str(err.value),
+    ), str(err.value)
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_TEMPLATES))
+def test_bapo_trains_dry_run_and_evaluate_end_in_that_line(chat_model_dir, tmp_path, capsys, kind):
+    """`bapo-train --dry-run` and `evaluate` (bapo-train itself reads the prompts through the same
+    RolloutInputs as its dry run): exit 2 and one `error:` line, no traceback, before any engine or model."""
+    from bapo_megatron.evaluate import main as evaluate
+    from bapo_megatron.train import main as train
+
+    template, said = BAD_TEMPLATES[kind]
+    model, source = _with_template(chat_model_dir, tmp_path, template, in_jinja=False)
+    data = verl_parquet(tmp_path / "train.parquet", ["1+2="], ["3"])
+    overrides = [f"model.hf_path={model}", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}"]
+    overrides += ["data.answer_field=reward_model.ground_truth", "reward.function=exact"]
+    with pytest.raises(SystemExit) as exit_:
+        train([*overrides, "--dry-run"])
+    assert exit_.value.code == 2
+    assert evaluate([str(model), str(data), *overrides[1:]]) == 2
+    for stderr in capsys.readouterr().err.split("evaluate ", 1):
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert "Traceback" not in stderr and len(errors) == 1, stderr
+        assert re.search(
+            rf"the chat template \({re.escape(str(source))}\) does not render its messages: {said}", errors[0]
+        )
+
+
+@pytest.mark.parametrize(("fmt", "said"), [("auto", "no data files"), ("parquet", "no parquet data files")])
+def test_an_empty_data_directory_is_named_once(tmp_path, fmt, said):
+    """A directory with nothing to read says so in one well-formed line, with or without a format."""
+    (tmp_path / "notes.txt").write_text("not data")
+    with pytest.raises(ValueError) as refused:
+        data_files(str(tmp_path), fmt)
+    assert str(refused.value) == f"data.path={tmp_path}: a directory with {said}"

@@ -146,16 +146,16 @@ def test_verl_data_with_rewards_routed_by_data_source(tmp_path, model_dir):
         "reward.by=data_source",
         f"data.cache_dir={tmp_path / 'cache'}",
     ]
-    driver = _driver(tmp_path, model_dir, *common, "reward.routes={math_dapo: dapo, aime: exact}")
+    driver = _driver(tmp_path, model_dir, *common, "reward.table={math_dapo: dapo, aime: exact}")
     ids, meta = driver.prompts.first(1)[0]
     assert ids == [1, 5, 6, 2, 3] and meta["answer"] == "t9" and meta["extra_info"]["split"] == "train"
     reward = load_reward(driver.inputs.reward)
     assert reward("t8", [], {"data_source": "aime", "answer": "t8"}) == 1.0
     assert reward("Answer: t9", [], {"data_source": "math_dapo", "answer": "t9"}) == 1.0
-    with pytest.raises(BadInputError, match=r"parquet record 2: data_source='aime' has no reward in reward.routes"):
-        _driver(tmp_path, model_dir, *common, "reward.routes={math_dapo: dapo}")
+    with pytest.raises(BadInputError, match=r"parquet record 2: data_source='aime' has no reward in reward.table"):
+        _driver(tmp_path, model_dir, *common, "reward.table={math_dapo: dapo}")
     with pytest.raises(BadInputError, match=r"record 1: no field 'source' \(reward.by\)"):
-        _driver(tmp_path, model_dir, *common[:2], common[3], "reward.by=source", "reward.routes={x: math}")
+        _driver(tmp_path, model_dir, *common[:2], common[3], "reward.by=source", "reward.table={x: math}")
 
 
 @pytest.mark.parametrize("key", ["eval.path", "eval.sets.aime.path"])
@@ -188,7 +188,7 @@ def test_every_record_of_an_evaluation_set_is_checked_at_the_start(tmp_path, mod
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_every_training_records_reward_route_is_checked_at_the_start(tmp_path, model_dir, fmt):
     """reward.by: every record's value is read at the start (the one field, not the records whole),
-    so a value without an entry in reward.routes, or a record without the field, past
+    so a value without an entry in reward.table, or a record without the field, past
     data.check_records, is an error naming the record before any engine, not failed reward calls."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -204,16 +204,16 @@ def test_every_training_records_reward_route_is_checked_at_the_start(tmp_path, m
         return [f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", "data.check_records=2"]
 
     rows = [{"prompt": [1], "answer": "t1", "src": s, "info": {"src": s}} for s in ["a", "a", "a", "b", "c"]]
-    routes = "reward.routes={a: exact, b: exact}"
+    routes = "reward.table={a: exact, b: exact}"
     where = r"train.parquet record 5" if fmt == "parquet" else r"train.jsonl record 5 \(line 5\)"
     for by in ["src", "info.src"]:
-        with pytest.raises(BadInputError, match=rf"data.path: \S+{where}: {by}='c' has no reward in reward.routes"):
+        with pytest.raises(BadInputError, match=rf"data.path: \S+{where}: {by}='c' has no reward in reward.table"):
             _driver(tmp_path, model_dir, *data(rows), f"reward.by={by}", routes)
-        _driver(tmp_path, model_dir, *data(rows), f"reward.by={by}", "reward.routes={a: exact, b: exact, c: exact}")
+        _driver(tmp_path, model_dir, *data(rows), f"reward.by={by}", "reward.table={a: exact, b: exact, c: exact}")
     if fmt == "jsonl":  # not text: read record by record, as exact
         numbers = [{**r, "src": n} for r, n in zip(rows, [1, 1, 1, 2, 3], strict=True)]
-        with pytest.raises(BadInputError, match=rf"{where}: src=3 has no reward in reward.routes"):
-            _driver(tmp_path, model_dir, *data(numbers), "reward.by=src", "reward.routes={1: exact, 2: exact}")
+        with pytest.raises(BadInputError, match=rf"{where}: src=3 has no reward in reward.table"):
+            _driver(tmp_path, model_dir, *data(numbers), "reward.by=src", "reward.table={1: exact, 2: exact}")
         absent = [*rows[:4], {"prompt": [1], "answer": "t1"}]
         with pytest.raises(BadInputError, match=rf"{where}: no field 'src' \(reward.by\)"):
             _driver(tmp_path, model_dir, *data(absent), "reward.by=src", routes)
@@ -230,7 +230,7 @@ def test_an_evaluation_sets_reward_routes_are_checked_as_it_is_read(tmp_path, mo
         return path
 
     common = [f"data.path={jsonl('train.jsonl', 'aa')}", "data.check_records=1", "reward.by=src"]
-    common += ["reward.routes={a: exact}", f"eval.sets.aime.path={jsonl('aime.jsonl', 'aac')}"]
+    common += ["reward.table={a: exact}", f"eval.sets.aime.path={jsonl('aime.jsonl', 'aac')}"]
     with pytest.raises(BadInputError, match=r"eval.sets.aime.path: \S+aime.jsonl record 3 \(line 3\): src='c' has no"):
         _driver(tmp_path, model_dir, *common)
     assert len(_driver(tmp_path, model_dir, *common, "eval.sets.aime.max_prompts=2").inputs.eval_sets[0].items) == 2

@@ -111,10 +111,12 @@ def test_a_user_reward_that_cannot_load_or_take_the_record(tmp_path):
     common = [f"data.path={data}"]
     with pytest.raises(ConfigError, match=r"reward.function='\S+broken.py:f': .*does not import: ModuleNotFoundError"):
         inputs(tmp_path, *common, f"reward.function={tmp_path / 'broken.py'}:f")
-    with pytest.raises(ConfigError, match=r"called as fn\(text, ids, record\); its signature \(text\) does not take"):
+    with pytest.raises(
+        ConfigError, match=r"called as fn\(text, ids, record\), or, .*its signature \(text\) takes neither"
+    ):
         inputs(tmp_path, *common, f"reward.function={rewards}:one_arg")
-    with pytest.raises(ConfigError, match=r"reward.routes=\{'math_dapo': \S+one_arg'\}: reward \S+one_arg' is called"):
-        inputs(tmp_path, *common, "reward.by=data_source", f"reward.routes={{math_dapo: {rewards}:one_arg}}")
+    with pytest.raises(ConfigError, match=r"reward.table=\{'math_dapo': \S+one_arg'\}: reward \S+one_arg' is called"):
+        inputs(tmp_path, *common, "reward.by=data_source", f"reward.table={{math_dapo: {rewards}:one_arg}}")
     with pytest.raises(BadInputError) as err:
         inputs(tmp_path, *common, f"reward.function={rewards}:answer")
     assert str(err.value) == (

@@ -41,7 +41,6 @@ def alive(pid: int) -> bool:
         ("huge", "returned 1e+308, outside reward.range"),
         ("nothing", "TypeError"),
         ("text_out", "ValueError"),
-        ("arity", "TypeError"),
         ("raises", "ZeroDivisionError"),
     ],
 )
@@ -64,6 +63,13 @@ def test_a_bad_call_fails_alone_and_the_pool_serves_on(rewards_file, name, error
     replaced = {"hang", "leak", "dies"}
     assert (bad.replaced >= 1) == (name in replaced), (name, bad.replaced)
     assert not any(alive(pid) for pid in pids)
+
+
+def test_a_function_that_cannot_take_the_call_is_refused_before_any_worker(rewards_file):
+    """fn(text) takes neither fn(text, ids, record) nor verl's keyword call: refused when the pool
+    is made (before the first step), not a failed call in every sample."""
+    with pytest.raises(ValueError, match=r"hostile.py:arity' is called as .* its signature \(text\) takes neither"):
+        RewardWorkers(f"{rewards_file}:arity")
 
 
 def test_good_calls_after_a_replaced_worker_and_nothing_left(rewards_file, tmp_path):
@@ -118,7 +124,7 @@ def test_the_reward_section_goes_straight_to_the_workers_and_the_stop_rule():
     assert (w.name, w.size, w.timeout_s, w.memory_mb, w.bounds) == ("exact", 3, 5, 0, (-2, 2))
     rule = FailingRewards.from_config(config)
     assert (rule.name, rule.max_share, rule.steps) == ("math", 0.2, 4)
-    routed = FailingRewards.from_config(RewardConfig(by="data_source", routes={"aime": "math"}))
+    routed = FailingRewards.from_config(RewardConfig(by="data_source", table={"aime": "math"}))
     assert routed.name == "by data_source"
 
 

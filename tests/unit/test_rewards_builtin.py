@@ -66,7 +66,7 @@ def test_rewards_routed_by_a_record_field(tmp_path):
     assert score(spec, "373737", [1], {"data_source": "repeat", "answer": "373737"}) == (1.0, None)
     assert score(spec, "x", [1, 2, 3], {"data_source": "mine"}) == (3.0, None)
     value, error = score(spec, "x", [1], {"data_source": "aime"})
-    assert value == 0.0 and "data_source='aime' has no reward in reward.routes" in error
+    assert value == 0.0 and "data_source='aime' has no reward in reward.table" in error
     nested = reward_spec("math", by="extra.kind", table={"a": "exact"})
     assert score(nested, "1", [], {"extra": {"kind": "a"}, "answer": "1"}) == (1.0, None)
     with pytest.raises(ValueError, match="unknown reward 'nope'"):

@@ -2,8 +2,10 @@
 tokenizer that round-trips, and a model directory that both Megatron's spec reader and
 transformers load."""
 
+import errno
 import json
 import random
+import re
 
 import pytest
 
@@ -161,3 +163,137 @@ def test_verl_data_reads_through_the_loops_readers(tmp_path):
     plain = write_task("addition", tmp_path / "plain", train=5, heldout=5)["model"]
     with pytest.raises(ValueError, match=r"record 1: chat messages need .* set model.hf_path to a model directory"):
         PromptSource(config, tokenizer=load_tokenizer(plain))
+
+
+@pytest.fixture
+def tasks_main(monkeypatch, capsys):
+    """`python -m bapo_megatron.tasks ARGS` in this process: (exit code, its error lines)."""
+    from bapo_megatron.tasks import main
+
+    def run(*args: str) -> tuple[int, list[str]]:
+        try:
+            code = main(list(args))
+        except SystemExit as stop:  # argparse's refusal of a flag's value
+            code = stop.code
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        return code, [line for line in err.splitlines() if "error: " in line]
+
+    return run
+
+
+def _tree(root) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("task", ["verl-data", "addition"])
+def test_a_directory_that_is_not_empty_is_refused_and_force_replaces_it_whole(tmp_path, tasks_main, task):
+    """The user's own train.parquet is not overwritten; --force replaces the directory whole, so
+    that a sharded model's stale index does not stay beside the new single file."""
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "train.parquet").write_text("the user's own data")
+    (out / "model" / "model.safetensors.index.json").write_text("{}")
+    code, errors = tasks_main(task, str(out), "--train", "10", "--heldout", "5")
+    assert code == 2 and errors == [
+        f"error: {out}: not empty (model, train.parquet): name a new or empty directory, or replace it with --force"
+    ]
+    assert (out / "train.parquet").read_text() == "the user's own data" and _tree(tmp_path) == {
+        "out",
+        "out/train.parquet",
+        "out/model",
+        "out/model/model.safetensors.index.json",
+    }
+    assert tasks_main(task, str(out), "--train", "10", "--heldout", "5", "--force") == (0, [])
+    assert not (out / "model" / "model.safetensors.index.json").exists() and (out / "model" / "config.json").is_file()
+    assert {p.name for p in tmp_path.iterdir()} == {"out"}  # nothing left beside it
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--train", "-5"], "argument --train: -5: must be at least 1"),
+        (["--train", "0"], "argument --train: 0: must be at least 1"),
+        (["--heldout", "0"], "argument --heldout: 0: must be at least 1"),
+        (["--train", "many"], "argument --train: 'many' is not a whole number"),
+        (["--heldout", "1000000"], "heldout=1000000: task verl-data has 100 distinct prompts, and at most half"),
+        (["--heldout", "51"], "heldout=51: task verl-data has 100 distinct prompts, and at most half of them (50)"),
+    ],
+)
+def test_counts_that_cannot_work_are_one_error_line_and_nothing_is_written(tmp_path, tasks_main, args, said):
+    code, errors = tasks_main("verl-data", str(tmp_path / "out"), *args)
+    assert code == 2 and len(errors) == 1 and said in errors[0], errors
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_task_prompt_counts_bound_the_heldout_sets(tasks_main, tmp_path):
+    from bapo_megatron.tasks import VERL_TASK, check_counts
+
+    rng = random.Random(0)
+    assert len({VERL_TASK.make(rng)[0] for _ in range(5000)}) == VERL_TASK.prompts == 100
+    assert len({TASKS["repeat"].make(rng)[0] for _ in range(200_000)}) == TASKS["repeat"].prompts == 6660
+    for name, task in TASKS.items():
+        check_counts(task, 1, task.prompts // 2)
+        with pytest.raises(ValueError, match=rf"heldout={task.prompts // 2 + 1}: task {name} has {task.prompts}"):
+            check_counts(task, 1, task.prompts // 2 + 1)
+    assert len(split(TASKS["repeat"], 10, 3330, seed=0)[1]) == 3330  # half is drawn in bounded time
+    code, errors = tasks_main("repeat", str(tmp_path / "out"), "--heldout", "3331")
+    assert code == 2 and "heldout=3331: task repeat has 6660 distinct prompts" in errors[0]
+
+
+def test_paths_that_cannot_be_written_are_one_error_line_naming_them(tmp_path, tasks_main, monkeypatch):
+    small = ["--train", "5", "--heldout", "5"]
+    monkeypatch.chdir(tmp_path)
+    assert tasks_main("verl-data", "", *small) == (
+        2,
+        ["error: the output directory is empty text: name one (it is made, with its parents)"],
+    )
+    assert tasks_main("addition", "  ", *small)[0] == 2 and not any(tmp_path.iterdir())  # not the working directory
+    (tmp_path / "file").write_text("x")
+    assert tasks_main("verl-data", str(tmp_path / "file"), *small)[1] == [
+        f"error: {tmp_path / 'file'}: exists and is not a directory"
+    ]
+    assert tasks_main("verl-data", str(tmp_path / "file" / "out"), *small)[1] == [
+        f"error: {tmp_path / 'file' / 'out'}: Not a directory"
+    ]
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    assert tasks_main("verl-data", str(tmp_path / "a"), *small)[1] == [
+        f"error: {tmp_path / 'a'}: Too many levels of symbolic links"
+    ]
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    assert tasks_main("verl-data", str(tmp_path / "gone"), *small)[1] == [
+        f"error: {tmp_path / 'gone'}: a symlink to nothing ({tmp_path / 'nowhere'})"
+    ]
+
+    def read_only(*args, **kwargs):  # (the tests may run as root, whom a read-only mode does not stop)
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "ro" / ".out.x"))
+
+    monkeypatch.setattr("bapo_megatron.tasks.tempfile.mkdtemp", read_only)
+    assert tasks_main("verl-data", str(tmp_path / "ro" / "out"), *small)[1] == [
+        f"error: {tmp_path / 'ro' / 'out'}: Permission denied ({tmp_path / 'ro' / '.out.x'})"
+    ]
+    assert _tree(tmp_path) == {"file", "a", "b", "gone", "ro"}  # the parent made, nothing in it
+
+
+@pytest.mark.parametrize("task", ["verl-data", "addition"])
+def test_a_full_disk_leaves_nothing_half_written(tmp_path, tasks_main, monkeypatch, task):
+    """The data is written, then the model fails for want of space: no directory at all (nor the
+    one it was written in), and the one error line names the path; an empty directory there
+    stays as it was."""
+    import bapo_megatron.tasks as tasks
+
+    def full(model_dir, *args, **kwargs):
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text("{")
+        raise OSError(errno.ENOSPC, "No space left on device", str(model_dir / "model.safetensors"))
+
+    monkeypatch.setattr(tasks, "write_model", full)
+    out = tmp_path / "out"
+    code, errors = tasks_main(task, str(out), "--train", "5", "--heldout", "5")
+    assert code == 2 and len(errors) == 1, errors
+    written = rf"{tmp_path}/\.out\.\w+/model/model.safetensors"
+    assert re.fullmatch(rf"error: {out}: No space left on device \({written}\); nothing was written", errors[0]), errors
+    assert not any(tmp_path.iterdir())
+    out.mkdir()
+    assert tasks_main(task, str(out), "--train", "5", "--heldout", "5")[0] == 2 and _tree(tmp_path) == {"out"}
