@@ -1,4 +1,6 @@
-"""One metric logger with backends (console, jsonl, wandb); metrics are dicts with slash names."""
+"""The run's logs: one metric logger with backends (console, jsonl, wandb), metrics as dicts with slash
+names; what each step trains on (samples.jsonl, rollouts.jsonl, batches/).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bapo_megatron.config import LoggingConfig
+
+if TYPE_CHECKING:
+    from bapo_megatron.common.batch import RolloutBatch
 
 CONSOLE_KEYS = (
     "rollout/reward_mean",
@@ -176,6 +182,36 @@ class RolloutLog:
             "regenerated": sample.regenerated,
             "stale_tokens": sum(v < oldest_allowed for v in sample.versions),
         }
+
+
+class StepRecords:
+    """What each step trains on, beside metrics.jsonl in the run directory: samples.jsonl (the uids
+    of its prompt groups), rollouts.jsonl (its first samples as text: RolloutLog) and, with
+    logging.save_batches, the batch itself in batches/ (rollout.replay=<run_dir>/batches trains the
+    trainer's half alone from them, later). A resumed run cuts the two logs back to its checkpoint."""
+
+    LOGS = ("samples.jsonl", "rollouts.jsonl")
+
+    def __init__(self, run_dir: str | Path, cfg: LoggingConfig, decode: Callable[[list[int]], str] | None) -> None:
+        """decode: token ids to text (None: the model has no tokenizer; rollouts.jsonl holds the ids)."""
+        self.run_dir, self.save_batches = Path(run_dir), cfg.save_batches
+        self.rollouts = RolloutLog(self.run_dir / "rollouts.jsonl", cfg.samples, decode)
+
+    def truncate_after(self, step: int | None) -> None:
+        """One timeline with metrics.jsonl: a resumed run keeps the lines up to its checkpoint's
+        `step`, a new one (None) none."""
+        for name in self.LOGS:
+            truncate_after(self.run_dir / name, step)
+
+    def write(self, step: int, groups: Sequence, batch: RolloutBatch, oldest_allowed: int) -> None:
+        """groups: the step's prompt groups in batch order (rollout/buffer.GroupState); batch: the
+        batch made of them; oldest_allowed: the oldest token version it trains on."""
+        with (self.run_dir / "samples.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "groups": [g.uid for g in groups]}) + "\n")
+        self.rollouts.write(step, groups, oldest_allowed)
+        if self.save_batches:
+            (self.run_dir / "batches").mkdir(exist_ok=True)
+            batch.save(self.run_dir / "batches" / f"step_{step:08d}.safetensors")
 
 
 class StepLog:

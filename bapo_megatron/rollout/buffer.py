@@ -18,6 +18,9 @@ The buffer owns four rules that the rollout strategies only ask about:
   all equal (every advantage 0) may be set aside (`set_aside_equal`); it is trained only to fill a
   step short of other groups, and the rest are discarded when the step takes its groups.
 
+The groups a step takes become its training batch here (`batch`: each sample's loss mask under the
+staleness bound, the routes recorded), and their figures (`batch_figures`).
+
 A sample's state changes only through the buffer's methods: `begin_requests` (its rounds),
 `record` (a completion's tokens), `restart` and `drop_stale` (generated again), `apply_reward`
 (what the scorer returned). The whole buffer (the groups set aside included) round-trips through
@@ -29,8 +32,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.common.protocol import Completion
 from bapo_megatron.common.routes import RouteShape
+from bapo_megatron.config import RolloutConfig
 
 
 @dataclass
@@ -108,6 +113,17 @@ class RolloutBuffer:
         self.groups: dict[str, GroupState] = {}
         self.set_aside: list[GroupState] = []  # complete, rewards all equal, since the last take (oldest first)
         self.counters = dict(COUNTERS)
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, routes: RouteShape | None = None) -> RolloutBuffer:
+        return cls(
+            cfg.samples_per_prompt,
+            cfg.sampling.max_new_tokens,
+            cfg.token_budget,
+            cfg.max_staleness,
+            cfg.mask_stale_prefix,
+            routes=routes,
+        )
 
     # -- groups ---------------------------------------------------------------------------
     def add_group(self, uid: str, prompt_ids: list[int], meta: dict[str, Any] | None = None) -> GroupState:
@@ -272,6 +288,38 @@ class RolloutBuffer:
             return None
         oldest = self.oldest_allowed(version)
         return [int(v >= oldest) for v in sample.versions]
+
+    # -- the step's batch ------------------------------------------------------------------------
+    def batch(self, groups: list[GroupState], version: int, temperature: float) -> RolloutBatch:
+        """The groups a step took (`take`), as the batch policy version `version` trains on: the
+        stale tokens' loss masks, the routes recorded, the version in the metadata."""
+        return RolloutBatch.from_groups(
+            groups,
+            temperature,
+            metadata={"version": str(version)},
+            loss_masks=[[self.loss_mask(s, version) for s in g.samples] for g in groups],
+            routes=self.routes,
+        )
+
+    def batch_figures(self, groups: list[GroupState], version: int) -> dict[str, float]:
+        """What the groups a step trains on look like: reward, length, truncation, and how stale their
+        tokens are for policy version `version` (mean, max, the share at each staleness, the share
+        masked out as older than the bound)."""
+        samples = [s for g in groups for s in g.samples]
+        rewards = [s.reward for s in samples]
+        lengths = [len(s.response_ids) for s in samples]
+        stale = [version - v for s in samples for v in s.versions]
+        out = {
+            "rollout/reward_mean": sum(rewards) / len(rewards),
+            "rollout/response_length": sum(lengths) / len(lengths),
+            "rollout/truncated": sum(n >= self.max_new_tokens for n in lengths) / len(lengths),
+            "rollout/token_staleness_mean": sum(stale) / max(1, len(stale)),
+            "rollout/token_staleness_max": float(max(stale, default=0)),
+            "rollout/stale_masked_share": sum(k > self.max_staleness for k in stale) / max(1, len(stale)),
+        }
+        for k in range(max(stale, default=0) + 1):
+            out[f"rollout/staleness_share/{k}"] = stale.count(k) / len(stale)
+        return out
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _config(self) -> list:

@@ -7,20 +7,27 @@ evaluations differ by the weights alone. Requests go to the engines the rollout 
 the same pool (its failover included); the caller keeps the weights fixed until `run` returns,
 so every answer is of the version it reports (eval/version), in asynchronous training too.
 Several sets (eval.sets) are evaluated together, each under eval/NAME/ (eval.path's under eval/).
+
+    runs = HeldOutRuns(held_out, loop, cfg.steps)
+    future = runs.start(version, pool, stopping)   # when due: on the engines' loop, beside rollout
+    runs.wait()                                    # before the weights it reads change
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import EvalConfig, SamplingConfig
 from bapo_megatron.engines.client import EngineUnavailable
+from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.rewards.workers import RewardWorkers
 
@@ -99,6 +106,44 @@ class HeldOut:
             out.update(scores(held, mine))
         out["time/eval"] = time.monotonic() - start
         return out
+
+
+class HeldOutRuns:
+    """A run's held-out evaluations, one at a time, each on the engines' loop beside rollout: the
+    caller waits for the one in progress before the weights it reads change."""
+
+    def __init__(self, held_out: HeldOut, loop: EngineLoop, last_step: int) -> None:
+        self.held_out, self.loop, self.last_step = held_out, loop, last_step
+        self._running: Future | None = None
+
+    def start(self, version: int, pool: EnginePool, stopping: Callable[[], bool]) -> Future | None:
+        """The evaluation of version `version` (the weights the engines serve), started when eval.*
+        says it is due. Given up, with no figures, when `stopping()` (a signal) comes while no
+        engine serves: its requests would wait for engines that are gone, and the run's last line
+        and checkpoint must not."""
+        if not self.held_out.due(version, self.last_step):
+            return None
+        self.wait()
+        self._running = self.loop.submit(self._run(version, pool, stopping))
+        return self._running
+
+    async def _run(self, version: int, pool: EnginePool, stopping: Callable[[], bool]) -> dict[str, float]:
+        run = asyncio.ensure_future(self.held_out.run(pool, version))
+        while not run.done():
+            if stopping() and not pool.live():
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+                print(f"the held-out evaluation of version {version} is given up: the run is stopping", flush=True)
+                return {}
+            await asyncio.wait([run], timeout=0.2)
+        return run.result()
+
+    def wait(self) -> None:
+        """The evaluation in progress (if any) finished."""
+        if self._running is not None:
+            self.loop.wait(self._running)
+            self._running = None
 
 
 def scores(held: EvalSet, results: list[tuple[int, int, float, int]]) -> dict[str, float]:

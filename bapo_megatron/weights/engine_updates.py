@@ -1,48 +1,137 @@
-"""Rank 0's weight-update group: which engines take the weights, and what happens when one dies.
+"""Rank 0's weight outlet (weights/publish.Outlet): the weight-update group, which engines take the
+weights, what they answer about them, and what happens when one dies.
 
-    updates = EngineUpdates(cfg.rollout, engines, holders)   # the sender built, the engines joined
-    sent = updates.send(buckets, version, flush)            # every member updated (or set aside)
-    updates.check(version)                                   # each member serves `version`
-    updates.revive(updates.waiting)                          # those back from a death serve again
+    updates = EngineUpdates(cfg, engines, supervisor, prompts, paused, wait_readers, holders)
+    metrics = updates.publish(buckets, version)   # the rollout paused, every member updated and checked
+    sample = updates.probe(engine)                # the fixed probe answered by one engine (publish.py)
+    updates.revive(updates.waiting())             # those back from a death serve again
+    updates.release_memory()                      # colocated: the engines' memory to the trainer
 
 The group holds the engines that answer (the pool's live ones and those back from a death, which
 wait for the weights); it is rebuilt when that changes. An engine that dies during an update
 leaves the others with a mix of versions: every member then waits for the weights again, and the
 next send gives them anew. Colocated engines share the trainer's GPUs: their memory is released
 while the trainer trains (`release_memory`), taken back for the update, and one that dies stops
-the run. The membership itself is the pool's (engines/pool.py): live, dead, refitting.
+the run. The membership itself is the pool's (engines/pool.py): live, dead, refitting. How the
+rollout pauses for an update is its strategy's (rollout/strategies.py), handed in by the driver.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import socket
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
-from bapo_megatron.config import RolloutConfig
+from bapo_megatron.common.batch import Sample
+from bapo_megatron.common.protocol import SamplingParams
+from bapo_megatron.config import JobConfig
+from bapo_megatron.data.prompts import PromptSource
+from bapo_megatron.engines.client import EngineUnavailable
 from bapo_megatron.engines.fleet import Engines
 from bapo_megatron.engines.launcher import free_port
+from bapo_megatron.engines.supervisor import Supervisor
 from bapo_megatron.errors import RunStopped
+
+PROBE_TOKENS = 16
 
 
 class EngineUpdates:
-    def __init__(self, cfg: RolloutConfig, engines: Engines, holders=None) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        engines: Engines,
+        supervisor: Supervisor,
+        prompts: PromptSource,
+        paused: Callable[[int], contextlib.AbstractAsyncContextManager],
+        wait_readers: Callable[[], None],
+        holders=None,
+    ) -> None:
+        """paused(version): the rollout paused as its mode wants while `version` goes out (on the
+        engines' loop); wait_readers(): what still reads the weights an update replaces (a held-out
+        evaluation) finished; prompts: the probe asks for the first; holders: weights/sync.HandleHolders
+        (colocated on several GPUs)."""
         from bapo_megatron.weights.sync import DistributedWeightSender, TensorWeightSender
 
-        self.cfg, self.engines, self.loop, self.pool = cfg, engines, engines.loop, engines.pool
+        ro = cfg.rollout
+        self.cfg, self.engines, self.loop, self.pool = ro, engines, engines.loop, engines.pool
+        self.supervisor, self.prompts, self.paused, self.wait_readers = supervisor, prompts, paused, wait_readers
         clients = engines.clients
-        if cfg.engines.colocate:
-            self.sender = TensorWeightSender(clients, engine_tp=cfg.engines.tensor_parallel, holders=holders)
+        if ro.engines.colocate:
+            self.sender = TensorWeightSender(clients, engine_tp=ro.engines.tensor_parallel, holders=holders)
         else:
-            host = cfg.sync.host or ("127.0.0.1" if not cfg.engines.urls else socket.getfqdn())
-            ranks = [cfg.engines.tensor_parallel] * len(clients)
-            timeout = cfg.engines.startup_timeout_s
+            host = ro.sync.host or ("127.0.0.1" if not ro.engines.urls else socket.getfqdn())
+            ranks = [ro.engines.tensor_parallel] * len(clients)
+            timeout = ro.engines.startup_timeout_s
             self.sender = DistributedWeightSender(clients, ranks, host, free_port(host), timeout_s=timeout)
             self.loop.run(self.sender.connect())
+        self.flush = not (ro.mode == "async" and ro.pause_mode == "in_place")  # an in-place pause keeps the cache
+        self.probe_sampling = SamplingParams(
+            max_new_tokens=min(PROBE_TOKENS, ro.sampling.max_new_tokens),
+            temperature=ro.sampling.temperature,
+            ignore_eos=True,
+            sampling_seed=cfg.seed,
+        )
         self.members: list[int] = self.pool.serving()  # the engines in the weight-update group
-        self.waiting: list[int] = []  # members given the weights by the last send while they waited for them
+        self._waiting: list[int] = []  # members given the weights by the last send while they waited for them
         self.released = False  # colocated engines' memory given back (after a batch, before a sync)
+        self._busy: tuple[float, float] | None = None  # (time, the engines' busy seconds) at the last publish
+
+    def publish(self, buckets: Iterable, version: int) -> dict[str, float]:
+        """Every bucket to every engine as weight version `version` (the rollout paused as its mode
+        wants meanwhile); each engine's version is then checked. What still reads the weights these
+        replace (an evaluation) finishes first."""
+        self.wait_readers()
+        start = time.monotonic()
+        with self.loop.context(self.paused(version)):
+            sent = self.send(buckets, version, self.flush)
+        self.check(version)
+        return {
+            "time/weight_sync": time.monotonic() - start,
+            "sync/bytes": float(sent),
+            "engine/live": len(self.pool.live()),
+            "engine/restarts": float(self.supervisor.restarts),
+            **self._idle_share(),
+        }
+
+    def _idle_share(self) -> dict[str, float]:
+        """engine/idle_share: the share of the engines' time since the last publish in which they held
+        no request of ours (or were paused): the engines waiting for the trainer."""
+        now, busy = time.monotonic(), self.pool.busy_seconds()
+        last, self._busy = self._busy, (now, busy)
+        if last is None or now <= last[0]:
+            return {}
+        return {"engine/idle_share": 1.0 - (busy - last[1]) / (len(self.pool) * (now - last[0]))}
+
+    def probe(self, engine: int | None = None) -> Sample | None:
+        """A fixed response (the first prompt, sampled with a fixed seed) with the log-probs of
+        engine `engine` (default: a live one). None: no such engine answered (one that did not is
+        marked dead: it is restarted, and probed again after its refit)."""
+        ((ids, _),) = self.prompts.first(1)
+        for index in self.pool.live() if engine is None else [engine]:
+            client, request = self.engines.clients[index], f"probe-{secrets.token_hex(4)}"
+            try:
+                completion = self.loop.run(client.generate(list(ids), self.probe_sampling, request))
+            except EngineUnavailable:
+                self.loop.call(self.pool.mark_dead, index)
+                continue
+            break
+        else:
+            return None
+        return Sample(
+            prompt_ids=list(ids),
+            response_ids=completion.output_ids,
+            behaviour_logprobs=completion.logprobs,
+            versions=[0] * len(completion.output_ids),
+            reward=0.0,
+            group=0,
+        )
+
+    def waiting(self) -> list[int]:
+        """The engines the last publish sent the weights to while they waited for them."""
+        return self._waiting
 
     def release_memory(self) -> None:
         """Colocated engines give their memory to the trainer until the next send."""
@@ -64,11 +153,11 @@ class EngineUpdates:
 
     def check(self, version: int) -> None:
         """Each member serves `version` (RunStopped if one serves another); one that no longer
-        answers is marked dead (restarted, and sent the weights then). `waiting`: the members that
+        answers is marked dead (restarted, and sent the weights then). `waiting()`: the members that
         took these weights while waiting for them, to be checked and revived."""
         for index in self.loop.run(self.engines.check_version(version, self.members)):
             self.loop.call(self.pool.mark_dead, index)
-        self.waiting = [i for i in self.members if i in self.pool.refitting]
+        self._waiting = [i for i in self.members if i in self.pool.refitting]
 
     def revive(self, engines: list[int]) -> None:
         """These engines took the current weights and passed the checks: they serve again."""

@@ -4,11 +4,11 @@
     metrics = publisher.publish(version)                # every rank at once
 
 A publish makes the model's HF buckets (every rank takes its part in the gathers), hands them to
-this rank's outlet (rank 0: the engines; a rank holding a copy for a colocated engine: its
-holders; the others: nowhere), then checks what the engines serve: every
-rollout.sync.check_every versions a probe's log-probs from a serving engine against the
-trainer's, and for each engine that took the weights while it waited for them (restarted), the
-same probe from that engine before it serves again. The probe is rank 0's: every rank receives it
+this rank's outlet (rank 0: the engines' weight-update group, weights/engine_updates.py; a rank
+holding a copy for a colocated engine: its holders; the others: nowhere), then checks what the
+engines serve: every rollout.sync.check_every versions a probe's log-probs from a serving engine
+against the trainer's, and for each engine that took the weights while it waited for them
+(restarted), the same probe from that engine before it serves again. The probe is rank 0's: every rank receives it
 and scores its copies, so that the outlet is the only thing that differs between ranks.
 """
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from bapo_megatron.common.protocol import Completion
+from bapo_megatron.config import load_config
 from bapo_megatron.rewards.functions import last_boxed, score
 from bapo_megatron.rewards.workers import RewardWorkers
 from bapo_megatron.rollout.buffer import RolloutBuffer
@@ -265,3 +266,26 @@ def test_routes_are_recorded_across_a_resumption_and_kept_in_checkpoints():
 
     sample.reset()
     assert sample.routes == b""
+
+
+def test_a_steps_groups_become_its_batch_and_figures_under_the_staleness_bound():
+    """The buffer hands a step its batch (the stale prefix masked, the version in the metadata) and
+    the figures of what it trains on: staleness per token at the policy version, the share beyond
+    the bound, truncation at max_new_tokens."""
+    buffer = RolloutBuffer(2, max_new_tokens=6, token_budget=2, max_staleness=1, mask_stale_prefix=True)
+    buffer.add_group("p", [1])
+    for version in (1, 2, 3):
+        _step(buffer, version)  # each sample: versions [1, 1, 2, 2, 3, 3], truncated at 6
+    for i, s in enumerate(buffer.groups["p"].samples):
+        s.reward = float(i)
+    groups = buffer.take(1)
+    batch = buffer.batch(groups, 3, temperature=0.5)
+    assert batch.metadata["version"] == "3" and batch.temperature == 0.5
+    assert [s.loss_mask for s in batch.samples] == [[0, 0, 1, 1, 1, 1]] * 2  # 3 - 1: versions 2 and 3 train
+    figures = buffer.batch_figures(groups, 3)
+    assert figures["rollout/reward_mean"] == 0.5 and figures["rollout/truncated"] == 1.0
+    assert figures["rollout/token_staleness_max"] == 2.0 and figures["rollout/stale_masked_share"] == 1 / 3
+    assert [figures[f"rollout/staleness_share/{k}"] for k in range(3)] == [1 / 3] * 3
+    assert figures["rollout/response_length"] == 6 and figures["rollout/token_staleness_mean"] == 1.0
+    plain = RolloutBuffer.from_config(load_config(None, ["rollout.max_staleness=7"]).rollout)
+    assert (plain.max_staleness, plain.mask_stale_prefix, plain.routes) == (7, False, None)

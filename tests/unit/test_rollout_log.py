@@ -84,3 +84,29 @@ def test_logging_samples_is_checked():
     assert load_config(None, ["logging.samples=0"]).logging.samples == 0
     with pytest.raises(ConfigError, match=r"logging.samples=-1: must be >= 0"):
         load_config(None, ["logging.samples=-1"])
+
+
+def test_a_steps_records_are_its_groups_samples_and_saved_batch_cut_back_on_resume(tmp_path):
+    """logger.StepRecords: samples.jsonl names the step's groups, rollouts.jsonl holds its first
+    samples, batches/ its batch with logging.save_batches; a resume keeps both logs to its step."""
+    from bapo_megatron.common.batch import RolloutBatch
+    from bapo_megatron.logger import StepRecords
+
+    cfg = load_config(None, ["logging.samples=1", "logging.save_batches=true"]).logging
+    records = StepRecords(tmp_path, cfg, None)
+    batch = RolloutBatch.from_groups(groups(), temperature=1.0)
+    for step in (1, 2):
+        records.write(step, groups(), batch, oldest_allowed=0)
+    assert lines(tmp_path / "samples.jsonl") == [{"step": s, "groups": ["p0", "p1", "p2"]} for s in (1, 2)]
+    assert [(r["step"], r["group"], r["sample"]) for r in lines(tmp_path / "rollouts.jsonl")] == [
+        (1, "p0", 0),
+        (2, "p0", 0),
+    ]
+    saved = RolloutBatch.load(tmp_path / "batches" / "step_00000002.safetensors")
+    assert [s.response_ids for s in saved.samples] == [s.response_ids for s in batch.samples]
+    records.truncate_after(1)
+    assert [r["step"] for r in lines(tmp_path / "samples.jsonl") + lines(tmp_path / "rollouts.jsonl")] == [1, 1]
+    unsaved = StepRecords(tmp_path / "other", load_config(None, []).logging, None)
+    (tmp_path / "other").mkdir()
+    unsaved.write(1, groups(), batch, oldest_allowed=0)
+    assert not (tmp_path / "other" / "batches").exists()

@@ -726,9 +726,9 @@ def test_a_step_whose_every_group_has_equal_rewards_is_warned_about():
 
 def test_the_filter_config_is_checked_and_chooses_the_strategys_filter():
     from bapo_megatron.config import load_config
-    from bapo_megatron.driver import make_strategy
     from bapo_megatron.errors import ConfigError
     from bapo_megatron.rollout.filtering import DropEqualRewards, KeepAll
+    from bapo_megatron.rollout.modes import make_strategy
 
     core = spread_core(QuickEngine(), lambda i: True)
     cfg = load_config(None, ["rollout.filter_groups.enabled=true", "rollout.filter_groups.max_extra_rounds=3"])

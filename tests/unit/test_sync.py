@@ -86,3 +86,68 @@ def test_the_group_backend_follows_the_device():
     assert sender.backend == ("nccl" if torch.cuda.is_available() else "gloo")
     with pytest.raises(ValueError, match="backend"):
         DistributedWeightSender([RecordingClient()], [1], "127.0.0.1", 1, backend="mpi")
+
+
+class OutletClient(RecordingClient):
+    """An engine as rank 0's outlet sees it: it takes the weights, reports their version, answers the probe."""
+
+    def __init__(self, events: list[str], answers: bool = True) -> None:
+        super().__init__()
+        self.calls, self.answers, self.base_url, self.version = events, answers, "http://e", None
+
+    async def update_weights_from_tensor(self, serialized, version, *args, flush_cache: bool) -> None:
+        self.calls.append(f"tensor flush={flush_cache}")
+        self.version = version
+
+    async def model_info(self) -> dict:
+        return {"weight_version": self.version}
+
+    async def generate(self, ids, sampling, rid):
+        from bapo_megatron.common.protocol import Completion
+        from bapo_megatron.engines.client import EngineUnavailable
+
+        if not self.answers:
+            raise EngineUnavailable("gone")
+        self.calls.append(f"probe seed={sampling.sampling_seed} tokens={sampling.max_new_tokens}")
+        return Completion(rid=rid, output_ids=[4, 5], logprobs=[-0.5, -0.25], finish="length")
+
+
+def test_rank_0s_outlet_pauses_the_rollout_around_the_send_after_the_readers_and_checks(loop):
+    """weights/engine_updates.EngineUpdates is weights/publish.py's outlet on rank 0: what reads the
+    old weights finishes first, the rollout is paused only around the send, each engine's version
+    is checked; an engine back from a death is `waiting()` until revived; the probe is the first
+    prompt's, and an engine that does not answer it is marked dead."""
+    import contextlib
+    import types
+
+    from bapo_megatron.config import load_config
+    from bapo_megatron.engines.fleet import Engines
+    from bapo_megatron.engines.pool import EnginePool
+    from bapo_megatron.weights.engine_updates import EngineUpdates
+
+    events: list[str] = []
+    clients = [OutletClient(events), OutletClient([], answers=False)]  # the first's calls among the events
+    pool = EnginePool(clients)
+    engines = types.SimpleNamespace(loop=loop, pool=pool, clients=clients)
+    engines.check_version = lambda version, members: Engines.check_version(engines, version, members)
+    prompts = types.SimpleNamespace(first=lambda n: [([1, 2, 3], {})])
+    supervisor = types.SimpleNamespace(restarts=2)
+
+    @contextlib.asynccontextmanager
+    async def paused(version: int):
+        events.append(f"pause {version}")
+        yield
+        events.append("resume")
+
+    cfg = load_config(None, ["rollout.engines.colocate=true", "seed=7"])
+    updates = EngineUpdates(cfg, engines, supervisor, prompts, paused, lambda: events.append("readers done"))
+    pool.came_back(1)  # back from a death: it takes these weights, then waits to be checked
+    metrics = updates.publish(iter([BUCKET]), 3)
+    assert events == ["readers done", "pause 3", "begin", "tensor flush=True", "end", "resume"]
+    assert metrics["engine/live"] == 1 and metrics["engine/restarts"] == 2.0 and metrics["sync/bytes"] > 0
+    assert updates.waiting() == [1] and pool.live() == [0] and clients[1].version == "3"
+    events.clear()
+    assert updates.probe(None).response_ids == [4, 5] and events == ["probe seed=7 tokens=16"]
+    assert updates.probe(1) is None and pool.dead == {1}  # did not answer: restarted, probed after its refit
+    updates.revive(updates.waiting())  # (dead since: not revived)
+    assert pool.live() == [0]
