@@ -9,7 +9,6 @@ the trainer's weights when it returns). `job.close()` undoes it, whatever happen
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ from bapo_megatron.config import JobConfig, dump_config, parse_stop_when, to_dic
 from bapo_megatron.errors import RunStopped
 from bapo_megatron.fsutil import write_text_atomic
 from bapo_megatron.logger import MetricLogger, StepLog
+from bapo_megatron.plan import RunPlan, plan_run
+from bapo_megatron.runinfo import RunStatus, banner, check_resume, ending, identity, next_commands
 from bapo_megatron.sources import BatchSource
 
 
@@ -103,8 +105,7 @@ class Checkpointer:
     def check_start(self, cfg: JobConfig) -> Path | None:
         """The step directory the run resumes from (None: a new run). A wrong start fails in seconds:
         a fresh run over checkpoints, a resume from a broken one, or from another run's (runinfo)."""
-        from bapo_megatron.runinfo import check_resume
-        from bapo_megatron.trainer.integrity import verify
+        from bapo_megatron.trainer.integrity import verify_integrity
 
         if self.manager is None:
             return None
@@ -113,7 +114,7 @@ class Checkpointer:
         latest = self.manager.latest() if cfg.checkpoint.resume else None
         if latest is None:
             return None
-        verify(latest, check_contents=False)
+        verify_integrity(latest, check_contents=False)
         notice = check_resume(latest, self.record, cfg.checkpoint.allow_foreign) if self.record else None
         if notice and rank == 0:
             print(notice, file=sys.stderr, flush=True)
@@ -151,11 +152,8 @@ def any_rank(*flags: bool) -> list[bool]:
 
 def stopped_early_at(run_dir: Path, rule: str | None) -> int | None:
     """The step at which this run's stop_when ended it (status.json), if the same rule did."""
-    try:
-        status = json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return status.get("step") if status.get("reason") == "stop_when" and status.get("stop_when") == rule else None
+    status = RunStatus.read(run_dir)
+    return status.step if status is not None and status.reason == "stop_when" and status.stop_when == rule else None
 
 
 class AlreadyFinished(Exception):
@@ -177,18 +175,18 @@ def finished_before(cfg: JobConfig, resume_from: Path | None) -> str | None:
     return None
 
 
-def fit(cfg: JobConfig, spec, rank: int) -> JobConfig:
-    """`cfg` fitted to this process's GPU (trainer/fit.py, as the dry run does for --gpu-memory-gib):
-    parallel.recompute=auto resolved, said on rank 0; a recompute set by hand that the estimate
-    says does not fit, warned about."""
-    from bapo_megatron.trainer.fit import fit_to_gpu, local_gpu_bytes
+def plan(cfg: JobConfig, rank: int) -> RunPlan:
+    """The run planned for its launcher's world and this process's GPU (plan.py, as the dry run plans
+    for --world-size and --gpu-memory-gib): parallel.recompute=auto resolved, said on rank 0; a
+    recompute set by hand that the estimate says does not fit, warned about."""
+    from bapo_megatron.trainer.memory.fit import local_gpu_bytes
 
-    fitted = fit_to_gpu(cfg, spec, int(os.environ["WORLD_SIZE"]), local_gpu_bytes())
-    if rank == 0 and not fitted.fits:
-        warnings.warn(fitted.line, stacklevel=2)
+    planned = plan_run(cfg, int(os.environ["WORLD_SIZE"]), local_gpu_bytes())
+    if rank == 0 and not planned.fits:
+        warnings.warn(planned.recompute_line, stacklevel=2)
     elif rank == 0 and cfg.parallel.recompute == "auto":
-        print(fitted.line, flush=True)
-    return fitted.cfg
+        print(planned.recompute_line, flush=True)
+    return planned
 
 
 @dataclass
@@ -204,23 +202,21 @@ class Job:
     step: int = 0  # the step the run (re)started at
     resumed: bool = False
     own_group: bool = False
-    ended: str | None = field(default=None)  # "stop_when" or "signal" once decided
+    ended: Literal["stop_when", "signal"] | None = field(default=None)  # once decided
     skipped_in_a_row: int = 0  # steps whose every update was skipped, up to the last
     resume_from: Path | None = None  # the step directory the run resumes from
 
     @classmethod
     def start(cls, cfg: JobConfig) -> Job:
         """The job, built; AlreadyFinished (said on rank 0) when its checkpoint leaves nothing to do."""
-        from bapo_megatron.preflight import check_starting_weights, model_spec, validate
-        from bapo_megatron.runinfo import banner, identity
+        from bapo_megatron.preflight import check_starting_weights
         from bapo_megatron.sources import make_source
         from bapo_megatron.trainer.parallel import single_process_env
 
-        spec = model_spec(cfg)
         single_process_env()
         rank = int(os.environ["RANK"])
-        cfg = fit(cfg, spec, rank)
-        validate(cfg, spec, int(os.environ["WORLD_SIZE"]))
+        planned = plan(cfg, rank)
+        cfg, spec = planned.cfg, planned.spec
         stop = StopSignal(cfg.checkpoint.save_on_signal)
         source = None
         try:
@@ -238,7 +234,7 @@ class Job:
                 source.close()
             raise
         if rank == 0:  # what the run will do, before the engines and the trainer start
-            print(banner(cfg, spec, int(os.environ["WORLD_SIZE"]), job.resume_from, starting_weights), flush=True)
+            print(banner(cfg, spec, planned.world_size, job.resume_from, starting_weights), flush=True)
         try:
             job._build(spec, starting_weights)
         except BaseException:
@@ -291,21 +287,15 @@ class Job:
         """AlreadyFinished: said on rank 0 with the next commands, status.json "finished" (a run that
         failed or was stopped after its last checkpoint is finished all the same). The same command
         run again is idempotent, stop_when's end included."""
-        from bapo_megatron.runinfo import next_commands
         from bapo_megatron.trainer.checkpoint import step_of
 
         cfg, step = self.cfg, step_of(self.resume_from)
         if self.rank == 0:
             print("\n".join([why, *next_commands(cfg)]), flush=True)
-            status = cfg.run_path / "status.json"
-            try:
-                state = json.loads(status.read_text()).get("state")
-            except (OSError, ValueError, AttributeError):
-                state = None
-            if state != "finished":
+            previous = RunStatus.read(cfg.run_path)
+            if previous is None or previous.state != "finished":
                 cfg.run_path.mkdir(parents=True, exist_ok=True)
-                finished = {"state": "finished", "reason": "steps", "step": step, "steps": cfg.steps, "signal": None}
-                write_text_atomic(status, json.dumps(finished) + "\n")
+                RunStatus("finished", "steps", step, cfg.steps).write(cfg.run_path)
         raise AlreadyFinished(why)
 
     def watch(self, step: int, metrics: dict[str, float]) -> None:
@@ -340,24 +330,12 @@ class Job:
         if step > self.step and not self.checkpointer.due(step):  # trained here, and not saved on schedule
             self.checkpointer.save(self.trainer, step, self.log)
         if self.rank == 0:
-            finished = step >= cfg.steps or self.ended == "stop_when"
-            reason = "steps" if step >= cfg.steps else self.ended
-            status = {
-                "state": "finished" if finished else "stopped",
-                "reason": reason,
-                "step": step,
-                "steps": cfg.steps,
-                "signal": self.stop.received,
-            }
-            if reason == "stop_when":
-                status["stop_when"] = cfg.stop_when
-            write_text_atomic(cfg.run_path / "status.json", json.dumps(status) + "\n")
+            status = RunStatus.ended(step, cfg.steps, self.ended, self.stop.received, cfg.stop_when)
+            status.write(cfg.run_path)
             if self.stop.received is not None:
                 message = f"signal {self.stop.received}: saved step {step} of {cfg.steps}; the same command resumes"
                 print(message, file=sys.stderr)
-            elif finished:  # what was written, and what comes next
-                from bapo_megatron.runinfo import ending
-
+            elif status.state == "finished":  # what was written, and what comes next
                 manager = self.checkpointer.manager
                 saved = manager.root / f"step_{step:08d}" if manager is not None else None
                 print(ending(cfg, step, saved if saved is not None and saved.is_dir() else None), flush=True)
@@ -369,10 +347,9 @@ class Job:
             return
         with contextlib.suppress(Exception):  # the error being reported matters more than these lines
             self.log.flush(evaluations=False)
-        error = str(err) or type(err).__name__
-        status = {"state": "failed", "reason": "error", "error": error, "step": self.log.step or self.step}
+        status = RunStatus.failed(self.log.step or self.step, self.cfg.steps, str(err) or type(err).__name__)
         with contextlib.suppress(OSError):  # (a full disk may refuse this too: the error line still says it)
-            write_text_atomic(self.cfg.run_path / "status.json", json.dumps({**status, "steps": self.cfg.steps}) + "\n")
+            status.write(self.cfg.run_path)
 
     def close(self) -> None:
         """Teardown: signals restored, engines stopped, logs closed (the warnings held since the start

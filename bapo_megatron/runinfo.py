@@ -1,9 +1,10 @@
-"""What a run says about itself: the identity its checkpoints record, its start banner, its end lines.
+"""What a run says about itself: the identity its checkpoints record, its start banner, its end lines, its status.
 
     record = identity(cfg, spec)                       # each step directory's run.json
     notice = check_resume(step_dir, record, allowed)   # ConfigError for another run's checkpoint
     print(banner(cfg, spec, world, resume_from))       # rank 0, before the engines and the trainer start
     print(ending(cfg, step, saved))                    # rank 0, after the last step
+    RunStatus.ended(step, cfg.steps, ...).write(run_dir)   # status.json: how it ended, for job scripts
 
 A checkpoint is this run's when it records the same run name and the same algo, data, reward and
 model shape (SAME_RUN): the parallel layout, the step count, the optimizer, the engines and the
@@ -16,10 +17,13 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
+from typing import Literal
 
 from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig, to_dict
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.fsutil import write_text_atomic
+from bapo_megatron.plan import layout
 from bapo_megatron.trainer.checkpoint import run_record, step_of
 
 SAME_RUN = ("algo", "data", "reward")
@@ -35,6 +39,8 @@ MECHANICS = {
 }
 """Fields of those sections that change how the run computes, not what it trains on or for."""
 SHOWN = 4  # differences named in a refusal
+STATUS = "status.json"
+"""How the run ended (RunStatus), in its run directory."""
 
 
 def _flatten(data: object, prefix: str) -> dict[str, object]:
@@ -94,7 +100,7 @@ def check_resume(directory: Path, mine: dict, allow_foreign: bool) -> str | None
 
 
 def parameters(spec: ModelSpec) -> int:
-    from bapo_megatron.trainer.memory import stage_params
+    from bapo_megatron.trainer.memory.estimate import stage_params
 
     return stage_params(spec, spec.vocab_size, 1, 1, 0)
 
@@ -162,7 +168,7 @@ def metrics_path(cfg: JobConfig) -> Path | None:
 
 
 def _records(cfg: JobConfig) -> str:
-    names = ["config.yaml", "status.json", "warnings.log"]
+    names = ["config.yaml", STATUS, "warnings.log"]
     metrics = metrics_path(cfg)
     if metrics is not None:
         names.insert(1, metrics.name if metrics.parent == cfg.run_path else str(metrics))
@@ -187,9 +193,6 @@ def banner(
     cfg: JobConfig, spec: ModelSpec, world: int, resume_from: Path | None, starting_weights: bool = False
 ) -> str:
     """What the run is about to do, said before anything slow starts."""
-    p = cfg.parallel
-    dp = world // (p.tensor * p.pipeline * p.context)
-    layout = f"TP {p.tensor} x PP {p.pipeline}" + (f" x EP {p.expert}" if p.expert > 1 else "") + f" x DP {dp}"
     rows = [
         ("run directory", str(cfg.run_path)),
         ("model", _model(cfg, spec)),
@@ -198,8 +201,8 @@ def banner(
         ("records", _records(cfg)),
         ("checkpoints", _checkpoints(cfg)),
     ]
-    processes = _plural(world, "process", "es")
-    head = f"bapo-train {cfg.name}: {cfg.steps} steps, algo.loss={cfg.algo.loss}, {processes}, {layout}"
+    processes = f"{_plural(world, 'process', 'es')}, {layout(cfg.parallel, world)}"
+    head = f"bapo-train {cfg.name}: {cfg.steps} steps, algo.loss={cfg.algo.loss}, {processes}"
     return "\n".join([head, *(f"  {name:<15}{text}" for name, text in rows)])
 
 
@@ -229,3 +232,61 @@ def ending(cfg: JobConfig, step: int, saved: Path | None, how: str = "finished")
     if cfg.rollout.replay is None and cfg.algo.loss != "sft" and cfg.logging.samples:
         written.append(f"rollouts {cfg.run_path / 'rollouts.jsonl'}")
     return "\n".join([f"{how} at step {step} of {cfg.steps}: {', '.join(written)}", *next_commands(cfg)])
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStatus:
+    """How a run ended, as its run directory's status.json says it: for job scripts (slurm/common.sh
+    requeues a "stopped" run, exports a "finished" one) and for the run itself (a resume of a run
+    that its stop_when ended has nothing to do)."""
+
+    state: Literal["finished", "stopped", "failed"]
+    reason: Literal["steps", "stop_when", "signal", "error"]
+    """What ended it: its last step, its stop_when rule, a signal (saved: the same command resumes), an error."""
+    step: int
+    """The last step it trained."""
+    steps: int
+    """The steps it was to train (cfg.steps)."""
+    signal: int | None = None
+    """The stop signal it received (None: none)."""
+    stop_when: str | None = None
+    """The rule that ended it (reason "stop_when")."""
+    error: str | None = None
+    """What failed (state "failed")."""
+
+    @classmethod
+    def ended(
+        cls,
+        step: int,
+        steps: int,
+        stopped_by: Literal["stop_when", "signal"] | None,
+        signal: int | None,
+        rule: str | None,
+    ) -> RunStatus:
+        """A run that left its loop after `step`: finished at its last step or by its stop_when `rule`,
+        else stopped by a signal."""
+        if step >= steps:
+            return cls("finished", "steps", step, steps, signal)
+        if stopped_by == "stop_when":
+            return cls("finished", "stop_when", step, steps, signal, stop_when=rule)
+        return cls("stopped", "signal", step, steps, signal)
+
+    @classmethod
+    def failed(cls, step: int, steps: int, error: str) -> RunStatus:
+        return cls("failed", "error", step, steps, error=error)
+
+    def write(self, run_dir: Path) -> None:
+        """run_dir/status.json, whole or not at all: `signal` always (null: none came), `stop_when` and
+        `error` where they apply."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k == "signal"}
+        write_text_atomic(run_dir / STATUS, json.dumps(fields) + "\n")
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunStatus | None:
+        """What run_dir/status.json says; None without one, or with one this version cannot read (the
+        run's own record, rewritten when it ends again)."""
+        try:
+            data = json.loads((run_dir / STATUS).read_text())
+            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        except (OSError, ValueError, TypeError):
+            return None

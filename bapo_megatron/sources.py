@@ -33,7 +33,6 @@ from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.handoff import GiveUp, Handoff, Ready, Refit, Stop
-from bapo_megatron.logger import truncate_after
 from bapo_megatron.weights.publish import Gathering, WeightPublisher, broadcast, engine_model_dir, handle_holders
 
 
@@ -92,7 +91,7 @@ class ReplaySource(BatchSource):
                 batch = RolloutBatch.load(f)
             except ValueError as err:
                 raise BadInputError(str(err)) from None
-            problem = batch.problem(spec.vocab_size) or self._unfit(cfg, spec, batch)
+            problem = batch.problem(spec) or self._unfit(cfg, spec, batch)
             if problem:
                 raise BadInputError(f"rollout batch {f}: {problem}")
         self.index = 0
@@ -254,7 +253,7 @@ class OnlineFollower(BatchSource):
 
 class OnlineSource(OnlineFollower):
     """Rank 0 of a generating run: the driver's engines, prompts and rewards (driver.py, rollout/);
-    the driver is this rank's outlet of each weight publish."""
+    the engines' weight-update group (weights/engine_updates.py) is this rank's outlet of each publish."""
 
     def __init__(self, cfg: JobConfig, spec: ModelSpec) -> None:
         from bapo_megatron.driver import RolloutDriver
@@ -275,17 +274,16 @@ class OnlineSource(OnlineFollower):
     def start(self, trainer, step: int, resumed: bool) -> None:
         holders = handle_holders(self.cfg, trainer)
         model_dir = engine_model_dir(self.cfg, trainer)
-        for name in ("samples.jsonl", "rollouts.jsonl"):  # one timeline with metrics.jsonl
-            truncate_after(self.cfg.run_path / name, step if resumed else None)
+        self.driver.records.truncate_after(step if resumed else None)  # one timeline with metrics.jsonl
         self.driver.start(model_dir, holders, self._colocated_fraction(trainer))
-        self.publisher = WeightPublisher(self.cfg, trainer, self.driver, holders)
+        self.publisher = WeightPublisher(self.cfg, trainer, self.driver.updates, holders)
         self.publish(trainer, step)  # the engines serve the trainer's weights (a resumed run's too)
 
     def _colocated_fraction(self, trainer) -> float | None:
         e = self.cfg.rollout.engines
         if e.kind != "sglang" or not e.colocate or e.mem_fraction_static is not None:
             return None
-        from bapo_megatron.trainer.memory import rollout_mem_fraction
+        from bapo_megatron.trainer.memory.estimate import rollout_mem_fraction
 
         gpu = torch.cuda.get_device_properties(0).total_memory
         return rollout_mem_fraction(self.cfg, trainer.spec, gpu, trainer.info.dp_size)

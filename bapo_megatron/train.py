@@ -9,7 +9,7 @@ an online run's rank 0 drives the engines (driver.py) and hands the batch to eve
 trainer takes algo.updates_per_batch optimizer steps on it; the new weights go to the engines
 as version s. In rollout.mode sync the engines generate the batch while the trainer waits; in
 async they go on generating while it trains. Set-up and teardown are job.py's, the command
-line's options cli.py's.
+line's options cli/'s.
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def throughput(batch: RolloutBatch, seconds: float) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`bapo-train` (and python -m bapo_megatron.train): see cli.py for the options."""
-    quiet.install()  # before Megatron is imported: its known notices go to the run's warnings.log
+    """`bapo-train` (and python -m bapo_megatron.train): see cli/args.py for the options."""
+    quiet.hold_known_warnings()  # before Megatron is imported: its known notices go to the run's warnings.log
     args = cli.parse_args(sys.argv[1:] or None if argv is None else argv)
     if args.help_config:
         print(cli.help_config())

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from bapo_megatron.common import quiet
 
-    quiet.install()  # transformers' known notices in the evaluation: kept in RUNS/NAME/warnings.log
+    quiet.hold_known_warnings()  # transformers' known notices in the evaluation: kept in RUNS/NAME/warnings.log
     from bapo_megatron.evaluate import evaluate_hf
 
     run = args.runs.resolve() / args.name

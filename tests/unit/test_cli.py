@@ -83,7 +83,7 @@ def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "trainer: 8 processes = TP 4 x PP 1 x VPP 1 (virtual stages) x CP 1 x DP 2" in out
+    assert "trainer: 8 processes, TP 4 x PP 1 x DP 2" in out
     assert "engines: 2 sglang server(s), TP 4 each" in out and "colocated with the trainer" in out
     assert "rollout: mode sync, max_staleness K=4: each step generates, then trains; whole responses" in out
     assert "SGLang servers on the driver's node (8 GPUs, trainer ranks on GPUs 0-7): GPUs 0-3, 4-7" in out
@@ -134,15 +134,17 @@ def test_a_dry_run_outside_a_launcher_plans_for_the_presets_own_world(tmp_path, 
     from bapo_megatron.train import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("BAPO_HOME", raising=False)
     main(["examples/qwen2.5-32b/config.yaml", "--dry-run"])
     out = capsys.readouterr().out
     assert out.startswith("# no --world-size: planned for 32 trainer processes, as slurm/bapo_32b.sh runs this config")
-    assert "trainer: 32 processes = TP 8 x PP 2" in out and "DP 2" in out
+    assert "trainer: 32 processes, TP 8 x PP 2 x DP 2" in out
     mine = tmp_path / "mine.yaml"
     mine.write_text((ROOT / "examples" / "qwen2.5-32b" / "config.yaml").read_text())
     main([str(mine), "--dry-run"])
     out = capsys.readouterr().out
     assert "smallest world the layout needs, TP 8 x PP 2 x CP 1 = 16 trainer processes" in out
+    assert f"# no Slurm script found: no slurm/ folder above {mine} and no $BAPO_HOME" in out
     assert "trainer: 16 processes" in out
     main([str(mine), "--dry-run", "--world-size", "64"])
     assert "# no --world-size" not in capsys.readouterr().out
@@ -166,6 +168,15 @@ def _run_env(monkeypatch, world: int) -> None:
     monkeypatch.setenv("MASTER_PORT", "1")
 
 
+def _gpu_machine(monkeypatch, gib: int) -> None:
+    """This process as one on a GPU of `gib` GiB that runs the presets' precision (Transformer Engine, bf16)."""
+    from bapo_megatron.trainer import megatron_config
+    from bapo_megatron.trainer.memory import fit as fitting
+
+    monkeypatch.setattr(fitting, "local_gpu_bytes", lambda: gib * 2**30)
+    monkeypatch.setattr(megatron_config, "check_precision_support", lambda model: None)
+
+
 def _refusal(capsys, argv: list[str]) -> str:
     from bapo_megatron.train import main
 
@@ -176,14 +187,12 @@ def _refusal(capsys, argv: list[str]) -> str:
 
 
 def test_dry_run_says_what_recompute_auto_chose_and_the_run_chooses_the_same(capsys, monkeypatch):
-    """The dry run fits the job to --gpu-memory-gib with the run's own function (job.fit, for its
-    GPU's size): the same choice where it fits, the same refusal where nothing does, both before
-    anything is built."""
+    """The dry run plans the job for --gpu-memory-gib with the run's own function (plan.plan_run, which
+    job.plan calls for its GPU's size): the same choice where it fits, the same refusal where nothing
+    does, both before anything is built."""
     from bapo_megatron.config import load_config
-    from bapo_megatron.job import fit
-    from bapo_megatron.preflight import model_spec
+    from bapo_megatron.job import plan
     from bapo_megatron.train import main
-    from bapo_megatron.trainer import fit as fitting
 
     preset = "examples/qwen2.5-32b/config.yaml"  # 32k responses, recompute: auto
     main([preset, "--dry-run", "--world-size", "32"])
@@ -192,15 +201,15 @@ def test_dry_run_says_what_recompute_auto_chose_and_the_run_chooses_the_same(cap
     assert "  recompute: full\n  recompute_layers: 8\n" in out  # the resolved config, as the run saves it
     assert "longest response this layout fits: 129,024 tokens, the model's context (recompute full: 27 of" in out
     _run_env(monkeypatch, 32)
-    monkeypatch.setattr(fitting, "local_gpu_bytes", lambda: 80 * 2**30)
+    _gpu_machine(monkeypatch, 80)
     cfg = load_config(preset)
-    chosen = fit(cfg, model_spec(cfg), 0).parallel
+    chosen = plan(cfg, 0).cfg.parallel
     assert (chosen.recompute, chosen.recompute_layers) == ("full", 8)
     assert "activation recompute: auto chose full: 8 of the 32" in capsys.readouterr().out  # said by rank 0
     # 64k on 40 GiB GPUs: nothing fits; the dry run and the run refuse alike
     long = ["examples/qwen2.5-32b/long.yaml"]
     dry = _refusal(capsys, [*long, "--dry-run", "--world-size", "32", "--gpu-memory-gib", "40"])
-    monkeypatch.setattr(fitting, "local_gpu_bytes", lambda: 40 * 2**30)
+    _gpu_machine(monkeypatch, 40)
     assert _refusal(capsys, long) == dry
     assert dry.startswith("error: parallel.recompute='auto': does not fit:") and "40 GiB GPU" in dry
     assert "parallel.pipeline=4" in dry and "parallel.max_tokens_per_microbatch=" in dry
@@ -212,7 +221,7 @@ def test_context_parallel_is_refused_naming_the_longest_response_without_it(caps
     response the layout fits without it."""
     from bapo_megatron.config import load_config
     from bapo_megatron.preflight import model_spec
-    from bapo_megatron.trainer.fit import longest_response
+    from bapo_megatron.trainer.memory.fit import longest_response
 
     argv = ["examples/qwen2.5-32b/config.yaml", "parallel.context=2"]
     dry = _refusal(capsys, [*argv, "--dry-run", "--world-size", "32"])
@@ -252,10 +261,8 @@ def test_a_peak_over_the_gpu_is_refused_unless_asked_to_go_on(capsys, monkeypatc
     what would fit, from fit_to_gpu in the dry run and in the run; parallel.over_memory=true goes on
     (the run warns)."""
     from bapo_megatron.config import load_config
-    from bapo_megatron.job import fit
-    from bapo_megatron.preflight import model_spec
+    from bapo_megatron.job import plan
     from bapo_megatron.train import main
-    from bapo_megatron.trainer import fit as fitting
 
     argv = ["examples/qwen2.5-32b/config.yaml", "parallel.recompute=none"]  # 32k responses: 85.6 GiB
     dry = _refusal(capsys, [*argv, "--dry-run", "--world-size", "32"])
@@ -264,13 +271,13 @@ def test_a_peak_over_the_gpu_is_refused_unless_asked_to_go_on(capsys, monkeypatc
     assert "it would fit with parallel.recompute=auto (full: 8 of the 32 layers" in dry
     assert "parallel.pipeline=4 (32 GPUs" in dry and "parallel.over_memory=true runs it anyway" in dry
     _run_env(monkeypatch, 32)
-    monkeypatch.setattr(fitting, "local_gpu_bytes", lambda: 80 * 2**30)
+    _gpu_machine(monkeypatch, 80)
     assert _refusal(capsys, argv) == dry
     main([*argv, "parallel.over_memory=true", "--dry-run", "--world-size", "32"])
     assert "estimated peak 85.6 GiB does NOT fit the 73.0 GiB usable" in capsys.readouterr().out
     cfg = load_config(argv[0], [*argv[1:], "parallel.over_memory=true"])
     with pytest.warns(UserWarning, match="does NOT fit"):
-        assert fit(cfg, model_spec(cfg), 0).parallel.recompute == "none"
+        assert plan(cfg, 0).cfg.parallel.recompute == "none"
 
 
 def test_the_dry_run_names_the_micro_batch_layout_and_prints_only_what_a_field_selects(capsys):
@@ -300,3 +307,65 @@ def test_the_dry_run_says_dynamic_sampling_may_generate_more(capsys):
 
     main([str(ROOT / "examples" / "tiny_online.yaml"), "rollout.filter_groups.enabled=true", "--dry-run"])
     assert "up to 4 more steps' worth of groups a step (generation up to 5x a step's)" in capsys.readouterr().out
+
+
+def test_the_longest_response_says_when_the_models_context_not_memory_is_the_limit(tmp_path, capsys):
+    """A model of 64 positions with micro-batches of 2048 tokens (examples/tiny_verl.yaml's tiny
+    Qwen2): its prompt room alone passes the context, so the figure is the context, held without
+    recompute, not "0 tokens (recompute full ...)"; where memory holds not one token, "none"."""
+    from bapo_megatron.train import main
+
+    tiny = {**QWEN7B, "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
+    tiny.update(num_key_value_heads=2, intermediate_size=256, max_position_embeddings=64)
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    argv = [f"model.hf_path={tmp_path}", "parallel.max_tokens_per_microbatch=2048", "rollout.sampling.max_new_tokens=4"]
+    main([*argv, "--dry-run"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("longest response"))
+    assert line.startswith(
+        "longest response this layout fits: the model's context, 64 tokens with its prompt (recompute none), on 80 "
+        "GiB GPUs: the context, not memory, is the limit (a micro-batch leaves prompts 2,044 tokens, "
+    ), line
+    (tmp_path / "config.json").write_text(json.dumps(QWEN7B))
+    main([f"model.hf_path={tmp_path}", "parallel.over_memory=true", "--gpu-memory-gib", "8", "--dry-run"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("longest response"))
+    assert line.startswith("longest response this layout fits: none, even with the most recompute (full: 28 of"), line
+
+
+def _slurm_script(folder: Path, config: str, train_nodes: int, nodes: int) -> None:
+    """A script of slurm/'s shape: its #SBATCH header, its default CONFIG and its bapo_gpu_job line."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "big.sh").write_text(
+        f"#SBATCH --nodes={nodes}\n#SBATCH --gpus-per-node=8\nCONFIG=${{CONFIG:-{config}}}\n"
+        f'source "$BAPO_HOME/slurm/common.sh"\nbapo_gpu_job {train_nodes} 4 2 "$@"\n'
+    )
+
+
+def test_the_slurm_script_is_looked_for_beside_the_config_then_under_bapo_home(tmp_path, monkeypatch):
+    """Wherever the package is installed: the nearest slurm/ above the config, else $BAPO_HOME's;
+    what was searched is said when no script runs the config."""
+    from bapo_megatron.cli.slurm import find_slurm_plan
+
+    monkeypatch.delenv("BAPO_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    home = tmp_path / "checkout"
+    config = home / "examples" / "big" / "config.yaml"
+    _slurm_script(home / "slurm", "examples/big/config.yaml", train_nodes=2, nodes=3)
+    plan = find_slurm_plan(config).plan
+    assert (plan.name, plan.default, plan.world_size, plan.rollout_nodes) == ("checkout/slurm/big.sh", True, 16, 1)
+    assert find_slurm_plan(Path("checkout/examples/big/recipe.yaml")).plan.default is False  # beside: CONFIG=...
+
+    (config.parent / "slurm").mkdir(parents=True)  # a nearer slurm/ that does not run it
+    search = find_slurm_plan(config)
+    assert search.plan is None
+    assert search.none_found() == (
+        "no Slurm script in checkout/examples/big/slurm/ runs checkout/examples/big/config.yaml "
+        "(as its CONFIG, or one beside it)"
+    )
+    monkeypatch.setenv("BAPO_HOME", str(home))
+    assert find_slurm_plan(config).plan.script == home / "slurm" / "big.sh"
+
+    monkeypatch.delenv("BAPO_HOME")
+    elsewhere = find_slurm_plan(tmp_path / "mine.yaml")
+    assert elsewhere.plan is None and elsewhere.none_found().startswith(
+        "no Slurm script found: no slurm/ folder above mine.yaml and no $BAPO_HOME"
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 from bapo_megatron.config import JobConfig
 
 PACKAGE = Path(__file__).resolve().parents[2] / "bapo_megatron"
-DEFINING = ("config", "cli.py")  # the definitions and loader, --help-config and --dry-run's printout
+DEFINING = ("config", "cli")  # the definitions and loader, --help-config and --dry-run's printout
 
 
 def sections(cls: type, path: str = "job") -> dict[str, type]:
@@ -62,12 +62,12 @@ def test_the_check_finds_an_unread_field():
 
 
 def test_only_the_defining_modules_are_left_out(tmp_path):
-    """Reads in config/ (any depth) and cli.py do not count; a read in any other module does, a
+    """Reads in config/ and cli/ (any depth) do not count; a read in any other module does, a
     module named config.py elsewhere included."""
     files = {
         "config/job.py": "x.only_in_config_job",
         "config/nested/deep.py": "x.only_in_config_deep",
-        "cli.py": "x.only_in_cli",
+        "cli/dry_run.py": "x.only_in_cli",
         "rollout/config.py": "x.read_in_rollout_config",
         "driver.py": "x.read_in_driver",
     }

@@ -46,6 +46,6 @@ def test_the_help_says_where_paths_resolve_and_what_world_the_dry_run_plans(caps
         cli.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "resolve against the working directory: run the examples from the repository root" in text
-    assert "the slurm/ script that runs the config" in text and "TP x PP x CP" in text  # as cli.world_size picks
+    assert "the slurm/ script that runs the config" in text and "TP x PP x CP" in text  # as planned_world picks
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "Every command in this README runs from the repository root" in readme

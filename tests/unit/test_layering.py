@@ -1,7 +1,7 @@
 """The import direction of the package's layers and top-level modules, function-level imports included:
 
     errors, fsutil -> algo -> config -> common -> trainer, engines, data, rewards -> rollout, weights
-        -> logger, tasks, evaluate, serve, preflight -> cli, driver -> sources -> job -> train
+        -> logger, tasks, evaluate, serve, preflight -> plan -> cli, driver -> sources, runinfo -> job -> train
 
 A module may import its own layer and those before it, never one after, and never a sibling of its
 rank: the trainer knows nothing of the engines, the engines nothing of the trainer, data or
@@ -32,14 +32,15 @@ RANK = {
     "evaluate": 6,
     "serve": 6,
     "preflight": 6,
-    "cli": 7,
     "handoff": 6,
-    "driver": 7,
-    "sources": 8,
-    "runinfo": 8,
-    "job": 9,
-    "train": 10,
-    "__init__": 11,
+    "plan": 7,
+    "cli": 8,
+    "driver": 8,
+    "sources": 9,
+    "runinfo": 9,
+    "job": 10,
+    "train": 11,
+    "__init__": 12,
 }
 
 

@@ -3,7 +3,9 @@
 here (within 5%), on 8 x 80 GiB nodes."""
 
 import dataclasses
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,7 +121,7 @@ def test_the_recipe_is_the_authors_shape_for_the_users_files(name, tmp_path):
     run without them says which field to set."""
     from bapo_megatron.errors import ConfigError
     from bapo_megatron.preflight import model_spec, validate
-    from bapo_megatron.trainer.fit import fit_to_gpu
+    from bapo_megatron.trainer.memory.fit import fit_to_gpu
 
     base = ROOT / "examples" / name / "recipe.yaml"
     files = ["data.path=/data/dapo-math-17k.parquet", "eval.sets.aime24.path=/data/aime-2024.parquet"]
@@ -166,6 +168,35 @@ def test_the_dry_run_plans_the_world_and_engines_of_the_presets_slurm_script(nam
     assert "cannot place" not in out
 
 
+def test_an_installed_package_plans_the_recipe_as_the_checkouts_slurm_script_runs_it(tmp_path):
+    """Installed as the Dockerfile installs it (`pip install .`, not editable: no slurm/ beside the
+    package), run from outside the checkout: the dry run finds slurm/bapo_7b.sh beside the config
+    and plans its 8 trainer processes, not the 4 the layout needs at least."""
+    source, site = tmp_path / "source", tmp_path / "site"
+    shutil.copytree(ROOT / "bapo_megatron", source / "bapo_megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+    subprocess.run([*pip, "--target", str(site), str(source)], check=True, capture_output=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "BAPO_HOME")} | {"PYTHONPATH": str(site)}
+    where = [sys.executable, "-c", "import bapo_megatron; print(bapo_megatron.__file__)"]
+    assert subprocess.run(where, cwd=tmp_path, env=env, capture_output=True, text=True).stdout.strip() == str(
+        site / "bapo_megatron" / "__init__.py"
+    )  # the installed copy, not the checkout's
+    preset = ROOT / "examples" / "qwen2.5-7b"
+    files = ["data.path=/d.parquet", "eval.sets.aime24.path=/a.parquet", "eval.sets.aime25.path=/b.parquet"]
+    command = [str(site / "bin" / "bapo-train"), str(preset / "recipe.yaml"), f"model.hf_path={preset / 'shape'}"]
+    done = subprocess.run(
+        [*command, *files, "--dry-run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    script = ROOT / "slurm" / "bapo_7b.sh"
+    assert done.stdout.startswith(f"# no --world-size: planned for 8 trainer processes, as {script} runs it"), (
+        done.stdout[:300]
+    )
+    assert "trainer: 8 processes, TP 4 x PP 1 x DP 2" in done.stdout
+
+
 @pytest.mark.parametrize(("file", "new_tokens", "layers"), [("config.yaml", 32768, 8), ("long.yaml", 65536, 21)])
 def test_the_32b_presets_fit_long_responses_on_80_gib(file, new_tokens, layers):
     """config.yaml: 32k-token responses, long.yaml: 64k, on slurm/bapo_32b.sh's layout; recompute
@@ -177,7 +208,7 @@ def test_the_32b_presets_fit_long_responses_on_80_gib(file, new_tokens, layers):
     done = subprocess.run([*command, "--world-size=32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "trainer: 32 processes = TP 8 x PP 2 x VPP 1 (virtual stages) x CP 1 x DP 2" in out
+    assert "trainer: 32 processes, TP 8 x PP 2 x DP 2" in out
     assert f"activation recompute: auto chose full: {layers} of the 32 layers of each pipeline stage" in out
     line = next(line for line in out.splitlines() if line.startswith("trainer, distributed optimizer:"))
     assert float(re.search(r"peak ([\d.]+) GiB", line).group(1)) <= 73  # 80 GiB less the reserve
@@ -200,7 +231,7 @@ def test_each_readme_says_the_longest_response_its_preset_fits(name):
     """The figures the dry run prints (`longest response this layout fits`), with and without
     recompute, are the ones the preset's README and the top-level README give."""
     from bapo_megatron.preflight import model_spec
-    from bapo_megatron.trainer.fit import longest_response
+    from bapo_megatron.trainer.memory.fit import longest_response
 
     cfg = load_config(ROOT / "examples" / name / "config.yaml")
     dp = PRESETS[name][0] // (cfg.parallel.tensor * cfg.parallel.pipeline)

@@ -1,6 +1,7 @@
 """A run says what it does (bapo_megatron/runinfo.py): the banner from a resolved config, the end
 lines with this run's paths, its own checkpoint directory by default, another run's checkpoint
-refused unless asked, and "already finished" for a run whose checkpoint is at its last step."""
+refused unless asked, "already finished" for a run whose checkpoint is at its last step, and
+status.json, how it ended."""
 
 import json
 from pathlib import Path
@@ -11,7 +12,8 @@ from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import load_config
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.job import finished_before
-from bapo_megatron.runinfo import banner, check_resume, ending, identity
+from bapo_megatron.plan import layout
+from bapo_megatron.runinfo import RunStatus, banner, check_resume, ending, identity
 from bapo_megatron.trainer.checkpoint import RUN_RECORD
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +52,14 @@ def test_the_banner_says_what_the_run_will_do(tmp_path):
     assert "nothing will be saved (checkpoint.save=false)" in plain
     assert "replayed from batches/ (no engines)" in plain and "4 processes, TP 1 x PP 1 x DP 4" in plain
     assert "samples.jsonl" not in plain
+
+
+def test_the_layout_names_the_sizes_that_are_set():
+    """One line for the banner and the dry run: virtual pipeline, context and expert parallel only where set."""
+    parallel = load_config(None, ["parallel.tensor=4", "parallel.expert=8"]).parallel
+    assert layout(parallel, 32) == "TP 4 x PP 1 x EP 8 x DP 8"
+    parallel = load_config(None, ["parallel.pipeline=2", "parallel.virtual_pipeline=2"]).parallel
+    assert layout(parallel, 4) == "TP 1 x PP 2 x VPP 2 x DP 2"
 
 
 def test_the_end_lines_name_what_was_written_and_the_next_commands(tmp_path):
@@ -115,10 +125,48 @@ def test_a_run_at_its_last_step_has_nothing_to_do(tmp_path):
     assert finished_before(cfg, step).startswith("already finished at step 20: nothing to do")
     assert finished_before(_cfg(f"run_dir={tmp_path}", "steps=30"), step) is None  # more steps: it trains on
     assert finished_before(cfg, None) is None
-    ended = {"state": "finished", "reason": "stop_when", "step": 5, "stop_when": "train/step>=4"}
-    (tmp_path / "status.json").write_text(json.dumps(ended))
+    RunStatus.ended(5, 20, "stop_when", None, "train/step>=4").write(tmp_path)
     early = tmp_path / "ckpt" / "step_00000005"
     assert "stop_when train/step>=4 ended it" in finished_before(
         _cfg(f"run_dir={tmp_path}", "stop_when=train/step>=4"), early
     )
     assert finished_before(_cfg(f"run_dir={tmp_path}", "stop_when=train/step>=6"), early) is None
+
+
+@pytest.mark.parametrize(
+    ("step", "stopped_by", "signal", "written"),
+    [
+        (20, None, None, {"state": "finished", "reason": "steps", "step": 20, "steps": 20, "signal": None}),
+        (20, "signal", 10, {"state": "finished", "reason": "steps", "step": 20, "steps": 20, "signal": 10}),
+        (
+            5,
+            "stop_when",
+            None,
+            {"state": "finished", "reason": "stop_when", "step": 5, "steps": 20, "signal": None, "stop_when": "r"},
+        ),
+        (7, "signal", 15, {"state": "stopped", "reason": "signal", "step": 7, "steps": 20, "signal": 15}),
+    ],
+)
+def test_status_json_says_how_the_run_ended(tmp_path, step, stopped_by, signal, written):
+    """What job scripts read (slurm/common.sh: "stopped" requeues), and what a resume reads back."""
+    status = RunStatus.ended(step, 20, stopped_by, signal, "r")
+    status.write(tmp_path)
+    assert json.loads((tmp_path / "status.json").read_text()) == written
+    assert RunStatus.read(tmp_path) == status
+
+
+def test_a_failed_run_says_why_and_an_unreadable_status_is_none(tmp_path):
+    RunStatus.failed(3, 20, "reward 'x' failed").write(tmp_path)
+    written = json.loads((tmp_path / "status.json").read_text())
+    assert written == {
+        "state": "failed",
+        "reason": "error",
+        "step": 3,
+        "steps": 20,
+        "signal": None,
+        "error": "reward 'x' failed",
+    }
+    assert RunStatus.read(tmp_path / "nowhere") is None
+    for text in ("{", "[1, 2]", '{"state": "finished"}'):  # cut short, not an object, fields missing
+        (tmp_path / "status.json").write_text(text)
+        assert RunStatus.read(tmp_path) is None
