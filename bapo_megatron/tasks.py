@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bapo_megatron.common.arguments import at_least_one
+
 SPECIAL = ("<pad>", "<eos>")
 SYMBOLS = tuple("0123456789+=s,")
 """Every task's characters: 16 tokens with the two special ones."""
@@ -367,25 +369,14 @@ def _said(err: OSError, target: Path) -> str:
     return f"{what} ({where})" if where else what
 
 
-def _count(text: str) -> int:
-    """An argparse type: a whole number of prompts, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=[*sorted(TASKS), VERL_TASK.name])
     parser.add_argument("out", help="a new or empty directory (made with its parents); written whole or not at all")
-    parser.add_argument("--train", type=_count, help="training prompts (default 20000; verl-data 2000)")
+    parser.add_argument("--train", type=at_least_one, help="training prompts (default 20000; verl-data 2000)")
     parser.add_argument(
         "--heldout",
-        type=_count,
+        type=at_least_one,
         help="held-out prompts, at most half of the task's distinct ones (default 1000; verl-data 20 of its 100)",
     )
     parser.add_argument("--seed", type=int, default=0)

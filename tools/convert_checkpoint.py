@@ -21,18 +21,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bapo_megatron.common.arguments import at_least_one
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.weights.convert import DTYPES, TEMPLATE_HELP, hf_to_mcore, mcore_to_hf, verify_conversion
-
-
-def _parallel_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint")
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument(
-        "--tp", type=_parallel_size, default=1, help="tensor-parallel size to check the model's split against"
-    )
-    p.add_argument("--pp", type=_parallel_size, default=1, help="pipeline size to check the layer split against")
-    p.add_argument(
-        "--ep", type=_parallel_size, default=1, help="expert-parallel size to check the expert split against"
-    )
+    p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel size to check the model's split against")
+    p.add_argument("--pp", type=at_least_one, default=1, help="pipeline size to check the layer split against")
+    p.add_argument("--ep", type=at_least_one, default=1, help="expert-parallel size to check the expert split against")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     p.add_argument("--mcore", required=True)

@@ -197,7 +197,7 @@ def test_parallel_sizes_below_one_are_refused(hf_dir, tmp_path, capsys):
         with pytest.raises(SystemExit) as stopped:
             cli.main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "o"), flag, "0"])
         assert stopped.value.code == 2
-        assert f"argument {flag}: 0 must be >= 1" in capsys.readouterr().err
+        assert f"argument {flag}: 0: must be at least 1" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"parallel.expert=0: must be >= 1"):
         hf_to_mcore(hf_dir, tmp_path / "o", ep=0)
     assert not (tmp_path / "o").exists()
