@@ -80,6 +80,7 @@ def warm_start(
     start's run directory ("sft"), its export ("hf"), its step count and each phase's seconds."""
     import shutil
 
+    from bapo_megatron.runinfo import RunStatus
     from bapo_megatron.tasks import write_task
 
     seconds = {}
@@ -107,7 +108,7 @@ def warm_start(
     # with the seed, and RL starts with room to gain. A warm start that ended is not trained again
     # (bapo-train resumes it and finds it ended).
     bapo_train(CONFIGS / "sft.yaml", overrides)
-    done_steps = json.loads((sft / "status.json").read_text())["step"]
+    done_steps = RunStatus.read(sft).step
     hf = sft / "hf"
     shutil.rmtree(hf, ignore_errors=True)
     export(sft / "ckpt", task["model"], hf)

@@ -20,7 +20,6 @@ The submitted command is the same everywhere: python -m bapo_megatron.train PRES
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -161,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     # (leaving the experiment waited for the job)
     if opts.executor == "local":  # NeMo-Run keeps no status for local jobs: the run's own word
         from bapo_megatron.config import load_config
+        from bapo_megatron.runinfo import RunStatus
 
-        status = load_config(PRESETS[preset], job.args[1:]).run_path / "status.json"
-        state = json.loads(status.read_text())["state"] if status.is_file() else "failed (no status.json)"
+        status = RunStatus.read(load_config(PRESETS[preset], job.args[1:]).run_path)
+        state = status.state if status is not None else "failed (no readable status.json)"
     else:
         state = str((exp.status(return_dict=True) or {}).get(opts.name, {}).get("status", "unknown"))
     if state.lower() not in ("finished", "succeeded", "appstate.succeeded"):
