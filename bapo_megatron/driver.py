@@ -28,7 +28,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.progress import Progress, bars_on
 from bapo_megatron.common.routes import recorded_routes
 from bapo_megatron.config import JobConfig
@@ -37,6 +36,7 @@ from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.supervisor import Supervisor
 from bapo_megatron.handoff import GiveUp, Ready, Refit
 from bapo_megatron.logger import StepRecords
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.rewards.workers import FailingRewards, RewardWorkers
 from bapo_megatron.rollout.buffer import GroupState, RolloutBuffer
 from bapo_megatron.rollout.evaluation import HeldOut, HeldOutRuns

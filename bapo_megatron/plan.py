@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig, ParallelConfig
+from bapo_megatron.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from bapo_megatron.common.model_spec import ModelSpec, check_layout, tiny_spec
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.models.spec import ModelSpec, check_layout, tiny_spec
 
 
 def model_spec(cfg: JobConfig) -> ModelSpec:

@@ -19,10 +19,10 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig, to_dict
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.fsutil import write_text_atomic
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.plan import layout
 from bapo_megatron.trainer.checkpoint import run_record, step_of
 

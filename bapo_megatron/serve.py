@@ -39,8 +39,8 @@ def engine_server(cfg, index: int, run_dir: Path):
         ro = dataclasses.replace(ro, engines=dataclasses.replace(ro.engines, port=DEFAULT_PORT))
     run_dir.mkdir(parents=True, exist_ok=True)
     if ro.engines.kind == "sglang":
-        from bapo_megatron.common.model_spec import ModelSpec
         from bapo_megatron.common.routes import recorded_routes
+        from bapo_megatron.models.spec import ModelSpec
 
         routes = recorded_routes(cfg, ModelSpec.from_hf_dir(cfg.model.hf_path)) is not None
         return sglang_servers(ro, cfg.model.hf_path, run_dir, seed=cfg.seed, routed_experts=routes)[0][index]

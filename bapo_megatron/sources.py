@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.handoff import GiveUp, Handoff, Ready, Refit, Stop
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.weights.publish import Gathering, WeightPublisher, broadcast, engine_model_dir, handle_holders
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bapo_megatron.common.arguments import at_least_one
+from bapo_megatron.models import FAMILIES, family_of
 
 SPECIAL = ("<pad>", "<eos>")
 SYMBOLS = tuple("0123456789+=s,")
@@ -184,24 +185,18 @@ CHAT_TEMPLATE = (
 """The chat tokenizer's template: each turn as its role marker and its content."""
 
 
-def tiny_qwen2_config(max_positions: int = 64, vocab_size: int = len(SPECIAL) + len(SYMBOLS)) -> dict:
-    """About 1M parameters: hidden 128 x 4 layers, 4 heads (2 KV), vocabulary 16 (the chat
-    tokenizer's 22), tied embeddings."""
+def tiny_config(
+    architecture: str = "qwen2",
+    max_positions: int = 64,
+    vocab_size: int = len(SPECIAL) + len(SYMBOLS),
+) -> dict:
+    """The config.json of family `architecture`'s tiny task model (its task_model: about 1M
+    parameters, hidden 128 x 4 layers, 4 heads (2 KV), tied embeddings; Qwen3-MoE with 8 experts of
+    width 128, top-2), with the character tokenizer's special tokens (vocabulary 16, the chat
+    tokenizer's 22)."""
+    family = family_of(architecture)
     return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": vocab_size,
-        "hidden_size": 128,
-        "intermediate_size": 384,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "max_position_embeddings": max_positions,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-        "hidden_act": "silu",
+        **family.to_hf(family.task_model(vocab_size, max_positions)),
         "bos_token_id": SPECIAL.index("<eos>"),
         "eos_token_id": SPECIAL.index("<eos>"),
         "pad_token_id": SPECIAL.index("<pad>"),
@@ -209,31 +204,8 @@ def tiny_qwen2_config(max_positions: int = 64, vocab_size: int = len(SPECIAL) + 
     }
 
 
-def tiny_qwen3_moe_config(max_positions: int = 64, vocab_size: int = len(SPECIAL) + len(SYMBOLS)) -> dict:
-    """The tiny Qwen2's shape as a Qwen3-MoE: q/k norms, every layer 8 experts of width 128, top-2
-    (the same active MLP width as the dense model's 384 within a third), about 1.3M parameters."""
-    base = {k: v for k, v in tiny_qwen2_config(max_positions, vocab_size).items() if k != "intermediate_size"}
-    return {
-        **base,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "intermediate_size": 384,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 128,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "attention_bias": False,
-    }
-
-
-MODELS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config}
-"""The tasks' tiny models by architecture."""
-
-
 def write_model(directory: str | Path, seed: int = 0, architecture: str = "qwen2", chat: bool = False) -> Path:
-    """A tiny model (MODELS[architecture]) with seeded random weights and the character tokenizer, in
+    """A tiny model (tiny_config(architecture)) with seeded random weights and the character tokenizer, in
     HF format; with `chat`, the chat tokenizer (char_tokenizer(chat=True)) and CHAT_TEMPLATE."""
     import torch
     import transformers
@@ -241,7 +213,7 @@ def write_model(directory: str | Path, seed: int = 0, architecture: str = "qwen2
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = char_tokenizer(chat)
-    config = transformers.AutoConfig.for_model(**MODELS[architecture](vocab_size=tokenizer.get_vocab_size()))
+    config = transformers.AutoConfig.for_model(**tiny_config(architecture, vocab_size=tokenizer.get_vocab_size()))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     model.save_pretrained(directory)
@@ -256,7 +228,7 @@ def write_model(directory: str | Path, seed: int = 0, architecture: str = "qwen2
 def write_task(
     name: str, out: str | Path, train: int = 20000, heldout: int = 1000, seed: int = 0, architecture: str = "qwen2"
 ) -> dict[str, Path]:
-    """train.jsonl, heldout.jsonl and model/ (a tiny MODELS[architecture]) for task `name` under `out`;
+    """train.jsonl, heldout.jsonl and model/ (tiny_config(architecture)) for task `name` under `out`;
     returns their paths."""
     if name not in TASKS:
         raise ValueError(f"data.task={name!r}: expected one of {sorted(TASKS)}")
@@ -380,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         help="held-out prompts, at most half of the task's distinct ones (default 1000; verl-data 20 of its 100)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--architecture", default="qwen2", choices=sorted(MODELS))
+    parser.add_argument("--architecture", default="qwen2", choices=sorted(FAMILIES))
     parser.add_argument("--force", action="store_true", help="replace OUT when it is a directory that is not empty")
     args = parser.parse_args(argv)
     verl = args.task == VERL_TASK.name

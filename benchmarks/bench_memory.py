@@ -66,8 +66,8 @@ def overrides(layout: str, recompute: str, seq: int) -> list[str]:
 def _worker(rank: int, world: int, model: str, layout: str, runs: list, out: str) -> None:
     import gc
 
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.memory.probe import fixed_batch, measure_step
     from bapo_megatron.trainer.parallel import init_model_parallel
@@ -90,8 +90,8 @@ def _worker(rank: int, world: int, model: str, layout: str, runs: list, out: str
 
 
 def estimate(model: str, layout: str, recompute: str, seq: int, stage: int) -> dict[str, int]:
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.memory.estimate import stage_memory
 
     cfg = load_config(None, overrides(layout, recompute, seq))

@@ -42,7 +42,7 @@ def tiny_model(directory: Path, seed: int = 0, head_scale: float = 1.0) -> None:
     """A random tiny Qwen2; head_scale sharpens its next-token distributions."""
     import transformers
 
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
 
     torch.manual_seed(seed)
     config = transformers.AutoConfig.for_model(**tiny_spec("qwen2").to_hf_config())

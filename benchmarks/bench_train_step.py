@@ -28,8 +28,8 @@ import torch
 from benchutil import SHAPES, timed
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import load_config
+from bapo_megatron.models.spec import ModelSpec
 
 PEAK_TFLOPS = {("H100", "bf16"): 989.0, ("H100", "fp8"): 1979.0, ("H200", "bf16"): 989.0, ("H200", "fp8"): 1979.0}
 """Dense peak of the SXM parts (NVIDIA's datasheet figures, without sparsity)."""

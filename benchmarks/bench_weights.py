@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.models.spec import ModelSpec
 
 
 def synthetic_spec(size_gb: float) -> ModelSpec:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bapo_megatron.common.model_spec import ModelSpec, tiny_spec
+from bapo_megatron.models.spec import ModelSpec, tiny_spec
 
 
 def _qwen2(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, tied: bool) -> ModelSpec:

@@ -21,7 +21,7 @@ def make_hf_model(root: Path, name: str, case: tuple[str, int, bool] | None = No
     import tokenizers
     import transformers
 
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
 
     arch, kv, tied = case or CASES[name]
     spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)

@@ -19,9 +19,9 @@ from typing import Protocol
 import torch
 
 from bapo_megatron.common import protocol
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.routes import RouteShape
 from bapo_megatron.fsutil import publish, temporary_sibling
+from bapo_megatron.models.spec import ModelSpec
 
 FORMAT_VERSION = "1"
 INTEGER_FIELDS = (

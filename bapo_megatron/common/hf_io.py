@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from bapo_megatron.common.model_spec import REMOTE_CODE, ModelSpec, refuse_remote_code
 from bapo_megatron.common.safetensors_stream import StreamingWriter, TensorEntry, plan_files
 from bapo_megatron.errors import BadInputError, inside
+from bapo_megatron.models import family_of
+from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, refuse_remote_code
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -76,43 +77,12 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     layers in order (a MoE layer's experts one tensor each, as on disk), final norm, lm_head (absent
     when tied)."""
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
+    family = family_of(spec)
     for i in range(spec.num_layers):
-        shapes.update(_layer_shapes(spec, i))
+        shapes.update(family.hf_layer_shapes(spec, i))
     shapes["model.norm.weight"] = (spec.hidden_size,)
     if not spec.tie_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
-    return shapes
-
-
-def _layer_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
-    d, hd, kv = spec.hidden_size, spec.head_dim, spec.num_kv_heads * spec.head_dim
-    p = f"model.layers.{i}."
-    shapes = {
-        p + "input_layernorm.weight": (d,),
-        p + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
-        p + "self_attn.k_proj.weight": (kv, d),
-        p + "self_attn.v_proj.weight": (kv, d),
-    }
-    if spec.qkv_bias:
-        shapes[p + "self_attn.q_proj.bias"] = (spec.num_heads * hd,)
-        shapes[p + "self_attn.k_proj.bias"] = (kv,)
-        shapes[p + "self_attn.v_proj.bias"] = (kv,)
-    if spec.qk_norm:
-        shapes[p + "self_attn.q_norm.weight"] = (hd,)
-        shapes[p + "self_attn.k_norm.weight"] = (hd,)
-    shapes[p + "self_attn.o_proj.weight"] = (d, spec.num_heads * hd)
-    shapes[p + "post_attention_layernorm.weight"] = (d,)
-    if not spec.is_moe_layer(i):
-        width = spec.ffn_hidden_size
-        shapes.update({p + "mlp.gate_proj.weight": (width, d), p + "mlp.up_proj.weight": (width, d)})
-        shapes[p + "mlp.down_proj.weight"] = (d, width)
-        return shapes
-    width = spec.moe.ffn_hidden_size
-    shapes[p + "mlp.gate.weight"] = (spec.moe.num_experts, d)
-    for e in range(spec.moe.num_experts):
-        q = f"{p}mlp.experts.{e}."
-        shapes.update({q + "gate_proj.weight": (width, d), q + "up_proj.weight": (width, d)})
-        shapes[q + "down_proj.weight"] = (d, width)
     return shapes
 
 

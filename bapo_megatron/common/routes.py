@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from bapo_megatron.common import protocol
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig
+from bapo_megatron.models.spec import ModelSpec
 
 route_dtype = protocol.route_dtype
 

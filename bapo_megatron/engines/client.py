@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from bapo_megatron.common import protocol
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.protocol import Completion, MalformedResponse, SamplingParams
 from bapo_megatron.common.routes import RouteShape
+from bapo_megatron.models.spec import ModelSpec
 
 
 class EngineError(RuntimeError):

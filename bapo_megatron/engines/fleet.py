@@ -19,7 +19,6 @@ import secrets
 import socket
 from pathlib import Path
 
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.routes import recorded_routes
 from bapo_megatron.config import JobConfig
 from bapo_megatron.engines.client import EngineClient, EngineError, EngineUnavailable, ServedModel
@@ -27,6 +26,7 @@ from bapo_megatron.engines.launcher import ServerProcess, embedded_servers
 from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.errors import ConfigError, RunStopped
+from bapo_megatron.models.spec import ModelSpec
 
 
 def check_port(host: str, port: int, field: str) -> None:

@@ -23,11 +23,11 @@ from __future__ import annotations
 import dataclasses
 
 from bapo_megatron.common.fields import get_field, has_field
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import DataConfig, JobConfig
 from bapo_megatron.data.prompts import PromptLimits, PromptSource, load_tokenizer, missing_field
 from bapo_megatron.data.records import data_files
 from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.rewards.functions import load_reward, reward_spec
 from bapo_megatron.rewards.workers import dry_calls, reads, takes_verl_call, value_problem
 from bapo_megatron.rollout.evaluation import EvalSet

@@ -27,10 +27,10 @@ from typing import Protocol
 import torch.distributed as dist
 
 from bapo_megatron.common.hf_io import TOKENIZER_FILES
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import CheckpointConfig
 from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.fsutil import remove, write_text_atomic
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer import safe_load
 from bapo_megatron.trainer.dist_ckpt import (
     barrier,

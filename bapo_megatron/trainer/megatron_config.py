@@ -7,11 +7,11 @@ only when transformer_impl is "transformer_engine".
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from bapo_megatron.common.model_spec import ModelSpec, check_layout, padded_vocab_size
 from bapo_megatron.config import ModelConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.models import family_of
+from bapo_megatron.models.spec import ModelSpec, check_layout, padded_vocab_size
 
 EXTRA_STATE = "_extra_state"
 """The key suffix of Transformer Engine modules' own state (fp8 scaling history) in state dicts."""
@@ -110,7 +110,7 @@ def transformer_config(
             "first_last_layers_bf16": model.fp8_bf16_first_last_layers,
         }
     return TransformerConfig(
-        **_shape(spec),
+        **family_of(spec).transformer_fields(spec),
         **_layout(parallel),
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -139,27 +139,6 @@ def transformer_config(
     )
 
 
-def _shape(spec: ModelSpec) -> dict:
-    """TransformerConfig's fields for the model's shape: a Qwen/Llama-style decoder."""
-    return {
-        "num_layers": spec.num_layers,
-        "hidden_size": spec.hidden_size,
-        "num_attention_heads": spec.num_heads,
-        "num_query_groups": spec.num_kv_heads,
-        "kv_channels": spec.head_dim,
-        "ffn_hidden_size": spec.ffn_hidden_size,
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": spec.rms_norm_eps,
-        "gated_linear_unit": True,
-        "activation_func": F.silu,
-        "add_bias_linear": False,
-        "add_qkv_bias": spec.qkv_bias,
-        "qk_layernorm": spec.qk_norm,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-    }
-
-
 def _layout(parallel: ParallelConfig) -> dict:
     """TransformerConfig's parallel layout: set here too, or every stage builds every layer."""
     return {
@@ -174,18 +153,12 @@ def _layout(parallel: ParallelConfig) -> dict:
 
 
 def _moe(spec: ModelSpec, model: ModelConfig) -> dict:
-    """TransformerConfig's mixture-of-experts fields (none for a dense model)."""
+    """TransformerConfig's settings for how a mixture-of-experts model's routers and experts run
+    (none for a dense model; its experts' shape is its family's transformer_fields)."""
     if spec.moe is None:
         return {}
-    moe, settings = spec.moe, model.moe
+    settings = model.moe
     return {
-        "num_moe_experts": moe.num_experts,
-        "moe_router_topk": moe.top_k,
-        "moe_ffn_hidden_size": moe.ffn_hidden_size,
-        # Qwen3-MoE: softmax over all experts, then top-k, renormalised when norm_topk_prob;
-        # Megatron's pre-softmax router is exactly the unnormalised case
-        "moe_router_pre_softmax": not moe.norm_topk_prob,
-        "moe_layer_freq": [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
         "moe_router_dtype": settings.router_dtype,
         "moe_router_load_balancing_type": "aux_loss" if settings.aux_loss_coeff > 0 else "none",
         "moe_aux_loss_coeff": settings.aux_loss_coeff,
@@ -258,18 +231,7 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config=None, vp_stage: int |
     """The transformer layer spec: Transformer Engine modules on GPU, Megatron's local ones otherwise.
     A mixture-of-experts model gets a block spec instead (its layers differ: dense or experts), which
     needs the TransformerConfig `config` and the virtual stage being built."""
-    te = model.transformer_impl == "transformer_engine"
-    if spec.moe is not None:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage)
-    if te:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    return family_of(spec).layer_spec(spec, model.transformer_impl == "transformer_engine", config, vp_stage)
 
 
 def padded_vocab(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> int:

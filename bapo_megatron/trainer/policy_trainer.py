@@ -29,10 +29,10 @@ from bapo_megatron.algo.bapo import BoundSearch, ClipBounds
 from bapo_megatron.algo.losses import PolicyBatch, importance_ratio, policy_loss, truncated_is_weight
 from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
 from bapo_megatron.common.batch import RolloutBatch
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.progress import Progress, bars_on
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import NonFiniteInputError
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer import megatron_config as mc
 from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
 from bapo_megatron.trainer.microbatch import MicroBatch

@@ -41,7 +41,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.dist_ckpt import unwrap
 from bapo_megatron.trainer.microbatch import MicroBatch
 from bapo_megatron.trainer.parallel import ParallelInfo

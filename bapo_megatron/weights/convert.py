@@ -26,12 +26,12 @@ from bapo_megatron.common.hf_io import (
     hf_entries,
     hf_writer,
 )
-from bapo_megatron.common.model_spec import ModelSpec, check_layout
 from bapo_megatron.common.progress import byte_progress
 from bapo_megatron.common.safetensors_stream import StreamingWriter, plan_files
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.errors import inside
 from bapo_megatron.fsutil import atomic_directory
+from bapo_megatron.models.spec import ModelSpec, check_layout
 from bapo_megatron.trainer.checkpoint import model_files, weights_dir
 from bapo_megatron.trainer.megatron_config import EXTRA_STATE
 from bapo_megatron.weights import sglang_shards

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.dist_ckpt import unwrap
 from bapo_megatron.trainer.parallel import ParallelInfo
 from bapo_megatron.weights.hf_load import expert_parts

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from bapo_megatron.common.hf_io import HFCheckpoint
-from bapo_megatron.common.model_spec import ModelSpec
+from bapo_megatron.models.recipes import grouped_experts
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.dist_ckpt import unwrap
-from bapo_megatron.weights.layout import grouped_experts, layer_impl, megatron_recipes, recipe_region
+from bapo_megatron.weights.layout import layer_impl, megatron_recipes, recipe_region
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"

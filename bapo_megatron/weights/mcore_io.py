@@ -38,11 +38,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from bapo_megatron.common.hf_io import read_json_object, without_remote_code
-from bapo_megatron.common.model_spec import REMOTE_CODE, ModelSpec, first_difference, spec_fields
 from bapo_megatron.errors import inside
+from bapo_megatron.models import family_of
+from bapo_megatron.models.recipes import STORED_EXPERTS, expert_names
+from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, first_difference, spec_fields
 from bapo_megatron.trainer.checkpoint import HF_CONFIG, RUN_RECORD, run_record
 from bapo_megatron.trainer.integrity import verify_integrity
-from bapo_megatron.weights.layout import expert_names, megatron_layer_to_hf
+from bapo_megatron.weights.layout import megatron_layer_to_hf
 from bapo_megatron.weights.stored_chunks import StoredChunks
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -51,35 +53,13 @@ OUTPUT = "output_layer.weight"
 STORED_IMPL = "transformer_engine"  # the norm names every layer spec saves under
 
 
-STORED_EXPERTS = ("mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight")
 _STORED_MLP_NORM = "mlp.linear_fc1.layer_norm_weight"  # a MoE layer's pre_mlp_layernorm is stored under it too
 
 
 def layer_shapes(spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, ...]]:
     """Layer `layer`'s stored Megatron suffixes and their whole (TP=1) shapes, experts' with their
     leading [experts] axis (the layers of a dense model are all alike)."""
-    d, hd = spec.hidden_size, spec.head_dim
-    qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * hd
-    shapes = {
-        "self_attention.linear_qkv.layer_norm_weight": (d,),
-        "self_attention.linear_qkv.weight": (qkv_rows, d),
-        "self_attention.linear_proj.weight": (d, spec.num_heads * hd),
-        _STORED_MLP_NORM: (d,),
-    }
-    if spec.qkv_bias:
-        shapes["self_attention.linear_qkv.bias"] = (qkv_rows,)
-    if spec.qk_norm:
-        shapes["self_attention.q_layernorm.weight"] = (hd,)
-        shapes["self_attention.k_layernorm.weight"] = (hd,)
-    if not spec.is_moe_layer(layer):
-        shapes["mlp.linear_fc1.weight"] = (2 * spec.ffn_hidden_size, d)
-        shapes["mlp.linear_fc2.weight"] = (d, spec.ffn_hidden_size)
-        return shapes
-    experts, width = spec.moe.num_experts, spec.moe.ffn_hidden_size
-    shapes["mlp.router.weight"] = (experts, d)
-    shapes[STORED_EXPERTS[0]] = (experts, 2 * width, d)
-    shapes[STORED_EXPERTS[1]] = (experts, d, width)
-    return shapes
+    return family_of(spec).stored_layer_shapes(spec, layer)
 
 
 def read_hf_config(directory: Path, template: Path | None = None) -> tuple[dict, Path]:
@@ -206,7 +186,7 @@ class McoreCheckpoint:
     def _layer_reads(self, layer: int) -> dict[str, Read]:
         """Layer `layer`'s tensors under the names megatron_layer_to_hf reads (Transformer Engine's
         layer spec, experts one after another by global index)."""
-        m, moe_layer = f"decoder.layers.{layer}.", self.spec.is_moe_layer(layer)
+        m, mlp_norm = f"decoder.layers.{layer}.", family_of(self.spec).norm_names(self.spec, layer, STORED_IMPL)[1]
         reads = {}
         for suffix in layer_shapes(self.spec, layer):
             stored = self._stored(layer, suffix)
@@ -214,8 +194,8 @@ class McoreCheckpoint:
                 fc = STORED_EXPERTS.index(suffix)
                 for e in range(self.spec.moe.num_experts):
                     reads[m + expert_names(e, grouped=False)[fc]] = Read(stored.key, (*stored.lead, e))
-            elif moe_layer and suffix == _STORED_MLP_NORM:
-                reads[m + "pre_mlp_layernorm.weight"] = stored
+            elif suffix == _STORED_MLP_NORM:
+                reads[m + mlp_norm] = stored
             else:
                 reads[m + suffix] = stored
         return reads

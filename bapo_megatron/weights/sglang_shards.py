@@ -9,7 +9,8 @@ layers/linear.py and layers/vocab_parallel_embedding.py, models/qwen2.py and lla
   each rank holds one key/value head, head r // (tp / kv_heads) (the engine replicates).
 - `mlp.gate_up_proj`: [gate; up] of rank r's rows.
 - `o_proj`, `down_proj`: rank r's input columns. Norms whole on every rank (Qwen3's per-head
-  `self_attn.q_norm` and `k_norm` too: models/qwen3.py).
+  `self_attn.q_norm` and `k_norm` too: SGLang's models/qwen3.py). Each rank's names and shapes are
+  the family's (models/: sglang_layer_shapes, check_sglang_tp).
 - `model.embed_tokens`, `lm_head`: the vocabulary padded with zero rows to a multiple of 64
   (64 x tp when that does not divide by tp), rank r's contiguous rows of it. Tied
   embeddings are stored once, as `lm_head.weight` (the loader keeps the smaller name of
@@ -20,25 +21,17 @@ from __future__ import annotations
 
 import torch
 
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.common.safetensors_stream import TensorEntry
+from bapo_megatron.models import family_of
+from bapo_megatron.models.spec import ModelSpec
 
 VOCAB_PADDING = 64
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 
 
 def check_sglang_tp(spec: ModelSpec, tp: int) -> None:
-    if spec.moe is not None:
-        raise ValueError(
-            "SGLang's pre-split layout of a mixture-of-experts model (its fused experts) is not mapped; "
-            "write a Hugging Face directory instead (no --sglang-tp): SGLang loads it at any TP and EP"
-        )
-    if tp < 1 or spec.num_heads % tp:
-        raise ValueError(f"SGLang TP {tp} must divide the {spec.num_heads} attention heads")
-    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
-        raise ValueError(f"SGLang TP {tp} and the {spec.num_kv_heads} key/value heads must divide one another")
-    if spec.ffn_hidden_size % tp:
-        raise ValueError(f"SGLang TP {tp} must divide the MLP size {spec.ffn_hidden_size}")
+    """ValueError unless the model's family maps SGLang's pre-split layout at TP `tp`."""
+    family_of(spec).check_sglang_tp(spec, tp)
 
 
 def sglang_padded_vocab(vocab: int, tp: int) -> int:
@@ -102,28 +95,11 @@ def rank_tensors(spec: ModelSpec, hf: dict[str, torch.Tensor], tp: int, rank: in
 
 def rank_entries(spec: ModelSpec, tp: int, dtype: torch.dtype) -> list[TensorEntry]:
     """The tensors (names, shapes) each rank's files hold, in loading order (the same on every rank)."""
-    d, hd = spec.hidden_size, spec.head_dim
-    kv_heads = max(1, spec.num_kv_heads // tp)
-    qkv = (spec.num_heads // tp + 2 * kv_heads) * hd
+    d, family = spec.hidden_size, family_of(spec)
     vocab = (sglang_padded_vocab(spec.vocab_size, tp) // tp, d)
     entries = [TensorEntry("lm_head.weight" if spec.tie_embeddings else "model.embed_tokens.weight", vocab, dtype)]
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        entries += [
-            TensorEntry(p + "input_layernorm.weight", (d,), dtype),
-            TensorEntry(p + "self_attn.qkv_proj.weight", (qkv, d), dtype),
-        ]
-        if spec.qkv_bias:
-            entries.append(TensorEntry(p + "self_attn.qkv_proj.bias", (qkv,), dtype))
-        if spec.qk_norm:
-            entries.append(TensorEntry(p + "self_attn.q_norm.weight", (hd,), dtype))
-            entries.append(TensorEntry(p + "self_attn.k_norm.weight", (hd,), dtype))
-        entries += [
-            TensorEntry(p + "self_attn.o_proj.weight", (d, spec.num_heads * hd // tp), dtype),
-            TensorEntry(p + "post_attention_layernorm.weight", (d,), dtype),
-            TensorEntry(p + "mlp.gate_up_proj.weight", (2 * spec.ffn_hidden_size // tp, d), dtype),
-            TensorEntry(p + "mlp.down_proj.weight", (d, spec.ffn_hidden_size // tp), dtype),
-        ]
+        entries += [TensorEntry(name, shape, dtype) for name, shape in family.sglang_layer_shapes(spec, i, tp).items()]
     entries.append(TensorEntry("model.norm.weight", (d,), dtype))
     if not spec.tie_embeddings:
         entries.append(TensorEntry("lm_head.weight", vocab, dtype))

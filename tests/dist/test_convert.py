@@ -89,8 +89,8 @@ def _layout_logprobs(
     rank: int, world: int, root: str, name: str, tp: int, pp: int, source: str = "mcore", vpp: int | None = None
 ) -> None:
     from bapo_megatron.common.batch import RolloutBatch, Sample
-    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import ModelSpec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
@@ -335,7 +335,7 @@ def test_qwen3_and_moe_round_trip(tmp_path, capsys):
     import transformers
     from safetensors.torch import load_file
 
-    from bapo_megatron.common.model_spec import ModelSpec
+    from bapo_megatron.models.spec import ModelSpec
     from bapo_megatron.weights.sglang_shards import merge_ranks
 
     models = {name: make_hf_model(tmp_path, name, case) for name, case in FAMILIES.items()}

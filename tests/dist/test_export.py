@@ -20,8 +20,8 @@ def _convert(rank: int, world: int, root: str, name: str) -> None:
 def _export(rank: int, world: int, root: str, name: str) -> None:
     from safetensors.torch import save_file
 
-    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import ModelSpec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer

@@ -28,8 +28,8 @@ def _worker(rank: int, world: int) -> None:
     import transformers
 
     from bapo_megatron.common.hf_experts import per_expert
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel

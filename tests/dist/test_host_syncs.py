@@ -122,8 +122,8 @@ def watching_schedule(trainer) -> Iterator[list[bool]]:
 
 
 def _worker(rank: int, world: int, pipeline: int, overrides: list[str]) -> None:
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
@@ -173,8 +173,8 @@ def test_the_same_with_two_pipeline_stages():
 
 
 def _per_microbatch_worker(rank: int, world: int) -> None:
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer

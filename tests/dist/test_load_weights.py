@@ -17,8 +17,8 @@ from tests.dist.launch import run_workers
 def load_then_step(root: str, precision: str, tp: int) -> None:
     from pathlib import Path
 
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.dist_ckpt import save_model
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer

@@ -13,8 +13,8 @@ from tests.unit.test_cli import QWEN7B
 def _count(rank: int, world: int) -> None:
     from megatron.core import parallel_state as ps
 
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import ModelConfig, ParallelConfig
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.memory.estimate import stage_params
@@ -43,8 +43,8 @@ def test_parameter_counts_match_megatrons_model():
 
 
 def test_byte_figures_and_the_colocated_fraction():
-    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.config import ModelConfig, ParallelConfig
+    from bapo_megatron.models.spec import ModelSpec
     from bapo_megatron.trainer.memory.estimate import colocated_mem_fraction, trainer_memory
 
     qwen7b = ModelSpec.from_hf_config(QWEN7B)

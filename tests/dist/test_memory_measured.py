@@ -16,8 +16,8 @@ CASES = {("qwen2", "none"): [], ("qwen2", "full"): ["parallel.recompute=full"], 
 
 
 def _measure(rank: int, world: int) -> None:
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.memory.estimate import stage_memory
     from bapo_megatron.trainer.memory.probe import fixed_batch, measure_step

@@ -45,8 +45,8 @@ COMPARED = (
 
 
 def _setup(tp: int, pp: int, ep: int, extra: tuple[str, ...] = ("algo.routing_replay=true",)):
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
 

@@ -55,8 +55,8 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
 
 def _compare(root: Path, arch: str, layouts: dict[str, list[str]], extra: list[str]) -> dict[str, dict]:
     """Each named layout's (log-probs, step metrics, weights) from the same starting weights."""
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.dist_ckpt import save_model
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer

@@ -96,8 +96,8 @@ def _same(results: dict, base: str, names, keys, arch: str) -> None:
 
 
 def _worker(rank: int, world: int, root: str) -> None:
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
 
@@ -128,8 +128,8 @@ def test_recompute_gives_the_same_step(tmp_path):
 
 
 def _expert_parallel_worker(rank: int, world: int, root: str) -> None:
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
 

@@ -46,9 +46,9 @@ def _loss_parts(trainer, batch) -> tuple[float, dict[str, float]]:
 
 
 def _worker(rank: int, world: int, root: str) -> None:
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import CheckpointConfig, load_config
     from bapo_megatron.errors import ConfigError
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
@@ -99,8 +99,8 @@ def test_the_dry_run_counts_the_reference_model():
     """The estimate adds the reference's parameters (the stage's, in the parameters' dtype) with a KL
     loss, and the dry run says so; without one, nothing."""
     from bapo_megatron import cli
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.memory.estimate import trainer_memory
 
     spec, cfg = tiny_spec("qwen2"), load_config(None, ["algo.kl_coef=0.001"])

@@ -27,8 +27,8 @@ NAME = "qwen2-gqa2"  # 4 heads, 2 key/value heads, QKV bias, untied, vocab 250 (
 
 
 def _resave_at(rank: int, world: int, root: str, tp: int, pp: int) -> None:
-    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import ModelSpec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.dist_ckpt import save_model
     from bapo_megatron.trainer.parallel import init_model_parallel
@@ -124,7 +124,7 @@ def test_sglang_presplit(saved, tmp_path, tp):
     import reshard
     from safetensors.torch import load_file
 
-    from bapo_megatron.common.model_spec import ModelSpec
+    from bapo_megatron.models.spec import ModelSpec
     from bapo_megatron.weights.sglang_shards import merge_ranks, rank_entries
 
     root, original = saved
@@ -240,8 +240,8 @@ def _run_checkpoint_at_ep2(rank: int, world: int, root: str) -> None:
     """The converted checkpoint loaded by a trainer at TP=2 x EP=2 (the experts split over the two
     ranks) and exported live; one step trained and saved as a run's checkpoint (model, optimizer,
     schedule), and exported again."""
-    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import ModelSpec
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel

@@ -67,8 +67,8 @@ def _batch() -> RolloutBatch:
 
 
 def _setup(tp: int, pp: int, loss: str = "bapo", vpp: int | None = None, sp: bool = False):
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
 

@@ -28,11 +28,11 @@ def _sync_and_compare(rank: int, world: int, root: str, url: str) -> None:
     import torch.distributed as dist
 
     from bapo_megatron.common.batch import RolloutBatch, Sample
-    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.common.protocol import SamplingParams
     from bapo_megatron.config import load_config
     from bapo_megatron.engines.client import EngineClient
     from bapo_megatron.engines.loop import EngineLoop
+    from bapo_megatron.models.spec import ModelSpec
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer

@@ -465,8 +465,8 @@ def _moe_reference(model_dir, sequence, prompt_len, temperature):
     top_k], dense layers DENSE_LAYER_EXPERT), from its own router logits (no hook of ours)."""
     import transformers
 
-    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.common.protocol import DENSE_LAYER_EXPERT
+    from bapo_megatron.models.spec import ModelSpec
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():

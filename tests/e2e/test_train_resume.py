@@ -56,8 +56,8 @@ def _train_saying(rank: int, world: int, runs: list[list[str]], out: str) -> Non
 
 
 def _final_weights_equal(rank: int, world: int, root: str) -> None:
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
     from bapo_megatron.trainer.parallel import init_model_parallel

@@ -35,7 +35,7 @@ MEAN_TOL, MAX_TOL = 0.02, 0.15
 def _make_model(root: Path, name: str, seed: int):
     import transformers
 
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
 
     # head_dim 64: a size every SGLang attention backend serves; the context holds the abort test's request
     spec = dataclasses.replace(

@@ -36,8 +36,8 @@ def logprobs_of_runs(rank: int, world: int, root: str, name: str, runs: dict[str
     packs), and the attention the run's layout took; into root/logprobs.json."""
     import dataclasses
 
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
     from bapo_megatron.weights.hf_load import load_hf_into_trainer

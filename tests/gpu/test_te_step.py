@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _trainer(precision: str):
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 

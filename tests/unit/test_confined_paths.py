@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from bapo_megatron.common.hf_io import INDEX, HFCheckpoint
-from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.errors import BadInputError
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.trainer.safe_load import read_metadata
 from bapo_megatron.weights.mcore_io import EMBEDDING, FINAL_NORM, HF_CONFIG, OUTPUT, StoredChunks, layer_shapes
 
@@ -243,7 +243,7 @@ def test_hf_to_mcore_refuses_shards_outside_the_model(hf_model, tmp_path, how):
 def test_trainer_refuses_shards_outside_the_model(hf_model, tmp_path, how):
     from types import SimpleNamespace
 
-    from bapo_megatron.common.model_spec import ModelSpec
+    from bapo_megatron.models.spec import ModelSpec
     from bapo_megatron.weights.hf_load import load_hf_into_trainer
 
     model, name = _index_outside(hf_model("qwen2-gqa2"), tmp_path, how)

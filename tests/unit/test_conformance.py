@@ -297,7 +297,7 @@ def test_exported_expert_names_are_what_sglangs_qwen3_moe_loader_maps(wheel):
     import transformers
 
     from bapo_megatron.common.hf_experts import per_expert
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
     from tests.sglang_wheel import load_defs
 

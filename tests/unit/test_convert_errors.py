@@ -144,7 +144,7 @@ def test_reshard_reports_a_full_disk_as_one_error_line(monkeypatch, tmp_path, ca
 def test_a_checkpoint_carries_its_models_config_and_tokenizer(hf_dir):
     """What a trainer's step directory carries beside the weights: the HF config (model.hf_path's
     config.json as it is, or the built-in model's) and model.hf_path's tokenizer files."""
-    from bapo_megatron.common.model_spec import ModelSpec, tiny_spec
+    from bapo_megatron.models.spec import ModelSpec, tiny_spec
     from bapo_megatron.trainer.checkpoint import HF_CONFIG, model_files
 
     built_in = model_files(tiny_spec(), None)
@@ -259,7 +259,7 @@ def _export(capsys, mcore: Path, out: Path, *template: str) -> str:
 def test_a_template_with_another_vocabulary_is_refused(vocab, tmp_path, capsys):
     """The embedding's 1024 rows hold any vocabulary up to 1024 (the padding); the checkpoint's own
     config says 250: a template's other count would cut or pad the export (it did, with exit 0)."""
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
 
     spec = tiny_spec()
     mcore = _mcore(tmp_path / "mcore", spec, _carrying(spec))
@@ -273,8 +273,8 @@ def test_a_carried_config_that_disagrees_with_the_run_record_is_refused(tmp_path
     trusts neither alone."""
     import dataclasses
 
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.config import load_config
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.runinfo import identity
     from bapo_megatron.trainer.checkpoint import RUN_RECORD
 
@@ -290,7 +290,7 @@ def test_a_carried_config_that_disagrees_with_the_run_record_is_refused(tmp_path
 
 def test_a_template_routing_another_top_k_is_refused(tmp_path, capsys):
     """Top-k shows in no tensor: the checkpoint's config (top-2) is the model's; a top-3 template is refused."""
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
 
     spec = tiny_spec("qwen3_moe")
     mcore = _mcore(tmp_path / "mcore", spec, _carrying(spec))
@@ -307,7 +307,7 @@ def test_a_template_the_tensors_contradict_is_refused(field, value, stored, tmp_
     """A checkpoint carrying no config (saved before checkpoints did) has its tensors to check a
     template against: a MoE model's layers (each under its own keys: fewer in the config dropped the
     rest), a separate output layer (a tied config dropped it), the embedding's rows."""
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
 
     spec = tiny_spec("qwen3_moe")
     config = {**spec.to_hf_config(), field: value}
@@ -324,7 +324,7 @@ def test_an_export_leaves_auto_map_out_and_refuses_an_unknown_model_type(tmp_pat
     """A checkpoint carrying a config (or tokenizer_config.json) with auto_map exports without it, so
     that the export loads with transformers' own classes and nothing of the checkpoint is run; one whose
     model_type transformers would not build the model for is refused by name."""
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.checkpoint import HF_CONFIG
 
     spec = tiny_spec()
@@ -348,7 +348,7 @@ def test_an_export_leaves_auto_map_out_and_refuses_an_unknown_model_type(tmp_pat
 
 def test_a_template_with_another_expert_count_is_refused_by_the_tensors(tmp_path, capsys):
     """With no record of the model in the checkpoint, the experts' stored count names the field."""
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
 
     spec = tiny_spec("qwen3_moe")
     mcore = _mcore(tmp_path / "mcore", spec)

@@ -8,11 +8,11 @@ import json
 import pytest
 import tokenizers
 
-from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import load_config
 from bapo_megatron.driver import RolloutDriver
 from bapo_megatron.engines.launcher import free_port
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.rewards.functions import load_reward
 from bapo_megatron.rewards.workers import RewardWorkers
 

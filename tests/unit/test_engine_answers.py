@@ -23,12 +23,12 @@ import torch
 
 from bapo_megatron.common import protocol
 from bapo_megatron.common.batch import RolloutBatch, Sample
-from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.common.routes import RouteShape
 from bapo_megatron.engines.client import BadAnswer, EngineClient, ServedModel
 from bapo_megatron.engines.pool import MAX_RETIRED, EnginePool
 from bapo_megatron.errors import RunStopped
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.rewards.workers import RewardWorkers
 from bapo_megatron.rollout.buffer import RolloutBuffer
 from bapo_megatron.rollout.core import RolloutCore

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import load_config
 from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.rollout import inputs as inputs_module
 from bapo_megatron.rollout.inputs import RolloutInputs
 from tests.helpers import verl_parquet, word_tokenizer

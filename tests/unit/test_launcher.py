@@ -187,8 +187,8 @@ def test_a_restarted_server_comes_back_on_the_free_port_it_got(tmp_path):
 
 def test_the_banner_and_the_dry_run_say_a_free_port():
     from bapo_megatron import cli
-    from bapo_megatron.common.model_spec import tiny_spec
     from bapo_megatron.errors import ConfigError
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.runinfo import banner
 
     free = load_config(None, ["rollout.engines.servers=2"])

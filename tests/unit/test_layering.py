@@ -1,10 +1,11 @@
 """The import direction of the package's layers and top-level modules, function-level imports included:
 
-    errors, fsutil -> algo -> config -> common -> trainer, engines, data, rewards -> rollout, weights
+    errors, fsutil -> algo -> config -> models -> common -> trainer, engines, data, rewards -> rollout, weights
         -> logger, tasks, evaluate, serve, preflight -> plan -> cli, driver -> sources, runinfo -> job -> train
 
 A module may import its own layer and those before it, never one after, and never a sibling of its
-rank: the trainer knows nothing of the engines, the engines nothing of the trainer, data or
+rank: the model families (models/, with the ModelSpec they read) sit under everything that asks
+them; the trainer knows nothing of the engines, the engines nothing of the trainer, data or
 rewards (the embedded engine is the engines' own), rewards nothing of how records are read;
 generation (rollout) joins engines, data and rewards, the weight tools join the trainer and the
 engines, and only the top floor joins the two, and the top-floor modules import each other in one direction
@@ -20,27 +21,28 @@ RANK = {
     "fsutil": 0,
     "algo": 1,
     "config": 2,
-    "common": 3,
-    "trainer": 4,
-    "engines": 4,
-    "data": 4,
-    "rewards": 4,
-    "rollout": 5,
-    "weights": 5,
-    "logger": 6,
-    "tasks": 6,
-    "evaluate": 6,
-    "serve": 6,
-    "preflight": 6,
-    "handoff": 6,
-    "plan": 7,
-    "cli": 8,
-    "driver": 8,
-    "sources": 9,
-    "runinfo": 9,
-    "job": 10,
-    "train": 11,
-    "__init__": 12,
+    "models": 3,
+    "common": 4,
+    "trainer": 5,
+    "engines": 5,
+    "data": 5,
+    "rewards": 5,
+    "rollout": 6,
+    "weights": 6,
+    "logger": 7,
+    "tasks": 7,
+    "evaluate": 7,
+    "serve": 7,
+    "preflight": 7,
+    "handoff": 7,
+    "plan": 8,
+    "cli": 9,
+    "driver": 9,
+    "sources": 10,
+    "runinfo": 10,
+    "job": 11,
+    "train": 12,
+    "__init__": 13,
 }
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from bapo_megatron.common.model_spec import tiny_spec
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.weights.layout import hf_to_megatron, layer_impl, megatron_layer_to_hf
 
 

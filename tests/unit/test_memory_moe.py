@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bapo_megatron.common.model_spec import ModelSpec, padded_vocab_size, tiny_spec
 from bapo_megatron.config import ModelConfig, MoEConfig, ParallelConfig, load_config
+from bapo_megatron.models.spec import ModelSpec, padded_vocab_size, tiny_spec
 from bapo_megatron.trainer.memory.estimate import rank_params, routing_replay_bytes, trainer_memory
 
 ROOT = Path(__file__).resolve().parents[2]

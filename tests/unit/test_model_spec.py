@@ -4,9 +4,9 @@ import pytest
 import torch
 import transformers
 
-from bapo_megatron.common.model_spec import ModelSpec, check_layout, padded_vocab_size, tiny_spec
 from bapo_megatron.config import ModelConfig, ParallelConfig, load_config
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.spec import ModelSpec, check_layout, padded_vocab_size, tiny_spec
 from bapo_megatron.trainer.megatron_config import (
     check_precision_support,
     fp8_hardware_problem,
@@ -81,7 +81,7 @@ def test_spec_fields_name_differences_by_their_config_json_key():
     """What mcore-to-hf compares a template with a checkpoint's own records by (hf_config.json, run.json)."""
     import dataclasses
 
-    from bapo_megatron.common.model_spec import first_difference, spec_fields
+    from bapo_megatron.models.spec import first_difference, spec_fields
 
     moe = tiny_spec("qwen3_moe")
     fields = spec_fields(moe)

@@ -61,7 +61,7 @@ def _refused(err: str, file: Path, flag: Path) -> None:
 
 
 def test_the_trainers_loader_refuses_auto_map_and_unknown_model_types(hostile, flag):
-    from bapo_megatron.common.model_spec import ModelSpec, tiny_spec
+    from bapo_megatron.models.spec import ModelSpec, tiny_spec
 
     with pytest.raises(BadInputError) as refused:
         ModelSpec.from_hf_dir(hostile)  # the run's pre-flight and the trainer's model

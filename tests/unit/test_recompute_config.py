@@ -2,9 +2,9 @@
 
 import pytest
 
-from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import load_config
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.preflight import validate
 from bapo_megatron.trainer.megatron_config import recompute_settings
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import load_config
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.job import finished_before
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.plan import layout
 from bapo_megatron.runinfo import RunStatus, banner, check_resume, ending, identity
 from bapo_megatron.trainer.checkpoint import RUN_RECORD

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import load_config
 from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.sources import SFTSource
 from bapo_megatron.tasks import SPECIAL, write_task
 

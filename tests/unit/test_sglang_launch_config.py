@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
 from bapo_megatron.engines.sglang_launcher import server_args, sglang_servers
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.trainer.memory.estimate import rollout_mem_fraction
 from tests.helpers import SGLANG_LAUNCH
 from tests.sglang_wheel import WheelUnavailable, extracted_wheel, parser_deps

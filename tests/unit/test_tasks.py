@@ -63,8 +63,8 @@ def test_tokenizer_round_trips_characters():
 def test_task_directory_loads(tmp_path):
     import transformers
 
-    from bapo_megatron.common.model_spec import ModelSpec
     from bapo_megatron.data.prompts import load_tokenizer
+    from bapo_megatron.models.spec import ModelSpec
 
     paths = write_task("addition", tmp_path, train=100, heldout=50)
     records = [json.loads(line) for line in paths["train"].read_text().splitlines()]

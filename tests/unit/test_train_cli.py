@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bapo_megatron.common.model_spec import tiny_spec
 from bapo_megatron.config import load_config
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.preflight import validate
 from bapo_megatron.sources import ReplaySource
 from bapo_megatron.train import split_groups

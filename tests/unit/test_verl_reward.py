@@ -218,6 +218,6 @@ def test_the_fields_a_verl_form_reward_is_handed_are_checked_before_the_run(form
 
 
 def _spec():
-    from bapo_megatron.common.model_spec import tiny_spec
+    from bapo_megatron.models.spec import tiny_spec
 
     return tiny_spec()

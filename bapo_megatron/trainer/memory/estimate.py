@@ -35,8 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from bapo_megatron.common.model_spec import ModelSpec
 from bapo_megatron.config import JobConfig, ModelConfig, ParallelConfig
+from bapo_megatron.models import family_of
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.megatron_config import padded_vocab
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
@@ -98,19 +99,7 @@ class RankParams:
 
 def layer_params(spec: ModelSpec, layer: int) -> LayerParams:
     """The parameters of 0-based layer `layer`."""
-    d, hd = spec.hidden_size, spec.head_dim
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
-    attention = d * qkv + (qkv if spec.qkv_bias else 0) + spec.num_heads * hd * d
-    norms = 2 * d + (2 * hd if spec.qk_norm else 0)  # a q/k norm is one head_dim vector each
-    if not spec.is_moe_layer(layer):
-        return LayerParams(tensor=attention + 3 * d * spec.ffn_hidden_size, replicated=norms, router=0, experts=0)
-    moe = spec.moe
-    return LayerParams(
-        tensor=attention,
-        replicated=norms,
-        router=moe.num_experts * d,
-        experts=moe.num_experts * 3 * d * moe.ffn_hidden_size,
-    )
+    return LayerParams(**family_of(spec).layer_params(spec, layer))
 
 
 def stage_layers(num_layers: int, pipeline: int, stage: int, virtual: int | None = None) -> list[int]:
@@ -156,11 +145,10 @@ def stage_params(spec: ModelSpec, vocab: int, tp: int, pp: int, stage: int, **la
 
 def layer_activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, layer: int) -> int:
     """What layer `layer` keeps for backward per token of a micro-batch, on one rank."""
-    d, hd, tp, experts = spec.hidden_size, spec.head_dim, parallel.tensor, spec.is_moe_layer(layer)
-    width = PARAM_BYTES[model.precision]
+    d, hd, tp, family = spec.hidden_size, spec.head_dim, parallel.tensor, family_of(spec)
+    experts, width = family.routed(spec, layer), PARAM_BYTES[model.precision]
     split = (spec.num_heads + 2 * spec.num_kv_heads) * hd + 2 * spec.num_heads * hd
-    if spec.qk_norm:
-        split += (spec.num_heads + spec.num_kv_heads) * hd  # the normalised q and k
+    split += family.normed_qk_width(spec)  # the normalised q and k
     if not experts:
         split += 3 * spec.ffn_hidden_size
     unsplit = 4 * d  # two norm inputs, two residuals
@@ -246,9 +234,9 @@ def local_layer_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelCon
         split = h * hd + 2 * h * hd + h * hd
     else:
         split = qkv + 3 * h * hd
-    if spec.qk_norm:
-        split += 3 * (h + kv) * hd
-    experts = spec.is_moe_layer(layer)
+    family = family_of(spec)
+    split += 3 * family.normed_qk_width(spec)
+    experts = family.routed(spec, layer)
     if not experts:
         split += 5 * spec.ffn_hidden_size
     unsplit = 6 * d // tp if parallel.sequence_parallel else 6 * d

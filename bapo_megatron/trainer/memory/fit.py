@@ -20,9 +20,9 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from bapo_megatron.common.model_spec import ModelSpec, check_layout
 from bapo_megatron.config import JobConfig, ParallelConfig
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.spec import ModelSpec, check_layout
 from bapo_megatron.trainer.memory.estimate import layer_params, recomputed_layers, trainer_memory
 
 GIB = 2**30

@@ -1,12 +1,11 @@
-"""The architecture facts of a Hugging Face config.json that Megatron and the weight maps need.
+"""ModelSpec: the architecture facts of a Hugging Face config.json that Megatron and the weight maps
+need, as a plain typed value; its family (models/) reads and writes config.json.
 
-Pure Python: parsing and layout checks run before any process group or model exists.
-Qwen2 / Qwen2.5 (Qwen2ForCausalLM), Llama 3 (LlamaForCausalLM), Qwen3 (Qwen3ForCausalLM: q/k
-RMSNorm over each head, head_dim of its own) and Qwen3-MoE (Qwen3MoeForCausalLM: routed experts,
-no shared expert) are mapped; anything else, and any feature of theirs not mapped (shared
-experts, sliding windows, a RoPE scaling other than Llama 3.1's, biases beyond q/k/v), is a clear
-error naming it before any model is built. So is a config that would have transformers import code
-from the model's directory (refuse_remote_code): nothing of a received directory is ever run.
+Pure Python: parsing and layout checks run before any process group or model exists. Which
+architectures are mapped, and which of their features, is the families' (models/__init__.py):
+anything else is a clear error naming it before any model is built. So is a config that would have
+transformers import code from the model's directory (refuse_remote_code): nothing of a received
+directory is ever run.
 """
 
 from __future__ import annotations
@@ -15,18 +14,11 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
 
 from bapo_megatron.errors import BadInputError, ConfigError, check
 
-ARCHITECTURES = {
-    "Qwen2ForCausalLM": "qwen2",
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
-Architecture = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
-"""Each also the model_type transformers builds that architecture for."""
+Architecture = str
+"""A family's name (models/__init__.FAMILIES), also the model_type transformers builds it for."""
 REMOTE_CODE = "auto_map"
 """The key of a HF config (config.json, tokenizer_config.json) that names Python files of its own
 directory for transformers to import."""
@@ -112,7 +104,8 @@ class MoESpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """One decoder-only model's shape, as Megatron builds it."""
+    """One decoder-only model's shape, as Megatron builds it. `architecture` names its family
+    (models/); qkv_bias and qk_norm are the family's facts, recorded (run.json) but read only there."""
 
     architecture: Architecture
     vocab_size: int
@@ -160,10 +153,6 @@ class ModelSpec:
                 f"name layers beyond the {self.num_layers}",
             )
 
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether 0-based layer `layer` routes its tokens to experts."""
-        return self.moe is not None and self.moe.is_sparse(layer)
-
     @property
     def query_groups(self) -> int:
         return self.num_kv_heads
@@ -172,39 +161,10 @@ class ModelSpec:
     def from_hf_config(cls, hf: dict, source: str | Path = "config.json") -> ModelSpec:
         """Parse a config.json mapping read from `source`; ConfigError for architectures or features we
         do not map, BadInputError naming `source` for one that would run code of its directory."""
+        from bapo_megatron.models import family_for_hf
+
         refuse_remote_code(hf, source)
-        archs = hf.get("architectures") or []
-        known = [a for a in archs if a in ARCHITECTURES]
-        if not known:
-            raise ConfigError("architectures", archs, f"not mapped; supported: {sorted(ARCHITECTURES)}")
-        arch = ARCHITECTURES[known[0]]
-        if hf.get("model_type") != arch:  # transformers builds the class of model_type, not of architectures
-            raise BadInputError(
-                f"{source}: model_type {hf.get('model_type')!r} is not {arch!r}, the model type of {known[0]}"
-            )
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-            if key not in hf:
-                raise ConfigError(key, None, "missing from config.json")
-        heads = hf["num_attention_heads"]
-        _refuse_unmapped(arch, hf)
-        return cls(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            ffn_hidden_size=hf["intermediate_size"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            rope_theta=float(_rope_theta(hf)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qkv_bias=arch == "qwen2",
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_scaling_factor=_rope_scaling(_rope_parameters(hf)),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
-            moe=_moe(hf) if arch == "qwen3_moe" else None,
-        )
+        return family_for_hf(hf).read(hf, source)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelSpec:
@@ -223,149 +183,20 @@ class ModelSpec:
 
     def to_hf_config(self) -> dict:
         """A config.json for this spec that transformers loads (used by tests and conversion)."""
-        common = {
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "intermediate_size": self.ffn_hidden_size,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_embeddings,
-            "hidden_act": "silu",
-        }
-        if self.rope_scaling_factor is not None:
-            common["rope_scaling"] = {
-                "rope_type": "llama3",
-                "factor": self.rope_scaling_factor,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            }
-        if self.architecture == "qwen2":
-            return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **common}
-        if self.architecture == "qwen3":
-            return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, **common}
-        if self.architecture == "qwen3_moe":
-            moe = self.moe
-            step_one = tuple(range(self.num_layers))
-            return {
-                "architectures": ["Qwen3MoeForCausalLM"],
-                "model_type": "qwen3_moe",
-                "attention_bias": False,
-                "num_experts": moe.num_experts,
-                "num_experts_per_tok": moe.top_k,
-                "moe_intermediate_size": moe.ffn_hidden_size,
-                "norm_topk_prob": moe.norm_topk_prob,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": [i for i in step_one if i not in moe.sparse_layers],
-                **common,
-            }
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "attention_bias": False,
-            "mlp_bias": False,
-            **common,
-        }
+        from bapo_megatron.models import family_of
+
+        return family_of(self).to_hf(self)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _refuse_unmapped(arch: str, hf: dict) -> None:
-    """ConfigError naming the first feature of `hf` that the Megatron build or the weight maps would
-    silently get wrong."""
-    if hf.get("use_sliding_window", False):
-        raise ConfigError("use_sliding_window", True, "sliding-window attention is not mapped")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError("hidden_act", hf["hidden_act"], "only SiLU-gated MLPs (silu) are mapped")
-    if arch in ("llama", "qwen3", "qwen3_moe"):
-        for key in ("attention_bias", "mlp_bias"):
-            if hf.get(key, False):
-                raise ConfigError(key, True, "biases beyond Qwen2's q/k/v are not mapped")
-    if arch == "qwen3_moe":
-        if hf.get("shared_expert_intermediate_size"):
-            raise ConfigError(
-                "shared_expert_intermediate_size",
-                hf["shared_expert_intermediate_size"],
-                "shared experts are not mapped",
-            )
-        if "num_experts" not in hf and "num_local_experts" not in hf:
-            raise ConfigError("num_experts", None, "missing from config.json (Qwen3MoeForCausalLM)")
-        for key in ("num_experts_per_tok", "moe_intermediate_size"):
-            if key not in hf:
-                raise ConfigError(key, None, "missing from config.json (Qwen3MoeForCausalLM)")
-
-
-def _moe(hf: dict) -> MoESpec:
-    """Qwen3-MoE's experts; layer i has them unless it is in mlp_only_layers or (i + 1) is not a
-    multiple of decoder_sparse_step (transformers' rule)."""
-    step = int(hf.get("decoder_sparse_step", 1))
-    check(step >= 1, "decoder_sparse_step", step, "must be >= 1")
-    dense = set(hf.get("mlp_only_layers") or [])
-    sparse = tuple(i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
-    return MoESpec(
-        # the hub's configs say num_experts; transformers 5 writes it as num_local_experts
-        num_experts=int(hf.get("num_experts", hf.get("num_local_experts"))),
-        top_k=int(hf["num_experts_per_tok"]),
-        ffn_hidden_size=int(hf["moe_intermediate_size"]),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        sparse_layers=sparse,
-    )
-
-
-def _rope_parameters(hf: dict) -> dict | None:
-    """RoPE scaling as config.json states it: transformers 5's rope_parameters or the older rope_scaling."""
-    return hf.get("rope_scaling") or hf.get("rope_parameters")
-
-
-def _rope_theta(hf: dict) -> float:
-    if "rope_theta" in hf:
-        return hf["rope_theta"]
-    return (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-
-
-def _rope_scaling(scaling: dict | None) -> float | None:
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return None
-    expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    if kind != "llama3" or any(float(scaling.get(k, v)) != v for k, v in expected.items()):
-        raise ConfigError(
-            "rope_scaling", scaling, "only Llama 3.1-style scaling (low 1, high 4, original 8192) is mapped"
-        )
-    return float(scaling["factor"])
-
-
 def tiny_spec(architecture: Architecture = "qwen2") -> ModelSpec:
-    """The built-in model of the CPU demo and the tests: a few layers, GQA, a vocab that needs padding;
-    "qwen3_moe": 4 experts, top-2, every layer sparse but the first (a dense layer in a MoE model)."""
-    moe = None
-    if architecture == "qwen3_moe":
-        moe = MoESpec(num_experts=4, top_k=2, ffn_hidden_size=32, norm_topk_prob=True, sparse_layers=(1, 2, 3))
-    return ModelSpec(
-        architecture=architecture,
-        vocab_size=250,
-        hidden_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=128,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        qkv_bias=architecture == "qwen2",
-        tie_embeddings=False,
-        qk_norm=architecture in ("qwen3", "qwen3_moe"),
-        moe=moe,
-    )
+    """The built-in model of the CPU demo and the tests: a few layers, GQA, a vocab that needs padding
+    (its family's tiny(): "qwen3_moe" has 4 experts, top-2, every layer sparse but the first)."""
+    from bapo_megatron.models import family_of
+
+    return family_of(architecture).tiny()
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int, pad_for_tp: int = 1) -> int:

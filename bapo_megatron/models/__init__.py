@@ -1,0 +1,44 @@
+"""The model families, one module each, and the one place that picks a family: by the spec's
+architecture, or by a config.json's `architectures` (its `model_type` when it names none)."""
+
+from __future__ import annotations
+
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.family import Family
+from bapo_megatron.models.llama import Llama
+from bapo_megatron.models.qwen2 import Qwen2
+from bapo_megatron.models.qwen3 import Qwen3
+from bapo_megatron.models.qwen3_moe import Qwen3Moe
+from bapo_megatron.models.spec import ModelSpec
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen2(), Llama(), Qwen3(), Qwen3Moe())}
+"""Every family by its name (the spec's architecture); a new family is one entry."""
+
+
+def supported() -> list[str]:
+    """The HF architectures the families read."""
+    return sorted(a for family in FAMILIES.values() for a in family.architectures)
+
+
+def family_of(spec: ModelSpec | str) -> Family:
+    """The family of a spec (or of a family name)."""
+    name = spec if isinstance(spec, str) else spec.architecture
+    if name not in FAMILIES:
+        raise ConfigError("architecture", name, f"no such model family; known: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_for_hf(hf: dict) -> Family:
+    """The family that reads a config.json: that of the first of its `architectures` a family reads,
+    or of its model_type when it names none; ConfigError naming the supported architectures."""
+    archs = hf.get("architectures") or []
+    by_architecture = {a: family for family in FAMILIES.values() for a in family.architectures}
+    known = [a for a in archs if a in by_architecture]
+    if known:
+        return by_architecture[known[0]]
+    if not archs and hf.get("model_type") in FAMILIES:
+        return FAMILIES[hf["model_type"]]
+    raise ConfigError("architectures", archs, f"not mapped; supported: {supported()}")
+
+
+__all__ = ["FAMILIES", "Family", "family_for_hf", "family_of", "supported"]
