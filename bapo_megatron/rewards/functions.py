@@ -295,29 +295,31 @@ def verl_arguments(text: str, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def called_as_declared(fn: Callable[..., Any], name: str) -> RewardFn:
-    """`fn` as a RewardFn: a VerlReward when its parameters bear verl's names (data_source,
-    solution_str, ground_truth) and take verl's keyword call, or take only that call (**kwargs);
-    as it is when they take fn(text, ids, record); ValueError naming the function and its
-    signature when they take neither."""
+    """`fn` as a RewardFn: a VerlReward when its first parameter is one of verl's names
+    (compute_score(data_source, ...)) or it takes verl's keyword call and not ours (**kwargs); as it
+    is when it takes fn(text, ids, record) (a later parameter named like verl's changes nothing);
+    ValueError naming the function and its signature when it takes neither, or is named for verl's
+    call and does not take it."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (a C function): called as ours
         return fn
+    ours = _unbound(signature, "", [], {})
+    theirs = _unbound(signature, **dict.fromkeys(VERL_CALL))
+    verl_first = next(iter(signature.parameters), None) in VERL_CALL  # compute_score(data_source, ...)
+    if theirs is None and (verl_first or ours is not None):
+        return VerlReward(fn)
+    if ours is None and not verl_first:
+        return fn
     verl = f"compute_score({'=..., '.join(VERL_CALL)}=...)"
     if set(signature.parameters) & set(VERL_CALL[:3]):
-        if problem := _unbound(signature, **dict.fromkeys(VERL_CALL)):
-            raise ValueError(
-                f"reward {name!r}: its signature {signature} has verl's parameter names, and verl calls it as "
-                f"{verl}; it does not take that call ({problem})"
-            )
-        return VerlReward(fn)
-    if (problem := _unbound(signature, "", [], {})) is None:
-        return fn
-    if _unbound(signature, **dict.fromkeys(VERL_CALL)) is None:
-        return VerlReward(fn)
+        raise ValueError(
+            f"reward {name!r}: its signature {signature} has verl's parameter names, and verl calls it as "
+            f"{verl}; it does not take that call ({theirs})"
+        )
     raise ValueError(
         f"reward {name!r} is called as fn(text, ids, record), or, when its parameters bear verl's names, as "
-        f"verl calls {verl}; its signature {signature} takes neither ({problem})"
+        f"verl calls {verl}; its signature {signature} takes neither ({ours})"
     )
 
 

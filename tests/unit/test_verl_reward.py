@@ -46,6 +46,8 @@ def no_extra_info(data_source, solution_str, ground_truth):
     return 1.0
 def ours(text, ids, record):
     return float(len(ids))
+def ours_with_source(text, ids, record, data_source=None):
+    return float(len(ids) + (data_source is None))
 def one(text):
     return 1.0
 """
@@ -171,6 +173,7 @@ def test_what_a_verl_form_reward_may_be_and_return(forms):
     assert score(f"{forms}:loose", "x", [], meta) == (2.0, None)
     assert score(f"{forms}:later", "x", [], meta) == (3.0, None)  # async def, as verl awaits it
     assert score(f"{forms}:ours", "x", [1, 2, 3], meta) == (3.0, None)  # (text, ids, record): as it was
+    assert score(f"{forms}:ours_with_source", "x", [1, 2, 3], meta) == (4.0, None)  # a later verl name: still ours
     value, error = score(f"{forms}:no_score", "x", [], meta)
     assert value == 0.0 and error.startswith("ValueError: returned a dict without 'score'"), error
     value, error = score(f"{forms}:compute_score", "x", [], {"answer": "7"})
