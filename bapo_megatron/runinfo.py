@@ -22,7 +22,7 @@ from typing import Literal
 from bapo_megatron.config import JobConfig, to_dict
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.fsutil import write_text_atomic
-from bapo_megatron.models.spec import ModelSpec
+from bapo_megatron.models.spec import ModelSpec, spec_fields
 from bapo_megatron.plan import layout
 from bapo_megatron.trainer.checkpoint import run_record, step_of
 
@@ -57,7 +57,7 @@ def identity(cfg: JobConfig, spec: ModelSpec) -> dict:
     fields = {}
     for section in SAME_RUN:
         fields.update(_flatten(to_dict(getattr(cfg, section)), section))
-    fields.update(_flatten(to_dict(dataclasses.asdict(spec)), "model"))
+    fields.update({f"model.{key}": value for key, value in spec_fields(spec).items()})  # as the converter reads them
     fields = json.loads(json.dumps({k: v for k, v in fields.items() if k not in MECHANICS}))  # tuples as lists
     fingerprint = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     return {"name": cfg.name, "fingerprint": fingerprint, "config": fields}

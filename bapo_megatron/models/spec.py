@@ -63,7 +63,7 @@ def spec_fields(spec: ModelSpec) -> dict[str, object]:
     model.* entries are these."""
 
     def flat(value: object, prefix: str) -> dict[str, object]:
-        if not isinstance(value, dict):
+        if not isinstance(value, dict) or not value:  # an empty mapping is a value, as run.json holds it
             return {prefix: value}
         return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}.{key}").items()}
 

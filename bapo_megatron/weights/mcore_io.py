@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from bapo_megatron.common.hf_io import read_json_object, without_remote_code
-from bapo_megatron.errors import inside
+from bapo_megatron.errors import BadInputError, inside
 from bapo_megatron.models import family_of
 from bapo_megatron.models.recipes import STORED_EXPERTS, expert_names
 from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, first_difference, spec_fields
@@ -86,7 +86,13 @@ def recorded_models(directory: Path) -> list[tuple[Path, dict[str, object]]]:
     if (directory / HF_CONFIG).exists() or (directory / HF_CONFIG).is_symlink():
         source = inside(directory, HF_CONFIG, directory)
         config = {k: v for k, v in read_json_object(source).items() if k != REMOTE_CODE}  # compared, not run
-        found.append((source, spec_fields(ModelSpec.from_hf_config(config, source))))
+        try:
+            found.append((source, spec_fields(ModelSpec.from_hf_config(config, source))))
+        except ValueError as err:  # a template cannot stand in for it: it is what the template is checked against
+            raise BadInputError(
+                f"{err} (the checkpoint's own record of its model, which --hf-template is checked against: "
+                f"a checkpoint whose record is unreadable is not converted)"
+            ) from None
     run = run_record(directory)
     if run is not None and isinstance(run.get("config"), dict):
         model = {k.removeprefix("model."): v for k, v in run["config"].items() if k.startswith("model.")}

@@ -355,3 +355,16 @@ def test_a_template_with_another_expert_count_is_refused_by_the_tensors(tmp_path
     template = _template(tmp_path / "template", {**spec.to_hf_config(), "num_experts": 8})
     err = _export(capsys, mcore, tmp_path / "out", "--hf-template", str(template))
     assert "mlp.experts.experts.linear_fc1.weight holds 4 experts, the model's config says num_experts=8" in err
+
+
+def test_a_carried_record_that_cannot_be_read_is_named_when_a_template_is_given(tmp_path, capsys):
+    """A template does not stand in for the checkpoint's unreadable record (it is what the template
+    is checked against): the error says so, rather than naming the carried file alone."""
+    from bapo_megatron.models.spec import tiny_spec
+
+    spec = tiny_spec()
+    carried = {"hf_config.json": json.dumps({**spec.to_hf_config(), "model_type": "evil", "auto_map": {}})}
+    mcore = _mcore(tmp_path / "mcore", spec, carried)
+    template = _template(tmp_path / "template", spec.to_hf_config())
+    err = _export(capsys, mcore, tmp_path / "out", "--hf-template", str(template))
+    assert "hf_config.json" in err and "which --hf-template is checked against" in err
