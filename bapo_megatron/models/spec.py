@@ -153,10 +153,6 @@ class ModelSpec:
                 f"name layers beyond the {self.num_layers}",
             )
 
-    @property
-    def query_groups(self) -> int:
-        return self.num_kv_heads
-
     @classmethod
     def from_hf_config(cls, hf: dict, source: str | Path = "config.json") -> ModelSpec:
         """Parse a config.json mapping read from `source`; ConfigError for architectures or features we

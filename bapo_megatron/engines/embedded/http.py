@@ -7,7 +7,11 @@ import asyncio
 import functools
 import traceback
 
-from bapo_megatron.engines.embedded.request_queue import one_line
+
+def one_line(err: BaseException) -> str:
+    """An error as one line for a response: its type and the first line of its message."""
+    text = str(err)
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def ok(message: str, refused: str | None = None):

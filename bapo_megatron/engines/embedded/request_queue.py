@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bapo_megatron.common.protocol import SamplingParams
+from bapo_megatron.engines.embedded.http import one_line
 
 
 @dataclass
@@ -31,12 +32,6 @@ class EngineRequest:
     @property
     def length(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
-
-
-def one_line(err: BaseException) -> str:
-    """An error as one line for a response: its type and the first line of its message."""
-    text = str(err)
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def failure(err: Exception) -> dict:
