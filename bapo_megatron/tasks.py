@@ -18,9 +18,12 @@ messages, ability, reward_model {style, ground_truth}, extra_info) over one-digi
 ("3+4=", ground truth "7", answered "#### 7"), and model/: the tiny Qwen2 with the chat
 tokenizer (the characters above, " ", "#", role markers and "#### " as tokens, a chat template).
 
-The output directory is new or empty (--force replaces one that is not): it is written whole, in
-a directory beside it renamed to it at the end, or not at all; counts, paths and the disk's
-errors are one `error:` line naming them (exit 2).
+The output directory is new or empty (--force replaces an earlier output directory: one that holds
+only the names above, train.jsonl, heldout.jsonl, train.parquet, test.parquet and model/; any other
+entry is refused by name, and so are the working directory, the directories above it, the home
+directory and the file system's root): it is written whole, in a directory beside it renamed to it
+at the end, or not at all; counts, paths and the disk's errors are one `error:` line naming them
+(exit 2).
 """
 
 from __future__ import annotations
@@ -225,6 +228,16 @@ def write_model(directory: str | Path, seed: int = 0, architecture: str = "qwen2
     return directory
 
 
+TASK_OUTPUTS = {"train": "train.jsonl", "heldout": "heldout.jsonl", "model": "model"}
+"""What write_task writes under its directory, by the key of the paths it returns."""
+VERL_OUTPUTS = {"train": "train.parquet", "test": "test.parquet", "model": "model"}
+"""What write_verl_data writes under its directory, by the key of the paths it returns."""
+OUTPUT_DIRS = frozenset({"model"})
+OUTPUT_FILES = frozenset({*TASK_OUTPUTS.values(), *VERL_OUTPUTS.values()}) - OUTPUT_DIRS
+"""The entries of an earlier output directory (of any task: one may be rewritten as another), the
+only ones --force replaces."""
+
+
 def write_task(
     name: str, out: str | Path, train: int = 20000, heldout: int = 1000, seed: int = 0, architecture: str = "qwen2"
 ) -> dict[str, Path]:
@@ -236,7 +249,7 @@ def write_task(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pairs, held = split(TASKS[name], train, heldout, seed)
-    paths = {"train": out / "train.jsonl", "heldout": out / "heldout.jsonl", "model": out / "model"}
+    paths = {key: out / name for key, name in TASK_OUTPUTS.items()}
     for key, rows in (("train", pairs), ("heldout", held)):
         paths[key].write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
     write_model(paths["model"], seed, architecture)
@@ -270,7 +283,7 @@ def write_verl_data(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pairs, held = split(VERL_TASK, train, heldout, seed)
-    paths = {"train": out / "train.parquet", "test": out / "test.parquet", "model": out / "model"}
+    paths = {key: out / name for key, name in VERL_OUTPUTS.items()}
     for key, rows in (("train", pairs), ("test", held)):
         pq.write_table(pa.Table.from_pylist(verl_records(rows, key)), paths[key])
     write_model(paths["model"], seed, architecture, chat=True)
@@ -280,34 +293,19 @@ def write_verl_data(
 def staged(out: str, force: bool, write: Callable[[Path], dict[str, Path]]) -> dict[str, Path]:
     """write(directory) into a new directory beside `out`, renamed to `out` when it is done, so that
     a failure leaves `out` as it was and nothing beside it. `out` must be new or an empty directory
-    (force: a non-empty one is replaced), never empty text nor something else; a symlink to a
-    directory is followed. ValueError naming the path for each, and for any OSError on the way."""
-    if not out.strip():
-        raise ValueError("the output directory is empty text: name one (it is made, with its parents)")
-    target = Path(os.path.abspath(out))  # "." too: the new directory goes beside it, not inside
-    if target.parent == target:
-        raise ValueError(f"{out}: the file system's root: name a directory under it")
+    (force: or an earlier output directory, which is replaced), never empty text, something else,
+    nor a directory the user stands in or lives in (_target); a symlink to a directory is followed.
+    ValueError naming the path for each, and for any OSError on the way."""
     try:
-        try:
-            os.stat(target)  # a symlink loop: ELOOP here, where Path.exists would say False
-        except FileNotFoundError:
-            if target.is_symlink():
-                raise ValueError(f"{out}: a symlink to nothing ({os.readlink(target)})") from None
-        if target.is_symlink():
-            target = Path(os.path.realpath(target))
-        if target.exists() and not target.is_dir():
-            raise ValueError(f"{out}: exists and is not a directory")
-        held = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
-        if held and not force:
-            shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-            raise ValueError(f"{out}: not empty ({shown}): name a new or empty directory, or replace it with --force")
+        target = _target(out)
+        held = _held(out, target, force)
         target.parent.mkdir(parents=True, exist_ok=True)
         fresh = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         umask = os.umask(0)
         os.umask(umask)
         fresh.chmod(0o777 & ~umask)  # mkdtemp's is private; the directory is the user's as mkdir makes it
     except OSError as err:
-        raise ValueError(f"{out}: {_said(err, target)}") from None
+        raise ValueError(f"{out}: {_said(err, Path(os.path.abspath(out)))}") from None
     try:
         paths = write(fresh)
         _swap(fresh, target, replace=bool(held))
@@ -316,6 +314,65 @@ def staged(out: str, force: bool, write: Callable[[Path], dict[str, Path]]) -> d
     finally:
         shutil.rmtree(fresh, ignore_errors=True)  # gone already, renamed, unless the write failed
     return {key: target / path.relative_to(fresh) for key, path in paths.items()}
+
+
+def _target(out: str) -> Path:
+    """`out` as an absolute path (a symlink's directory, followed), or ValueError naming it: empty
+    text, a dangling symlink, not a directory, or one that replacing would pull from under the user
+    (the working directory or one above it: renamed away, the process stands nowhere; the home
+    directory; the root)."""
+    if not out.strip():
+        raise ValueError("the output directory is empty text: name one (it is made, with its parents)")
+    target = Path(os.path.abspath(out))  # "." too: the new directory goes beside it, not inside
+    try:
+        os.stat(target)  # a symlink loop: ELOOP here, where Path.exists would say False
+    except FileNotFoundError:
+        if target.is_symlink():
+            raise ValueError(f"{out}: a symlink to nothing ({os.readlink(target)})") from None
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    real = Path(os.path.realpath(target))  # the directory that would be replaced, whatever names it
+    if real.parent == real:
+        raise ValueError(f"{out}: the file system's root: name a new directory under it")
+    cwd = Path(os.getcwd())
+    if real == cwd:
+        raise ValueError(f"{out}: the working directory ({cwd}): name a new directory, inside it or elsewhere")
+    if real in cwd.parents:
+        raise ValueError(f"{out}: holds the working directory ({cwd}): name a new directory")
+    home = os.path.expanduser("~")
+    if home != "~" and real == Path(os.path.realpath(home)):
+        raise ValueError(f"{out}: the home directory ({home}): name a new directory under it")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    return target
+
+
+def _held(out: str, target: Path, force: bool) -> list[str]:
+    """The entries of `target` (none when it is new), or ValueError naming them: any at all without
+    `force`; with it, any that no task writes (OUTPUT_FILES, OUTPUT_DIRS), which are not replaced."""
+    held = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
+    foreign = [name for name in held if not _is_output(target / name)]
+    if held and not force:
+        hint = "" if foreign else ", or replace it with --force"
+        raise ValueError(f"{out}: not empty ({_listed(held)}): name a new or empty directory{hint}")
+    if foreign:
+        raise ValueError(
+            f"{out}: holds {_listed(foreign)}, which no task writes: --force replaces only an earlier output "
+            f"directory ({', '.join(sorted(OUTPUT_FILES))}, {'/, '.join(sorted(OUTPUT_DIRS))}/); "
+            "name a new or empty directory"
+        )
+    return held
+
+
+def _is_output(path: Path) -> bool:
+    """Whether `path` is one that a task writes: by name and kind (the tool writes no symlinks)."""
+    if path.is_symlink():
+        return False
+    return path.is_dir() if path.name in OUTPUT_DIRS else path.name in OUTPUT_FILES and path.is_file()
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _swap(fresh: Path, target: Path, replace: bool) -> None:
@@ -353,7 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--architecture", default="qwen2", choices=sorted(FAMILIES))
-    parser.add_argument("--force", action="store_true", help="replace OUT when it is a directory that is not empty")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT when it is an earlier output directory: one holding only "
+        f"{', '.join(sorted(OUTPUT_FILES))} and {'/, '.join(sorted(OUTPUT_DIRS))}/ (any other entry is refused); "
+        "never the working directory nor one above it, the home directory or the root",
+    )
     args = parser.parse_args(argv)
     verl = args.task == VERL_TASK.name
     train = args.train if args.train is not None else 2000 if verl else 20000

@@ -4,6 +4,7 @@ transformers load."""
 
 import errno
 import json
+import os
 import random
 import re
 
@@ -297,3 +298,74 @@ def test_a_full_disk_leaves_nothing_half_written(tmp_path, tasks_main, monkeypat
     assert not any(tmp_path.iterdir())
     out.mkdir()
     assert tasks_main(task, str(out), "--train", "5", "--heldout", "5")[0] == 2 and _tree(tmp_path) == {"out"}
+
+
+def _earlier_output(out) -> set[str]:
+    """A directory as `tasks addition` leaves it (the model's files stand in for a model)."""
+    (out / "model").mkdir(parents=True)
+    for name in ("train.jsonl", "heldout.jsonl", "model/config.json"):
+        (out / name).write_text("{}")
+    return {"train.jsonl", "heldout.jsonl", "model", "model/config.json"}
+
+
+def test_force_replaces_an_earlier_output_directory_and_refuses_one_with_anything_else(tmp_path, tasks_main):
+    """--force once took any directory whole; the user's own files in it are named and kept, and
+    an output directory of one task is rewritten as another's."""
+    out = tmp_path / "out"
+    earlier = _earlier_output(out)
+    (out / "notes.txt").write_text("the user's own notes")
+    (out / "src").mkdir()
+    (out / "test.parquet").mkdir()  # a name a task writes, but a directory where it writes a file
+    small = ["--train", "5", "--heldout", "5"]
+    assert tasks_main("verl-data", str(out), *small, "--force") == (
+        2,
+        [
+            f"error: {out}: holds notes.txt, src, test.parquet, which no task writes: --force replaces only an "
+            "earlier output directory (heldout.jsonl, test.parquet, train.jsonl, train.parquet, model/); "
+            "name a new or empty directory"
+        ],
+    )
+    assert tasks_main("verl-data", str(out), *small)[1] == [  # no hint of a --force that would not do
+        f"error: {out}: not empty (heldout.jsonl, model, notes.txt, src, test.parquet and 1 more): "
+        "name a new or empty directory"
+    ]
+    assert _tree(out) == earlier | {"notes.txt", "src", "test.parquet"}
+    assert (out / "notes.txt").read_text() == "the user's own notes"
+    (out / "notes.txt").unlink()
+    (out / "src").rmdir()
+    (out / "test.parquet").rmdir()
+    assert tasks_main("verl-data", str(out), *small, "--force") == (0, [])
+    assert {p.name for p in out.iterdir()} == {"train.parquet", "test.parquet", "model"}
+    assert {p.name for p in tmp_path.iterdir()} == {"out"}
+
+
+def test_the_working_directory_those_above_it_home_and_root_are_refused(tmp_path, tasks_main, monkeypatch):
+    """`tasks verl-data . --force` in a checkout once set the checkout aside and removed it, taking
+    the process's working directory with it; `~ --force` the user's home."""
+    out = tmp_path / "out"
+    earlier = _earlier_output(out)
+    small = ["--train", "5", "--heldout", "5", "--force"]
+    monkeypatch.chdir(out)
+    assert tasks_main("addition", ".", *small)[1] == [
+        f"error: .: the working directory ({out}): name a new directory, inside it or elsewhere"
+    ]
+    monkeypatch.chdir(out / "model")
+    for name in (str(out), "..", str(tmp_path)):
+        assert tasks_main("addition", name, *small)[1] == [
+            f"error: {name}: holds the working directory ({out / 'model'}): name a new directory"
+        ]
+    (tmp_path / "link").symlink_to(out)
+    assert tasks_main("addition", str(tmp_path / "link"), *small)[0] == 2  # whatever names it
+    home = tmp_path / "home"
+    _earlier_output(home)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path / "out" / "model")
+    assert tasks_main("addition", str(home), *small)[1] == [
+        f"error: {home}: the home directory ({home}): name a new directory under it"
+    ]
+    assert tasks_main("addition", "/", *small)[1] == ["error: /: the file system's root: name a new directory under it"]
+    assert _tree(out) == earlier and _tree(home) == earlier and os.getcwd() == str(out / "model")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)  # new or empty, the working directory is still not replaced
+    assert tasks_main("addition", ".", *small[:-1])[0] == 2 and not any(empty.iterdir())
