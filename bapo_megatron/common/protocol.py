@@ -207,6 +207,10 @@ class Completion:
     routed_experts: str | None = None
     """meta_info's routed experts as the engine sent them (base64; decode with `routed_experts`),
     when the request asked for them."""
+    routes: bytes | None = None
+    """The same routes once the client checked them against the served model (engines/client.py):
+    the MoE layers' rows of every position run, in the compact bytes a sample keeps
+    (common/routes.py: RouteShape.to_bytes). None: not asked for, or not checked."""
 
     def token_versions(self) -> list[str | None]:
         """The weight version each output token was sampled under."""

@@ -8,9 +8,11 @@ first aborts the request id on the server, so a request is never generating twic
 
 A /generate answer is checked in full on arrival, against the protocol and against the model the
 engine serves (`ServedModel`: token ids in its vocabulary, log-probs finite and <= 0, one per
-token, no more tokens than asked, routed experts of its shape for every position run); one that
-fails is raised as BadAnswer, an EngineUnavailable: nothing of it is kept, the engine is retired
-and the request goes elsewhere (engines/pool.py counts these and stops a run that meets too many).
+token, no more tokens than asked, routed experts of its shape for every position run). The routes
+stay on the answer decoded, as a sample keeps them (`Completion.routes`): nothing after the client
+decodes or checks them again. An answer that fails is raised as BadAnswer, an EngineUnavailable:
+nothing of it is kept, the engine is retired and the request goes elsewhere (engines/pool.py
+counts these and stops a run that meets too many).
 """
 
 from __future__ import annotations
@@ -56,19 +58,19 @@ class ServedModel:
     def of(cls, spec: ModelSpec, routes: RouteShape | None) -> ServedModel:
         return cls(spec.vocab_size, routes)
 
-    def problem(self, answer: Completion, input_ids: list[int], routes_from: int | None) -> str | None:
-        """What makes `answer` (to a request of input_ids, with routes from position routes_from on)
-        no answer of this model (None: nothing)."""
+    def problem(self, answer: Completion) -> str | None:
+        """What makes `answer`'s tokens no tokens of this model (None: nothing)."""
         problem = protocol.token_problem(answer.output_ids, self.vocab_size)
-        if problem:
-            return f"output_ids: {problem}"
-        if self.routes is not None and routes_from is not None:
-            ran = len(input_ids) + len(answer.output_ids) - 1 - routes_from  # the last token is never fed in
-            try:
-                self.routes.from_engine(answer.routed_experts, ran, "meta_info")
-            except MalformedResponse as err:
-                return str(err)
-        return None
+        return f"output_ids: {problem}" if problem else None
+
+    def checked_routes(self, answer: Completion, input_ids: list[int], routes_from: int | None) -> bytes | None:
+        """The routes of `answer` (to a request of input_ids, with routes from position routes_from
+        on) as a sample keeps them, checked: one per position run, each a router's choices of this
+        model; MalformedResponse when they are not. None: none asked for, or none recorded."""
+        if self.routes is None or routes_from is None:
+            return None
+        ran = len(input_ids) + len(answer.output_ids) - 1 - routes_from  # the last token is never fed in
+        return self.routes.from_engine(answer.routed_experts, ran, "meta_info")
 
 
 class EngineClient:
@@ -182,7 +184,12 @@ class EngineClient:
         if len(answer.output_ids) > max_new_tokens:
             problem = f"{len(answer.output_ids)} output tokens for max_new_tokens {max_new_tokens}"
         elif self.served is not None:
-            problem = self.served.problem(answer, input_ids, routes_from)
+            problem = self.served.problem(answer)
+            if problem is None:
+                try:
+                    answer.routes = self.served.checked_routes(answer, input_ids, routes_from)
+                except MalformedResponse as err:
+                    problem = str(err)
         if problem:
             raise BadAnswer(f"{self.base_url}/generate response for {rid}: {problem}")
         return answer

@@ -2,7 +2,8 @@
 
 An engine is live, dead or refitting. A request that fails with EngineUnavailable (after the
 client's retries) marks its engine dead and is resubmitted to another; so does one the engine
-answers wrongly (BadAnswer: engines/client.py), which `retire`s it. A systematically wrong engine
+answers wrongly (BadAnswer: engines/client.py), which also retires it: `failed`, for every
+request of ours (the rollout's, an evaluation's, the weight probe's). A systematically wrong engine
 is no fault a restart mends: the MAX_RETIRED-th retirement of a run stops it, with the last
 wrong answer as its one line. A dead engine comes back
 (engines/supervisor.py: restarted, or answering again) as refitting: it holds weights that are
@@ -102,15 +103,25 @@ class EnginePool:
         self.why[index] = why
         self.failures += 1
 
-    def retire(self, index: int, answer: BadAnswer) -> None:
-        """Engine `index` gave a wrong answer: dead, as one that stopped answering (brought back by the
-        supervisor, with the current weights), its request sent to another; RunStopped, with the
-        answer's message, at the run's MAX_RETIRED-th retirement (and at every wrong answer after
-        it). Answers to requests it held when it was retired retire it no further (one fault spoils
-        a whole batch of them)."""
+    def failed(self, index: int, err: EngineUnavailable, refitting: bool = False) -> None:
+        """A request of ours to engine `index` failed with `err` (whoever sent it: the rollout, an
+        evaluation, the weight probe): it is dead, brought back by the supervisor with the current
+        weights. A wrong answer (BadAnswer) also retires it, one line naming it and the answer.
+        refitting: the request went to it while it waited for the weights (the probe of a refit)."""
+        if isinstance(err, BadAnswer):
+            self._retire(index, err, refitting)
+        else:
+            self.mark_dead(index)
+
+    def _retire(self, index: int, answer: BadAnswer, refitting: bool) -> None:
+        """Counted toward MAX_RETIRED: RunStopped, with the answer's message, at the run's
+        MAX_RETIRED-th retirement (and at every wrong answer after it), since an engine that answers
+        wrongly comes back (an external one is never restarted) and would answer so again. Answers
+        to requests it held when it was retired, no longer live (or waiting for the weights, as
+        asked) since, retire it no further (one fault spoils a whole batch of them)."""
         if self.error is not None:
             raise RunStopped(self.error)
-        if index not in self.live():
+        if index not in (self.refitting if refitting else self.live()):
             return
         self.retired += 1
         if self.retired >= MAX_RETIRED:

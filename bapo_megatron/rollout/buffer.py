@@ -221,21 +221,21 @@ class RolloutBuffer:
     def record(self, request: Request, completion: Completion, version: int) -> None:
         """Append a completion's tokens to its sample. Tokens carry the versions the engine reports
         (numeric weight versions), else `version`: the oldest that may have sampled them (the one
-        live when the request was sent)."""
+        live when the request was sent). The completion is one its engine's client checked against
+        the request (engines/client.py: no more tokens than asked, the routes of every position
+        run, decoded in `Completion.routes`)."""
         s = request.sample
         if s.finished:
             raise RuntimeError(f"{s.uid} is finished already: a duplicate completion")
-        if len(completion.output_ids) > request.max_new_tokens:
-            raise ValueError(f"{s.uid}: {len(completion.output_ids)} tokens for a request of {request.max_new_tokens}")
+        routed = self.routes is not None and request.routes_from is not None
+        if routed and completion.routes is None:
+            raise RuntimeError(f"{s.uid}: a completion without the routes its request asked for (unchecked)")
         if s.response_ids:
             self.counters["resumed"] += 1
         reported = completion.token_versions()
         versions = [int(v) if v is not None and str(v).lstrip("-").isdigit() else version for v in reported]
-        routes = b""
-        if self.routes is not None and request.routes_from is not None:  # every position run, but the last
-            ran = len(request.input_ids) + len(completion.output_ids) - 1 - request.routes_from
-            routes = self.routes.from_engine(completion.routed_experts, ran, s.uid)
-        s.routes += routes
+        if routed:
+            s.routes += completion.routes
         s.response_ids += completion.output_ids
         s.logprobs += completion.logprobs
         s.versions += versions

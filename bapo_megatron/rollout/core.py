@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bapo_megatron.common.protocol import Completion, SamplingParams
-from bapo_megatron.engines.client import BadAnswer, EngineError, EngineUnavailable
+from bapo_megatron.engines.client import EngineError, EngineUnavailable
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.errors import RunStopped
 from bapo_megatron.rewards.workers import RewardWorkers
@@ -230,11 +230,8 @@ class RolloutCore:
                     self._home[uid] = flight.engine
                     self._count_failure(uid, completion)
                     return completion
-                except BadAnswer as answer:
-                    self.pool.retire(flight.engine, answer)
-                    flight.engine = None
-                except EngineUnavailable:
-                    self.pool.mark_dead(flight.engine)  # resubmitted elsewhere (or here, once it answers again)
+                except EngineUnavailable as err:  # a wrong answer (BadAnswer) too: the pool retires its engine
+                    self.pool.failed(flight.engine, err)  # resubmitted elsewhere (or here, once it answers again)
                     flight.engine = None  # on no engine while it waits for one: a cut cancels it there
         finally:
             flight.engine = None  # only requests still generating are aborted by id

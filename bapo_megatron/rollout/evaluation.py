@@ -94,8 +94,8 @@ class HeldOut:
                             request = f"eval-{k}-{i}-{j}-{secrets.token_hex(4)}"
                             done = await client.generate(list(ids), sampling, request)
                         break
-                    except EngineUnavailable:
-                        pool.mark_dead(engine)
+                    except EngineUnavailable as err:  # a wrong answer too: retired, counted toward the run's stop
+                        pool.failed(engine, err)
             scored = await self.reward(self.decode(done.output_ids), done.output_ids, meta)
             return k, i, j, scored.value, len(done.output_ids)
 

@@ -108,14 +108,16 @@ class EngineUpdates:
     def probe(self, engine: int | None = None) -> Sample | None:
         """A fixed response (the first prompt, sampled with a fixed seed) with the log-probs of
         engine `engine` (default: a live one). None: no such engine answered (one that did not is
-        marked dead: it is restarted, and probed again after its refit)."""
+        marked dead: it is restarted, and probed again after its refit; one that answered wrongly is
+        also retired, engines/pool.py, and the run stops at too many)."""
         ((ids, _),) = self.prompts.first(1)
         for index in self.pool.live() if engine is None else [engine]:
             client, request = self.engines.clients[index], f"probe-{secrets.token_hex(4)}"
+            refitting = index in self.pool.refitting
             try:
                 completion = self.loop.run(client.generate(list(ids), self.probe_sampling, request))
-            except EngineUnavailable:
-                self.loop.call(self.pool.mark_dead, index)
+            except EngineUnavailable as err:  # a wrong answer too: retired, counted toward the run's stop
+                self.loop.call(self.pool.failed, index, err, refitting)
                 continue
             break
         else:

@@ -216,14 +216,14 @@ def test_rewards_boxed_math_and_failures():
 
 
 def test_routes_are_recorded_across_a_resumption_and_kept_in_checkpoints():
-    """A MoE sample keeps the engine's routes of every position it ran: a continuation asks from the
-    first position it lacks and appends; dense layers' rows are dropped; a reset forgets them; the
+    """A MoE sample keeps the routes of every position it ran, as its engine's client checked and
+    decoded them (Completion.routes; engines/client.py): a continuation asks from the first position
+    it lacks and appends; a completion without them keeps nothing; a reset forgets them; the
     checkpoint state holds them (torch's weights-only loader reads it back)."""
     import io
 
     import torch
 
-    from bapo_megatron.common import protocol
     from bapo_megatron.common.batch import RolloutBatch
     from bapo_megatron.common.routes import RouteShape
 
@@ -231,24 +231,21 @@ def test_routes_are_recorded_across_a_resumption_and_kept_in_checkpoints():
     buffer = RolloutBuffer(samples_per_prompt=1, max_new_tokens=5, token_budget=3, max_staleness=5, routes=shape)
     buffer.add_group("p", [7, 8, 9])
 
-    def engine_routes(first: int, last: int) -> str:  # position t's experts: (t % 4, (t + 1) % 4) in every layer
-        rows = [[[t % 4, (t + 1) % 4]] * 3 for t in range(first, last)]
-        return protocol.encode_routed_experts(torch.tensor(rows))
+    def checked_routes(first: int, last: int) -> bytes:  # position t's experts: (t % 4, (t + 1) % 4) in each MoE layer
+        return shape.to_bytes(torch.tensor([[[t % 4, (t + 1) % 4]] * 2 for t in range(first, last)]))
 
     req = buffer.begin_requests()[0]
     assert req.routes_from == 0
     done = _completion(3, "length", "0")
-    done.routed_experts = engine_routes(0, 5)  # 3 prompt + 3 output tokens: positions 0..4 ran
+    done.routes = checked_routes(0, 5)  # 3 prompt + 3 output tokens: positions 0..4 ran
     buffer.record(req, done, 0)
     req = buffer.begin_requests()[0]
     assert req.routes_from == 5 and req.input_ids == [7, 8, 9, 0, 1, 2]
-    bad = _completion(2, "stop", "0", 3)
-    bad.routed_experts = engine_routes(5, 6)  # one position short
-    with pytest.raises(protocol.MalformedResponse, match="for 1 positions, expected 2"):
-        buffer.record(req, bad, 0)
+    with pytest.raises(RuntimeError, match="p/0: a completion without the routes its request asked for"):
+        buffer.record(req, _completion(2, "stop", "0", 3), 0)
     assert len(req.sample.response_ids) == 3  # nothing of it was kept
     done = _completion(2, "stop", "0", 3)
-    done.routed_experts = engine_routes(5, 7)
+    done.routes = checked_routes(5, 7)
     buffer.record(req, done, 0)
     sample = req.sample
     routes = shape.from_bytes(sample.routes)

@@ -7,6 +7,9 @@ padding row of the embedding, and routes naming one expert twice in a top-k were
 trained on, silently; routes out of range, not base64 or one position short ended the run with
 a traceback blamed on our side ("internal"). In a rollout the engine that answered wrongly is
 retired and its request goes to another; the third retirement of a run stops it with one line.
+So in a held-out evaluation and in the weight probe: before, there a wrong answer only marked its
+engine dead, unnamed and uncounted, and an external engine (never restarted) came back, was given
+the weights and answered wrongly again, without end.
 
 A saved batch whose routes do not fit the model (expert 4 of 4, 2 MoE layers for 3, top-3 for
 top-2) passed the batch checks and failed inside Megatron's router once the model was built;
@@ -17,22 +20,28 @@ import asyncio
 import base64
 import json
 import math
+import types
 
 import pytest
 import torch
+from aiohttp.test_utils import TestServer
 
 from bapo_megatron.common import protocol
 from bapo_megatron.common.batch import RolloutBatch, Sample
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.common.routes import RouteShape
+from bapo_megatron.config import load_config
 from bapo_megatron.engines.client import BadAnswer, EngineClient, ServedModel
+from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.pool import MAX_RETIRED, EnginePool
 from bapo_megatron.errors import RunStopped
 from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.rewards.workers import RewardWorkers
 from bapo_megatron.rollout.buffer import RolloutBuffer
 from bapo_megatron.rollout.core import RolloutCore
+from bapo_megatron.rollout.evaluation import EvalSet, HeldOut
 from bapo_megatron.rollout.strategies import AbortSteps
+from bapo_megatron.weights.engine_updates import EngineUpdates
 
 MOE = tiny_spec("qwen3_moe")  # 250 tokens; 4 layers, MoE in 1-3, 4 experts, top-2
 SHAPE = RouteShape.of(MOE)
@@ -173,8 +182,9 @@ def ask(wrong, routes_from: int | None = 0, max_new_tokens: int = 3):
 def test_a_right_answer_passes_with_its_routes():
     _, completion = ask(None)
     assert completion.output_ids == OUTPUT and completion.logprobs == [-0.5, -1.5, -0.25]
-    routes = SHAPE.from_bytes(SHAPE.from_engine(completion.routed_experts, 5, "here"))
-    assert routes.shape == (5, 3, 2)
+    # kept decoded, as a sample stores them: the MoE layers' rows of the 5 positions run
+    assert torch.equal(SHAPE.from_bytes(completion.routes), routes_of(5)[:, 1:].to(torch.uint8))
+    assert ask(None, routes_from=None)[1].routes is None  # none asked for
     _, tiny_above_zero = ask(lambda b: set_logprob(b, 0, 1e-7))  # a kernel's rounding: let through, as it came
     assert tiny_above_zero.logprobs[0] == 1e-7
 
@@ -251,6 +261,59 @@ def test_the_runs_third_wrong_answer_stops_it_with_that_answer_as_its_one_line()
     assert "\n" not in message and any(message.startswith(f"{url}/generate response for p0/") for url in urls)
     assert "routes name one expert twice in a top-2" in message
     assert f"the engines answered wrongly {MAX_RETIRED} times in this run" in message
+
+
+def test_a_wrong_answer_to_a_held_out_evaluation_retires_the_engine_by_name(capsys):
+    bad, good = Engine(WRONG["token outside the vocabulary"][0]), Engine()
+    cfg = load_config(None, [])
+    held = EvalSet("eval/", [(PROMPT, {"answer_ids": OUTPUT})], samples=1, greedy=False)
+    evaluation = HeldOut([held], cfg.eval, cfg.rollout.sampling, 0, RewardWorkers("exact_ids", inline=True), str, 1)
+
+    async def run(urls):
+        pool = EnginePool([EngineClient(url, retries=0, served=ServedModel.of(MOE, SHAPE)) for url in urls], wait_s=5)
+        try:
+            return urls, pool, await evaluation.run(pool, 3)  # the one prompt prefers engine 0: the bad one
+        finally:
+            for client in pool.clients:
+                await client.close()
+
+    urls, pool, figures = asyncio.run(serving([bad, good], run))
+    assert bad.answered == 1 and pool.dead == {0} and pool.retired == 1
+    assert figures["eval/avg@1"] == 1.0  # the good engine's answer
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"{urls[0]}/generate response for eval-0-0-0-") and "token id 999" in line, line
+    assert f"retiring {urls[0]} (1 of {MAX_RETIRED} wrong answers stop the run)" in line, line
+
+
+def test_a_wrong_answer_to_the_probe_of_a_refit_retires_the_engine_by_name(capsys):
+    """An engine back from a death, given the weights, answers the probe wrongly: it is retired and
+    counted (it was waiting for the weights, not live: the answer is to the probe, not an old request)."""
+    loop = EngineLoop()
+    engines = [Engine(), Engine(WRONG["positive log-prob"][0])]
+    servers, clients = [TestServer(e.app()) for e in engines], []
+    try:
+        for server in servers:
+            loop.run(server.start_server())
+        urls = [str(server.make_url("")).rstrip("/") for server in servers]
+        clients = [EngineClient(url, retries=0, served=ServedModel.of(MOE, None)) for url in urls]
+        pool = EnginePool(clients)
+        fleet = types.SimpleNamespace(loop=loop, pool=pool, clients=clients)
+        prompts = types.SimpleNamespace(first=lambda n: [(PROMPT, {})])
+        cfg = load_config(None, ["rollout.engines.colocate=true"])
+        updates = EngineUpdates(cfg, fleet, types.SimpleNamespace(restarts=0), prompts, None, lambda: None)
+        pool.mark_dead(1)
+        pool.came_back(1)  # waits for the weights: probed before it serves again
+        assert updates.probe(1) is None and pool.dead == {1} and pool.retired == 1
+        assert updates.probe(None).response_ids == OUTPUT  # the live engine answers right
+    finally:
+        for client in clients:
+            loop.run(client.close())
+        for server in servers:
+            loop.run(server.close())
+        loop.close()
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"{urls[1]}/generate response for probe-") and "log-prob 0.01" in line, line
+    assert f"retiring {urls[1]} (1 of {MAX_RETIRED} wrong answers stop the run)" in line, line
 
 
 # -- saved batches --------------------------------------------------------------------------------
