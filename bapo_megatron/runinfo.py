@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from bapo_megatron.config import JobConfig, to_dict
+from bapo_megatron.config import JobConfig, dotted, to_dict
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.fsutil import write_text_atomic
 from bapo_megatron.models.spec import ModelSpec, spec_fields
@@ -43,20 +43,11 @@ STATUS = "status.json"
 """How the run ended (RunStatus), in its run directory."""
 
 
-def _flatten(data: object, prefix: str) -> dict[str, object]:
-    if not isinstance(data, dict) or not data:
-        return {prefix: data}
-    out: dict[str, object] = {}
-    for key, value in data.items():
-        out.update(_flatten(value, f"{prefix}.{key}"))
-    return out
-
-
 def identity(cfg: JobConfig, spec: ModelSpec) -> dict:
     """The run's name, its SAME_RUN fields (dotted, as run.json holds them) and their fingerprint."""
     fields = {}
     for section in SAME_RUN:
-        fields.update(_flatten(to_dict(getattr(cfg, section)), section))
+        fields.update(dotted(to_dict(getattr(cfg, section)), section))
     fields.update({f"model.{key}": value for key, value in spec_fields(spec).items()})  # as the converter reads them
     fields = json.loads(json.dumps({k: v for k, v in fields.items() if k not in MECHANICS}))  # tuples as lists
     fingerprint = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -210,6 +210,17 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def dotted(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested plain data as dotted keys ({"a": {"b": 1}} -> {"a.b": 1}), under `prefix` when given;
+    an empty mapping is a value of its own (as run.json holds one)."""
+    if not isinstance(data, dict) or not data:
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(dotted(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
 def _set_dotted(data: dict, dotted: str, value: Any, cls: type) -> None:
     """Set data[a][b][c] = value for 'a.b.c', checking each name against the dataclass fields; a
     mapping field takes one free key ('rollout.engines.sglang_args.x=1') or, when its values are

@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bapo_megatron.config.loader import dotted
 from bapo_megatron.errors import BadInputError, ConfigError, check
 
 Architecture = str
@@ -62,12 +63,7 @@ def spec_fields(spec: ModelSpec) -> dict[str, object]:
     """The spec's fields, dotted (moe.top_k) and as JSON holds them (tuples as lists): a run.json's
     model.* entries are these."""
 
-    def flat(value: object, prefix: str) -> dict[str, object]:
-        if not isinstance(value, dict) or not value:  # an empty mapping is a value, as run.json holds it
-            return {prefix: value}
-        return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}.{key}").items()}
-
-    return {k.removeprefix("."): v for k, v in flat(json.loads(json.dumps(asdict(spec))), "").items()}
+    return dotted(json.loads(json.dumps(asdict(spec))))
 
 
 def first_difference(ours: dict[str, object], theirs: dict[str, object]) -> tuple[str, object, object] | None:
