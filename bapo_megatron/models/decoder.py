@@ -1,6 +1,8 @@
 """The Qwen/Llama-style decoder every family here shares: RMSNorm, rotary GQA attention (q/k/v biases
-and per-head q/k norms as the family says), a SiLU-gated MLP; families with another MLP (experts)
-override the `_mlp_*` answers for the layers that have it.
+and per-head q/k norms as the family says), a SiLU-gated MLP. Each layer-level answer is the
+layer's two norms around an attention part (`_attention_*`) and an MLP part (`_mlp_*`): a family
+with another attention in some layers (latent, linear, gated) overrides the `_attention_*` answers,
+one with another MLP (experts) the `_mlp_*` answers, for the layers that have it.
 
 HF names are those of checkpoints on disk and of SGLang's loader; Megatron's are those of its GPT
 layer specs (local or Transformer Engine), whole tensors (TP = 1).
@@ -60,11 +62,16 @@ class Decoder(Family):
 
     # -- HF tensors
     def hf_layer_shapes(self, spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+        p, d = f"model.layers.{layer}.", spec.hidden_size
+        shapes = {p + "input_layernorm.weight": (d,)} | self._attention_hf_shapes(spec, layer)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        return shapes | self._mlp_hf_shapes(spec, layer)
+
+    def _attention_hf_shapes(self, spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
         d, hd = spec.hidden_size, spec.head_dim
         kv, q = spec.num_kv_heads * hd, spec.num_heads * hd
         p = f"model.layers.{layer}."
         shapes = {
-            p + "input_layernorm.weight": (d,),
             p + "self_attn.q_proj.weight": (q, d),
             p + "self_attn.k_proj.weight": (kv, d),
             p + "self_attn.v_proj.weight": (kv, d),
@@ -75,8 +82,7 @@ class Decoder(Family):
         if self.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         shapes[p + "self_attn.o_proj.weight"] = (d, q)
-        shapes[p + "post_attention_layernorm.weight"] = (d,)
-        return shapes | self._mlp_hf_shapes(spec, layer)
+        return shapes
 
     def _mlp_hf_shapes(self, spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
         p, d, width = f"model.layers.{layer}.mlp.", spec.hidden_size, spec.ffn_hidden_size
@@ -89,10 +95,16 @@ class Decoder(Family):
     # -- HF <-> Megatron
     def layer_recipes(self, spec: ModelSpec, layer: int, impl: str, grouped: bool) -> dict[str, Recipe]:
         h, m = f"model.layers.{layer}.", f"decoder.layers.{layer}."
-        qkv = partial(fuse_qkv, spec=spec)
         attn_norm, mlp_norm = self.norm_names(spec, layer, impl)
+        recipes: dict[str, Recipe] = {m + attn_norm: Rows((h + "input_layernorm.weight",))}
+        recipes |= self._attention_recipes(spec, layer)
+        recipes[m + mlp_norm] = Rows((h + "post_attention_layernorm.weight",))
+        return recipes | self._mlp_recipes(spec, layer, grouped)
+
+    def _attention_recipes(self, spec: ModelSpec, layer: int) -> dict[str, Recipe]:
+        h, m = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+        qkv = partial(fuse_qkv, spec=spec)
         recipes: dict[str, Recipe] = {
-            m + attn_norm: Rows((h + "input_layernorm.weight",)),
             m + QKV + "weight": Fused(qkv, tuple(h + f"self_attn.{n}_proj.weight" for n in "qkv")),
         }
         if self.qkv_bias:
@@ -101,8 +113,7 @@ class Decoder(Family):
             recipes[m + "self_attention.q_layernorm.weight"] = Rows((h + "self_attn.q_norm.weight",))
             recipes[m + "self_attention.k_layernorm.weight"] = Rows((h + "self_attn.k_norm.weight",))
         recipes[m + "self_attention.linear_proj.weight"] = Rows((h + "self_attn.o_proj.weight",))
-        recipes[m + mlp_norm] = Rows((h + "post_attention_layernorm.weight",))
-        return recipes | self._mlp_recipes(spec, layer, grouped)
+        return recipes
 
     def _mlp_recipes(self, spec: ModelSpec, layer: int, grouped: bool) -> dict[str, Recipe]:
         h, m = f"model.layers.{layer}.mlp.", f"decoder.layers.{layer}.mlp."
@@ -117,6 +128,14 @@ class Decoder(Family):
         h, m = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         attn_norm, mlp_norm = self.norm_names(spec, layer, impl)
         yield h + "input_layernorm.weight", mg[m + attn_norm]
+        yield from self._attention_to_hf(spec, layer, mg)
+        yield h + "post_attention_layernorm.weight", mg[m + mlp_norm]
+        yield from self._mlp_to_hf(spec, layer, mg)
+
+    def _attention_to_hf(
+        self, spec: ModelSpec, layer: int, mg: Mapping[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        h, m = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         q, k, v = split_qkv(mg[m + QKV + "weight"], spec)
         yield from ((h + f"self_attn.{n}_proj.weight", t) for n, t in zip("qkv", (q, k, v), strict=True))
         if self.qkv_bias:
@@ -126,8 +145,6 @@ class Decoder(Family):
             yield h + "self_attn.q_norm.weight", mg[m + "self_attention.q_layernorm.weight"]
             yield h + "self_attn.k_norm.weight", mg[m + "self_attention.k_layernorm.weight"]
         yield h + "self_attn.o_proj.weight", mg[m + "self_attention.linear_proj.weight"]
-        yield h + "post_attention_layernorm.weight", mg[m + mlp_norm]
-        yield from self._mlp_to_hf(spec, layer, mg)
 
     def _mlp_to_hf(
         self, spec: ModelSpec, layer: int, mg: Mapping[str, torch.Tensor]
@@ -139,19 +156,22 @@ class Decoder(Family):
         yield h + "down_proj.weight", mg[m + "linear_fc2.weight"]
 
     def stored_layer_shapes(self, spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
-        d, hd = spec.hidden_size, spec.head_dim
-        qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * hd
+        d = spec.hidden_size
         shapes = {
             QKV + "layer_norm_weight": (d,),
-            QKV + "weight": (qkv_rows, d),
-            "self_attention.linear_proj.weight": (d, spec.num_heads * hd),
             "mlp.linear_fc1.layer_norm_weight": (d,),  # a MoE layer's pre_mlp_layernorm is stored under it too
         }
+        return shapes | self._attention_stored_shapes(spec, layer) | self._mlp_stored_shapes(spec, layer)
+
+    def _attention_stored_shapes(self, spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+        d, hd = spec.hidden_size, spec.head_dim
+        qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * hd
+        shapes = {QKV + "weight": (qkv_rows, d), "self_attention.linear_proj.weight": (d, spec.num_heads * hd)}
         if self.qkv_bias:
             shapes[QKV + "bias"] = (qkv_rows,)
         if self.qk_norm:
             shapes.update({"self_attention.q_layernorm.weight": (hd,), "self_attention.k_layernorm.weight": (hd,)})
-        return shapes | self._mlp_stored_shapes(spec, layer)
+        return shapes
 
     def _mlp_stored_shapes(self, spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
         d, width = spec.hidden_size, spec.ffn_hidden_size
@@ -189,11 +209,15 @@ class Decoder(Family):
         return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.qk_norm)
 
     def layer_params(self, spec: ModelSpec, layer: int) -> dict[str, int]:
+        return self._mlp_params(spec, layer, self._attention_params(spec, layer))
+
+    def _attention_params(self, spec: ModelSpec, layer: int) -> dict[str, int]:
+        """The attention's parameters and the layer's two norms, by how they are held."""
         d, hd = spec.hidden_size, spec.head_dim
         qkv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
         attention = d * qkv + (qkv if self.qkv_bias else 0) + spec.num_heads * hd * d
         norms = 2 * d + (2 * hd if self.qk_norm else 0)  # a q/k norm is one head_dim vector each
-        return self._mlp_params(spec, layer, {"tensor": attention, "replicated": norms, "router": 0, "experts": 0})
+        return {"tensor": attention, "replicated": norms, "router": 0, "experts": 0}
 
     def _mlp_params(self, spec: ModelSpec, layer: int, attention: dict[str, int]) -> dict[str, int]:
         return attention | {"tensor": attention["tensor"] + 3 * spec.hidden_size * spec.ffn_hidden_size}
@@ -211,16 +235,21 @@ class Decoder(Family):
             raise ValueError(f"SGLang TP {tp} must divide the MLP size {spec.ffn_hidden_size}")
 
     def sglang_layer_shapes(self, spec: ModelSpec, layer: int, tp: int) -> dict[str, tuple[int, ...]]:
-        d, hd, p = spec.hidden_size, spec.head_dim, f"model.layers.{layer}."
-        qkv = (spec.num_heads // tp + 2 * max(1, spec.num_kv_heads // tp)) * hd
-        shapes = {p + "input_layernorm.weight": (d,), p + "self_attn.qkv_proj.weight": (qkv, d)}
-        if self.qkv_bias:
-            shapes[p + "self_attn.qkv_proj.bias"] = (qkv,)
-        if self.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        d, p = spec.hidden_size, f"model.layers.{layer}."
+        shapes = {p + "input_layernorm.weight": (d,)} | self._attention_sglang_shapes(spec, layer, tp)
         return shapes | {
-            p + "self_attn.o_proj.weight": (d, spec.num_heads * hd // tp),
             p + "post_attention_layernorm.weight": (d,),
             p + "mlp.gate_up_proj.weight": (2 * spec.ffn_hidden_size // tp, d),
             p + "mlp.down_proj.weight": (d, spec.ffn_hidden_size // tp),
         }
+
+    def _attention_sglang_shapes(self, spec: ModelSpec, layer: int, tp: int) -> dict[str, tuple[int, ...]]:
+        d, hd, p = spec.hidden_size, spec.head_dim, f"model.layers.{layer}."
+        qkv = (spec.num_heads // tp + 2 * max(1, spec.num_kv_heads // tp)) * hd
+        shapes = {p + "self_attn.qkv_proj.weight": (qkv, d)}
+        if self.qkv_bias:
+            shapes[p + "self_attn.qkv_proj.bias"] = (qkv,)
+        if self.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        shapes[p + "self_attn.o_proj.weight"] = (d, spec.num_heads * hd // tp)
+        return shapes
