@@ -25,6 +25,7 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int, machine: bool = T
     first (trainer/memory/fit.py: parallel.recompute=auto resolved, context parallel refused). The run and
     the dry run both call it: what one refuses the other refuses."""
     from bapo_megatron.trainer.megatron_config import check_precision_support, recompute_settings
+    from bapo_megatron.trainer.packing import packs
 
     check_layout(
         spec,
@@ -39,6 +40,7 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int, machine: bool = T
             "algo.routing_replay", True, f"replays a mixture-of-experts model's routes; {spec.architecture} is dense"
         )
     recompute_settings(spec, cfg.parallel)  # recompute_layers within a stage's layers
+    packs(spec, cfg.model, cfg.parallel)  # parallel.packing=packed of a model whose layers would mix a row's samples
     if cfg.rollout.record_routes and spec.moe is None:
         raise ConfigError(
             "rollout.record_routes", True, f"records a mixture-of-experts model's routes; {spec.architecture} is dense"

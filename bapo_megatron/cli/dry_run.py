@@ -19,6 +19,7 @@ from pathlib import Path
 from bapo_megatron.cli.dry_run_memory import GIB, memory_lines
 from bapo_megatron.cli.slurm import SlurmPlan, find_slurm_plan
 from bapo_megatron.config import JobConfig, RolloutConfig, dump_config
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.plan import RunPlan, plan_run
 
 
@@ -98,29 +99,33 @@ def _layout_lines(plan: RunPlan) -> list[str]:
         f"per optimizer step: {samples} samples, {math.ceil(samples / dp)} per data-parallel rank "
         f"(responses up to {r.sampling.max_new_tokens} tokens); {updates} optimizer "
         f"step{'s' if updates != 1 else ''} per batch",
-        _microbatch_line(cfg, samples, dp),
+        _microbatch_line(cfg, plan.spec, samples, dp),
     ]
     if plan.spec.moe is not None:
         out.append(_experts_layout(plan))
     return [*out, plan.recompute_line]
 
 
-def _microbatch_line(cfg: JobConfig, samples: int, dp: int) -> str:
+def _microbatch_line(cfg: JobConfig, spec: ModelSpec, samples: int, dp: int) -> str:
     """How a rank's samples make micro-batches (trainer/packing.py), and how many at worst: every
     sample as long as a micro-batch allows."""
-    from bapo_megatron.trainer.packing import microbatch_layout, packs
+    from bapo_megatron.trainer.packing import microbatch_layout, packing_leak, packs
 
     p, r = cfg.parallel, cfg.rollout
     longest = r.sampling.max_new_tokens + (cfg.data.max_prompt_tokens or p.max_tokens_per_microbatch)
     longest = min(longest, p.max_tokens_per_microbatch)
-    plan = microbatch_layout(cfg.model, p, 1).plan([longest] * samples, dp, p.pipeline if p.virtual_pipeline else 1)
-    if packs(cfg.model, p):
+    layout = microbatch_layout(spec, cfg.model, p, 1)
+    plan = layout.plan([longest] * samples, dp, p.pipeline if p.virtual_pipeline else 1)
+    if packs(spec, cfg.model, p):
         attention = "THD with cu_seqlens" if cfg.model.transformer_impl == "transformer_engine" else "a masked row"
         how = f"packed rows of whole samples end to end, attention inside each sample ({attention})"
     else:
-        how = "padded rows of one sample each" + (
-            ", padded to the step's longest (the virtual pipeline's one shape)" if p.virtual_pipeline else ""
-        )
+        leak = packing_leak(spec, cfg.model)
+        how = "padded rows of one sample each"
+        if leak is not None:
+            how += f" (not packed: {spec.architecture}'s {leak} would mix the samples of a packed row)"
+        if p.virtual_pipeline:
+            how += ", padded to the step's longest (the virtual pipeline's one shape)"
     return (
         f"micro-batches: {how}, at most {p.max_tokens_per_microbatch} tokens each (parallel.packing={p.packing}); "
         f"at worst (every sample {longest} tokens) {len(plan[0])} a data-parallel rank and optimizer step"

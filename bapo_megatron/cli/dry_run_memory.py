@@ -116,6 +116,7 @@ def _moe_memory(plan: RunPlan) -> list[str]:
 def _sglang_memory(plan: RunPlan, gpu_bytes: int) -> str:
     """An SGLang server GPU: its share of the weights and what is left of mem_fraction_static for the KV cache."""
     from bapo_megatron.engines.sglang_launcher import mem_fraction
+    from bapo_megatron.models import family_of
     from bapo_megatron.trainer.memory.estimate import rollout_mem_fraction, stage_params
 
     cfg, spec = plan.cfg, plan.spec
@@ -129,7 +130,7 @@ def _sglang_memory(plan: RunPlan, gpu_bytes: int) -> str:
     except ValueError as err:
         return f"each SGLang server GPU: cannot fit ({err})"
     kv_budget = max(0, int(fraction * gpu_bytes) - weights)
-    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 // e.tensor_parallel  # keys+values, bf16
+    per_token = family_of(spec).engine_cache_bytes(spec, e.tensor_parallel)  # bf16
     return (
         f"each SGLang server GPU: mem_fraction_static {fraction:.2f}: weights {weights / GIB:.2f} GiB, "
         f"KV cache {kv_budget / GIB:.2f} GiB = {kv_budget // max(per_token, 1):,} tokens"

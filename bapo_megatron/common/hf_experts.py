@@ -69,7 +69,7 @@ def per_expert(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.T
     every other entry as it is."""
     for name, tensor in state.items():
         match = _FUSED.match(name)
-        if match is None:
+        if match is None or f"{match[1]}.gate_up_proj_bias" in state:  # gpt-oss's: fused on disk too
             yield name, tensor
             continue
         prefix, kind = match[1], match[2]

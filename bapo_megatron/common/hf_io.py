@@ -1,7 +1,10 @@
 """Hugging Face checkpoint directories: read safetensors shards (validated), write them atomically.
 
-Only safetensors are read: a checkpoint is never unpickled. Every problem names the file
-or tensor at fault before any expensive work is done with it; a shard outside the directory
+Only safetensors are read: a checkpoint is never unpickled. The family's disk layout
+(models/on_disk.py) maps the names on disk to the text model's canonical ones here, once; the tensors
+the family keeps untrained are checked and handed on by their names on disk (KeptSource); any other
+tensor is refused by name. Every problem names the file or tensor at fault before any expensive work
+is done with it; a shard outside the directory
 (named so by the index, or a symbolic link leading out) is refused before any is opened. A
 directory whose config.json or tokenizer_config.json would have transformers import code from it
 (auto_map) is refused by name (refuse_remote_code_in); an export drops auto_map instead.
@@ -13,12 +16,15 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from bapo_megatron.common.safetensors_stream import StreamingWriter, TensorEntry, plan_files
+from bapo_megatron.common.safetensors_stream import SAFETENSORS_DTYPES, StreamingWriter, TensorEntry, plan_files
 from bapo_megatron.errors import BadInputError, inside
 from bapo_megatron.models import family_of
+from bapo_megatron.models.moe import kept_in_float32
+from bapo_megatron.models.on_disk import TEXT_LAYOUT, DiskLayout
 from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, refuse_remote_code
 
 INDEX = "model.safetensors.index.json"
@@ -70,12 +76,15 @@ def without_remote_code(config: dict, source: str | Path) -> dict:
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 """safetensors dtypes that hold weights; integer or boolean tensors would be cast silently."""
+KEPT_FILE = "hf_kept.safetensors"
+"""The tensors a Megatron checkpoint carries untouched for its HF export (Family.kept_tensors), beside
+its hf_config.json."""
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor a HF checkpoint of `spec` holds, with its shape, in loading order: embedding,
-    layers in order (a MoE layer's experts one tensor each, as on disk), final norm, lm_head (absent
-    when tied)."""
+    """Every tensor a HF checkpoint of `spec` holds (canonical names: models/on_disk.py), with its
+    shape, in loading order: embedding, layers in order (a MoE layer's experts one tensor each, as on
+    disk), final norm, lm_head (absent when tied)."""
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
     family = family_of(spec)
     for i in range(spec.num_layers):
@@ -86,31 +95,109 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_entries(spec: ModelSpec, dtype: torch.dtype) -> list[TensorEntry]:
-    return [TensorEntry(name, shape, dtype) for name, shape in expected_shapes(spec).items()]
+def hf_entries(spec: ModelSpec, dtype: torch.dtype, layout: DiskLayout = TEXT_LAYOUT) -> list[TensorEntry]:
+    """The text model's tensors as a checkpoint in `layout` names them on disk, in `dtype`."""
+    return [
+        TensorEntry(layout.disk_name(name), shape, torch.float32 if kept_in_float32(name) else dtype)
+        for name, shape in expected_shapes(spec).items()
+    ]
+
+
+class KeptSource:
+    """Kept tensors (Family.kept_tensors) in open safetensors files, by their names on disk: their
+    entries (own shapes and dtypes) and each tensor on demand, bitwise as stored."""
+
+    def __init__(self, handles: dict[str, Any]) -> None:
+        self._handles = dict(sorted(handles.items()))
+
+    def entries(self) -> list[TensorEntry]:
+        out = []
+        for name, handle in self._handles.items():
+            tensor = handle.get_slice(name)
+            out.append(TensorEntry(name, tuple(tensor.get_shape()), TORCH_DTYPES[tensor.get_dtype()]))
+        return out
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handles[name].get_tensor(name)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def write(self, file: Path) -> None:
+        """Every kept tensor into one safetensors file, one tensor in memory at a time."""
+        writer = StreamingWriter(file.parent, [(file.name, self.entries())])
+        for name in self._handles:
+            writer.write(name, self[name])
+        writer.close()
+
+
+TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+"""safetensors dtypes a kept tensor may have (copied bitwise, never cast)."""
+
+
+def _open(path: Path) -> Any:
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as err:  # safetensors reports truncation and bad headers with its own types
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def _check_kept(path: Path, handle: Any, name: str) -> None:
+    """A kept tensor's header readable and its dtype one it is copied in bitwise."""
+    dtype = handle.get_slice(name).get_dtype()
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(
+            f"{path}: kept tensor {name} is stored as {dtype}, which is not carried ({sorted(TORCH_DTYPES)})"
+        )
+
+
+def open_kept_file(path: Path, spec: ModelSpec, config: dict) -> KeptSource:
+    """The kept tensors a Megatron checkpoint carries (KEPT_FILE), each one its family keeps for the
+    model of `config` (its hf_config.json): ValueError naming the file and the tensor otherwise."""
+    handle = _open(path)
+    kept = family_of(spec).kept_tensors(spec, config)
+    names = list(handle.keys())
+    for name in names:
+        if name not in kept:
+            raise ValueError(f"{path}: {name} is no tensor the {spec.architecture} family keeps for this config")
+        _check_kept(path, handle, name)
+    return KeptSource(dict.fromkeys(names, handle))
 
 
 class HFCheckpoint:
-    """A validated HF checkpoint directory: its spec, and lazy access to its tensors."""
+    """A validated HF checkpoint directory: its spec, lazy access to its text model's tensors by their
+    canonical names (whatever the family's disk layout: models/on_disk.py), and the tensors it keeps
+    (`kept`, by their names on disk)."""
 
     def __init__(self, directory: str | Path) -> None:
-        from safetensors import safe_open
-
         self.dir = Path(directory)
         self.spec = ModelSpec.from_hf_dir(self.dir)
         refuse_remote_code_in(self.dir)  # its tokenizer_config.json too: the engines and evaluate load it
         self.config = json.loads((self.dir / "config.json").read_text())
-        self.files, paths = self._shard_map()
-        self._handles = {}
-        for file in sorted(set(self.files.values())):
-            try:
-                self._handles[file] = safe_open(str(paths[file]), framework="pt")
-            except Exception as err:  # safetensors reports truncation and bad headers with its own types
-                raise ValueError(f"{paths[file]}: not a readable safetensors file ({err})") from None
+        family = family_of(self.spec)
+        self.layout = family.disk_layout(self.config)
+        on_disk, paths = self._shard_map()
+        self._handles = {file: _open(paths[file]) for file in sorted(set(on_disk.values()))}
+        kept = family.kept_tensors(self.spec, self.config)
+        self.files: dict[str, str] = {}
+        """Canonical name -> shard file, for the text model's tensors."""
+        kept_handles, self._unaccounted = {}, []
+        for disk, file in on_disk.items():
+            name = None if disk in kept else self.layout.canonical_name(disk)
+            if disk in kept:
+                _check_kept(paths[file], self._handles[file], disk)
+                kept_handles[disk] = self._handles[file]
+            elif name is None:
+                self._unaccounted.append((disk, file))
+            else:
+                self.files[name] = file
+        self.kept = KeptSource(kept_handles)
         self._check_shapes()
 
     def _shard_map(self) -> tuple[dict[str, str], dict[str, Path]]:
-        """Tensor name -> shard file name, and each shard's path (inside the directory)."""
+        """Tensor name on disk -> shard file name, and each shard's path (inside the directory)."""
         index = self.dir / INDEX
         # the hub's cache keeps a snapshot's files as links to the blobs of its entry (snapshots/REV/../..)
         links_within = self.dir.parent.parent if self.dir.parent.name == "snapshots" else self.dir
@@ -126,46 +213,44 @@ class HFCheckpoint:
                 raise ValueError(f"{self.dir}: shard(s) named in {INDEX} are missing: {', '.join(missing)}")
             return dict(weight_map), paths
         if (self.dir / SINGLE).is_file():
-            from safetensors import safe_open
-
             path = inside(self.dir, SINGLE, self.dir, links_within)
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    return dict.fromkeys(f.keys(), SINGLE), {SINGLE: path}
-            except Exception as err:
-                raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+            with _open(path) as f:
+                return dict.fromkeys(f.keys(), SINGLE), {SINGLE: path}
         raise ValueError(f"{self.dir}: no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
 
     def _check_shapes(self) -> None:
         """Every tensor config.json implies is there with its shape, and every tensor in the files is
-        one of them: a config that disagrees with the weights (fewer layers, a tied head that is
-        not) would otherwise convert part of the checkpoint and drop the rest silently."""
-        expected = expected_shapes(self.spec)
-        missing = [n for n in expected if n not in self.files]
+        one of them or one the family keeps: a config that disagrees with the weights (fewer layers, a
+        tied head that is not) would otherwise convert part of the checkpoint and drop the rest silently."""
+        expected, disk = expected_shapes(self.spec), self.layout.disk_name
+        missing = [disk(n) for n in expected if n not in self.files]
         if missing:
             raise ValueError(f"{self.dir}: {len(missing)} tensors missing, e.g. {missing[0]}")
         for name, shape in expected.items():
-            tensor = self._handles[self.files[name]].get_slice(name)
+            tensor = self._handles[self.files[name]].get_slice(disk(name))
             got = tuple(tensor.get_shape())
             if got != shape:
-                raise ValueError(f"{self.dir}: {name} has shape {got}, config.json implies {shape}")
+                raise ValueError(f"{self.dir}: {disk(name)} has shape {got}, config.json implies {shape}")
             if tensor.get_dtype() not in FLOAT_DTYPES:
                 raise ValueError(
-                    f"{self.dir}: {name} is stored as {tensor.get_dtype()}; weights must be floating point "
+                    f"{self.dir}: {disk(name)} is stored as {tensor.get_dtype()}; weights must be floating point "
                     f"({', '.join(sorted(FLOAT_DTYPES))})"
                 )
         # rotary inverse frequencies: a buffer older exports saved, recomputed from rope_theta
-        unused = sorted(n for n in set(self.files) - set(expected) if not n.endswith("rotary_emb.inv_freq"))
-        if self.spec.tie_embeddings and unused == ["lm_head.weight"]:
+        unused = [(disk(n), f) for n, f in self.files.items() if n not in expected]
+        unused = sorted(u for u in unused + self._unaccounted if not u[0].endswith("rotary_emb.inv_freq"))
+        if self.spec.tie_embeddings and [u[0] for u in unused] == ["lm_head.weight"]:
             unused = []  # a tied head saved anyway (some exporters do): the embedding is the weight used
         if unused:
+            (name, file), count = unused[0], len(unused)
             raise ValueError(
-                f"{self.dir}: {len(unused)} tensors that config.json does not account for, e.g. {unused[0]} "
-                "(is config.json this checkpoint's? num_hidden_layers, tie_word_embeddings)"
+                f"{self.dir}: {count} tensors that config.json does not account for, e.g. {name} in {file} "
+                "(is config.json this checkpoint's? num_hidden_layers, tie_word_embeddings; nor does the "
+                f"{self.spec.architecture} family keep it)"
             )
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._handles[self.files[name]].get_tensor(name)
+        return self._handles[self.files[name]].get_tensor(self.layout.disk_name(name))
 
     def __contains__(self, name: str) -> bool:
         return name in self.files

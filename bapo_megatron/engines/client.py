@@ -69,6 +69,8 @@ class ServedModel:
         model; MalformedResponse when they are not. None: none asked for, or none recorded."""
         if self.routes is None or routes_from is None:
             return None
+        if not answer.output_ids and answer.finish == "abort" and not answer.routed_experts:
+            return b""  # aborted while queued: no position ran (SGLang sends no routes, the embedded engine none)
         ran = len(input_ids) + len(answer.output_ids) - 1 - routes_from  # the last token is never fed in
         return self.routes.from_engine(answer.routed_experts, ran, "meta_info")
 

@@ -4,14 +4,31 @@ architecture, or by a config.json's `architectures` (its `model_type` when it na
 from __future__ import annotations
 
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.deepseek_v3 import DeepseekV3
 from bapo_megatron.models.family import Family
+from bapo_megatron.models.glm4_moe import Glm4Moe
 from bapo_megatron.models.llama import Llama
 from bapo_megatron.models.qwen2 import Qwen2
 from bapo_megatron.models.qwen3 import Qwen3
+from bapo_megatron.models.qwen3_5 import Qwen3_5, Qwen3_5Moe
 from bapo_megatron.models.qwen3_moe import Qwen3Moe
+from bapo_megatron.models.qwen3_next import Qwen3Next
 from bapo_megatron.models.spec import ModelSpec
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen2(), Llama(), Qwen3(), Qwen3Moe())}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Qwen2(),
+        Llama(),
+        Qwen3(),
+        Qwen3Moe(),
+        Glm4Moe(),
+        Qwen3_5(),
+        Qwen3_5Moe(),
+        Qwen3Next(),
+        DeepseekV3(),
+    )
+}
 """Every family by its name (the spec's architecture); a new family is one entry."""
 
 

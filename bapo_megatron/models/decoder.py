@@ -27,9 +27,10 @@ class Decoder(Family):
     """A dense decoder: attention then a gated MLP in every layer."""
 
     qkv_bias: ClassVar[bool] = False
-    """q, k and v projections carry a bias (Qwen2)."""
+    """q, k and v projections carry a bias (Qwen2): the spec's qkv_bias when read from config.json
+    (the answers below read the spec, so a family may also take it from config.json)."""
     qk_norm: ClassVar[bool] = False
-    """RMSNorm of each query and key head before RoPE (Qwen3)."""
+    """RMSNorm of each query and key head before RoPE (Qwen3): the spec's qk_norm, as qkv_bias."""
 
     def fields(self, hf: dict) -> dict[str, Any]:
         return {**common_fields(hf), "architecture": self.name, "qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm}
@@ -76,10 +77,10 @@ class Decoder(Family):
             p + "self_attn.k_proj.weight": (kv, d),
             p + "self_attn.v_proj.weight": (kv, d),
         }
-        if self.qkv_bias:
+        if spec.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)})
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
-        if self.qk_norm:
+        if spec.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         shapes[p + "self_attn.o_proj.weight"] = (d, q)
         return shapes
@@ -107,9 +108,9 @@ class Decoder(Family):
         recipes: dict[str, Recipe] = {
             m + QKV + "weight": Fused(qkv, tuple(h + f"self_attn.{n}_proj.weight" for n in "qkv")),
         }
-        if self.qkv_bias:
+        if spec.qkv_bias:
             recipes[m + QKV + "bias"] = Fused(qkv, tuple(h + f"self_attn.{n}_proj.bias" for n in "qkv"))
-        if self.qk_norm:
+        if spec.qk_norm:
             recipes[m + "self_attention.q_layernorm.weight"] = Rows((h + "self_attn.q_norm.weight",))
             recipes[m + "self_attention.k_layernorm.weight"] = Rows((h + "self_attn.k_norm.weight",))
         recipes[m + "self_attention.linear_proj.weight"] = Rows((h + "self_attn.o_proj.weight",))
@@ -138,10 +139,10 @@ class Decoder(Family):
         h, m = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         q, k, v = split_qkv(mg[m + QKV + "weight"], spec)
         yield from ((h + f"self_attn.{n}_proj.weight", t) for n, t in zip("qkv", (q, k, v), strict=True))
-        if self.qkv_bias:
+        if spec.qkv_bias:
             q, k, v = split_qkv(mg[m + QKV + "bias"], spec)
             yield from ((h + f"self_attn.{n}_proj.bias", t) for n, t in zip("qkv", (q, k, v), strict=True))
-        if self.qk_norm:
+        if spec.qk_norm:
             yield h + "self_attn.q_norm.weight", mg[m + "self_attention.q_layernorm.weight"]
             yield h + "self_attn.k_norm.weight", mg[m + "self_attention.k_layernorm.weight"]
         yield h + "self_attn.o_proj.weight", mg[m + "self_attention.linear_proj.weight"]
@@ -167,9 +168,9 @@ class Decoder(Family):
         d, hd = spec.hidden_size, spec.head_dim
         qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * hd
         shapes = {QKV + "weight": (qkv_rows, d), "self_attention.linear_proj.weight": (d, spec.num_heads * hd)}
-        if self.qkv_bias:
+        if spec.qkv_bias:
             shapes[QKV + "bias"] = (qkv_rows,)
-        if self.qk_norm:
+        if spec.qk_norm:
             shapes.update({"self_attention.q_layernorm.weight": (hd,), "self_attention.k_layernorm.weight": (hd,)})
         return shapes
 
@@ -193,8 +194,8 @@ class Decoder(Family):
             "gated_linear_unit": True,
             "activation_func": F.silu,
             "add_bias_linear": False,
-            "add_qkv_bias": self.qkv_bias,
-            "qk_layernorm": self.qk_norm,
+            "add_qkv_bias": spec.qkv_bias,
+            "qk_layernorm": spec.qk_norm,
             "hidden_dropout": 0.0,
             "attention_dropout": 0.0,
         }
@@ -203,10 +204,10 @@ class Decoder(Family):
         if te:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.qk_norm)
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
 
     def layer_params(self, spec: ModelSpec, layer: int) -> dict[str, int]:
         return self._mlp_params(spec, layer, self._attention_params(spec, layer))
@@ -215,15 +216,15 @@ class Decoder(Family):
         """The attention's parameters and the layer's two norms, by how they are held."""
         d, hd = spec.hidden_size, spec.head_dim
         qkv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
-        attention = d * qkv + (qkv if self.qkv_bias else 0) + spec.num_heads * hd * d
-        norms = 2 * d + (2 * hd if self.qk_norm else 0)  # a q/k norm is one head_dim vector each
+        attention = d * qkv + (qkv if spec.qkv_bias else 0) + spec.num_heads * hd * d
+        norms = 2 * d + (2 * hd if spec.qk_norm else 0)  # a q/k norm is one head_dim vector each
         return {"tensor": attention, "replicated": norms, "router": 0, "experts": 0}
 
     def _mlp_params(self, spec: ModelSpec, layer: int, attention: dict[str, int]) -> dict[str, int]:
         return attention | {"tensor": attention["tensor"] + 3 * spec.hidden_size * spec.ffn_hidden_size}
 
     def normed_qk_width(self, spec: ModelSpec) -> int:
-        return (spec.num_heads + spec.num_kv_heads) * spec.head_dim if self.qk_norm else 0
+        return (spec.num_heads + spec.num_kv_heads) * spec.head_dim if spec.qk_norm else 0
 
     # -- SGLang
     def check_sglang_tp(self, spec: ModelSpec, tp: int) -> None:
@@ -247,9 +248,9 @@ class Decoder(Family):
         d, hd, p = spec.hidden_size, spec.head_dim, f"model.layers.{layer}."
         qkv = (spec.num_heads // tp + 2 * max(1, spec.num_kv_heads // tp)) * hd
         shapes = {p + "self_attn.qkv_proj.weight": (qkv, d)}
-        if self.qkv_bias:
+        if spec.qkv_bias:
             shapes[p + "self_attn.qkv_proj.bias"] = (qkv,)
-        if self.qk_norm:
+        if spec.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         shapes[p + "self_attn.o_proj.weight"] = (d, spec.num_heads * hd // tp)
         return shapes

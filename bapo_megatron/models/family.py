@@ -10,11 +10,13 @@ TransformerConfig fields and layer spec, its SGLang pre-split tensors and its pa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.models.on_disk import TEXT_LAYOUT, DiskLayout, KeptTensors
 from bapo_megatron.models.recipes import Recipe
 from bapo_megatron.models.spec import ModelSpec
 
@@ -34,17 +36,19 @@ class Family(ABC):
 
     # -- config.json <-> ModelSpec
     def read(self, hf: dict, source: str | Path = "config.json") -> ModelSpec:
-        """The spec of a config.json mapping read from `source`; ConfigError naming a feature not mapped."""
-        if hf.get("model_type") != self.name:  # transformers builds the class of model_type, not of architectures
+        """The spec of a config.json mapping read from `source` (its text model's part, in the family's
+        disk layout); ConfigError naming a feature not mapped."""
+        text = self.disk_layout(hf).text_part(hf, source)
+        if text.get("model_type") != self.name:  # transformers builds the class of model_type, not of architectures
             arch = next(a for a in hf.get("architectures") or () if a in self.architectures)
             raise BadInputError(
-                f"{source}: model_type {hf.get('model_type')!r} is not {self.name!r}, the model type of {arch}"
+                f"{source}: model_type {text.get('model_type')!r} is not {self.name!r}, the model type of {arch}"
             )
         for key in REQUIRED:
-            if key not in hf:
+            if key not in text:
                 raise ConfigError(key, None, "missing from config.json")
-        self.refuse(hf)
-        return ModelSpec(**self.fields(hf))
+        self.refuse(text)
+        return ModelSpec(**self.fields(text))
 
     def refuse(self, hf: dict) -> None:
         """ConfigError naming the first feature of `hf` that the Megatron build or the weight maps would
@@ -78,6 +82,18 @@ class Family(ABC):
     def task_model(self, vocab_size: int, max_positions: int) -> ModelSpec:
         """The tiny model `python -m bapo_megatron.tasks` writes for the family (about 1M parameters)."""
         raise NotImplementedError
+
+    # -- checkpoints on disk (common/hf_io.py, weights/convert.py: every HF reader and writer asks these)
+    def disk_layout(self, hf: dict) -> DiskLayout:
+        """Where a checkpoint with config.json `hf` holds the text model: its tensors' prefix on disk and
+        the key nesting its config (the default: a causal LM's, model.* and config.json itself)."""
+        return TEXT_LAYOUT
+
+    def kept_tensors(self, spec: ModelSpec, hf: dict) -> KeptTensors:
+        """The on-disk tensors of a checkpoint with config.json `hf` that the trainer carries but does
+        not train (a vision tower, multi-token-prediction layers: models/on_disk.extra_layers), written
+        back untouched on export; any other tensor beyond the text model's is refused. Default: none."""
+        return KeptTensors()
 
     # -- tensors, by decoder layer (the embedding, final norm and lm_head are every family's)
     @abstractmethod
@@ -114,6 +130,13 @@ class Family(ABC):
         """TransformerConfig's fields for the family's shape (the run's settings are added elsewhere)."""
         raise NotImplementedError
 
+    def config_class(self, spec: ModelSpec) -> type:
+        """Megatron's config class the fields are for: TransformerConfig, or a subclass of it for
+        layers that need one (multi-latent attention's MLATransformerConfig)."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig
+
     @abstractmethod
     def layer_spec(self, spec: ModelSpec, te: bool, config: Any = None, vp_stage: int | None = None) -> Any:
         """Megatron's layer (or block) spec: Transformer Engine modules when `te`, else the local ones."""
@@ -141,6 +164,54 @@ class Family(ABC):
     def sglang_layer_shapes(self, spec: ModelSpec, layer: int, tp: int) -> dict[str, tuple[int, ...]]:
         """Each TP rank's SGLang tensors of layer `layer` (its own module names) with their shapes."""
         raise NotImplementedError
+
+    def engine_cache_bytes(self, spec: ModelSpec, tp: int, dtype_bytes: int = 2) -> int:
+        """Bytes one token's cache takes on one SGLang rank at TP `tp`, every layer (the dry run's KV
+        budget): the keys and values of the key/value heads, split over TP."""
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes // tp
+
+    # -- packed rows (trainer/packing.py)
+    def packing_leak(self, spec: ModelSpec, te: bool) -> str | None:
+        """The kind of layer that would mix the samples of a packed row, as the error and the dry run
+        name it (e.g. "Gated DeltaNet linear attention": its recurrent state crosses the row's sample
+        boundaries), under Transformer Engine's THD attention with cu_seqlens (`te`) or the local
+        block-diagonal mask; None when every layer keeps the samples apart. The trainer then trains
+        one sample a row: parallel.packing=auto falls back, parallel.packing=packed is refused."""
+        return None
+
+    # -- the embedded engine (engines/embedded/)
+    def hook_routes(self, model: Any, record: Callable[[int, Any], None]) -> tuple[int, ...]:
+        """Hook the routers of `model` (the family's transformers model) so that each forward calls
+        record(slot, indices) once per routed layer, indices [tokens, top_k] over the forward's
+        batch x positions (row-major), slot the layer's ordinal among the routed ones. Returns the
+        routed layers' indices in slot order: (), the default, for a dense model (nothing hooked)."""
+        return ()
+
+    def cache_by_position(self, spec: ModelSpec) -> bool:
+        """Whether every layer's cache in the family's transformers model is keys and values by
+        position, which the embedded engine cuts at a request's length, pads and moves between
+        slots (True, the default). A recurrent state (linear attention, Gated DeltaNet) holds every
+        position at once, a sliding window's cache drops the oldest (False): the engine then runs
+        each request alone over a cache of its own and rebuilds a continued request's state from
+        its tokens."""
+        return True
+
+
+# -- answers shared by the families
+
+
+def hook_topk_routers(model: Any, record: Callable[[int, Any], None], router: type) -> tuple[int, ...]:
+    """Family.hook_routes for a model whose routed layers' `mlp.gate` is a `router`, a transformers
+    top-k router returning (logits, weights, indices) (Qwen3-MoE's, GLM-4.5's, DeepSeek-V3's)."""
+    gates = [(i, getattr(getattr(layer, "mlp", None), "gate", None)) for i, layer in enumerate(model.model.layers)]
+    routed = [(i, gate) for i, gate in gates if isinstance(gate, router)]
+    for slot, (_, gate) in enumerate(routed):
+        gate.register_forward_hook(partial(_record_indices, record, slot))
+    return tuple(i for i, _ in routed)
+
+
+def _record_indices(record: Callable[[int, Any], None], slot: int, module: Any, args: Any, output: tuple) -> None:
+    record(slot, output[2])
 
 
 # -- config.json parsing shared by the families

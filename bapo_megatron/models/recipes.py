@@ -50,7 +50,32 @@ class Fused:
         return self.fn(*(hf[name] for name in self.names))
 
 
-Recipe = Rows | Fused
+@dataclass(frozen=True)
+class Parts:
+    """A Megatron tensor whose TP shards are no slices of it: Megatron's checkpoints split it into
+    parts with keys of their own (`<key>.<part>`: Gated DeltaNet's in_proj and conv1d), each
+    sharded over TP on its own, so a rank holds a slice of every part. The whole (TP = 1) tensor
+    is the parts stacked by rows; a shard's region is one of a part's (`part`, by its key)."""
+
+    parts: tuple[tuple[str, Rows | Fused], ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(n for _, recipe in self.parts for n in recipe.names))
+
+    def __call__(self, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([recipe(hf) for _, recipe in self.parts])
+
+    def part(self, key: str) -> Rows | Fused:
+        """The recipe of the part a sharded tensor's key ends in."""
+        name = key.rsplit(".", 1)[-1]
+        for part, recipe in self.parts:
+            if part == name:
+                return recipe
+        raise ValueError(f"{key}: not one of the parts {[p for p, _ in self.parts]}")
+
+
+Recipe = Rows | Fused | Parts
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:

@@ -10,7 +10,9 @@ just written, and a run that would start afresh over existing checkpoints is ref
 Received checkpoints are read without running code from them (trainer/safe_load.py).
 Checkpoints store sharded tensors by global name, so they load at any TP/PP layout. Each step
 directory also carries its model's Hugging Face config (hf_config.json) and the tokenizer files
-of model.hf_path, so that it converts to a HF model and is evaluated with nothing else at hand.
+of model.hf_path, so that it converts to a HF model and is evaluated with nothing else at hand, and
+the tensors its family keeps untrained (hf_kept.safetensors: a vision tower, MTP layers), which the
+export writes back untouched.
 A run with a KL loss stores its reference model too (trainer/reference.py: the run's starting
 weights, which a resumed run measures its KL to again).
 """
@@ -21,12 +23,13 @@ import json
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch.distributed as dist
 
-from bapo_megatron.common.hf_io import TOKENIZER_FILES
+from bapo_megatron.common.hf_io import KEPT_FILE, TOKENIZER_FILES, HFCheckpoint, KeptSource, open_kept_file
 from bapo_megatron.config import CheckpointConfig
 from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.fsutil import remove, write_text_atomic
@@ -84,16 +87,36 @@ def weights_dir(path: str | Path) -> Path:
     return root
 
 
-def model_files(spec: ModelSpec, hf_path: str | None) -> dict[str, str | bytes]:
+def model_files(
+    spec: ModelSpec, hf_path: str | None, mcore_path: str | None = None
+) -> dict[str, str | bytes | Callable[[Path], None]]:
     """What a checkpoint carries of its model beyond the weights: its HF config as hf_config.json
-    (model.hf_path's config.json as it is, or the built-in model's) and model.hf_path's tokenizer
-    files, by their own names."""
+    (model.hf_path's config.json as it is, or the built-in model's), model.hf_path's tokenizer files,
+    by their own names, and the tensors its family keeps untrained (KEPT_FILE, written when the
+    checkpoint is: a vision tower or a DeepSeek-V3 MTP layer is too large to hold) from model.hf_path's
+    weights, else from those mcore_path's checkpoint carries. The kept tensors' files are opened now and
+    stay open (memory-mapped), so a source moved or deleted during the run still saves."""
     if hf_path is None:
-        return {HF_CONFIG: json.dumps(spec.to_hf_config(), indent=2)}
-    root = Path(hf_path)
-    files = {HF_CONFIG: (root / "config.json").read_bytes()}
-    files.update({name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()})
+        files: dict[str, str | bytes | Callable[[Path], None]] = {HF_CONFIG: json.dumps(spec.to_hf_config(), indent=2)}
+    else:
+        root = Path(hf_path)
+        files = {HF_CONFIG: (root / "config.json").read_bytes()}
+        files.update({name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()})
+    kept = _kept_source(spec, hf_path, mcore_path, json.loads(files[HF_CONFIG]))
+    if kept:
+        files[KEPT_FILE] = kept.write
     return files
+
+
+def _kept_source(spec: ModelSpec, hf_path: str | None, mcore_path: str | None, config: dict) -> KeptSource | None:
+    """The kept tensors of the run's starting weights: model.hf_path's safetensors, else those a
+    model.mcore_path checkpoint carries, each one the family keeps for the run's `config` (None: no
+    source has any)."""
+    if hf_path is not None and any(Path(hf_path).glob("*.safetensors")):
+        return HFCheckpoint(hf_path).kept
+    if mcore_path is None or not (weights_dir(mcore_path) / KEPT_FILE).is_file():
+        return None
+    return open_kept_file(weights_dir(mcore_path) / KEPT_FILE, spec, config)
 
 
 def run_record(directory: str | Path) -> dict | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import queue
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,11 +70,15 @@ def in_process_results_queue() -> None:
 
 
 def save_sharded(
-    sharded: dict, directory: str | Path, strategy=None, extra_files: dict[str, str | bytes] | None = None
+    sharded: dict,
+    directory: str | Path,
+    strategy=None,
+    extra_files: dict[str, str | bytes | Callable[[Path], None]] | None = None,
 ) -> None:
     """dist_checkpointing.save into `directory` through a fresh temporary sibling, renamed when
-    complete, with `extra_files` (name -> text or bytes) written beside it and every file checksummed;
-    `strategy`: a sharded save strategy other than Megatron's default torch_dist one."""
+    complete, with `extra_files` (name -> text, bytes, or a function writing the file at the path it
+    is given: a large one, streamed) written beside it and every file checksummed; `strategy`: a
+    sharded save strategy other than Megatron's default torch_dist one."""
     from megatron.core import dist_checkpointing
 
     in_process_results_queue()
@@ -96,7 +101,10 @@ def save_sharded(
             dist.all_gather_object(gathered, mine)
         if is_rank0():
             for name, content in (extra_files or {}).items():
-                (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
+                if callable(content):
+                    content(tmp / name)
+                else:
+                    (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
             entries = {k: v for part in gathered for k, v in part.items()}
             others = [p.name for p in tmp.iterdir() if p.is_file() and p.name not in entries]
             entries.update(checksums(tmp, others))
@@ -206,8 +214,10 @@ def _requested_keys(sharded: dict) -> set[str]:
     for value in nested_values(sharded):
         if isinstance(value, ShardedObject):
             keys.add(value.unique_key)
-        elif isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+        elif isinstance(value, ShardedTensor):
             keys.add(value.key)
+        elif isinstance(value, ShardedTensorFactory):  # its tensors' keys: a part's may be its own (GDN's in_proj)
+            keys.update(t.key for t in nested_values(value.build()) if isinstance(t, ShardedTensor))
     return keys
 
 

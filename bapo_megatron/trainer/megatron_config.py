@@ -95,8 +95,6 @@ def transformer_config(
     At TP = 1 (the converters) nothing is marked or gathered, and the switch saves a copy.
     cpu_init: parameters made on the CPU (or the default device, e.g. meta) even where CUDA is.
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     check_layout(
         spec, parallel.tensor, parallel.pipeline, parallel.virtual_pipeline, parallel.expert, parallel.sequence_parallel
     )
@@ -109,8 +107,9 @@ def transformer_config(
             "fp8_recipe": model.fp8_recipe,
             "first_last_layers_bf16": model.fp8_bf16_first_last_layers,
         }
-    return TransformerConfig(
-        **family_of(spec).transformer_fields(spec),
+    family = family_of(spec)
+    return family.config_class(spec)(
+        **family.transformer_fields(spec),
         **_layout(parallel),
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -265,6 +264,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
+        rotary_percent=spec.rotary_fraction,
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,

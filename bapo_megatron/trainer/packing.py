@@ -15,6 +15,8 @@ Each sample in a row starts its positions at 0 and attends to itself only:
     then runs over the row's positions, which changes nothing inside a sample (RoPE depends on
     the difference of two positions); the attention costs the whole row squared.
 The row's tail past its samples is a segment of its own (padding, attending to itself).
+A model with a layer that would still mix the samples (a recurrent state running across the row,
+a sliding window with a mask of its own: its family's packing_leak) trains one sample a row.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ import torch
 
 from bapo_megatron.common.batch import Sample
 from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.models import family_of
+from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.microbatch import (
     MicroBatch,
     check_fits,
@@ -255,18 +260,34 @@ def _round_up(n: int, multiple: int) -> int:
     return math.ceil(n / multiple) * multiple
 
 
-def packs(model: ModelConfig, parallel: ParallelConfig) -> bool:
+def packing_leak(spec: ModelSpec, model: ModelConfig) -> str | None:
+    """The kind of layer of the model that would mix the samples of a packed row under its attention
+    implementation (Family.packing_leak), or None."""
+    return family_of(spec).packing_leak(spec, model.transformer_impl == "transformer_engine")
+
+
+def packs(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> bool:
     """Whether parallel.packing packs: "auto" does with Transformer Engine (THD attention costs what
-    the samples need) or a virtual pipeline (one shape a step)."""
+    the samples need) or a virtual pipeline (one shape a step), unless a layer of the model would mix
+    a row's samples (packing_leak): then one sample a row, and "packed" is a ConfigError."""
+    leak = packing_leak(spec, model)
+    te = model.transformer_impl == "transformer_engine"
     if parallel.packing == "auto":
-        return model.transformer_impl == "transformer_engine" or parallel.virtual_pipeline is not None
+        return leak is None and (te or parallel.virtual_pipeline is not None)
+    if parallel.packing == "packed" and leak is not None:
+        raise ConfigError(
+            "parallel.packing",
+            "packed",
+            f"{spec.architecture}'s {leak} would mix the samples of a packed row (model.transformer_impl="
+            f"{model.transformer_impl}); use parallel.packing=auto, which trains one sample a row",
+        )
     return parallel.packing == "packed"
 
 
-def microbatch_layout(model: ModelConfig, parallel: ParallelConfig, sequence_multiple: int):
+def microbatch_layout(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, sequence_multiple: int):
     """The layout the job's micro-batches take (PaddedLayout or PackedLayout)."""
     budget = parallel.max_tokens_per_microbatch
-    if not packs(model, parallel):
+    if not packs(spec, model, parallel):
         return PaddedLayout(budget, sequence_multiple, uniform=parallel.virtual_pipeline is not None)
     attention = ThdAttention() if model.transformer_impl == "transformer_engine" else MaskedRowAttention()
     return PackedLayout(budget, sequence_multiple, parallel.virtual_pipeline is not None, attention)

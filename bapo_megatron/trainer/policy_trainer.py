@@ -85,7 +85,7 @@ class PolicyTrainer:
         config.grad_scale_func = self.optimizer.scale_loss
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         self.search = BoundSearch(cfg.algo.bapo)
-        self.layout = microbatch_layout(cfg.model, cfg.parallel, mc.sequence_multiple(cfg.model, cfg.parallel))
+        self.layout = microbatch_layout(spec, cfg.model, cfg.parallel, mc.sequence_multiple(cfg.model, cfg.parallel))
         self.vocab_local = mc.padded_vocab(spec, cfg.model, cfg.parallel) // info.tp_size
         self.step = 0
         self.progress = bars_on(cfg.logging.progress) and dist.get_rank() == 0  # on the rank that logs
@@ -93,7 +93,7 @@ class PolicyTrainer:
 
         # what checkpoints carry of the model (its HF config, tokenizer), read now: model.hf_path may be
         # gone by the time a checkpoint is saved (a moved or unmounted directory must not fail the save)
-        self.model_files = model_files(spec, cfg.model.hf_path) if dist.get_rank() == 0 else {}
+        self.model_files = model_files(spec, cfg.model.hf_path, cfg.model.mcore_path) if dist.get_rank() == 0 else {}
         self.routers = None
         if spec.moe is not None:
             self.routers = Routers(self.model, spec, info, cfg.parallel.sequence_parallel, self.device)

@@ -151,9 +151,8 @@ class Routers:
             if router.target is None:
                 return
             with torch.no_grad():
-                hidden = args[0].reshape(-1, args[0].shape[-1]).float()
-                own = (hidden @ module.weight.detach().float().t()).topk(self.top_k, dim=-1).indices
-                shared = (own.unsqueeze(2) == router.target.unsqueeze(1)).any(2).sum(1)
+                own = _own_choice(module, args[0])
+                shared = own.gather(1, router.target.long()).sum(1)
                 differ = (self.top_k - shared).double() / self.top_k
                 known = router.known.to(differ.device)
                 self.disagree += torch.stack([(differ * known).sum(), known.sum().double()]).cpu()
@@ -185,6 +184,28 @@ class Routers:
         if flat[-1] > 0:
             out["moe/router_disagreement"] = float(flat[-2] / flat[-1])
         return out
+
+
+def _own_choice(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """[tokens, experts] True at the experts Megatron's TopKRouter `router` chooses itself for `hidden`:
+    its score function, expert bias and group limit, without replay (what top-k of its logits is only
+    for a softmax router)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    config = router.config
+    logits = hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.detach().float().t()
+    if router.bias is not None:  # a router with a bias (gpt-oss's, add_bias_linear)
+        logits = logits + router.bias.detach().float()
+    _, chosen = topk_routing_with_score_function(
+        logits,
+        router.topk,
+        use_pre_softmax=config.moe_router_pre_softmax,
+        num_groups=config.moe_router_num_groups,
+        group_topk=config.moe_router_group_topk,
+        score_function=router.score_function,
+        expert_bias=router.expert_bias,
+    )
+    return chosen
 
 
 def _in_backward() -> bool:

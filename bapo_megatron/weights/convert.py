@@ -9,7 +9,10 @@ from (the converted one, or the run's model.hf_path), so mcore-to-hf needs no te
 and against the model the checkpoint records (its hf_config.json, its run.json): top-k and the
 vocabulary inside its padding show in no tensor. Nothing in a model directory or a checkpoint is run:
 a config asking transformers to import code from its directory (auto_map) is refused on the way in and
-left out of an export.
+left out of an export. A checkpoint converts back to the layout it came in (its family's DiskLayout:
+Qwen3.5's multimodal one keeps the text model under model.language_model.), with the tensors its family
+keeps untrained (a vision tower, multi-token-prediction layers), which hf-to-mcore carries in the
+Megatron checkpoint (hf_kept.safetensors, streamed) and mcore-to-hf writes back bitwise.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from bapo_megatron.common.hf_io import (
     TOKENIZER_FILES,
     HFCheckpoint,
     finish_hf_checkpoint,
-    hf_entries,
     hf_writer,
 )
 from bapo_megatron.common.progress import byte_progress
@@ -120,7 +122,8 @@ def hf_to_mcore(
     def make(sharded) -> torch.Tensor:
         data = sharded.data if sharded.data._base is None else sharded.data._base  # a factory's slice
         start = tuple(sharded.global_offset[sharded.prepend_axis_num :])
-        return recipe_region(recipes[name_of[id(data)]], hf, start, tuple(sharded.local_shape), tuple(data.shape))
+        whole = tuple(sharded.global_shape[sharded.prepend_axis_num :])  # a part's, where Megatron splits into parts
+        return recipe_region(recipes[name_of[id(data)]], hf, start, tuple(sharded.local_shape), whole, sharded.key)
 
     size = sum(p.numel() for p in params.values()) * torch_dtype.itemsize
     with byte_progress(size, "hf-to-mcore", progress) as bar:
@@ -160,7 +163,7 @@ def mcore_to_hf(
     source = McoreCheckpoint(weights_dir(mcore_dir), template)  # memory-mapped; no process group needed
     tokenizer = template if template is not None else _carried_tokenizer(source.dir)
     dtype = dtype or config_dtype(source.config)
-    layout, split = _output_layout(source.spec, DTYPES[dtype], sglang_tp, max_shard_bytes)
+    layout, split = _output_layout(source, DTYPES[dtype], sglang_tp, max_shard_bytes)
     from bapo_megatron.trainer.dist_ckpt import SPACE_MARGIN, check_free_space
 
     with atomic_directory(out) as tmp:
@@ -169,7 +172,7 @@ def mcore_to_hf(
         with byte_progress(sum(w.total_bytes for w in writers), "mcore-to-hf", progress) as bar:
             for w in writers:
                 w.progress = bar
-            for group in source.hf_groups():
+            for group in source.hf_groups(on_disk=sglang_tp is None):
                 for writer, tensors in zip(writers, split(group), strict=True):
                     for name, tensor in tensors.items():
                         writer.write(name, tensor)
@@ -181,13 +184,15 @@ def mcore_to_hf(
     return Path(out)
 
 
-def _output_layout(spec: ModelSpec, torch_dtype: torch.dtype, sglang_tp: int | None, max_shard_bytes: int):
+def _output_layout(source: McoreCheckpoint, torch_dtype: torch.dtype, sglang_tp: int | None, max_shard_bytes: int):
     """(the writers of the output files in a directory, a group of HF tensors -> each writer's part):
-    HF shards, or with sglang_tp each SGLang rank's files."""
+    HF shards in the layout the model came in (its kept tensors too), or with sglang_tp each SGLang
+    rank's files (the text model's tensors only)."""
+    spec = source.spec
     if sglang_tp is None:
 
         def layout(tmp: Path) -> list[StreamingWriter]:
-            return [hf_writer(tmp, hf_entries(spec, torch_dtype), max_shard_bytes)]
+            return [hf_writer(tmp, source.hf_entries(torch_dtype), max_shard_bytes)]
 
         def split(group: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
             return [group]

@@ -28,16 +28,18 @@ def gather_tensor_parallel(param: torch.Tensor, info: ParallelInfo, gated: bool 
     """The whole tensor of a (possibly) tensor-parallel parameter, on every TP rank.
 
     gated: the parameter is a gated fc1 whose shards are each [gate_i; up_i]; the whole
-    tensor is [gate; up].
+    tensor is [gate; up]. A parameter Megatron shards part by part (Gated DeltaNet's in_proj and
+    conv1d) names its parts' sizes in each shard (`tp_parts`); the whole tensor is each part whole.
     """
     if info.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
     dim = param.partition_dim
     shards = [torch.empty_like(param) for _ in range(info.tp_size)]
     dist.all_gather(shards, param.detach().contiguous(), group=info.tp_group)
-    if gated:
-        halves = [s.chunk(2, dim=dim) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    parts = getattr(param, "tp_parts", None) or ((param.shape[dim] // 2,) * 2 if gated else None)
+    if parts:
+        pieces = [s.split(parts, dim=dim) for s in shards]
+        return torch.cat([p[i] for i in range(len(parts)) for p in pieces], dim=dim)
     return torch.cat(shards, dim=dim)
 
 
@@ -67,10 +69,17 @@ def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torc
     local = {
         name: p.detach()
         if _is_expert(name)
-        else gather_tensor_parallel(p, info, gated=name.endswith("mlp.linear_fc1.weight"))
-        for name, p in layer.named_parameters()
+        else gather_tensor_parallel(p, info, gated=name.endswith("linear_fc1.weight"))  # a shared expert's too
+        for name, p in [*layer.named_parameters(), *_saved_buffers(layer)]
     }
     return gather_expert_parallel(layer, local, info) if hasattr(layer.mlp, "local_expert_indices") else local
+
+
+def _saved_buffers(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The layer's buffers that its state dict saves: a router's expert bias (Megatron keeps it out of
+    the parameters: it has no gradient)."""
+    saved = layer.state_dict(keep_vars=True)
+    return [(name, b.detach()) for name, b in layer.named_buffers() if name in saved]
 
 
 def _is_expert(name: str) -> bool:

@@ -28,10 +28,13 @@ OUTPUT = "output_layer.weight"
 def _global_names(model: torch.nn.Module) -> dict[int, str]:
     """id(parameter) -> its TP=1, EP=1 name in the whole model (layer numbers global, as with PP/VPP;
     expert numbers global, as with EP)."""
-    return {id(param): global_name(model, name) for name, param in model.named_parameters()}
+    named = [*model.named_parameters(), *model.named_buffers()]  # a router's expert bias is a buffer
+    return {id(param): global_name(model, name) for name, param in named}
 
 
-_LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$|^(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
+_LOCAL_EXPERT = re.compile(
+    r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$|^(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$"
+)
 
 
 def expert_parts(suffix: str) -> tuple[str, int, str] | None:
@@ -84,7 +87,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], spec: ModelSpec, hf: HF
                 if name is None or name not in recipes:
                     raise ValueError(f"the model's {sh.key} has no Hugging Face source (layout map and model disagree)")
                 start, whole = tuple(sh.global_offset[sh.prepend_axis_num :]), sh.global_shape[sh.prepend_axis_num :]
-                data.copy_(recipe_region(recipes[name], hf, start, tuple(sh.local_shape), tuple(whole)))
+                data.copy_(recipe_region(recipes[name], hf, start, tuple(sh.local_shape), tuple(whole), sh.key))
                 covered[id(param)] += data.numel()
                 copied += data.numel() * data.element_size()
         missing = [n for n, p in params.items() if covered[id(p)] != p.numel()]

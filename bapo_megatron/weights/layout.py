@@ -19,17 +19,20 @@ from functools import partial
 import torch
 
 from bapo_megatron.models import family_of
-from bapo_megatron.models.recipes import Fused, Recipe, Rows, norm_names, pad_vocab
+from bapo_megatron.models.recipes import Fused, Parts, Recipe, Rows, norm_names, pad_vocab
 from bapo_megatron.models.spec import ModelSpec
 
 
 def layer_impl(names: Iterable[str]) -> str:
     """Which layer spec made a decoder layer, from its parameter names: Transformer Engine fuses
-    the norms into linear_qkv and linear_fc1, the local spec keeps them as modules of their own."""
+    norms into the linear layers after them (`layer_norm_weight`: linear_qkv's, linear_fc1's, the
+    latent up-projections' of multi-latent attention, whose input norm stays a module of its own),
+    the local spec keeps them all as modules of their own."""
     names = list(names)
-    for impl in ("transformer_engine", "local"):
-        if any(n.endswith(norm_names(impl)[0]) for n in names):
-            return impl
+    if any(n.endswith("layer_norm_weight") for n in names):
+        return "transformer_engine"
+    if any(n.endswith(norm_names("local")[0]) for n in names):
+        return "local"
     raise ValueError(f"a decoder layer with neither spec's input norm: {names[:4]}")
 
 
@@ -47,9 +50,13 @@ def recipe_region(
     start: tuple[int, ...],
     shape: tuple[int, ...],
     whole: tuple[int, ...],
+    key: str = "",
 ) -> torch.Tensor:
     """The region [start, start + shape) of the TP=1 tensor (of shape `whole`) that `recipe` makes:
-    the tensor itself, the HF tensor that is exactly those rows (no copy), or a slice."""
+    the tensor itself, the HF tensor that is exactly those rows (no copy), or a slice. `key`: the
+    sharded tensor's, which names the part of a tensor Megatron shards part by part (Parts)."""
+    if isinstance(recipe, Parts):
+        recipe = recipe.part(key)
     if tuple(shape) == tuple(whole):
         return recipe(hf)
     if isinstance(recipe, Rows) and not any(start[1:]) and tuple(shape[1:]) == tuple(whole[1:]):

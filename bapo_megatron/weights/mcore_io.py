@@ -14,7 +14,9 @@ keys are the same; optimizer keys are ignored), saved at any TP/PP/EP. The model
 checkpoint's: a config (the carried hf_config.json, or a template) is checked against the tensors
 (layers, hidden size, a separate output layer, the embedding's rows) and against what the checkpoint
 records of its model (hf_config.json, run.json), since top-k and the vocabulary inside its padding
-show in no tensor; a disagreement is refused naming the field and both values.
+show in no tensor; a disagreement is refused naming the field and both values. The tensors its
+family keeps untrained (hf_kept.safetensors beside hf_config.json) are checked to be ones it keeps and
+come back bitwise, after the text model, under their names on disk.
 
 Writing goes through dist_checkpointing.save with StreamingSaveStrategy: the sharded state
 dict is a model's, built on the meta device (so the keys, shards and objects are exactly
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import groupby
@@ -37,9 +40,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from bapo_megatron.common.hf_io import read_json_object, without_remote_code
+from bapo_megatron.common.hf_io import (
+    KEPT_FILE,
+    KeptSource,
+    hf_entries,
+    open_kept_file,
+    read_json_object,
+    without_remote_code,
+)
+from bapo_megatron.common.safetensors_stream import TensorEntry
 from bapo_megatron.errors import BadInputError, inside
 from bapo_megatron.models import family_of
+from bapo_megatron.models.moe import kept_in_float32
 from bapo_megatron.models.recipes import STORED_EXPERTS, expert_names
 from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, first_difference, spec_fields
 from bapo_megatron.trainer.checkpoint import HF_CONFIG, RUN_RECORD, run_record
@@ -127,6 +139,7 @@ class McoreCheckpoint:
             )
         self.config, self.source = read_hf_config(self.dir, Path(template) if template else None)
         self.spec = ModelSpec.from_hf_config(self.config, self.source)
+        self.layout = family_of(self.spec).disk_layout(self.config)
         self._check_records()
         # files present, whole, and as written; .metadata read without running code
         metadata = verify_integrity(self.dir)
@@ -138,6 +151,21 @@ class McoreCheckpoint:
         self._chunks = StoredChunks(self.dir, metadata)
         self._check_model_shape()
         self._check()
+        self.kept = self._kept()
+
+    def _kept(self) -> KeptSource:
+        """The tensors the checkpoint carries for its HF export (checksummed with it, each one its family
+        keeps), none when it carries none: a warning then when its family would keep some (a checkpoint
+        started from a model without them, or converted before checkpoints carried them)."""
+        if not ((self.dir / KEPT_FILE).exists() or (self.dir / KEPT_FILE).is_symlink()):
+            if family_of(self.spec).kept_tensors(self.spec, self.config):
+                warnings.warn(
+                    f"{self.dir}: carries no {KEPT_FILE}; the export holds the trained model only, not the "
+                    f"tensors {self.source.name} implies beside it (multi-token prediction, vision)",
+                    stacklevel=3,
+                )
+            return KeptSource({})
+        return open_kept_file(inside(self.dir, KEPT_FILE, self.dir), self.spec, self.config)
 
     def _check_records(self) -> None:
         """The config in use (a template's, or the carried one) describes the model the checkpoint
@@ -273,10 +301,24 @@ class McoreCheckpoint:
         tensor = self._chunks.read(read.key, offsets, sizes, self.meta[read.key][1])
         return tensor.reshape(sizes[len(read.lead) :])
 
-    def hf_groups(self) -> Iterator[dict[str, torch.Tensor]]:
+    def hf_groups(self, on_disk: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """HF (name -> tensor) groups in loading order: the embedding; each layer (a MoE layer's dense
         part, then its experts one at a time); the final norm and untied lm_head. Vocabulary padding
-        trimmed. One group is in memory at a time."""
+        trimmed. One group is in memory at a time. on_disk: named as the checkpoint the model came
+        from names them on disk (its family's layout), then the kept tensors, one a group, bitwise."""
+        if not on_disk:
+            yield from self._text_groups()
+            return
+        for group in self._text_groups():
+            yield {self.layout.disk_name(name): tensor for name, tensor in group.items()}
+        for entry in self.kept.entries():
+            yield {entry.name: self.kept[entry.name]}
+
+    def hf_entries(self, dtype: torch.dtype) -> list[TensorEntry]:
+        """What hf_groups(on_disk=True) yields, the text model's tensors in `dtype`, the kept in their own."""
+        return hf_entries(self.spec, dtype, self.layout) + self.kept.entries()
+
+    def _text_groups(self) -> Iterator[dict[str, torch.Tensor]]:
         vocab = self.spec.vocab_size
         yield {"model.embed_tokens.weight": self._load(Read(EMBEDDING))[:vocab]}
         for i in range(self.spec.num_layers):
@@ -373,13 +415,17 @@ class _StreamingSavePlanner(DefaultSavePlanner):
             self.tensors[MetadataIndex(sh.key, chunk.offsets)] = (sh, chunk)
         self.objects = {MetadataIndex(obj.unique_key): obj for obj in objects}
 
+    def _dtype(self, sh) -> torch.dtype:
+        """The dtype tensor `sh` is written in: the checkpoint's, or float32 where Megatron keeps it so."""
+        return torch.float32 if kept_in_float32(sh.key) else self.dtype
+
     def create_local_plan(self) -> SavePlan:
         items = [
             WriteItem(
                 index=index,
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=chunk, properties=TensorProperties(dtype=self.dtype), size=torch.Size(sh.global_shape)
+                    chunk=chunk, properties=TensorProperties(dtype=self._dtype(sh)), size=torch.Size(sh.global_shape)
                 ),
             )
             for index, (sh, chunk) in self.tensors.items()
@@ -400,7 +446,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
                 f"{sh.key} at {tuple(sh.global_offset)}: made a tensor of shape {tuple(tensor.shape)}, "
                 f"the checkpoint's shard is {tuple(sh.local_shape)}"
             )
-        tensor = tensor.to(self.dtype).reshape(chunk.sizes)
+        tensor = tensor.to(self._dtype(sh)).reshape(chunk.sizes)
         if self.on_tensor is not None:
             self.on_tensor(tensor.numel() * tensor.element_size())
         return tensor

@@ -4,13 +4,20 @@ BAPO optimizer step the loss, gradient norm, clip bounds and weights, for the ti
 the tiny Qwen3-MoE with the engine's routes replayed (random routes, so that a route landing on
 the wrong position shows). With a virtual pipeline (PP=2 x 2 chunks), where the padded path pads
 every micro-batch to the step's largest, packed rows give the same step on far fewer computed
-tokens (perf/packing_efficiency)."""
+tokens (perf/packing_efficiency).
+
+The same comparison catches a layer that mixes a packed row's samples: a toy Qwen2 family whose
+attention ignores the packing mask (as a sliding window's own mask or a recurrent state would)
+gives another step packed, unless its family says so (Family.packing_leak) and the planner
+trains it one sample a row."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
+from bapo_megatron.models.qwen2 import Qwen2
+from bapo_megatron.models.spec import ModelSpec
 from tests.dist.launch import run_workers
 from tests.helpers import make_batch
 
@@ -105,6 +112,36 @@ def _one_process(rank: int, world: int, root: str) -> None:
     assert moe["packed"][1]["moe/router_disagreement"] == pytest.approx(moe["padded"][1]["moe/router_disagreement"])
 
 
+class LeakyQwen2(Qwen2):
+    """Qwen2 with a core attention that drops the mask it is given (the causal mask over the whole
+    row instead), saying so or not."""
+
+    name = "leaky_qwen2"
+    architectures = ("LeakyQwen2ForCausalLM",)
+    leak: str | None = "toy attention that drops the packing mask"
+
+    def tiny(self) -> ModelSpec:
+        return ModelSpec(**{**super().tiny().as_dict(), "architecture": self.name})
+
+    def layer_spec(self, spec, te, config=None, vp_stage=None):
+        layer = super().layer_spec(spec, te, config, vp_stage)
+        layer.submodules.self_attention.submodules.core_attention = _mask_dropping_attention()
+        return layer
+
+    def packing_leak(self, spec, te):
+        return self.leak
+
+
+def _mask_dropping_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MaskDropping(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, *args, **kwargs):
+            return super().forward(query, key, value, None, *args, **kwargs)
+
+    return MaskDropping
+
+
 def _virtual_pipeline(rank: int, world: int, root: str) -> None:
     from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
 
@@ -116,6 +153,23 @@ def _virtual_pipeline(rank: int, world: int, root: str) -> None:
         _assert_same(results, "padded", "vpp")
     padded, packed = (results[name][1]["perf/packing_efficiency"] for name in ("padded", "auto"))
     assert packed > 1.5 * padded, (padded, packed)
+    _leak_caught(Path(root), vpp, last_stage=rank == world - 1)
+
+
+def _leak_caught(root: Path, vpp: list[str], last_stage: bool) -> None:
+    """The leaky family packed (auto, its leak unsaid) gives another step than padded; said, auto
+    trains it one sample a row and gives the padded step."""
+    from bapo_megatron.models import FAMILIES
+
+    family = FAMILIES[LeakyQwen2.name] = LeakyQwen2()
+    said = _compare(root, LeakyQwen2.name, {"padded": ["parallel.packing=padded"], "auto": []}, vpp)
+    family.leak = None
+    results = {**said, "unsaid": _compare(root, LeakyQwen2.name, {"unsaid": []}, vpp)["unsaid"]}
+    assert said["auto"][1]["perf/packing_efficiency"] == said["padded"][1]["perf/packing_efficiency"]
+    if last_stage:
+        _assert_same({k: results[k] for k in ("padded", "auto")}, "padded", "leak said")
+        mixed = [i for i, lp in results["unsaid"][0].items() if not torch.allclose(lp, said["padded"][0][i])]
+        assert mixed, "a packed row's samples mixed, and the comparison did not show it"
 
 
 @pytest.mark.dist

@@ -207,6 +207,27 @@ def test_routes_of_a_continued_sample_are_counted_from_where_they_start():
         ask(lambda b: set_routes(b, routes_of(5)), routes_from=2)  # routes from position 0, as if not asked
 
 
+@pytest.mark.parametrize("routes", [None, ""], ids=["none-sent-sglang", "none-run-embedded"])
+@pytest.mark.parametrize("routes_from", [0, 1])
+def test_a_request_aborted_before_it_ran_answers_no_routes(routes, routes_from):
+    """A request aborted while it waited in the engine's queue (a weight update's pause in abort mode,
+    a step's end) ran no position: SGLang answers it without routed_experts, the embedded engine with
+    the routes of none. Before, the client expected the routes of every input position, retired the
+    engine and stopped the run at the third (async runs at max_batch 1 of DeepSeek-V3, Qwen3.5-MoE)."""
+
+    def queued(body: dict) -> None:
+        body.update(protocol.generate_response("p0/1#4", [], [], {"type": "abort"}, len(PROMPT), "0", [], routes))
+
+    _, completion = ask(queued, routes_from=routes_from)
+    assert completion.output_ids == [] and completion.finish == "abort" and completion.routes == b""
+
+    def one_token(body: dict) -> None:  # a token sampled: the positions before it ran, and have routes
+        body.update(protocol.generate_response("p0/1#4", [5], [-1.0], {"type": "abort"}, len(PROMPT), "0", [], routes))
+
+    with pytest.raises(BadAnswer, match="routed_experts"):
+        ask(one_token, routes_from=routes_from)
+
+
 def rollout(urls: list[str]) -> AbortSteps:
     """Sync steps of one 2-sample group of PROMPT over engines at `urls`, checked against MOE."""
     clients = [EngineClient(url, retries=0, served=ServedModel.of(MOE, SHAPE)) for url in urls]

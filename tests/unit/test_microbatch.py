@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
+from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.trainer.microbatch import pad_microbatch, plan_microbatches, uniform_shape
 
 
@@ -163,13 +164,14 @@ def test_packing_efficiency_and_the_layout_each_setting_takes():
         microbatch_layout,
     )
 
+    spec = tiny_spec()
     local, te = ModelConfig(), ModelConfig(transformer_impl="transformer_engine")
     vpp = ParallelConfig(pipeline=2, virtual_pipeline=2)
-    assert isinstance(microbatch_layout(local, ParallelConfig(), 1), PaddedLayout)
-    assert microbatch_layout(te, ParallelConfig(), 1).attention == ThdAttention()
-    assert microbatch_layout(local, vpp, 1).attention == MaskedRowAttention()
-    assert isinstance(microbatch_layout(te, ParallelConfig(packing="padded"), 1), PaddedLayout)
-    assert microbatch_layout(local, ParallelConfig(packing="packed"), 1).attention == MaskedRowAttention()
+    assert isinstance(microbatch_layout(spec, local, ParallelConfig(), 1), PaddedLayout)
+    assert microbatch_layout(spec, te, ParallelConfig(), 1).attention == ThdAttention()
+    assert microbatch_layout(spec, local, vpp, 1).attention == MaskedRowAttention()
+    assert isinstance(microbatch_layout(spec, te, ParallelConfig(packing="padded"), 1), PaddedLayout)
+    assert microbatch_layout(spec, local, ParallelConfig(packing="packed"), 1).attention == MaskedRowAttention()
     lengths = [90, 10, 10, 10, 50, 50]
     padded = PaddedLayout(budget=100, sequence_multiple=1, uniform=False)
     plan = padded.plan(lengths, 1, 1)

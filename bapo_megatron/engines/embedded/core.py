@@ -23,6 +23,8 @@ from bapo_megatron.engines.embedded.request_queue import EngineRequest, RequestQ
 from bapo_megatron.engines.embedded.routing import RouteRecorder
 from bapo_megatron.engines.embedded.slots import SlotKV
 from bapo_megatron.engines.embedded.weights import ServedWeights, eos_ids, load_model
+from bapo_megatron.models import family_of
+from bapo_megatron.models.spec import ModelSpec
 
 
 class EngineCore:
@@ -41,10 +43,15 @@ class EngineCore:
         forward a token, over a cache of its own), and the prefix store is off, so a request's
         tokens and log-probs depend on nothing but its input, its sampling seed and the weights:
         never on what else runs or arrives when (SGLang's --enable-deterministic-inference). It
-        is for deterministic runs and costs the batching."""
+        is for deterministic runs and costs the batching. A model whose cache holds a recurrent
+        state (Family.cache_by_position) always runs so: a request continued after a cut (partial
+        rollout) prefills its prompt and partial response again, its state rebuilt exactly."""
         self.model_dir = str(model_dir)
         self.model = load_model(self.model_dir, dtype)
-        self.route_recorder = RouteRecorder.of(self.model)  # None: a dense model
+        spec = ModelSpec.from_hf_dir(self.model_dir)  # after transformers has refused what it would not load
+        self.route_recorder = RouteRecorder.of(self.model, spec)  # None: a dense model
+        # a recurrent state cannot be cut, padded or slotted by position: each request over its own cache
+        self.alone = batch_invariant or not family_of(spec).cache_by_position(spec)
         self.queue = RequestQueue(seed, self.model.config.vocab_size)
         self.prefixes = PrefixStore()
         self.weights = ServedWeights(self.model)
@@ -57,7 +64,7 @@ class EngineCore:
             self.prefixes,
             generator,
             max_batch,
-            batch_invariant,
+            self.alone,
         )
         self.memory = MemoryOccupation(self.queue, self.loop, self.weights)
 

@@ -45,7 +45,7 @@ PREFILL_OVERHEAD_POSITIONS = 64
 class DecodeLoop:
     """The model's forwards over the queue's requests, one `step()` at a time (the caller owns the
     loop and the locking). batch_invariant: every request runs alone in its forwards, over a cache
-    of its own, and keeps no prefix (see EngineCore)."""
+    of its own, and keeps no prefix (see EngineCore; so does a model whose cache is not by position)."""
 
     def __init__(
         self,

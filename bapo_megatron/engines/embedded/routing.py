@@ -1,51 +1,46 @@
 """The embedded engine's record of routed experts: the experts each MoE layer's router picks for
 every position a forward runs (SGLang's return_routed_experts, common/protocol.py's format).
 
-Forward hooks on transformers' Qwen3-MoE routers (`Qwen3MoeTopKRouter.forward` returns
-(logits, scores, indices), indices [tokens, top_k] over the forward's batch x positions, row-major).
-The decode loop (decode.py) takes each forward's routes right after it and keeps them per request, compactly
-(MoE layers only, protocol.route_dtype), so that a request resumed from the prefix store still has
-the routes of the positions it skipped.
+The model's family hooks its routers (Family.hook_routes: Qwen3-MoE's, for one, takes the indices
+its transformers top-k router returns, [tokens, top_k] over the forward's batch x positions,
+row-major). The decode loop (decode.py) takes each forward's routes right after it and keeps them
+per request, compactly (MoE layers only, protocol.route_dtype), so that a request resumed from the
+prefix store still has the routes of the positions it skipped.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from bapo_megatron.common import protocol
+from bapo_megatron.models import family_of
+from bapo_megatron.models.spec import ModelSpec
 
 
 class RouteRecorder:
-    """Records the experts a transformers mixture-of-experts model's routers pick, through hooks on
-    them; `of(model)` is None for a dense one."""
+    """Records the experts a transformers mixture-of-experts model's routers pick, through the hooks
+    its family puts on them; `of(model, spec)` is None for a dense one."""
 
-    def __init__(self, model: torch.nn.Module, found: list[tuple[int, torch.nn.Module]]) -> None:
-        self.num_layers = len(model.model.layers)
-        self.sparse_layers = tuple(layer for layer, _ in found)
-        self.top_k = int(found[0][1].top_k)
-        self.num_experts = int(found[0][1].num_experts)
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec) -> None:
+        moe = spec.moe
+        self.num_layers = spec.num_layers
+        self.top_k, self.num_experts = moe.top_k, moe.num_experts
         self.dtype = protocol.route_dtype(self.num_experts)
-        self._picked: list[torch.Tensor | None] = [None] * len(found)
-        for slot, (_, router) in enumerate(found):
-            router.register_forward_hook(partial(self._hook, slot))
+        self._picked: list[torch.Tensor | None] = [None] * len(moe.sparse_layers)
+        self.sparse_layers = family_of(spec).hook_routes(model, self._record)
+        if self.sparse_layers != tuple(moe.sparse_layers):
+            raise ValueError(
+                f"{spec.architecture}: the served model's routers were hooked in layers {self.sparse_layers}, "
+                f"its config.json routes in {tuple(moe.sparse_layers)} (Family.hook_routes)"
+            )
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> RouteRecorder | None:
-        """A recorder of the model's routers, hooked (None: no layer routes to experts)."""
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    def of(cls, model: torch.nn.Module, spec: ModelSpec) -> RouteRecorder | None:
+        """A recorder of the routers of `model`, whose shape is `spec`, hooked (None: no layer routes)."""
+        return cls(model, spec) if spec.moe is not None else None
 
-        layers = getattr(getattr(model, "model", None), "layers", [])
-        found = [
-            (i, layer.mlp.gate)
-            for i, layer in enumerate(layers)
-            if isinstance(getattr(layer.mlp, "gate", None), Qwen3MoeTopKRouter)
-        ]
-        return cls(model, found) if found else None
-
-    def _hook(self, slot: int, module: torch.nn.Module, args, output: tuple) -> None:
-        self._picked[slot] = output[2]
+    def _record(self, slot: int, indices: torch.Tensor) -> None:
+        self._picked[slot] = indices
 
     def take(self, rows: int) -> torch.Tensor:
         """The last forward's routes as [rows, positions, moe_layers, top_k] (compact dtype), for a

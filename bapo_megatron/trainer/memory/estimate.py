@@ -149,8 +149,8 @@ def layer_activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: Parall
     experts, width = family.routed(spec, layer), PARAM_BYTES[model.precision]
     split = (spec.num_heads + 2 * spec.num_kv_heads) * hd + 2 * spec.num_heads * hd
     split += family.normed_qk_width(spec)  # the normalised q and k
-    if not experts:
-        split += 3 * spec.ffn_hidden_size
+    # a dense MLP, or a MoE layer's shared expert (as dense, split over TP; width 0 without one)
+    split += 3 * (spec.moe.shared_ffn_hidden_size if experts else spec.ffn_hidden_size)
     unsplit = 4 * d  # two norm inputs, two residuals
     per_token = width * (split // tp + (unsplit // tp if parallel.sequence_parallel else unsplit))
     if experts:  # at TP > 1 always under sequence parallel: each rank routes its share of the tokens
@@ -225,25 +225,47 @@ def local_layer_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelCon
         recompute core attention keeps its inputs: q and k after rope, and v (the q/k/v output);
       - a q/k norm keeps its input (a copy of q or k), x * rsqrt and its output;
       - cos and sin of the rotary embedding, for q and for k, whole on every TP rank;
-      - a dense MLP: gate and up, silu(gate), up + glu_linear_offset (a copy), their product."""
+      - a dense MLP: gate and up, silu(gate), up + glu_linear_offset (a copy), their product;
+      - a linear-attention layer keeps linear_attention_elements instead of the attention's."""
     d, hd, h, kv, tp = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, parallel.tensor
     qkv = (h + 2 * kv) * hd
-    if parallel.recompute == "selective":
-        split = h * hd + kv * hd + qkv + h * hd
-    elif h > kv:
-        split = h * hd + 2 * h * hd + h * hd
-    else:
-        split = qkv + 3 * h * hd
     family = family_of(spec)
-    split += 3 * family.normed_qk_width(spec)
+    if not softmax_attention(spec, layer):
+        split, rope = linear_attention_elements(spec), 0
+    elif parallel.recompute == "selective":
+        split, rope = h * hd + kv * hd + qkv + h * hd, 4 * hd
+    elif h > kv:
+        split, rope = h * hd + 2 * h * hd + h * hd, 4 * hd
+    else:
+        split, rope = qkv + 3 * h * hd, 4 * hd
+    if softmax_attention(spec, layer):
+        split += 3 * family.normed_qk_width(spec)
     experts = family.routed(spec, layer)
-    if not experts:
-        split += 5 * spec.ffn_hidden_size
+    # a dense MLP, or a MoE layer's shared expert (as dense, split over TP; width 0 without one)
+    split += 5 * (spec.moe.shared_ffn_hidden_size if experts else spec.ffn_hidden_size)
     unsplit = 6 * d // tp if parallel.sequence_parallel else 6 * d
-    per_token = PARAM_BYTES[model.precision] * (split // tp + unsplit + 4 * hd)
+    per_token = PARAM_BYTES[model.precision] * (split // tp + unsplit + rope)
     if experts:
         per_token += local_moe_token_bytes(spec, model) // tp
     return per_token
+
+
+def softmax_attention(spec: ModelSpec, layer: int) -> bool:
+    """Whether layer `layer` attends with a [tokens x tokens] softmax; a Gated DeltaNet layer (Qwen3.5,
+    Qwen3-Next) keeps a recurrent state instead, no score tensor."""
+    return spec.linear_attention is None or not spec.linear_attention.is_linear(layer)
+
+
+def linear_attention_elements(spec: ModelSpec) -> int:
+    """Elements a Gated DeltaNet layer's attention keeps for backward per token, before the TP split,
+    counted op by op in Megatron-Core 0.16.1's GatedDeltaNet.forward (not measured): [q; k; v] three
+    times (the convolution's input, the SiLU's input and output), q and k copied and l2-normalised
+    (4 qk), each repeated to the value heads, the value copied, z, the delta rule's output (5 v),
+    the gated norm in fp32 (12 v), the gates alpha and beta in fp32 (8 per value head); what the delta
+    rule keeps inside its kernel is not counted."""
+    la = spec.linear_attention
+    qk, v, heads = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim, la.num_value_heads
+    return 3 * (2 * qk + v) + 4 * qk + 5 * v + 12 * v + 8 * heads
 
 
 def local_moe_token_bytes(spec: ModelSpec, model: ModelConfig) -> int:
@@ -290,12 +312,18 @@ def local_activation_bytes(
     kept_score = 0 if parallel.recompute == "selective" else score + tokens * tokens
     split = parallel.tensor if parallel.sequence_parallel else 1
     inputs = len(rerun) * tokens * PARAM_BYTES[model.precision] * spec.hidden_size // split
-    whole = [local_layer_bytes(spec, model, parallel, i) * tokens + kept_score for i in layers if i not in rerun]
+    kept_by = {i: kept_score if softmax_attention(spec, i) else 0 for i in layers}  # linear attention: no scores
+    whole = [local_layer_bytes(spec, model, parallel, i) * tokens + kept_by[i] for i in layers if i not in rerun]
     kept = inputs + sum(whole)
-    phases = [kept + 3 * score + (score if parallel.recompute == "selective" else 0)] if whole else []
+    attends = any(softmax_attention(spec, i) for i in layers if i not in rerun)
+    phases = [kept + (3 * score + (score if parallel.recompute == "selective" else 0)) * attends] if whole else []
     if rerun:  # the recomputed layers come first in a stage: rebuilt once the later ones are done
-        rebuilt = max(local_layer_bytes(spec, model, parallel, i) for i in rerun) * tokens + score + tokens * tokens
-        phases.append(inputs + rebuilt + 3 * score)
+        rebuilt = max(
+            local_layer_bytes(spec, model, parallel, i) * tokens
+            + (4 * score + tokens * tokens) * softmax_attention(spec, i)
+            for i in rerun
+        )
+        phases.append(inputs + rebuilt)
     if stage == parallel.pipeline - 1:
         logits = tokens * padded_vocab(spec, model, parallel) // parallel.tensor
         temporaries = min(model.logprob_memory_mb << 20, LIVE_TEMPORARIES * 4 * logits)

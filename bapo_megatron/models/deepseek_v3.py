@@ -1,0 +1,274 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM; DeepSeek-V3/V3.1/R1, Kimi-K2 and Moonlight share it):
+multi-latent attention (models/mla.py) in every layer, a dense MLP in the first first_k_dense_replace
+layers and routed experts after them (models/moe.py: sigmoid scores with the expert-score correction
+bias, grouped top-k, routed_scaling_factor, n_shared_experts shared experts as one MLP of
+n x moe_intermediate_size); RoPE plain or YaRN (rope_scaling, DeepSeek-V3's and Kimi-K2's).
+
+Checkpoints carry num_nextn_predict_layers multi-token-prediction layers after the decoder
+(`model.layers.{num_hidden_layers}.*`); the model here is the decoder without them (transformers
+builds none either). Kimi-K2's config.json names model_type kimi_k2 with DeepseekV3ForCausalLM's code:
+the hub's DeepSeek-style configs name their own code (auto_map), which is refused by name; with it
+removed (and Kimi's model_type set to deepseek_v3) transformers' own classes load them.
+DeepSeek-V3's and Kimi-K2's releases are fp8 with block scales (quantization_config), refused by
+name: a bf16 conversion of them is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from bapo_megatron.errors import ConfigError, check
+from bapo_megatron.models.family import common_fields, common_hf, hook_topk_routers, rope_parameters, tiny_fields
+from bapo_megatron.models.mla import LatentAttention, local_layer
+from bapo_megatron.models.moe import RoutedExperts
+from bapo_megatron.models.on_disk import KeptTensors, extra_layers
+from bapo_megatron.models.spec import LatentAttentionSpec, ModelSpec, MoESpec, YarnSpec
+
+LATENT = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+ROUTED = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+SGLANG_PRE_SPLIT = (
+    "SGLang's pre-split layout of multi-latent attention (its fused q/kv down-projections and "
+    "absorbed up-projections) is not mapped; write a Hugging Face directory instead (no --sglang-tp): "
+    "SGLang loads it at any TP and EP"
+)
+
+
+class DeepseekV3(RoutedExperts, LatentAttention):
+    name = "deepseek_v3"
+    architectures = ("DeepseekV3ForCausalLM",)
+
+    # -- config.json
+    def refuse(self, hf: dict) -> None:
+        super().refuse(hf)
+        for key in LATENT:
+            if key not in hf:
+                raise ConfigError(key, None, "missing from config.json (DeepseekV3ForCausalLM)")
+        if hf.get("quantization_config"):  # DeepSeek-V3's and Kimi-K2's releases: fp8 with block scales
+            method = (
+                hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+            )
+            raise ConfigError(
+                "quantization_config", method, "quantized weights are not mapped: convert the checkpoint to bf16 first"
+            )
+        if hf.get("attention_bias", False):
+            raise ConfigError("attention_bias", True, "biases of the latent projections are not mapped")
+        heads = hf["num_attention_heads"]
+        if hf.get("num_key_value_heads") not in (None, heads):
+            raise ConfigError(
+                "num_key_value_heads",
+                hf["num_key_value_heads"],
+                f"multi-latent attention has a key and a value per head: must be num_attention_heads={heads}",
+            )
+        if hf.get("moe_layer_freq", 1) != 1:
+            raise ConfigError("moe_layer_freq", hf["moe_layer_freq"], "only 1 (transformers' rule) is mapped")
+        if hf.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ConfigError("scoring_func", hf["scoring_func"], "DeepSeek-V3's router scores with a sigmoid")
+        if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ConfigError("topk_method", hf["topk_method"], "only noaux_tc (the expert-score bias) is mapped")
+        if self._first_routed(hf) < hf["num_hidden_layers"]:
+            for key in ROUTED:
+                if key not in hf:
+                    raise ConfigError(key, None, "missing from config.json (DeepseekV3ForCausalLM)")
+
+    @staticmethod
+    def _first_routed(hf: dict) -> int:
+        dense = hf.get("first_k_dense_replace", 3)  # transformers' default
+        check(isinstance(dense, int) and dense >= 0, "first_k_dense_replace", dense, "must be an integer >= 0")
+        return dense
+
+    def fields(self, hf: dict) -> dict[str, Any]:
+        """Layer i has experts from first_k_dense_replace on (every layer dense when it is at least
+        num_hidden_layers); the spec's head_dim is a query's (and key's) width per head."""
+        scaling = rope_parameters(hf)
+        plain = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_parameters")}
+        plain["rope_theta"] = hf.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0))
+        latent = LatentAttentionSpec(
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+            v_head_dim=int(hf["v_head_dim"]),
+            rope_interleave=bool(hf.get("rope_interleave", True)),
+            yarn=read_yarn(scaling),
+        )
+        return {
+            **common_fields(plain),
+            "architecture": self.name,
+            "num_kv_heads": hf["num_attention_heads"],
+            "head_dim": latent.qk_head_dim,
+            "qkv_bias": False,
+            "qk_norm": False,
+            "latent_attention": latent,
+            "moe": self._moe(hf),
+        }
+
+    def _moe(self, hf: dict) -> MoESpec | None:
+        layers, first = hf["num_hidden_layers"], self._first_routed(hf)
+        if first >= layers:
+            return None
+        groups, chosen = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+        limited = chosen < groups  # every group allowed (Moonlight's 1 of 1) limits nothing
+        width = int(hf["moe_intermediate_size"])
+        return MoESpec(
+            num_experts=int(hf["n_routed_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            ffn_hidden_size=width,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            sparse_layers=tuple(range(first, layers)),
+            score_function="sigmoid",
+            expert_bias=True,
+            num_groups=groups if limited else None,
+            group_top_k=chosen if limited else None,
+            scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_ffn_hidden_size=int(hf.get("n_shared_experts", 1)) * width,
+        )
+
+    def kept_tensors(self, spec: ModelSpec, hf: dict) -> KeptTensors:
+        """The multi-token-prediction layers after the decoder: carried and written back, not trained."""
+        return extra_layers(hf)
+
+    def to_hf(self, spec: ModelSpec) -> dict:
+        mla = spec.latent_attention
+        common = {k: v for k, v in common_hf(spec).items() if k not in ("head_dim", "rope_scaling")}
+        config = {
+            "architectures": list(self.architectures),
+            "model_type": self.name,
+            **common,
+            "num_key_value_heads": spec.num_heads,
+            "attention_bias": False,
+            "q_lora_rank": mla.q_lora_rank,
+            "kv_lora_rank": mla.kv_lora_rank,
+            "qk_nope_head_dim": mla.qk_nope_head_dim,
+            "qk_rope_head_dim": mla.qk_rope_head_dim,
+            "v_head_dim": mla.v_head_dim,
+            "rope_interleave": mla.rope_interleave,
+            "num_nextn_predict_layers": 0,
+            **self._moe_hf(spec),
+        }
+        if mla.yarn is not None:
+            config["rope_scaling"] = {"rope_type": "yarn", **dataclasses.asdict(mla.yarn)}
+        return config
+
+    def _moe_hf(self, spec: ModelSpec) -> dict[str, Any]:
+        moe = spec.moe
+        if moe is None:
+            return {"first_k_dense_replace": spec.num_layers}
+        first = moe.sparse_layers[0]
+        if (
+            moe.sparse_layers != tuple(range(first, spec.num_layers))
+            or moe.shared_ffn_hidden_size % moe.ffn_hidden_size
+        ):
+            raise ValueError(f"{self.name}: experts from one layer on and whole shared experts only ({moe})")
+        return {
+            "first_k_dense_replace": first,
+            "n_routed_experts": moe.num_experts,
+            "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.ffn_hidden_size,
+            "n_shared_experts": moe.shared_ffn_hidden_size // moe.ffn_hidden_size,
+            "norm_topk_prob": moe.norm_topk_prob,
+            "routed_scaling_factor": moe.scaling_factor,
+            "n_group": moe.num_groups or 1,
+            "topk_group": moe.group_top_k or 1,
+        }
+
+    def tiny(self) -> ModelSpec:
+        """DeepSeek-V3's shape in small: query and kv latents, YaRN (factor 4 over 1024 positions, both
+        mscales), 8 experts in 4 groups (top-4 from 2 groups), a shared expert, scaling 2.5, the first
+        layer dense."""
+        yarn = YarnSpec(factor=4.0, original_max_position_embeddings=1024, mscale=1.0, mscale_all_dim=0.707)
+        latent = LatentAttentionSpec(
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, yarn=yarn
+        )
+        fields = tiny_fields(self.name) | {"num_kv_heads": 4, "head_dim": latent.qk_head_dim}
+        return ModelSpec(**fields, qkv_bias=False, latent_attention=latent, moe=_moe(32, (1, 2, 3)))
+
+    def task_model(self, vocab_size: int, max_positions: int) -> ModelSpec:
+        """The dense task model's hidden size, layers and heads with Moonlight's attention (a kv latent,
+        queries without one, plain RoPE) and 8 experts of width 64 in 4 groups, top-4, a shared
+        expert, the first layer dense (about 1.1M parameters)."""
+        latent = LatentAttentionSpec(
+            q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
+        )
+        spec = super().task_model(vocab_size, max_positions)
+        return dataclasses.replace(
+            spec,
+            num_kv_heads=spec.num_heads,
+            head_dim=latent.qk_head_dim,
+            latent_attention=latent,
+            moe=_moe(64, (1, 2, 3)),
+        )
+
+    def routed(self, spec: ModelSpec, layer: int) -> bool:
+        return spec.moe is not None and spec.moe.is_sparse(layer)
+
+    # -- Megatron
+    def transformer_fields(self, spec: ModelSpec) -> dict[str, Any]:
+        if spec.moe is None:
+            return LatentAttention.transformer_fields(self, spec)
+        return super().transformer_fields(spec)
+
+    def layer_spec(self, spec: ModelSpec, te: bool, config: Any = None, vp_stage: int | None = None) -> Any:
+        """Dense: one MLA layer spec. Routed: Megatron's block spec, each layer's MLA made local."""
+        if spec.moe is None:
+            return LatentAttention.layer_spec(self, spec, te, config, vp_stage)
+        block = super().layer_spec(spec, te, config, vp_stage)
+        if te:
+            return block
+        return dataclasses.replace(block, layer_specs=[local_layer(layer) for layer in block.layer_specs])
+
+    # -- SGLang (models/deepseek_v2.py serves DeepSeek-V3)
+    def check_sglang_tp(self, spec: ModelSpec, tp: int) -> None:
+        raise ValueError(SGLANG_PRE_SPLIT)
+
+    def sglang_layer_shapes(self, spec: ModelSpec, layer: int, tp: int) -> dict[str, tuple[int, ...]]:
+        raise ValueError(SGLANG_PRE_SPLIT)
+
+    # -- the embedded engine
+    def hook_routes(self, model: Any, record: Callable[[int, Any], None]) -> tuple[int, ...]:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+        return hook_topk_routers(model, record, DeepseekV3TopkRouter)
+
+
+def read_yarn(scaling: dict | None) -> YarnSpec | None:
+    """YaRN from config.json's rope_scaling (None: plain RoPE); ConfigError naming what is not mapped."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise ConfigError("rope_scaling.rope_type", kind, "only YaRN (yarn) is mapped for DeepSeek-V3")
+    for key, unmapped in (("attention_factor", None), ("truncate", True), ("partial_rotary_factor", 1.0)):
+        if scaling.get(key, unmapped) != unmapped:
+            raise ConfigError(
+                f"rope_scaling.{key}", scaling[key], "is not mapped (Megatron's YaRN has no such setting)"
+            )
+    for key in ("factor", "original_max_position_embeddings"):
+        if scaling.get(key) is None:
+            raise ConfigError(f"rope_scaling.{key}", None, "missing from YaRN's rope_scaling")
+    return YarnSpec(
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        mscale=float(scaling.get("mscale") or 0),
+        mscale_all_dim=float(scaling.get("mscale_all_dim") or 0),
+    )
+
+
+def _moe(width: int, sparse: tuple[int, ...]) -> MoESpec:
+    """8 experts in 4 groups, top-4 from 2 of them (DeepSeek-V3's ratio: two experts a chosen group)."""
+    return MoESpec(
+        num_experts=8,
+        top_k=4,
+        ffn_hidden_size=width,
+        norm_topk_prob=True,
+        sparse_layers=sparse,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=4,
+        group_top_k=2,
+        scaling_factor=2.5,
+        shared_ffn_hidden_size=width,
+    )

@@ -1,0 +1,140 @@
+"""GLM-4.5 / 4.6 MoE (Glm4MoeForCausalLM): the decoder's attention with q/k/v biases (attention_bias),
+per-head q/k norms where use_qk_norm (GLM-4.5 and 4.6; not GLM-4.5-Air) and RoPE on the first half
+of each head (partial_rotary_factor); DeepSeek-V3's routed experts (models/moe.py) in every layer from
+first_k_dense_replace on: sigmoid scores with the expert-score correction bias, grouped top-k,
+routed_scaling_factor and n_shared_experts shared experts (one MLP of n x moe_intermediate_size).
+
+Checkpoints carry num_nextn_predict_layers multi-token-prediction layers after the decoder
+(`model.layers.{num_hidden_layers}.*`: eh_proj, enorm, hnorm, shared_head.norm and a whole MoE layer);
+the model here is the decoder without them (transformers builds none either).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from bapo_megatron.errors import ConfigError, check
+from bapo_megatron.models.decoder import Decoder
+from bapo_megatron.models.family import common_fields, common_hf, hook_topk_routers, tiny_fields
+from bapo_megatron.models.moe import RoutedExperts
+from bapo_megatron.models.on_disk import KeptTensors, extra_layers
+from bapo_megatron.models.spec import ModelSpec, MoESpec
+
+REQUIRED = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+class Glm4Moe(RoutedExperts, Decoder):
+    name = "glm4_moe"
+    architectures = ("Glm4MoeForCausalLM",)
+    qkv_bias = True
+
+    # -- config.json
+    def refuse(self, hf: dict) -> None:
+        super().refuse(hf)
+        for key in REQUIRED:
+            if key not in hf:
+                raise ConfigError(key, None, "missing from config.json (Glm4MoeForCausalLM)")
+        if hf.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ConfigError("scoring_func", hf["scoring_func"], "GLM-4.5's router scores with a sigmoid")
+        if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ConfigError("topk_method", hf["topk_method"], "only noaux_tc (the expert-score bias) is mapped")
+        if hf.get("mlp_bias", False):
+            raise ConfigError("mlp_bias", True, "MLP biases are not mapped")
+        shared = hf.get("n_shared_experts", 1)
+        check(isinstance(shared, int) and shared >= 0, "n_shared_experts", shared, "must be a count >= 0")
+
+    def fields(self, hf: dict) -> dict[str, Any]:
+        """Layer i has experts from first_k_dense_replace on (transformers' rule); groups that every token
+        may use all of (n_group == topk_group, GLM-4.5's 1 and 1) limit nothing and are read as none."""
+        layers, dense = hf["num_hidden_layers"], int(hf.get("first_k_dense_replace", 1))
+        check(0 <= dense < layers, "first_k_dense_replace", dense, f"must leave a MoE layer of the {layers}")
+        groups, chosen = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+        limited = chosen < groups
+        width = int(hf["moe_intermediate_size"])
+        moe = MoESpec(
+            num_experts=int(hf["n_routed_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            ffn_hidden_size=width,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            sparse_layers=tuple(range(dense, layers)),
+            score_function="sigmoid",
+            expert_bias=True,
+            num_groups=groups if limited else None,
+            group_top_k=chosen if limited else None,
+            scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_ffn_hidden_size=int(hf.get("n_shared_experts", 1)) * width,
+        )
+        rope = hf.get("rope_parameters") or {}
+        return {
+            **common_fields(hf),
+            "architecture": self.name,
+            "qkv_bias": bool(hf.get("attention_bias", False)),
+            "qk_norm": bool(hf.get("use_qk_norm", False)),
+            "rotary_fraction": float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))),
+            "moe": moe,
+        }
+
+    def kept_tensors(self, spec: ModelSpec, hf: dict) -> KeptTensors:
+        """The multi-token-prediction layers after the decoder: carried and written back, not trained."""
+        return extra_layers(hf)
+
+    def to_hf(self, spec: ModelSpec) -> dict:
+        moe, first = spec.moe, spec.moe.sparse_layers[0]
+        if (
+            moe.sparse_layers != tuple(range(first, spec.num_layers))
+            or moe.shared_ffn_hidden_size % moe.ffn_hidden_size
+        ):
+            raise ValueError(f"{self.name}: experts from one layer on and whole shared experts only ({moe})")
+        return {
+            "architectures": list(self.architectures),
+            "model_type": self.name,
+            "attention_bias": spec.qkv_bias,
+            "use_qk_norm": spec.qk_norm,
+            "partial_rotary_factor": spec.rotary_fraction,
+            "n_routed_experts": moe.num_experts,
+            "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.ffn_hidden_size,
+            "n_shared_experts": moe.shared_ffn_hidden_size // moe.ffn_hidden_size,
+            "norm_topk_prob": moe.norm_topk_prob,
+            "routed_scaling_factor": moe.scaling_factor,
+            "n_group": moe.num_groups or 1,
+            "topk_group": moe.group_top_k or 1,
+            "first_k_dense_replace": first,
+            "num_nextn_predict_layers": 0,
+            **common_hf(spec),
+        }
+
+    def tiny(self) -> ModelSpec:
+        """8 experts in 2 groups (top-2 from 1 group), a shared expert, scaling 2.5, the first layer dense;
+        GLM-4.5-Air's attention (q/k/v biases, no q/k norm, RoPE on half of each head)."""
+        return ModelSpec(**tiny_fields(self.name), qkv_bias=True, rotary_fraction=0.5, moe=_moe(32, (1, 2, 3)))
+
+    def task_model(self, vocab_size: int, max_positions: int) -> ModelSpec:
+        """The dense task model's shape (q/k/v biases, half-rotary) with 8 experts of width 128 in 2
+        groups, top-2, a shared expert, the first layer dense."""
+        spec = super().task_model(vocab_size, max_positions)
+        return dataclasses.replace(spec, qkv_bias=True, rotary_fraction=0.5, moe=_moe(128, (1, 2, 3)))
+
+    # -- the embedded engine
+    def hook_routes(self, model: Any, record: Callable[[int, Any], None]) -> tuple[int, ...]:
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+        return hook_topk_routers(model, record, Glm4MoeTopkRouter)
+
+
+def _moe(width: int, sparse: tuple[int, ...]) -> MoESpec:
+    return MoESpec(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=width,
+        norm_topk_prob=True,
+        sparse_layers=sparse,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=2,
+        group_top_k=1,
+        scaling_factor=2.5,
+        shared_ffn_hidden_size=width,
+    )
