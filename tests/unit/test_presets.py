@@ -1,6 +1,6 @@
-"""The presets (Qwen2.5-7B and -32B, Qwen3-8B, Qwen3-30B-A3B): the paper's settings, and
-`bapo-train PRESET --dry-run` memory figures checked against the same quantities worked out by hand
-here (within 5%), on 8 x 80 GiB nodes."""
+"""The presets (Qwen2.5-7B and -32B, Qwen3-8B, Qwen3-30B-A3B, Qwen3.5-27B and -35B-A3B, Moonlight-16B-A3B):
+the paper's settings, and `bapo-train PRESET --dry-run` memory figures checked against the same
+quantities worked out by hand here (within 5%), on 8 x 80 GiB nodes."""
 
 import dataclasses
 import os
@@ -22,27 +22,64 @@ PRESETS = {
     "qwen2.5-32b": (32, 32.76e9),
     "qwen3-8b": (8, 8.2e9),
     "qwen3-30b-a3b": (32, 30.5e9),
+    "qwen3.5-27b": (32, 27e9),  # the language model's 27B (its card; the vision tower and MTP layer aside)
+    "qwen3.5-35b-a3b": (32, 35e9),
+    "moonlight-16b-a3b": (8, 16e9),
 }
+SCRIPTS = {  # name: (its Slurm script, where the script puts the SGLang servers, their TP)
+    "qwen2.5-7b": ("slurm/bapo_7b.sh", "1 node(s) x 4 server(s)", 2),
+    "qwen2.5-32b": ("slurm/bapo_32b.sh", "2 node(s) x 2 server(s)", 4),
+    "qwen3.5-27b": ("slurm/bapo_qwen3_5_27b.sh", "2 node(s) x 2 server(s)", 4),
+    "qwen3.5-35b-a3b": ("slurm/bapo_qwen3_5_35b_a3b.sh", "2 node(s) x 2 server(s)", 4),
+    "moonlight-16b-a3b": ("slurm/bapo_moonlight_16b_a3b.sh", "1 node(s) x 4 server(s)", 2),
+}
+RECIPE_RESPONSES = {"moonlight-16b-a3b": 7168}
+"""The recipe's 8,192-token responses, but where the model's context holds fewer after a 1k prompt."""
 
 
 def _shape(name: str) -> dict:
+    """The text model's config.json: the released multimodal layout nests it under text_config."""
     import json
 
-    return json.loads((ROOT / "examples" / name / "shape" / "config.json").read_text())
+    hf = json.loads((ROOT / "examples" / name / "shape" / "config.json").read_text())
+    return hf.get("text_config", hf)
 
 
-def _layer(hf: dict) -> tuple[int, int, int]:
-    """One layer's parameters: (split over TP, whole on every TP rank, experts split over EP)."""
+def _attention(hf: dict, i: int) -> tuple[int, int]:
+    """Layer i's attention: (split over TP, whole on every TP rank)."""
     d, heads, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
     head = hf.get("head_dim", d // heads)
-    attention = d * heads * head + 2 * d * kv * head + heads * head * d  # q, k and v, o
-    if hf["model_type"] == "qwen2":
+    kind = hf["model_type"]
+    if kind == "deepseek_v3":  # MLA without q_lora: q, kv_b and o split; the kv down-projection and its norm whole
+        nope, rope, v, rank = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"], hf["kv_lora_rank"]
+        return d * heads * (nope + rope) + heads * (nope + v) * rank + heads * v * d, (rank + rope) * d + rank
+    if kind.startswith("qwen3_5") and hf["layer_types"][i] == "linear_attention":
+        qk = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
+        v, vh = hf["linear_num_value_heads"] * hf["linear_value_head_dim"], hf["linear_num_value_heads"]
+        # in_proj_qkv, z, b, a; conv1d over q, k, v; dt_bias and A_log; out_proj; the gated norm whole
+        split = d * (2 * qk + 2 * v + 2 * vh) + (2 * qk + v) * hf["linear_conv_kernel_dim"] + 2 * vh + v * d
+        return split, hf["linear_value_head_dim"]
+    gate = heads * head * d if kind.startswith("qwen3_5") else 0  # the output gate's rows of q_proj
+    attention = d * heads * head + 2 * d * kv * head + heads * head * d + gate  # q, k and v, o
+    if kind == "qwen2":
         attention += (heads + 2 * kv) * head  # q/k/v biases
-    norms = 2 * d + (2 * head if hf["model_type"].startswith("qwen3") else 0)  # + q/k norms
-    if "num_experts" not in hf:
-        return attention + 3 * d * hf["intermediate_size"], norms, 0
-    router = hf["num_experts"] * d  # every layer has experts in these presets
-    return attention, norms + router, hf["num_experts"] * 3 * d * hf["moe_intermediate_size"]
+    return attention, (2 * head if kind.startswith("qwen3") else 0)  # q/k norms
+
+
+def _layer(hf: dict, i: int) -> tuple[int, int, int]:
+    """Layer i's parameters: (split over TP, whole on every TP rank, experts split over EP)."""
+    d = hf["hidden_size"]
+    split, whole = _attention(hf, i)
+    whole += 2 * d  # the input and pre-MLP norms
+    experts = hf.get("num_experts", hf.get("n_routed_experts"))
+    if experts is None or i < hf.get("first_k_dense_replace", 0):
+        return split + 3 * d * hf["intermediate_size"], whole, 0
+    shared = hf.get("shared_expert_intermediate_size", hf.get("n_shared_experts", 0) * hf["moe_intermediate_size"])
+    split += 3 * d * shared  # the shared expert, a dense MLP split over TP
+    whole += experts * d  # the router
+    whole += d if "shared_expert_intermediate_size" in hf else 0  # Qwen's sigmoid gate of the shared expert
+    whole += experts if hf["model_type"] == "deepseek_v3" else 0  # DeepSeek's expert-score correction bias
+    return split, whole, experts * 3 * d * hf["moe_intermediate_size"]
 
 
 def _by_hand(name: str) -> dict[str, float]:
@@ -52,16 +89,17 @@ def _by_hand(name: str) -> dict[str, float]:
     tp, pp, ep = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert
     dp = world // (tp * pp)
     d, layers = hf["hidden_size"], hf["num_hidden_layers"]
-    split, whole, experts = _layer(hf)
-    # first stage: its layers and the embedding; the last: its layers, the final norm and the output layer
+    each = [_layer(hf, i) for i in range(layers)]
+    # first stage: its layers and the embedding; the last: its layers, the final norm and the output
+    # layer (the presets' stages hold the same kinds of layers)
     vocab = -(-hf["vocab_size"] // 1024) * 1024  # padded to a multiple of 128 x lcm(TP, vocab_pad_tp 8)
-    dense = (layers // pp) * (split / tp + whole) + vocab * d / tp
+    dense = sum(split / tp + whole for split, whole, _ in each[: layers // pp]) + vocab * d / tp
     if pp == 1:
         dense += vocab * d / tp + d
-    expert = (layers // pp) * experts / ep  # whole experts over EP; their state over expert data parallel
+    expert = sum(experts for *_, experts in each[: layers // pp]) / ep  # whole experts over EP; their state over EDP
     stage = dense + expert
     return {
-        "total": layers * (split + whole + experts) + 2 * hf["vocab_size"] * d + d,
+        "total": sum(map(sum, each)) + 2 * hf["vocab_size"] * d + d,
         "parameters": stage * 2 / GIB,  # bf16
         "gradients": stage * 4 / GIB,  # Megatron's fp32 gradient buffer
         # fp32 main copy + Adam's two moments, sharded
@@ -129,11 +167,12 @@ def test_the_recipe_is_the_authors_shape_for_the_users_files(name, tmp_path):
     assert (cfg.algo.updates_per_batch, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (8, 256, 16)
     assert cfg.algo.bapo.low_start == 0.8 and cfg.algo.bapo.high_max == 2.0  # the authors' bounds
     assert cfg.reward.function == "dapo" and cfg.data.answer_field == "reward_model.ground_truth"
-    assert cfg.data.max_prompt_tokens == 1024 and cfg.rollout.sampling.max_new_tokens == 8192
+    responses = RECIPE_RESPONSES.get(name, 8192)
+    assert cfg.data.max_prompt_tokens == 1024 and cfg.rollout.sampling.max_new_tokens == responses
     assert cfg.eval.interval == 10 and cfg.eval.samples == 16 and sorted(cfg.eval.sets) == ["aime24", "aime25"]
     assert cfg.eval.sets["aime24"].path == "/data/aime-2024.parquet"
     preset = load_config(ROOT / "examples" / name / "config.yaml")
-    assert cfg.parallel == dataclasses.replace(preset.parallel, max_tokens_per_microbatch=9216)  # 8k + 1k
+    assert cfg.parallel == dataclasses.replace(preset.parallel, max_tokens_per_microbatch=responses + 1024)
     assert cfg.model.moe == preset.model.moe
     command = [sys.executable, "-m", "bapo_megatron.train", str(base), *files, "--dry-run"]
     every = [*command, "eval.sets.aime25.path=/data/aime-2025.parquet", f"--world-size={PRESETS[name][0]}"]
@@ -147,22 +186,21 @@ def test_the_recipe_is_the_authors_shape_for_the_users_files(name, tmp_path):
     assert done.returncode == 2 and done.stderr == f"error: {refused.value}\n"  # the dry run refuses it too
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen2.5-32b"])
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
 @pytest.mark.parametrize("file", ["config.yaml", "recipe.yaml"])
 def test_the_dry_run_plans_the_world_and_engines_of_the_presets_slurm_script(name, file, capsys, monkeypatch):
-    """No --world-size: the preset and its recipe are planned as slurm/bapo_7b.sh and bapo_32b.sh run
-    them (8 and 32 trainer processes), their SGLang servers on the script's rollout nodes."""
+    """No --world-size: the preset and its recipe are planned as their Slurm script runs them
+    (slurm/bapo_7b.sh: 8 trainer processes, bapo_32b.sh: 32, ...), their SGLang servers on the
+    script's rollout nodes."""
     from bapo_megatron.train import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     files = ["data.path=/d.parquet", "eval.sets.aime24.path=/a.parquet", "eval.sets.aime25.path=/b.parquet"]
     main([f"examples/{name}/{file}", *(files if file == "recipe.yaml" else []), "--dry-run"])
     out = capsys.readouterr().out
-    world, script = PRESETS[name][0], "slurm/bapo_7b.sh" if name == "qwen2.5-7b" else "slurm/bapo_32b.sh"
+    world, (script, nodes, tp) = PRESETS[name][0], SCRIPTS[name]
     assert out.startswith(f"# no --world-size: planned for {world} trainer processes, as {script} runs")
     assert f"trainer: {world} processes" in out
-    nodes = "1 node(s) x 4 server(s)" if name == "qwen2.5-7b" else "2 node(s) x 2 server(s)"
-    tp = 2 if name == "qwen2.5-7b" else 4
     assert f"engines: 4 sglang server(s), TP {tp} each, on rollout nodes as {script}" in out
     assert f"places them: {nodes}, 8 of each node's 8 GPUs; the script passes their URLs" in out
     assert "cannot place" not in out
@@ -246,3 +284,25 @@ def test_each_readme_says_the_longest_response_its_preset_fits(name):
     if most.parallel.recompute == "full":
         layers = f"{most.parallel.recompute_layers} of"
         assert layers in readme, (name, layers)
+
+
+@pytest.mark.parametrize(
+    ("name", "layers"), [("qwen3.5-27b", 28), ("qwen3.5-35b-a3b", 18), ("moonlight-16b-a3b", None)]
+)
+def test_the_2026_presets_fit_their_responses_on_80_gib(name, layers):
+    """Qwen3.5's hybrids are built from Megatron's local modules (no flash attention): their 16k
+    responses fit an 80 GiB GPU with the least full recompute `auto` finds; Moonlight's whole 8k
+    context fits without recompute. The fitted peak stays within 80 GiB less the reserve."""
+    from bapo_megatron.preflight import model_spec
+    from bapo_megatron.trainer.memory.fit import fit_to_gpu, peak_bytes, usable_bytes
+
+    cfg = load_config(ROOT / "examples" / name / "config.yaml")
+    assert cfg.parallel.recompute == "auto"
+    spec, world = model_spec(cfg), PRESETS[name][0]
+    assert cfg.parallel.max_tokens_per_microbatch == cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    assert cfg.parallel.max_tokens_per_microbatch <= spec.max_position_embeddings
+    assert (cfg.model.transformer_impl == "local") == (spec.linear_attention is not None)  # TE builds no hybrid
+    fitted = fit_to_gpu(cfg, spec, world, 80 * GIB).cfg.parallel
+    assert (fitted.recompute, fitted.recompute_layers) == (("full", layers) if layers else ("none", None))
+    dp = world // (cfg.parallel.tensor * cfg.parallel.pipeline)
+    assert peak_bytes(cfg, spec, fitted, dp) <= usable_bytes(80 * GIB)
