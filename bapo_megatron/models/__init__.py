@@ -7,6 +7,7 @@ from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.deepseek_v3 import DeepseekV3
 from bapo_megatron.models.family import Family
 from bapo_megatron.models.glm4_moe import Glm4Moe
+from bapo_megatron.models.gpt_oss import GptOss
 from bapo_megatron.models.llama import Llama
 from bapo_megatron.models.qwen2 import Qwen2
 from bapo_megatron.models.qwen3 import Qwen3
@@ -27,6 +28,7 @@ FAMILIES: dict[str, Family] = {
         Qwen3_5Moe(),
         Qwen3Next(),
         DeepseekV3(),
+        GptOss(),
     )
 }
 """Every family by its name (the spec's architecture); a new family is one entry."""
