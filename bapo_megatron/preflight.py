@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.models import family_of
 from bapo_megatron.models.spec import ModelSpec, check_layout, tiny_spec
 
 
@@ -41,6 +42,7 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int, machine: bool = T
         )
     recompute_settings(spec, cfg.parallel)  # recompute_layers within a stage's layers
     packs(spec, cfg.model, cfg.parallel)  # parallel.packing=packed of a model whose layers would mix a row's samples
+    family_of(spec).check_impl(spec, cfg.model.transformer_impl == "transformer_engine")  # as layer_spec refuses it
     if cfg.rollout.record_routes and spec.moe is None:
         raise ConfigError(
             "rollout.record_routes", True, f"records a mixture-of-experts model's routes; {spec.architecture} is dense"
@@ -61,6 +63,7 @@ def validate(cfg: JobConfig, spec: ModelSpec, world_size: int, machine: bool = T
             f"schedule's groups of {cfg.parallel.pipeline} micro-batches (parallel.virtual_pipeline)",
         )
     check_response_fits(cfg)
+    check_context(cfg, spec)
     if cfg.algo.loss == "sft" and cfg.rollout.replay is not None:
         raise ConfigError("rollout.replay", cfg.rollout.replay, "algo.loss=sft trains on data.path; unset one")
     if cfg.algo.loss != "sft" and cfg.rollout.replay is None:
@@ -95,6 +98,30 @@ def check_response_fits(cfg: JobConfig) -> None:
         f"leaves no room for a prompt beside responses of up to rollout.sampling.max_new_tokens={new} "
         f"tokens: a sample must fit one micro-batch; set parallel.max_tokens_per_microbatch{room} "
         "or lower rollout.sampling.max_new_tokens",
+    )
+
+
+def check_context(cfg: JobConfig, spec: ModelSpec) -> None:
+    """A prompt and its response must fit the model's context (max_position_embeddings: SGLang refuses
+    a request beyond it, and RoPE was not trained past it): ConfigError naming both fields and the
+    model's figure when data.max_prompt_tokens + rollout.sampling.max_new_tokens exceed it (without
+    a prompt cap: when the responses alone leave no room for a prompt)."""
+    if cfg.rollout.replay is not None or cfg.algo.loss == "sft":
+        return
+    new, prompt, context = cfg.rollout.sampling.max_new_tokens, cfg.data.max_prompt_tokens, spec.max_position_embeddings
+    if (new + prompt if prompt else new + 1) <= context:
+        return
+    source = f"{cfg.model.hf_path}/config.json" if cfg.model.hf_path else "the built-in tiny model"
+    reach = (
+        f"with data.max_prompt_tokens={prompt} a sample reaches {new + prompt:,} tokens, beyond"
+        if prompt
+        else ("leaves no room for a prompt in")
+    )
+    raise ConfigError(
+        "rollout.sampling.max_new_tokens",
+        new,
+        f"{reach} the model's context, max_position_embeddings={context:,} ({source}); lower "
+        "rollout.sampling.max_new_tokens or data.max_prompt_tokens",
     )
 
 

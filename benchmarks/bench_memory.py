@@ -35,9 +35,10 @@ RECOMPUTE = {
     "full": ["parallel.recompute=full"],
     "full/1": ["parallel.recompute=full", "parallel.recompute_layers=1"],
 }
-MODELS = {"dense": "qwen2", "moe": "qwen3_moe"}
+MODELS = {"dense": "qwen2", "moe": "qwen3_moe", "hybrid": "qwen3_5_text", "mla": "deepseek_v3"}
 """tiny_spec's architectures: Qwen2 (4 layers, GQA 4/2, vocab 250 padded to 1024), Qwen3-MoE (4
-experts, top-2, q/k norms)."""
+experts, top-2, q/k norms), Qwen3.5 (3 Gated DeltaNet layers, the torch delta rule, and a gated full
+attention one), DeepSeek-V3 (multi-latent attention, routed experts)."""
 TERMS = ("params", "grads", "optimizer", "activations", "peak")
 MIB = 2**20
 
@@ -56,6 +57,8 @@ def plan(seqs: list[int], quick: bool) -> list[tuple[str, str, list[tuple[int, s
         ("dense", "PP2", [(mid, "none"), (mid, "full/1")]),
         ("moe", "TP1", [(mid, "none"), (mid, "full")]),
         ("moe", "TP2+SP+EP2", [(mid, "none")]),
+        ("hybrid", "TP1", [(mid, "none")]),
+        ("mla", "TP1", [(mid, "none")]),
     ]
 
 

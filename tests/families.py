@@ -1,9 +1,9 @@
 """A model family's checks, shared by the families' tests (tests/dist/test_family_<name>.py).
 
-    from tests.families import FamilyCase, check_family
+    from tests.families import FamilyCase, SGLangLoader, check_family
 
     def test_glm4_moe_family(tmp_path):
-        check_family(tmp_path, FamilyCase("glm4_moe", sglang_loader="models/glm4_moe.py"))
+        check_family(tmp_path, FamilyCase("glm4_moe", sglang=SGLangLoader("models/glm4_moe.py")))
 
 check_family runs two launches:
 1. one process: the family's tiny model made in transformers with random weights (norms, routers,
@@ -21,8 +21,8 @@ check_family runs two launches:
    checkpoint, its live export equal to the reference (the updated weights: gradients checked).
    Each layout loads the HF directory (each rank its slices) and the converted checkpoint: the same.
 Then, in the calling process, the export's names (and those of each variant's checkpoint) go through
-the family's SGLang loader when case.sglang_loader names it (its load_weights name mapping, run from
-the wheel's source; case.sglang_sources: the files whose modules its model builds on).
+the family's SGLang loader when case.sglang names it (its load_weights name mapping, run from the
+wheel's source: check_sglang_names, which the families' own tests call too).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ import ast
 import json
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,10 +62,8 @@ class FamilyCase:
 
     architecture: str
     """The family's name (models.FAMILIES)."""
-    sglang_loader: str | None = None
-    """The family's loader in SGLang's wheel, under sglang/srt/ (e.g. "models/glm4_moe.py"); None: not checked."""
-    sglang_sources: tuple[str, ...] = ()
-    """Further SGLang files whose modules the loader's model builds on (e.g. "models/qwen2.py" for Qwen3)."""
+    sglang: SGLangLoader | None = None
+    """The family's loader in SGLang's wheel (e.g. SGLangLoader("models/glm4_moe.py")); None: not checked."""
     spec: ModelSpec | None = None
     """The model trained and converted (default: the family's tiny())."""
     variants: tuple[ModelSpec, ...] = ()
@@ -72,6 +71,10 @@ class FamilyCase:
     layouts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """name: (tensor, pipeline, expert) on two processes (default: tp2, pp2 and, routed, ep2)."""
     tolerance: float = 1e-5
+    hf_convention: Callable[[Any], None] | None = None
+    """Applied to each transformers reference model before its logits are compared: where transformers
+    computes otherwise than SGLang, which the trainer follows (a module-level function: it goes to
+    the worker processes)."""
 
     def model(self) -> ModelSpec:
         return self.spec or tiny_spec(self.architecture)
@@ -87,10 +90,10 @@ def check_family(root: Path, case: FamilyCase) -> None:
     """Every check above, for `case`, with its files under `root`."""
     run_workers(_one_process, 1, str(root), case)
     run_workers(_layouts, 2, str(root), case)
-    if case.sglang_loader is not None:
-        check_sglang_names(case, torch.load(Path(root) / "reference-export.pt"))
+    if case.sglang is not None:
+        check_sglang_names(case.sglang, torch.load(Path(root) / "reference-export.pt"), case.model())
         for variant in case.variants:  # the names a checkpoint of each has
-            check_sglang_names(case, expected_shapes(variant), variant)
+            check_sglang_names(case.sglang, expected_shapes(variant), variant)
 
 
 # -- models
@@ -150,6 +153,8 @@ def _one_process(rank: int, world: int, root: str, case: FamilyCase) -> None:
     spec = case.model()
     for i, variant in enumerate((spec, *case.variants)):
         model = random_hf_model(variant, seed=i)
+        if case.hf_convention is not None:
+            case.hf_convention(model)
         megatron = check_logits(variant, model, cfg, case.tolerance)
         if i == 0:
             if spec.moe is not None:
@@ -234,7 +239,7 @@ def check_conversion(root: Path, spec: ModelSpec, tolerance: float) -> None:
     sys.path.insert(0, str(TOOLS))
     import convert_checkpoint as cli
 
-    from bapo_megatron.models.moe import kept_in_float32
+    from bapo_megatron.models import family_of
     from bapo_megatron.weights.convert import verify_conversion
 
     hf, mcore, back = root / "hf", root / "mcore", root / "hf-back"
@@ -254,7 +259,7 @@ def check_conversion(root: Path, spec: ModelSpec, tolerance: float) -> None:
     assert cli.main(["mcore-to-hf", "--mcore", str(half), "--out", str(half_back), *bf16]) == 0
     returned = hf_state_of_dir(half_back)
     for key, tensor in original.items():
-        want = tensor if kept_in_float32(key) else tensor.to(torch.bfloat16)
+        want = tensor if family_of(spec).float32_tensor(key) else tensor.to(torch.bfloat16)
         assert returned[key].dtype == want.dtype and torch.equal(returned[key], want), key
 
 
@@ -371,12 +376,37 @@ def _layouts(rank: int, world: int, root: str, case: FamilyCase) -> None:
 # -- SGLang
 
 
-def check_sglang_names(case: FamilyCase, exported: Iterable[str], spec: ModelSpec | None = None) -> None:
-    """Every exported name lands on a parameter of SGLang's model through the loader's own mapping:
-    its load_weights' stacked_params_mapping (read from the wheel's source) for q/k/v and gate/up,
-    experts through FusedMoE.make_expert_params_mapping (compiled from the wheel), the rest by name;
-    each module on the way is one SGLang's model files (case.sglang_loader, case.sglang_sources)
-    assign, each leaf a parameter its layers register. `spec`: the model named (default: case's)."""
+@dataclass(frozen=True)
+class SGLangLoader:
+    """A SGLang model's load_weights, as check_sglang_names replays it on our names (its files under
+    sglang/srt/ in the wheel)."""
+
+    loader: str
+    """The file whose load_weights maps checkpoint names."""
+    sources: tuple[str, ...] = ()
+    """Further files whose classes the model builds on (the modules they assign count too)."""
+    body_class: str | None = None
+    """The class whose load_weights' stacked_params_mapping is read (None: the loader's first)."""
+    stacked: Callable[[ModelSpec], tuple[tuple[str, str, object], ...]] | None = None
+    """The stacked entries the loader applies in code for a model of a spec, beside its
+    stacked_params_mapping (DeepSeek's fused query and kv down-projections; a module-level function)."""
+    rules: tuple[tuple[str, str], ...] = ()
+    """(file, source text) the replay relies on, asserted present in that file."""
+    prefix: str = ""
+    """What a wrapper strips from every name before the loader sees it (Qwen3.5's `model.`)."""
+    dropped: str = ""
+    """A part the loader removes from every name (Qwen3.5's `.self_attn`)."""
+    own: tuple[str, ...] = ()
+    """Names a module of the wrapper's own loads (Qwen3.5's lm_head.weight): not replayed."""
+
+
+def check_sglang_names(loader: SGLangLoader, exported: Iterable[str], spec: ModelSpec) -> None:
+    """Every exported name (of a model of `spec`) lands on a parameter of SGLang's model through the
+    loader's own mapping: its load_weights' stacked_params_mapping (read from the wheel's source) and
+    loader.stacked, skipped by the experts' names, then the experts through
+    FusedMoE.make_expert_params_mapping (compiled from the wheel), the rest by name; each module on
+    the way is one SGLang's model files (loader.loader, loader.sources) assign, each leaf a parameter
+    its layers register or assign."""
     import zipfile
 
     import pytest
@@ -387,21 +417,24 @@ def check_sglang_names(case: FamilyCase, exported: Iterable[str], spec: ModelSpe
         wheel = zipfile.ZipFile(wheel_path())
     except WheelUnavailable as err:
         pytest.skip(str(err))
-    spec = spec or case.model()
-    loader = source(wheel, case.sglang_loader)
-    stacked = stacked_params_mapping(loader)
-    assert stacked, f"{case.sglang_loader}: no stacked_params_mapping in load_weights"
+    text = source(wheel, loader.loader)
+    for file, rule in loader.rules:
+        assert rule in source(wheel, file), (file, rule)
+    stacked = [*(loader.stacked(spec) if loader.stacked else ()), *stacked_params_mapping(text, loader.body_class)]
+    assert stacked, f"{loader.loader}: no stacked_params_mapping in load_weights"
     experts = []
     if spec.moe is not None:
-        assert 'if "mlp.experts" in name:' in loader  # stacked names skip the experts
+        assert 'if "mlp.experts" in name:' in text or '("mlp.experts." in name)' in text  # stacked skip experts
         path = "layers/moe/fused_moe_triton/layer.py"
         make = load_defs(wheel, {path: ["FusedMoE.make_expert_params_mapping"]}, {})["make_expert_params_mapping"]
         names = {"ckpt_gate_proj_name": "gate_proj", "ckpt_down_proj_name": "down_proj", "ckpt_up_proj_name": "up_proj"}
         experts = make.__func__(None, **names, num_experts=spec.moe.num_experts)
-    modules = assigned_modules([loader, *(source(wheel, f) for f in case.sglang_sources)])
+    modules = assigned_modules([text, *(source(wheel, f) for f in loader.sources)])
     leaves = {"weight", "bias", *re.findall(r'register_parameter\("(\w+)"', source(wheel, UNQUANTIZED))}
     for name in exported:
-        target = sglang_param(name, stacked, experts)
+        if name in loader.own:
+            continue
+        target = sglang_param(name.removeprefix(loader.prefix).replace(loader.dropped, ""), stacked, experts)
         *path, leaf = [part for part in target.split(".") if not part.isdigit()]
         assert leaf in leaves or leaf in modules, (name, target)
         missing = [part for part in path if part not in modules]
@@ -412,9 +445,13 @@ UNQUANTIZED = "layers/quantization/unquant.py"
 """Where SGLang's unquantized layers register their parameters (FusedMoE's w13_weight and w2_weight)."""
 
 
-def stacked_params_mapping(loader: str) -> list[tuple[str, str, object]]:
-    """The (param, shard name, shard id) list a SGLang model file assigns first (in its load_weights)."""
-    for node in ast.walk(ast.parse(loader)):
+def stacked_params_mapping(loader: str, body_class: str | None = None) -> list[tuple[str, str, object]]:
+    """The (param, shard name, shard id) list a SGLang model file assigns first in its load_weights
+    (in class `body_class`'s, when given)."""
+    tree = ast.parse(loader)
+    if body_class is not None:
+        tree = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == body_class)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "stacked_params_mapping":
             return [tuple(t) for t in ast.literal_eval(node.value)]
     return []

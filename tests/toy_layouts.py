@@ -2,7 +2,8 @@
 checkpoints: ToyMtp keeps multi-token-prediction layers after its decoder (DeepSeek-V3's and GLM-4.5's
 way), ToyVL is a multimodal layout (Qwen3.5's released one: the text model under
 model.language_model., its config under text_config, a vision tower beside it). Each is Qwen3's
-decoder, so Megatron builds it; `register()` adds them to FAMILIES (in a spawned worker too)."""
+decoder, so Megatron builds it; `register()` adds them to FAMILIES (in a spawned worker too).
+released_qwen3_5 is the real Qwen3.5 family's released checkpoint, as transformers saves it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from bapo_megatron.models import FAMILIES
 from bapo_megatron.models.family import tiny_fields
 from bapo_megatron.models.on_disk import MULTIMODAL_LAYOUT, DiskLayout, KeptTensors, extra_layers, nested_layout
 from bapo_megatron.models.qwen3 import Qwen3
-from bapo_megatron.models.qwen3_5 import Qwen3_5
 from bapo_megatron.models.spec import ModelSpec
 
 
@@ -45,22 +45,8 @@ class ToyVL(Qwen3):
         return ModelSpec(**tiny_fields(self.name), qkv_bias=False, qk_norm=True)
 
 
-class Qwen3_5Released(Qwen3_5):
-    """Qwen3.5 (dense) answering the disk questions for its released checkpoints, as models/qwen3_5.py
-    is to: the multimodal layout read (the text model under model.language_model.), its vision tower
-    and its multi-token-prediction head (mtp.*) kept."""
-
-    architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-
-    def disk_layout(self, hf: dict) -> DiskLayout:
-        return nested_layout(hf)
-
-    def kept_tensors(self, spec: ModelSpec, hf: dict) -> KeptTensors:
-        return KeptTensors(("mtp.", "model.visual.") if "text_config" in hf else ("mtp.",))
-
-
 def register() -> None:
-    for family in (ToyMtp(), ToyVL(), Qwen3_5Released()):
+    for family in (ToyMtp(), ToyVL()):
         FAMILIES[family.name] = family
 
 
@@ -76,17 +62,22 @@ VISION_CONFIG = {
 }
 
 
-def released_qwen3_5(directory: Path, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def released_qwen3_5(
+    directory: Path, extra: dict[str, torch.Tensor] | None = None, tie: tuple[bool, bool] = (False, False)
+) -> dict[str, torch.Tensor]:
     """transformers' own Qwen3_5ForConditionalGeneration of the Qwen3.5 family's tiny text model (and a
-    tiny vision tower), saved, with an mtp.* tensor and `extra` added; returns every tensor on disk."""
+    tiny vision tower, one multi-token-prediction layer counted), saved, with an mtp.* tensor and
+    `extra` added; `tie`: tie_word_embeddings at the top level and in text_config. Returns every
+    tensor on disk."""
     import transformers
     from safetensors.torch import load_file, save_file
 
-    family = FAMILIES[Qwen3_5Released.name]
+    family = FAMILIES["qwen3_5_text"]
     spec = family.tiny()
     text = {k: v for k, v in family.to_hf(spec).items() if k != "architectures"}
+    text |= {"mtp_num_hidden_layers": 1, "tie_word_embeddings": tie[1]}
     vision = {**VISION_CONFIG, "out_hidden_size": spec.hidden_size}
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie[0])
     torch.manual_seed(0)
     transformers.Qwen3_5ForConditionalGeneration(config).save_pretrained(directory)
     (shard,) = directory.glob("*.safetensors")

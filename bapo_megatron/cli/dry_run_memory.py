@@ -114,9 +114,10 @@ def _moe_memory(plan: RunPlan) -> list[str]:
 
 
 def _sglang_memory(plan: RunPlan, gpu_bytes: int) -> str:
-    """An SGLang server GPU: its share of the weights and what is left of mem_fraction_static for the KV cache."""
+    """An SGLang server GPU: its share of the weights and what is left of mem_fraction_static for the
+    KV cache, and for a hybrid model the request slots of its recurrent state (trainer/memory/engine.py)."""
     from bapo_megatron.engines.sglang_launcher import mem_fraction
-    from bapo_megatron.models import family_of
+    from bapo_megatron.trainer.memory.engine import engine_cache
     from bapo_megatron.trainer.memory.estimate import rollout_mem_fraction, stage_params
 
     cfg, spec = plan.cfg, plan.spec
@@ -129,9 +130,15 @@ def _sglang_memory(plan: RunPlan, gpu_bytes: int) -> str:
         fraction = mem_fraction(cfg.rollout, colocated)
     except ValueError as err:
         return f"each SGLang server GPU: cannot fit ({err})"
-    kv_budget = max(0, int(fraction * gpu_bytes) - weights)
-    per_token = family_of(spec).engine_cache_bytes(spec, e.tensor_parallel)  # bf16
-    return (
+    cache = engine_cache(spec, e.tensor_parallel, max(0, int(fraction * gpu_bytes) - weights))
+    line = (
         f"each SGLang server GPU: mem_fraction_static {fraction:.2f}: weights {weights / GIB:.2f} GiB, "
-        f"KV cache {kv_budget / GIB:.2f} GiB = {kv_budget // max(per_token, 1):,} tokens"
+        f"KV cache {cache.kv_bytes / GIB:.2f} GiB = {cache.tokens:,} tokens"
+    )
+    if cache.requests is None:
+        return line
+    return (
+        f"{line} (its full-attention layers'); recurrent state {cache.per_request / 2**20:.1f} MiB a request "
+        f"(linear-attention layers, any length): {cache.state_bytes / GIB:.2f} GiB = {cache.requests:,} "
+        "concurrent requests (SGLang's default mamba_full_memory_ratio 0.9)"
     )

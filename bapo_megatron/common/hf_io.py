@@ -23,8 +23,7 @@ import torch
 from bapo_megatron.common.safetensors_stream import SAFETENSORS_DTYPES, StreamingWriter, TensorEntry, plan_files
 from bapo_megatron.errors import BadInputError, inside
 from bapo_megatron.models import family_of
-from bapo_megatron.models.moe import kept_in_float32
-from bapo_megatron.models.on_disk import TEXT_LAYOUT, DiskLayout
+from bapo_megatron.models.on_disk import TEXT_LAYOUT, DiskLayout, KeptTensors
 from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, refuse_remote_code
 
 INDEX = "model.safetensors.index.json"
@@ -97,8 +96,9 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 def hf_entries(spec: ModelSpec, dtype: torch.dtype, layout: DiskLayout = TEXT_LAYOUT) -> list[TensorEntry]:
     """The text model's tensors as a checkpoint in `layout` names them on disk, in `dtype`."""
+    family = family_of(spec)
     return [
-        TensorEntry(layout.disk_name(name), shape, torch.float32 if kept_in_float32(name) else dtype)
+        TensorEntry(layout.disk_name(name), shape, torch.float32 if family.float32_tensor(name) else dtype)
         for name, shape in expected_shapes(spec).items()
     ]
 
@@ -163,7 +163,19 @@ def open_kept_file(path: Path, spec: ModelSpec, config: dict) -> KeptSource:
         if name not in kept:
             raise ValueError(f"{path}: {name} is no tensor the {spec.architecture} family keeps for this config")
         _check_kept(path, handle, name)
+    _check_none_missing(kept, names, path, spec)
     return KeptSource(dict.fromkeys(names, handle))
+
+
+def _check_none_missing(kept: KeptTensors, names: list[str], source: Path, spec: ModelSpec) -> None:
+    """ValueError naming `source` and the first kept prefix (an MTP layer, the vision tower) none of
+    `names` is under: a checkpoint carrying less than its config implies is refused where it is read,
+    not found out by its export."""
+    for prefix in kept.prefixes:
+        if not any(name.startswith(prefix) for name in names):
+            raise ValueError(
+                f"{source}: holds no {prefix}* tensor, which the {spec.architecture} family keeps for this config"
+            )
 
 
 class HFCheckpoint:
@@ -195,6 +207,7 @@ class HFCheckpoint:
                 self.files[name] = file
         self.kept = KeptSource(kept_handles)
         self._check_shapes()
+        _check_none_missing(kept, list(kept_handles), self.dir, self.spec)
 
     def _shard_map(self) -> tuple[dict[str, str], dict[str, Path]]:
         """Tensor name on disk -> shard file name, and each shard's path (inside the directory)."""

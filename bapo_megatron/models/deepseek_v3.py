@@ -21,13 +21,18 @@ from typing import Any
 
 from bapo_megatron.errors import ConfigError, check
 from bapo_megatron.models.family import common_fields, common_hf, hook_topk_routers, rope_parameters, tiny_fields
+from bapo_megatron.models.features import LatentAttentionSpec, MoESpec, YarnSpec
 from bapo_megatron.models.mla import LatentAttention, local_layer
-from bapo_megatron.models.moe import RoutedExperts
+from bapo_megatron.models.moe import GROUPED_REQUIRED, RoutedExperts, grouped_moe_hf, read_grouped_moe, tiny_grouped_moe
 from bapo_megatron.models.on_disk import KeptTensors, extra_layers
-from bapo_megatron.models.spec import LatentAttentionSpec, ModelSpec, MoESpec, YarnSpec
+from bapo_megatron.models.spec import ModelSpec
 
-LATENT = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-ROUTED = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+LATENT = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""Required by name: DeepseekV3Config's defaults are DeepSeek-V3's own widths (q_lora_rank 1536: a
+config.json without the key has a query latent, which Moonlight's states null)."""
+ROUTED = ("routed_scaling_factor", "n_group", "topk_group")
+"""Required by name beside models/moe.GROUPED_REQUIRED: DeepseekV3Config defaults them to
+DeepSeek-V3's 2.5, 8 and 4, GLM-4.5's config (and models/moe.read_grouped_moe) to 1.0, 1 and 1."""
 SGLANG_PRE_SPLIT = (
     "SGLang's pre-split layout of multi-latent attention (its fused q/kv down-projections and "
     "absorbed up-projections) is not mapped; write a Hugging Face directory instead (no --sglang-tp): "
@@ -45,13 +50,6 @@ class DeepseekV3(RoutedExperts, LatentAttention):
         for key in LATENT:
             if key not in hf:
                 raise ConfigError(key, None, "missing from config.json (DeepseekV3ForCausalLM)")
-        if hf.get("quantization_config"):  # DeepSeek-V3's and Kimi-K2's releases: fp8 with block scales
-            method = (
-                hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
-            )
-            raise ConfigError(
-                "quantization_config", method, "quantized weights are not mapped: convert the checkpoint to bf16 first"
-            )
         if hf.get("attention_bias", False):
             raise ConfigError("attention_bias", True, "biases of the latent projections are not mapped")
         heads = hf["num_attention_heads"]
@@ -68,7 +66,7 @@ class DeepseekV3(RoutedExperts, LatentAttention):
         if hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ConfigError("topk_method", hf["topk_method"], "only noaux_tc (the expert-score bias) is mapped")
         if self._first_routed(hf) < hf["num_hidden_layers"]:
-            for key in ROUTED:
+            for key in GROUPED_REQUIRED + ROUTED:
                 if key not in hf:
                     raise ConfigError(key, None, "missing from config.json (DeepseekV3ForCausalLM)")
 
@@ -108,22 +106,7 @@ class DeepseekV3(RoutedExperts, LatentAttention):
         layers, first = hf["num_hidden_layers"], self._first_routed(hf)
         if first >= layers:
             return None
-        groups, chosen = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
-        limited = chosen < groups  # every group allowed (Moonlight's 1 of 1) limits nothing
-        width = int(hf["moe_intermediate_size"])
-        return MoESpec(
-            num_experts=int(hf["n_routed_experts"]),
-            top_k=int(hf["num_experts_per_tok"]),
-            ffn_hidden_size=width,
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            sparse_layers=tuple(range(first, layers)),
-            score_function="sigmoid",
-            expert_bias=True,
-            num_groups=groups if limited else None,
-            group_top_k=chosen if limited else None,
-            scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            shared_ffn_hidden_size=int(hf.get("n_shared_experts", 1)) * width,
-        )
+        return read_grouped_moe(hf, tuple(range(first, layers)), self.architectures[0])
 
     def kept_tensors(self, spec: ModelSpec, hf: dict) -> KeptTensors:
         """The multi-token-prediction layers after the decoder: carried and written back, not trained."""
@@ -155,23 +138,7 @@ class DeepseekV3(RoutedExperts, LatentAttention):
         moe = spec.moe
         if moe is None:
             return {"first_k_dense_replace": spec.num_layers}
-        first = moe.sparse_layers[0]
-        if (
-            moe.sparse_layers != tuple(range(first, spec.num_layers))
-            or moe.shared_ffn_hidden_size % moe.ffn_hidden_size
-        ):
-            raise ValueError(f"{self.name}: experts from one layer on and whole shared experts only ({moe})")
-        return {
-            "first_k_dense_replace": first,
-            "n_routed_experts": moe.num_experts,
-            "num_experts_per_tok": moe.top_k,
-            "moe_intermediate_size": moe.ffn_hidden_size,
-            "n_shared_experts": moe.shared_ffn_hidden_size // moe.ffn_hidden_size,
-            "norm_topk_prob": moe.norm_topk_prob,
-            "routed_scaling_factor": moe.scaling_factor,
-            "n_group": moe.num_groups or 1,
-            "topk_group": moe.group_top_k or 1,
-        }
+        return grouped_moe_hf(spec, self.name)
 
     def tiny(self) -> ModelSpec:
         """DeepSeek-V3's shape in small: query and kv latents, YaRN (factor 4 over 1024 positions, both
@@ -182,7 +149,9 @@ class DeepseekV3(RoutedExperts, LatentAttention):
             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, yarn=yarn
         )
         fields = tiny_fields(self.name) | {"num_kv_heads": 4, "head_dim": latent.qk_head_dim}
-        return ModelSpec(**fields, qkv_bias=False, latent_attention=latent, moe=_moe(32, (1, 2, 3)))
+        return ModelSpec(
+            **fields, qkv_bias=False, latent_attention=latent, moe=tiny_grouped_moe(32, (1, 2, 3), top_k=4, groups=4)
+        )
 
     def task_model(self, vocab_size: int, max_positions: int) -> ModelSpec:
         """The dense task model's hidden size, layers and heads with Moonlight's attention (a kv latent,
@@ -197,7 +166,7 @@ class DeepseekV3(RoutedExperts, LatentAttention):
             num_kv_heads=spec.num_heads,
             head_dim=latent.qk_head_dim,
             latent_attention=latent,
-            moe=_moe(64, (1, 2, 3)),
+            moe=tiny_grouped_moe(64, (1, 2, 3), top_k=4, groups=4),
         )
 
     def routed(self, spec: ModelSpec, layer: int) -> bool:
@@ -254,21 +223,4 @@ def read_yarn(scaling: dict | None) -> YarnSpec | None:
         beta_slow=float(scaling.get("beta_slow") or 1),
         mscale=float(scaling.get("mscale") or 0),
         mscale_all_dim=float(scaling.get("mscale_all_dim") or 0),
-    )
-
-
-def _moe(width: int, sparse: tuple[int, ...]) -> MoESpec:
-    """8 experts in 4 groups, top-4 from 2 of them (DeepSeek-V3's ratio: two experts a chosen group)."""
-    return MoESpec(
-        num_experts=8,
-        top_k=4,
-        ffn_hidden_size=width,
-        norm_topk_prob=True,
-        sparse_layers=sparse,
-        score_function="sigmoid",
-        expert_bias=True,
-        num_groups=4,
-        group_top_k=2,
-        scaling_factor=2.5,
-        shared_ffn_hidden_size=width,
     )

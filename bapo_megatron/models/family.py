@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,6 +24,25 @@ from bapo_megatron.models.spec import ModelSpec
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
+@dataclass(frozen=True)
+class AttentionMemory:
+    """What one layer's attention keeps for backward per token of a micro-batch, in elements of the
+    parameters' dtype but `fp32` (the activation estimate's units, trainer/memory/estimate.py)."""
+
+    split: int
+    """Per-head tensors, split over TP (q, k, v, the context, a gate)."""
+    fp32: int = 0
+    """Per-head tensors kept in fp32 whatever the parameters' dtype, split over TP."""
+    sequence: int = 0
+    """Tensors of a width every TP rank holds whole (latents and their norms), split over TP only
+    under sequence parallel, like the layer's norms."""
+    rotary: int = 0
+    """Whole on every TP rank whatever the layout: the rotary embedding's cos and sin (local modules)."""
+    scores: bool = True
+    """A [heads, tokens, tokens] softmax (local modules, no flash attention); False for a recurrent
+    layer (Gated DeltaNet)."""
+
+
 class Family(ABC):
     """One model family: its names, its config.json reader, and the answers the package asks for.
 
@@ -33,18 +53,28 @@ class Family(ABC):
     """The spec's `architecture` and transformers' model_type."""
     architectures: ClassVar[tuple[str, ...]]
     """The HF architectures (config.json's `architectures`) it reads."""
+    required: ClassVar[tuple[str, ...]] = REQUIRED
+    """The config.json keys it cannot read without (transformers' config class has no default)."""
+    dequantized: ClassVar[str] = "convert the checkpoint to bf16 first"
+    """How to get an unquantized copy of a release whose config.json has a quantization_config."""
 
     # -- config.json <-> ModelSpec
     def read(self, hf: dict, source: str | Path = "config.json") -> ModelSpec:
         """The spec of a config.json mapping read from `source` (its text model's part, in the family's
         disk layout); ConfigError naming a feature not mapped."""
+        quantized = hf.get("quantization_config")  # the whole config.json's: a multimodal one states it on top
+        if quantized:
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+            raise ConfigError(
+                "quantization_config.quant_method", method, f"quantized weights are not mapped: {self.dequantized}"
+            )
         text = self.disk_layout(hf).text_part(hf, source)
         if text.get("model_type") != self.name:  # transformers builds the class of model_type, not of architectures
             arch = next(a for a in hf.get("architectures") or () if a in self.architectures)
             raise BadInputError(
                 f"{source}: model_type {text.get('model_type')!r} is not {self.name!r}, the model type of {arch}"
             )
-        for key in REQUIRED:
+        for key in self.required:
             if key not in text:
                 raise ConfigError(key, None, "missing from config.json")
         self.refuse(text)
@@ -95,6 +125,11 @@ class Family(ABC):
         back untouched on export; any other tensor beyond the text model's is refused. Default: none."""
         return KeptTensors()
 
+    def float32_tensor(self, name: str) -> bool:
+        """Whether tensor `name` (HF or Megatron naming, a dist checkpoint's key too) is stored in
+        float32 in a checkpoint of any dtype, as Megatron keeps it (an expert bias). Default: none."""
+        return False
+
     # -- tensors, by decoder layer (the embedding, final norm and lm_head are every family's)
     @abstractmethod
     def hf_layer_shapes(self, spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
@@ -139,8 +174,15 @@ class Family(ABC):
 
     @abstractmethod
     def layer_spec(self, spec: ModelSpec, te: bool, config: Any = None, vp_stage: int | None = None) -> Any:
-        """Megatron's layer (or block) spec: Transformer Engine modules when `te`, else the local ones."""
+        """Megatron's layer (or block) spec: Transformer Engine modules when `te`, else the local ones
+        (a family that builds one kind only refuses the other in check_impl, which it calls)."""
         raise NotImplementedError
+
+    def check_impl(self, spec: ModelSpec, te: bool) -> None:
+        """ConfigError naming model.transformer_impl unless layer_spec builds the family's layers from
+        Transformer Engine's modules (`te`) or Megatron's local ones (not `te`); the dry run asks it
+        too (preflight.validate), so both refuse alike. Default: both are built."""
+        return
 
     @abstractmethod
     def layer_params(self, spec: ModelSpec, layer: int) -> dict[str, int]:
@@ -165,10 +207,34 @@ class Family(ABC):
         """Each TP rank's SGLang tensors of layer `layer` (its own module names) with their shapes."""
         raise NotImplementedError
 
+    def attention_memory(self, spec: ModelSpec, layer: int, local: bool, selective: bool) -> AttentionMemory:
+        """What layer `layer`'s attention keeps for backward per token (the activation estimate):
+        under Transformer Engine's fused layers, or Megatron's `local` modules op by op (with core
+        attention recomputed when `selective`). Default: grouped-query attention, counted in
+        trainer/memory/estimate.py's local_layer_bytes (measured on CPU, benchmarks/bench_memory.py)."""
+        h, kv, hd, qk = spec.num_heads, spec.num_kv_heads, spec.head_dim, self.normed_qk_width(spec)
+        qkv = (h + 2 * kv) * hd
+        if not local:  # q/k/v, the attention output and linear_proj's input, the normalised q and k
+            return AttentionMemory(split=qkv + 2 * h * hd + qk)
+        if selective:  # core attention keeps its inputs: q and k after rope, and v (the q/k/v output)
+            split = h * hd + kv * hd + qkv + h * hd
+        elif h > kv:  # q after rope, k and v repeated to every head, the context
+            split = 4 * h * hd
+        else:  # v, a view of the q/k/v output, keeps that whole; q and k after rope, the context
+            split = qkv + 3 * h * hd
+        return AttentionMemory(split=split + 3 * qk, rotary=4 * hd)  # a q/k norm: its input, x * rsqrt, output
+
     def engine_cache_bytes(self, spec: ModelSpec, tp: int, dtype_bytes: int = 2) -> int:
         """Bytes one token's cache takes on one SGLang rank at TP `tp`, every layer (the dry run's KV
-        budget): the keys and values of the key/value heads, split over TP."""
-        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes // tp
+        budget): the keys and values of the key/value heads, split over TP (SGLang replicates a head
+        over the ranks when there are fewer heads than ranks)."""
+        return 2 * spec.num_layers * kv_heads_per_rank(spec, tp) * spec.head_dim * dtype_bytes
+
+    def engine_state_bytes(self, spec: ModelSpec, tp: int) -> int:
+        """Bytes one request's recurrent state takes on one SGLang rank at TP `tp`, whatever its
+        length (a linear-attention layer's; SGLang holds it in a pool of request slots beside the
+        KV cache). Default: 0, every layer caches by position."""
+        return 0
 
     # -- packed rows (trainer/packing.py)
     def packing_leak(self, spec: ModelSpec, te: bool) -> str | None:
@@ -187,6 +253,12 @@ class Family(ABC):
         routed layers' indices in slot order: (), the default, for a dense model (nothing hooked)."""
         return ()
 
+    def engine_differences(self, spec: ModelSpec) -> tuple[str, ...]:
+        """Where the family's transformers model of `spec`, which the embedded engine serves, computes
+        otherwise than the trainer and SGLang (each said once, as a warning, when the engine loads
+        it). Default: nowhere."""
+        return ()
+
     def cache_by_position(self, spec: ModelSpec) -> bool:
         """Whether every layer's cache in the family's transformers model is keys and values by
         position, which the embedded engine cuts at a request's length, pads and moves between
@@ -198,6 +270,11 @@ class Family(ABC):
 
 
 # -- answers shared by the families
+
+
+def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
+    """Key/value heads one SGLang rank caches at TP `tp`: at least one (replicated beyond the heads)."""
+    return max(1, spec.num_kv_heads // tp)
 
 
 def hook_topk_routers(model: Any, record: Callable[[int, Any], None], router: type) -> tuple[int, ...]:

@@ -4,10 +4,11 @@ CPU obstacles worked around here, for the hybrid families (models/qwen3_5.py) on
 - `GatedDeltaNet` refuses to be built without fla (flash-linear-attention), although the rule has
   a torch version (`torch_chunk_gated_delta_rule`) and only `l2norm` is missing: where fla is not
   installed, `torch_fallback()` gives that module the torch rule and transformers' l2norm (the
-  names fla would have defined; nothing else reads them) and `TorchGatedDeltaNet` builds without
-  the check. With fla installed nothing is changed.
+  names fla would have defined; nothing else reads them), for the rest of the process, and
+  `TorchGatedDeltaNet` builds without the check. With fla installed the module keeps fla's
+  kernels. On a CUDA machine without fla the torch rule is far slower than fla's: one warning says so.
 - Its `_apply_gated_norm` is `torch.compile`d at import; on CPU that compiles per shape, so the
-  subclass runs the same few operations uncompiled.
+  subclass runs the same few operations uncompiled, with fla or without.
 - Megatron's torch norm refuses the zero-centred RMSNorm (`(1 + w)`, Qwen3.5's every norm but the
   gated one): `ZeroCenteredRMSNorm`, transformers' arithmetic, marked `sequence_parallel` as TE's.
 - The gated norm inside the delta-rule layer sees this rank's value heads only, so its weight's
@@ -34,10 +35,13 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
 
 
 def torch_fallback() -> bool:
-    """Give Megatron's gated_delta_net module the torch delta rule and l2norm where fla is missing;
-    True when it did (or had), False when fla is installed. Pinned to megatron-core 0.16.1's module
-    (the canary in tests/dist/test_family_qwen3_5.py checks the names it relies on)."""
+    """Give Megatron's gated_delta_net module the torch delta rule and l2norm where fla is missing,
+    for the rest of the process (a warning the first time when CUDA is there: a GPU run on the torch
+    reference kernel); True when it did (or had), False when fla is installed. Pinned to
+    megatron-core 0.16.1's module (the canary in tests/dist/test_family_qwen3_5.py checks the names
+    it relies on)."""
     import importlib.metadata
+    import warnings
 
     from megatron.core.ssm import gated_delta_net as gdn
 
@@ -48,6 +52,12 @@ def torch_fallback() -> bool:
         raise RuntimeError(
             f"the Gated DeltaNet fallback without fla is written for megatron-core {SUPPORTED_MEGATRON_CORE}, found "
             f"{version}: re-check bapo_megatron/models/gdn.py against its ssm/gated_delta_net.py (or install fla)"
+        )
+    if gdn.chunk_gated_delta_rule is not gdn.torch_chunk_gated_delta_rule and torch.cuda.is_available():
+        warnings.warn(
+            "Gated DeltaNet layers run megatron-core's torch reference delta rule (torch_chunk_gated_delta_rule): "
+            "flash-linear-attention (fla) is not installed on this CUDA machine; install it for its kernels",
+            stacklevel=2,
         )
     gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
     gdn.l2norm = l2norm

@@ -18,11 +18,9 @@ from typing import Any
 from bapo_megatron.errors import ConfigError, check
 from bapo_megatron.models.decoder import Decoder
 from bapo_megatron.models.family import common_fields, common_hf, hook_topk_routers, tiny_fields
-from bapo_megatron.models.moe import RoutedExperts
+from bapo_megatron.models.moe import RoutedExperts, grouped_moe_hf, read_grouped_moe, tiny_grouped_moe
 from bapo_megatron.models.on_disk import KeptTensors, extra_layers
-from bapo_megatron.models.spec import ModelSpec, MoESpec
-
-REQUIRED = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+from bapo_megatron.models.spec import ModelSpec
 
 
 class Glm4Moe(RoutedExperts, Decoder):
@@ -33,9 +31,6 @@ class Glm4Moe(RoutedExperts, Decoder):
     # -- config.json
     def refuse(self, hf: dict) -> None:
         super().refuse(hf)
-        for key in REQUIRED:
-            if key not in hf:
-                raise ConfigError(key, None, "missing from config.json (Glm4MoeForCausalLM)")
         if hf.get("scoring_func", "sigmoid") != "sigmoid":
             raise ConfigError("scoring_func", hf["scoring_func"], "GLM-4.5's router scores with a sigmoid")
         if hf.get("topk_method", "noaux_tc") != "noaux_tc":
@@ -50,22 +45,7 @@ class Glm4Moe(RoutedExperts, Decoder):
         may use all of (n_group == topk_group, GLM-4.5's 1 and 1) limit nothing and are read as none."""
         layers, dense = hf["num_hidden_layers"], int(hf.get("first_k_dense_replace", 1))
         check(0 <= dense < layers, "first_k_dense_replace", dense, f"must leave a MoE layer of the {layers}")
-        groups, chosen = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
-        limited = chosen < groups
-        width = int(hf["moe_intermediate_size"])
-        moe = MoESpec(
-            num_experts=int(hf["n_routed_experts"]),
-            top_k=int(hf["num_experts_per_tok"]),
-            ffn_hidden_size=width,
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            sparse_layers=tuple(range(dense, layers)),
-            score_function="sigmoid",
-            expert_bias=True,
-            num_groups=groups if limited else None,
-            group_top_k=chosen if limited else None,
-            scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            shared_ffn_hidden_size=int(hf.get("n_shared_experts", 1)) * width,
-        )
+        moe = read_grouped_moe(hf, tuple(range(dense, layers)), self.architectures[0])
         rope = hf.get("rope_parameters") or {}
         return {
             **common_fields(hf),
@@ -81,27 +61,13 @@ class Glm4Moe(RoutedExperts, Decoder):
         return extra_layers(hf)
 
     def to_hf(self, spec: ModelSpec) -> dict:
-        moe, first = spec.moe, spec.moe.sparse_layers[0]
-        if (
-            moe.sparse_layers != tuple(range(first, spec.num_layers))
-            or moe.shared_ffn_hidden_size % moe.ffn_hidden_size
-        ):
-            raise ValueError(f"{self.name}: experts from one layer on and whole shared experts only ({moe})")
         return {
             "architectures": list(self.architectures),
             "model_type": self.name,
             "attention_bias": spec.qkv_bias,
             "use_qk_norm": spec.qk_norm,
             "partial_rotary_factor": spec.rotary_fraction,
-            "n_routed_experts": moe.num_experts,
-            "num_experts_per_tok": moe.top_k,
-            "moe_intermediate_size": moe.ffn_hidden_size,
-            "n_shared_experts": moe.shared_ffn_hidden_size // moe.ffn_hidden_size,
-            "norm_topk_prob": moe.norm_topk_prob,
-            "routed_scaling_factor": moe.scaling_factor,
-            "n_group": moe.num_groups or 1,
-            "topk_group": moe.group_top_k or 1,
-            "first_k_dense_replace": first,
+            **grouped_moe_hf(spec, self.name),
             "num_nextn_predict_layers": 0,
             **common_hf(spec),
         }
@@ -109,32 +75,18 @@ class Glm4Moe(RoutedExperts, Decoder):
     def tiny(self) -> ModelSpec:
         """8 experts in 2 groups (top-2 from 1 group), a shared expert, scaling 2.5, the first layer dense;
         GLM-4.5-Air's attention (q/k/v biases, no q/k norm, RoPE on half of each head)."""
-        return ModelSpec(**tiny_fields(self.name), qkv_bias=True, rotary_fraction=0.5, moe=_moe(32, (1, 2, 3)))
+        moe = tiny_grouped_moe(32, (1, 2, 3), top_k=2, groups=2)
+        return ModelSpec(**tiny_fields(self.name), qkv_bias=True, rotary_fraction=0.5, moe=moe)
 
     def task_model(self, vocab_size: int, max_positions: int) -> ModelSpec:
         """The dense task model's shape (q/k/v biases, half-rotary) with 8 experts of width 128 in 2
         groups, top-2, a shared expert, the first layer dense."""
         spec = super().task_model(vocab_size, max_positions)
-        return dataclasses.replace(spec, qkv_bias=True, rotary_fraction=0.5, moe=_moe(128, (1, 2, 3)))
+        moe = tiny_grouped_moe(128, (1, 2, 3), top_k=2, groups=2)
+        return dataclasses.replace(spec, qkv_bias=True, rotary_fraction=0.5, moe=moe)
 
     # -- the embedded engine
     def hook_routes(self, model: Any, record: Callable[[int, Any], None]) -> tuple[int, ...]:
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
         return hook_topk_routers(model, record, Glm4MoeTopkRouter)
-
-
-def _moe(width: int, sparse: tuple[int, ...]) -> MoESpec:
-    return MoESpec(
-        num_experts=8,
-        top_k=2,
-        ffn_hidden_size=width,
-        norm_topk_prob=True,
-        sparse_layers=sparse,
-        score_function="sigmoid",
-        expert_bias=True,
-        num_groups=2,
-        group_top_k=1,
-        scaling_factor=2.5,
-        shared_ffn_hidden_size=width,
-    )

@@ -35,10 +35,11 @@ import torch
 from bapo_megatron.errors import ConfigError, check
 from bapo_megatron.models.decoder import Decoder
 from bapo_megatron.models.family import common_fields, common_hf, rope_parameters, rope_theta, tiny_fields
+from bapo_megatron.models.features import MoESpec, SlidingWindowSpec, YarnSpec
 from bapo_megatron.models.gpt_oss_layers import gpt_oss_config, gpt_oss_layer
 from bapo_megatron.models.moe import RoutedExperts
 from bapo_megatron.models.recipes import Fused, Recipe, Rows, expert_names, grouped_experts
-from bapo_megatron.models.spec import ModelSpec, MoESpec, SlidingWindowSpec, YarnSpec
+from bapo_megatron.models.spec import ModelSpec
 
 ALPHA = 1.702
 """The clamped SwiGLU's sigmoid gain: Megatron's quick_gelu has it fixed."""
@@ -55,20 +56,14 @@ SGLANG_PRE_SPLIT = (
 class GptOss(RoutedExperts, Decoder):
     name = "gpt_oss"
     architectures = ("GptOssForCausalLM",)
+    dequantized = (
+        "its releases keep the experts in MXFP4; use a bf16 copy (transformers: "
+        "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained)"
+    )
 
     # -- config.json
     def refuse(self, hf: dict) -> None:
         super().refuse(hf)
-        quantized = hf.get("quantization_config")
-        if quantized:
-            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-            raise ConfigError(
-                "quantization_config",
-                method,
-                "quantized experts (gpt-oss's releases keep them in MXFP4) are not read: use a bf16 copy "
-                "(transformers: from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), "
-                "then save_pretrained)",
-            )
         if "num_local_experts" not in hf and "num_experts" not in hf:
             raise ConfigError("num_local_experts", None, "missing from config.json (GptOssForCausalLM)")
         if "num_experts_per_tok" not in hf:

@@ -14,7 +14,8 @@ each rotary part as two halves: those rows are interleaved on the way in and spl
 A dist checkpoint stores the latent norms under Transformer Engine's names whatever spec saved them.
 
 The latent norms take config.json's rms_norm_eps, as SGLang's and Megatron's do; transformers fixes
-them at 1e-6 (DeepSeek-V3's and Kimi-K2's value).
+them at 1e-6 (DeepSeek-V3's and Kimi-K2's value), so the embedded engine, which serves transformers'
+model, says once when it serves another (engine_differences; Moonlight's 1e-5).
 
 The local spec's MLA does not build on 0.16.1 without Transformer Engine (three obstacles, worked
 around for this attention only, in `local_layer`): its module flags TE present when TE is absent
@@ -41,8 +42,10 @@ from typing import Any
 import torch
 
 from bapo_megatron.models.decoder import Decoder
+from bapo_megatron.models.family import AttentionMemory
+from bapo_megatron.models.features import LatentAttentionSpec
 from bapo_megatron.models.recipes import Fused, Recipe, Rows
-from bapo_megatron.models.spec import LatentAttentionSpec, ModelSpec
+from bapo_megatron.models.spec import ModelSpec
 
 TE_NORMS = {"q_layernorm.": "linear_q_up_proj.layer_norm_", "kv_layernorm.": "linear_kv_up_proj.layer_norm_"}
 """The latent norms' local names and Transformer Engine's, where they fuse into the up-projections."""
@@ -165,6 +168,32 @@ class LatentAttention(Decoder):
         """The latent norms normalise one query latent and one kv latent per token (for the estimate)."""
         mla = spec.latent_attention
         return (mla.q_lora_rank or 0) + mla.kv_lora_rank
+
+    def attention_memory(self, spec: ModelSpec, layer: int, local: bool, selective: bool) -> AttentionMemory:
+        """Multi-latent attention's own intermediates (Megatron-Core 0.16.1's MLASelfAttention), not a
+        head of q/k's width: per head the query and key after rope (nope + rope each: the rotary key
+        repeated to every head), the kv up-projection's [k nope; value], the context (v_head_dim),
+        and under the fused layers the attention output once more; per token, whole, the latents: the
+        query latent and the kv down-projection's output (the kv latent and the rotary key), each
+        norm's output (and x * rsqrt under the local modules). Core attention's inputs are these same
+        tensors: recomputing it (selective) keeps the same."""
+        mla, h = spec.latent_attention, spec.num_heads
+        nope, rope, v = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        split = h * (2 * (nope + rope) + (nope + v) + (1 if local else 2) * v)
+        norms = 3 if local else 2  # a norm's input, (x * rsqrt,) output
+        latents = norms * (mla.q_lora_rank or 0) + (mla.kv_lora_rank + rope) + (norms - 1) * mla.kv_lora_rank
+        return AttentionMemory(split=split, sequence=latents, rotary=4 * rope if local else 0)
+
+    def engine_differences(self, spec: ModelSpec) -> tuple[str, ...]:
+        """transformers fixes the latent norms' epsilon at 1e-6 (DeepSeek-V3's rms_norm_eps); the
+        trainer and SGLang take rms_norm_eps (Moonlight's 1e-5)."""
+        if spec.rms_norm_eps == 1e-6:
+            return ()
+        return (
+            f"transformers' {spec.architecture} latent norms (q_a_layernorm, kv_a_layernorm) use epsilon 1e-6, "
+            f"the trainer's and SGLang's rms_norm_eps={spec.rms_norm_eps:g}: the embedded engine's log-probs "
+            "differ slightly from the trainer's",
+        )
 
     def engine_cache_bytes(self, spec: ModelSpec, tp: int, dtype_bytes: int = 2) -> int:
         """SGLang's MLA caches a token's kv latent and rotary key, whole on every TP rank."""

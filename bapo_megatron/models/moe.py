@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.features import MoESpec
 from bapo_megatron.models.recipes import STORED_EXPERTS, Recipe, Rows, expert_names, grouped_experts, hf_expert_names
 from bapo_megatron.models.spec import ModelSpec
 
@@ -35,11 +37,6 @@ FLOAT32 = ("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias")
 """HF and Megatron names of the tensors kept in float32 whatever the checkpoint's dtype: the expert
 bias (Megatron keeps it float32, transformers and SGLang too; rounded to bfloat16, the bias would
 move experts whose scores lie closer than its resolution)."""
-
-
-def kept_in_float32(name: str) -> bool:
-    """Whether tensor `name` (HF or Megatron) is stored in float32 in a checkpoint of any dtype."""
-    return name.endswith(FLOAT32)
 
 
 class RoutedExperts:
@@ -53,6 +50,10 @@ class RoutedExperts:
 
     def routed(self, spec: ModelSpec, layer: int) -> bool:
         return spec.moe.is_sparse(layer)
+
+    def float32_tensor(self, name: str) -> bool:
+        """The expert bias (FLOAT32)."""
+        return name.endswith(FLOAT32)
 
     def _hf_router(self, layer: int) -> tuple[str, str]:
         """HF names of layer `layer`'s router weight and expert bias."""
@@ -196,7 +197,7 @@ def moe_fields(spec: ModelSpec, routed) -> dict[str, Any]:
         "moe_layer_freq": [int(routed(spec, i)) for i in range(spec.num_layers)],
         "moe_router_score_function": moe.score_function,
         # softmax over all experts, then top-k, renormalised when norm_topk_prob: Megatron's pre-softmax
-        # router is exactly the unnormalised case (sigmoid scores are always renormalised, spec.MoESpec)
+        # router is exactly the unnormalised case (sigmoid scores: features.MoESpec)
         "moe_router_pre_softmax": moe.score_function == "softmax" and not moe.norm_topk_prob,
         "moe_router_num_groups": moe.num_groups,
         "moe_router_group_topk": moe.group_top_k,
@@ -208,3 +209,73 @@ def moe_fields(spec: ModelSpec, routed) -> dict[str, Any]:
         # the bias chooses experts only; Megatron would move it towards balanced loads after every step
         fields |= {"moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.0}
     return fields
+
+
+# -- DeepSeek-V3's routed experts in config.json (DeepSeek-V3, GLM-4.5: the same keys, the same rules)
+
+GROUPED_REQUIRED = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+"""The config.json keys of DeepSeek-style routed experts without a default anywhere."""
+
+
+def read_grouped_moe(hf: dict, sparse: tuple[int, ...], architecture: str) -> MoESpec:
+    """DeepSeek-style routed experts (sigmoid scores, the expert-score bias, grouped top-k, the scaling
+    factor, n_shared_experts shared experts as one MLP of n x moe_intermediate_size) in the layers
+    `sparse`, from config.json; groups every token may use all of (n_group == topk_group) limit
+    nothing and are read as none. Keys missing take transformers' Glm4MoeConfig defaults: a family
+    whose config class defaults otherwise requires them first."""
+    for key in GROUPED_REQUIRED:
+        if key not in hf:
+            raise ConfigError(key, None, f"missing from config.json ({architecture})")
+    groups, chosen = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    limited = chosen < groups
+    width = int(hf["moe_intermediate_size"])
+    return MoESpec(
+        num_experts=int(hf["n_routed_experts"]),
+        top_k=int(hf["num_experts_per_tok"]),
+        ffn_hidden_size=width,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        sparse_layers=sparse,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=groups if limited else None,
+        group_top_k=chosen if limited else None,
+        scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        shared_ffn_hidden_size=int(hf.get("n_shared_experts", 1)) * width,
+    )
+
+
+def grouped_moe_hf(spec: ModelSpec, family: str) -> dict[str, Any]:
+    """The inverse of read_grouped_moe: config.json's keys for spec.moe, experts from one layer on
+    (first_k_dense_replace); ValueError for experts a DeepSeek-style config.json cannot state."""
+    moe, first = spec.moe, spec.moe.sparse_layers[0]
+    if moe.sparse_layers != tuple(range(first, spec.num_layers)) or moe.shared_ffn_hidden_size % moe.ffn_hidden_size:
+        raise ValueError(f"{family}: experts from one layer on and whole shared experts only ({moe})")
+    return {
+        "first_k_dense_replace": first,
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.ffn_hidden_size,
+        "n_shared_experts": moe.shared_ffn_hidden_size // moe.ffn_hidden_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "routed_scaling_factor": moe.scaling_factor,
+        "n_group": moe.num_groups or 1,
+        "topk_group": moe.group_top_k or 1,
+    }
+
+
+def tiny_grouped_moe(width: int, sparse: tuple[int, ...], top_k: int, groups: int) -> MoESpec:
+    """8 experts of `width` in `groups` groups, top-`top_k` from top_k / 2 of them (two experts a
+    chosen group, DeepSeek-V3's ratio), a shared expert, scaling 2.5: the tiny models' experts."""
+    return MoESpec(
+        num_experts=8,
+        top_k=top_k,
+        ffn_hidden_size=width,
+        norm_topk_prob=True,
+        sparse_layers=sparse,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=groups,
+        group_top_k=top_k // 2,
+        scaling_factor=2.5,
+        shared_ffn_hidden_size=width,
+    )

@@ -19,8 +19,9 @@ from bapo_megatron.errors import BadInputError
 CANONICAL_PREFIX = "model."
 """The prefix of the text model's tensors in the package's naming (all but lm_head.weight)."""
 INHERITED_KEYS = ("tie_word_embeddings",)
-"""Keys a multimodal config.json states at its top level for the text model too (transformers reads
-them there)."""
+"""Keys a multimodal config.json states at its top level for the text model too: transformers
+(modeling_utils) and SGLang 0.5.23's Qwen3_5ForConditionalGeneration read them there only, so the top
+level's value is the model's; a text_config stating another is refused."""
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,22 @@ class DiskLayout:
 
     def text_part(self, config: dict, source: object = "config.json") -> dict:
         """The text model's config of a config.json mapping read from `source` (the mapping itself in
-        the text layout); BadInputError naming the key when it is missing or no object."""
+        the text layout), the top level's INHERITED_KEYS over the nested ones; BadInputError naming
+        the key when it is missing or no object, or when the nested config states an inherited key
+        the top level does not, or otherwise."""
         if self.text_config is None:
             return config
         nested = config.get(self.text_config)
         if not isinstance(nested, dict):
             raise BadInputError(f"{source}: no {self.text_config} object (the text model's config in this layout)")
+        for key in INHERITED_KEYS:
+            if key in nested and config.get(key) != nested[key]:
+                raise BadInputError(
+                    f"{source}: {self.text_config}.{key}={nested[key]!r} but {key}={config.get(key)!r} at the top "
+                    f"level, which transformers and SGLang read: state one value in both (or at the top level only)"
+                )
         inherited = {key: config[key] for key in INHERITED_KEYS if key in config}
-        return {**inherited, **nested}
+        return {**nested, **inherited}
 
 
 TEXT_LAYOUT = DiskLayout()

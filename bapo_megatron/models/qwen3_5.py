@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.models.family import common_hf, hook_topk_routers, tiny_fields
+from bapo_megatron.models.family import AttentionMemory, common_hf, hook_topk_routers, tiny_fields
+from bapo_megatron.models.features import LinearAttentionSpec, MoESpec
 from bapo_megatron.models.moe import RoutedExperts
 from bapo_megatron.models.on_disk import MULTIMODAL_LAYOUT, TEXT_LAYOUT, DiskLayout, KeptTensors
 from bapo_megatron.models.qwen3 import Qwen3
 from bapo_megatron.models.recipes import Fused, Parts, Recipe, Rows
-from bapo_megatron.models.spec import LinearAttentionSpec, ModelSpec, MoESpec
+from bapo_megatron.models.spec import ModelSpec
 
 QKV = "self_attention.linear_qkv."
 GDN = "self_attention."
@@ -183,7 +184,7 @@ class Qwen3_5(Qwen3):
             shapes[f"model.layers.{layer}.self_attn.q_proj.weight"] = (2 * spec.num_heads * hd, d)
             return shapes
         la, p = spec.linear_attention, f"model.layers.{layer}.linear_attn."
-        qk, v, heads = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim, la.num_value_heads
+        qk, v, heads = gdn_widths(spec)
         return self._in_proj_hf_shapes(spec, p) | {
             p + "conv1d.weight": (2 * qk + v, 1, la.conv_kernel_dim),
             p + "dt_bias": (heads,),
@@ -199,8 +200,7 @@ class Qwen3_5(Qwen3):
             recipes = super()._attention_recipes(spec, layer)
             qkv = tuple(h + f"self_attn.{n}_proj.weight" for n in "qkv")
             return recipes | {m + QKV + "weight": Fused(partial(fuse_gated_qkv, spec=spec), qkv)}
-        la, p = spec.linear_attention, h + "linear_attn."
-        qk, v = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+        p, (qk, v, _) = h + "linear_attn.", gdn_widths(spec)
         bounds = {"query": (0, qk), "key": (qk, 2 * qk), "value": (2 * qk, 2 * qk + v)}
 
         def rows_of(name: str, part: str) -> Fused:
@@ -260,8 +260,7 @@ class Qwen3_5(Qwen3):
     def _gdn_parts(self, spec: ModelSpec, m: str, mg: Mapping[str, torch.Tensor], name: str) -> list[torch.Tensor]:
         """in_proj's or conv1d's parts (query, key, value[, z, beta, alpha]): split from the whole
         tensor, or read as a dist checkpoint stores them (one key each)."""
-        la = spec.linear_attention
-        qk, v, heads = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim, la.num_value_heads
+        qk, v, heads = gdn_widths(spec)
         sizes = [qk, qk, v, v, heads, heads][: 6 if name.startswith("in_proj") else 3]
         key = m + GDN + name
         if key in mg:
@@ -281,7 +280,7 @@ class Qwen3_5(Qwen3):
             shapes = super()._attention_stored_shapes(spec, layer)
             return shapes | {QKV + "weight": ((2 * spec.num_heads + 2 * spec.num_kv_heads) * hd, d)}
         la = spec.linear_attention
-        qk, v, heads = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim, la.num_value_heads
+        qk, v, heads = gdn_widths(spec)
         rows = dict(zip(IN_PROJ_PARTS, (qk, qk, v, v, heads, heads), strict=True))
         shapes = {f"{GDN}in_proj.weight.{part}": (n, d) for part, n in rows.items()}
         shapes |= {f"{GDN}conv1d.weight.{part}": (rows[part], 1, la.conv_kernel_dim) for part in IN_PROJ_PARTS[:3]}
@@ -298,7 +297,7 @@ class Qwen3_5(Qwen3):
             counts = super()._attention_params(spec, layer)
             return counts | {"tensor": counts["tensor"] + spec.num_heads * hd * d}  # the output gate's rows
         la = spec.linear_attention
-        qk, v, heads = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim, la.num_value_heads
+        qk, v, heads = gdn_widths(spec)
         tensor = d * (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) * la.conv_kernel_dim + 2 * heads + v * d
         return {"tensor": tensor, "replicated": 2 * d + la.value_head_dim, "router": 0, "experts": 0}
 
@@ -320,12 +319,7 @@ class Qwen3_5(Qwen3):
     def layer_spec(self, spec: ModelSpec, te: bool, config: Any = None, vp_stage: int | None = None) -> Any:
         """A block spec built by hand (Megatron's hybrid builder is Transformer Engine's only): the
         local layer spec with zero-centred norms, its attention Gated DeltaNet in the linear layers."""
-        if te:
-            raise ConfigError(
-                "model.transformer_impl",
-                "transformer_engine",
-                "Qwen3.5's hybrid layers are built with Megatron's local modules only (model.transformer_impl=local)",
-            )
+        self.check_impl(spec, te)
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -336,6 +330,40 @@ class Qwen3_5(Qwen3):
         experts = spec.moe.num_experts if spec.moe is not None else None
         layers = [_local_layer(self._linear(spec, i), experts if self.routed(spec, i) else None) for i in built]
         return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
+
+    def check_impl(self, spec: ModelSpec, te: bool) -> None:
+        """The hand-built block spec has Megatron's local modules only."""
+        if te:
+            raise ConfigError(
+                "model.transformer_impl",
+                "transformer_engine",
+                "Qwen3.5's hybrid layers are built with Megatron's local modules only (model.transformer_impl=local)",
+            )
+
+    def attention_memory(self, spec: ModelSpec, layer: int, local: bool, selective: bool) -> AttentionMemory:
+        """Full attention's output gate keeps sigmoid(gate) (in fp32 under the local modules) and the
+        gated context, linear_proj's input (Megatron's _apply_output_gate); a linear-attention layer
+        keeps linear_attention_memory's and no scores."""
+        if self._linear(spec, layer):
+            return linear_attention_memory(spec)
+        base, gate = super().attention_memory(spec, layer, local, selective), spec.num_heads * spec.head_dim
+        if local:
+            return dataclasses.replace(base, split=base.split + gate, fp32=base.fp32 + gate)
+        return dataclasses.replace(base, split=base.split + 2 * gate)
+
+    def engine_cache_bytes(self, spec: ModelSpec, tp: int, dtype_bytes: int = 2) -> int:
+        """Keys and values of the full-attention layers only (a linear-attention layer caches no position)."""
+        full = spec.num_layers - len(spec.linear_attention.layers)
+        return super().engine_cache_bytes(spec, tp, dtype_bytes) * full // spec.num_layers
+
+    def engine_state_bytes(self, spec: ModelSpec, tp: int) -> int:
+        """Each linear-attention layer's state as SGLang 0.5.23 holds it (configs/qwen3_next.py
+        mamba2_cache_params): the convolution's last kernel - 1 inputs of [q; k; v] in bf16, the delta
+        rule's [value heads, value dim, key dim] in fp32 (mamba_ssm_dtype's default), split over TP."""
+        la, (qk, v, heads) = spec.linear_attention, gdn_widths(spec)
+        conv = (2 * qk + v) // tp * (la.conv_kernel_dim - 1) * 2
+        state = heads // tp * la.value_head_dim * la.key_head_dim * 4
+        return len(la.layers) * (conv + state)
 
     def packing_leak(self, spec: ModelSpec, te: bool) -> str | None:
         """Megatron 0.16.1's delta rule ignores the attention mask and refuses THD (packed_seq_params)."""
@@ -355,6 +383,18 @@ class Qwen3_5(Qwen3):
     def sglang_layer_shapes(self, spec: ModelSpec, layer: int, tp: int) -> dict[str, tuple[int, ...]]:
         self.check_sglang_tp(spec, tp)
         return {}
+
+
+def linear_attention_memory(spec: ModelSpec, chunk: int = 64) -> AttentionMemory:
+    """What a Gated DeltaNet layer keeps for backward per token, op by op in Megatron-Core 0.16.1's
+    GatedDeltaNet.forward: [q; k; v] thrice (convolution input, SiLU input and output), q and k copied
+    and l2-normalised (4 qk), each repeated to the value heads, the value copied, z, the rule's output
+    (5 v), the gated norm and the gates in fp32 (12 v, 8 a value head); and in fp32, per value head,
+    what the torch delta rule (models/gdn.py's fallback without fla) keeps in chunks of 64: its
+    in-chunk solve's clones ((chunk^2 - 1) / 3 a token), four [chunk, chunk] tensors, k and v twice."""
+    (qk, v, heads), la = gdn_widths(spec), spec.linear_attention
+    rule = heads * ((chunk * chunk - 1) // 3 + 4 * chunk + 2 * (la.key_head_dim + la.value_head_dim))
+    return AttentionMemory(split=3 * (2 * qk + v) + 4 * qk + 5 * v + 12 * v + 8 * heads, fp32=rule, scores=False)
 
 
 def _local_layer(linear: bool, experts: int | None) -> Any:
@@ -385,14 +425,20 @@ class Qwen3_5Moe(RoutedExperts, Qwen3_5):
     name = "qwen3_5_moe_text"
     architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
     shared_hf = "shared_expert"
+    required = tuple(key for key in Qwen3_5.required if key != "intermediate_size")  # no dense layer, no width
 
     def refuse(self, hf: dict) -> None:
         super().refuse(hf)
         for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
             if key not in hf:
-                raise ConfigError(key, None, "missing from config.json (Qwen3_5MoeForCausalLM)")
-        if hf.get("mlp_only_layers"):  # transformers gives every layer experts whatever it says
+                raise ConfigError(key, None, f"missing from config.json ({self.architectures[0]})")
+
+    def _sparse_layers(self, hf: dict) -> tuple[int, ...]:
+        """The layers with experts: every one (transformers gives each layer experts whatever
+        mlp_only_layers says, so a config.json naming dense layers is refused)."""
+        if hf.get("mlp_only_layers"):
             raise ConfigError("mlp_only_layers", hf["mlp_only_layers"], "dense layers in Qwen3.5-MoE are not mapped")
+        return tuple(range(hf["num_hidden_layers"]))
 
     def fields(self, hf: dict) -> dict[str, Any]:
         moe = MoESpec(
@@ -400,11 +446,13 @@ class Qwen3_5Moe(RoutedExperts, Qwen3_5):
             top_k=int(hf["num_experts_per_tok"]),
             ffn_hidden_size=int(hf["moe_intermediate_size"]),
             norm_topk_prob=True,  # transformers' router always renormalises the top-k
-            sparse_layers=tuple(range(hf["num_hidden_layers"])),
+            sparse_layers=self._sparse_layers(hf),
             shared_ffn_hidden_size=int(hf["shared_expert_intermediate_size"]),
             shared_gate=True,
         )
-        return {**super().fields(hf), "moe": moe}
+        # Qwen3_5MoeTextConfig has no intermediate_size (its released configs none): the spec's dense
+        # width, which no layer uses, takes the experts' (Megatron's ffn_hidden_size must be set)
+        return {**super().fields({"intermediate_size": moe.ffn_hidden_size, **hf}), "moe": moe}
 
     def to_hf(self, spec: ModelSpec) -> dict:
         moe = spec.moe

@@ -13,9 +13,10 @@ from typing import Any
 
 from bapo_megatron.errors import ConfigError, check
 from bapo_megatron.models.family import common_hf, hook_topk_routers
+from bapo_megatron.models.features import MoESpec
 from bapo_megatron.models.moe import RoutedExperts
 from bapo_megatron.models.qwen3 import Qwen3
-from bapo_megatron.models.spec import ModelSpec, MoESpec
+from bapo_megatron.models.spec import ModelSpec
 
 
 class Qwen3Moe(RoutedExperts, Qwen3):

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.models.family import hook_topk_routers
-from bapo_megatron.models.qwen3_5 import IN_PROJ_PARTS, Qwen3_5, Qwen3_5Moe, gdn_widths
+from bapo_megatron.models.family import REQUIRED, hook_topk_routers
+from bapo_megatron.models.qwen3_5 import IN_PROJ_PARTS, Qwen3_5Moe, gdn_widths
 from bapo_megatron.models.recipes import Fused, Recipe
 from bapo_megatron.models.spec import ModelSpec
 
@@ -26,23 +26,21 @@ class Qwen3Next(Qwen3_5Moe):
 
     name = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
+    required = REQUIRED  # its dense layers' width (mlp_only_layers, decoder_sparse_step)
 
-    def refuse(self, hf: dict) -> None:
-        Qwen3_5.refuse(self, hf)
-        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
-            if key not in hf:
-                raise ConfigError(key, None, "missing from config.json (Qwen3NextForCausalLM)")
-
-    def fields(self, hf: dict) -> dict[str, Any]:
+    def _sparse_layers(self, hf: dict) -> tuple[int, ...]:
         """Layer i has experts unless it is in mlp_only_layers or (i + 1) is not a multiple of
-        decoder_sparse_step (transformers' rule)."""
-        fields = super().fields(hf)
+        decoder_sparse_step (transformers' rule); the others are dense."""
         step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
         if step < 1:
             raise ConfigError("decoder_sparse_step", step, "must be >= 1")
-        sparse = tuple(i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+        return tuple(i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+    def fields(self, hf: dict) -> dict[str, Any]:
+        """The top-k renormalised as norm_topk_prob says (Qwen3.5-MoE's router always does)."""
+        fields = super().fields(hf)
         norm = bool(hf.get("norm_topk_prob", True))
-        return fields | {"moe": dataclasses.replace(fields["moe"], sparse_layers=sparse, norm_topk_prob=norm)}
+        return fields | {"moe": dataclasses.replace(fields["moe"], norm_topk_prob=norm)}
 
     def to_hf(self, spec: ModelSpec) -> dict:
         dense = [i for i in range(spec.num_layers) if not spec.moe.is_sparse(i)]

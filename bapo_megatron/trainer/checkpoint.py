@@ -12,7 +12,8 @@ Checkpoints store sharded tensors by global name, so they load at any TP/PP layo
 directory also carries its model's Hugging Face config (hf_config.json) and the tokenizer files
 of model.hf_path, so that it converts to a HF model and is evaluated with nothing else at hand, and
 the tensors its family keeps untrained (hf_kept.safetensors: a vision tower, MTP layers), which the
-export writes back untouched.
+export writes back untouched: streamed from their source at a run's first save, hard-linked from the
+previous step's copy at the next ones (CarriedFile).
 A run with a KL loss stores its reference model too (trainer/reference.py: the run's starting
 weights, which a resumed run measures its KL to again).
 """
@@ -20,10 +21,11 @@ weights, which a resumed run measures its KL to again).
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -36,6 +38,7 @@ from bapo_megatron.fsutil import remove, write_text_atomic
 from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer import safe_load
 from bapo_megatron.trainer.dist_ckpt import (
+    ExtraFile,
     barrier,
     is_rank0,
     load_module_state,
@@ -48,6 +51,9 @@ from bapo_megatron.trainer.dist_ckpt import (
     verify_on_all_ranks,
 )
 from bapo_megatron.trainer.integrity import (
+    CHECKSUMS,
+    CorruptCheckpointError,
+    read_checksums,
     verify_integrity,
 )
 
@@ -87,9 +93,7 @@ def weights_dir(path: str | Path) -> Path:
     return root
 
 
-def model_files(
-    spec: ModelSpec, hf_path: str | None, mcore_path: str | None = None
-) -> dict[str, str | bytes | Callable[[Path], None]]:
+def model_files(spec: ModelSpec, hf_path: str | None, mcore_path: str | None = None) -> dict[str, ExtraFile]:
     """What a checkpoint carries of its model beyond the weights: its HF config as hf_config.json
     (model.hf_path's config.json as it is, or the built-in model's), model.hf_path's tokenizer files,
     by their own names, and the tensors its family keeps untrained (KEPT_FILE, written when the
@@ -97,15 +101,56 @@ def model_files(
     weights, else from those mcore_path's checkpoint carries. The kept tensors' files are opened now and
     stay open (memory-mapped), so a source moved or deleted during the run still saves."""
     if hf_path is None:
-        files: dict[str, str | bytes | Callable[[Path], None]] = {HF_CONFIG: json.dumps(spec.to_hf_config(), indent=2)}
+        files: dict[str, ExtraFile] = {HF_CONFIG: json.dumps(spec.to_hf_config(), indent=2)}
     else:
         root = Path(hf_path)
         files = {HF_CONFIG: (root / "config.json").read_bytes()}
         files.update({name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()})
     kept = _kept_source(spec, hf_path, mcore_path, json.loads(files[HF_CONFIG]))
     if kept:
-        files[KEPT_FILE] = kept.write
+        files[KEPT_FILE] = CarriedFile(kept)
     return files
+
+
+class CarriedFile:
+    """The kept tensors' file (KEPT_FILE) a run's checkpoints carry (a dist_ckpt.StreamedFile): streamed
+    from its source, held open for the run, at the run's first save; at the next ones hard-linked from
+    the copy the previous save published, while its checkpoint still records the checksum written
+    (copied where no link can be made): gigabytes written once a run, not once a save. Its size is
+    budgeted in full at every save (a link may fall back to a copy)."""
+
+    def __init__(self, source: KeptSource) -> None:
+        self.source = source
+        self.nbytes = sum(e.nbytes + len(e.name) + 128 for e in source.entries())  # + its header entry
+        self.last: Path | None = None
+        """The copy the last save published (CheckpointManager.save)."""
+        self.checksum: dict[str, int] | None = None
+        """What its checkpoint recorded for it (integrity.file_checksum's)."""
+        self.reuse: Path | None = None
+        """The copy the next call links instead of streaming (find_copy's, set before each save)."""
+
+    def __call__(self, path: Path) -> dict[str, int] | None:
+        if self.reuse is None:
+            self.source.write(path)
+            return None
+        try:
+            os.link(self.reuse, path)
+        except OSError:  # another file system, or one without hard links
+            shutil.copyfile(self.reuse, path)
+        return self.checksum
+
+    def find_copy(self) -> Path | None:
+        """The last save's copy while its checkpoint is there and still lists it with the checksum it
+        recorded (and its size is that); None before this process saved, or once it was pruned or replaced."""
+        if self.last is None or not (self.last.parent / CHECKSUMS).is_file():
+            return None
+        try:
+            recorded = read_checksums(self.last.parent / CHECKSUMS).get(KEPT_FILE)
+        except CorruptCheckpointError:
+            return None
+        if recorded is None or recorded != self.checksum or self.last.is_symlink() or not self.last.is_file():
+            return None
+        return self.last if self.last.stat().st_size == recorded["size"] else None
 
 
 def _kept_source(spec: ModelSpec, hf_path: str | None, mcore_path: str | None, config: dict) -> KeptSource | None:
@@ -197,7 +242,12 @@ class CheckpointManager:
             files = dict(trainer.model_files) if is_rank0() else None  # read when the run started
             if files is not None and self.record is not None:
                 files[RUN_RECORD] = json.dumps(self.record, indent=1, sort_keys=True) + "\n"
+            carried = (files or {}).get(KEPT_FILE)
+            if isinstance(carried, CarriedFile):
+                carried.reuse = carried.find_copy()
             save_sharded(sharded, directory, extra_files=files)
+            if isinstance(carried, CarriedFile):  # for the next save to link
+                carried.last, carried.checksum = directory / KEPT_FILE, read_checksums(directory / CHECKSUMS)[KEPT_FILE]
         if is_rank0():
             write_text_atomic(self.root / LATEST, directory.name + "\n")
             self._prune(protect={directory.name})

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import errno
 import queue
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from bapo_megatron.common.processes import forked_children_die_with_this_process
-from bapo_megatron.errors import BadInputError, DiskFull
+from bapo_megatron.errors import BadInputError, DiskFull, RunStopped
 from bapo_megatron.fsutil import publish, remove, temporary_sibling
 from bapo_megatron.trainer import safe_load
 from bapo_megatron.trainer.integrity import (
+    CHECKSUMS,
     CorruptCheckpointError,
     checksums,
     listed_files,
@@ -69,24 +70,44 @@ def in_process_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+class StreamedFile(Protocol):
+    """A file too large to hold in memory that save_sharded's rank 0 writes beside the tensors (the
+    kept tensors: trainer/checkpoint.py's CarriedFile)."""
+
+    nbytes: int
+    """What it takes on disk: budgeted with the tensors before anything is written."""
+
+    def __call__(self, path: Path) -> dict[str, int] | None:
+        """Write it at `path`; its checksum (integrity.file_checksum's) where known without reading it back."""
+
+
+ExtraFile = str | bytes | StreamedFile
+
+
+class SaveFailed(OSError, RunStopped):
+    """Rank 0 could not write a checkpoint's own files (those beside the tensors, its checksums, the
+    rename): every rank raises it with the same message naming the file, and nothing of it is kept."""
+
+
 def save_sharded(
     sharded: dict,
     directory: str | Path,
     strategy=None,
-    extra_files: dict[str, str | bytes | Callable[[Path], None]] | None = None,
+    extra_files: dict[str, ExtraFile] | None = None,
 ) -> None:
     """dist_checkpointing.save into `directory` through a fresh temporary sibling, renamed when
-    complete, with `extra_files` (name -> text, bytes, or a function writing the file at the path it
-    is given: a large one, streamed) written beside it and every file checksummed; `strategy`: a
-    sharded save strategy other than Megatron's default torch_dist one."""
+    complete, with `extra_files` (rank 0's: name -> text, bytes, or a StreamedFile) written beside it
+    and every file checksummed; `strategy`: a sharded save strategy other than Megatron's default
+    torch_dist one. Every rank raises when any part failed (rank 0's files: SaveFailed or DiskFull,
+    one message naming the file), and then nothing of the checkpoint is left."""
     from megatron.core import dist_checkpointing
 
     in_process_results_queue()
     forked_children_die_with_this_process()  # the writer processes Megatron forks for the save
-    directory = Path(directory)
+    directory, extra_files = Path(directory), extra_files or {}
     if directory.exists():  # every rank sees the same (shared) filesystem: all refuse together
         raise FileExistsError(f"checkpoint {directory} exists already; refusing to overwrite it")
-    check_space(sharded, directory)
+    check_space(sharded, directory, sum(_size(content) for content in extra_files.values()))
     box = [str(temporary_sibling(directory, directory=True)) if is_rank0() else None]
     if world() > 1:
         dist.broadcast_object_list(box, src=0)
@@ -99,24 +120,58 @@ def save_sharded(
         if world() > 1:
             gathered = [None] * world()
             dist.all_gather_object(gathered, mine)
-        if is_rank0():
-            for name, content in (extra_files or {}).items():
-                if callable(content):
-                    content(tmp / name)
-                else:
-                    (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
-            entries = {k: v for part in gathered for k, v in part.items()}
-            others = [p.name for p in tmp.iterdir() if p.is_file() and p.name not in entries]
-            entries.update(checksums(tmp, others))
-            write_checksums(tmp, entries)
-            publish(tmp, directory)
     except BaseException as err:
         if is_rank0():
             remove(tmp)
         if _no_space(err):  # the disk filled meanwhile (another writer): one clear error, nothing left
             raise DiskFull(f"no space left writing checkpoint {directory}; nothing of it was kept") from None
         raise
+    cause, outcome = _finish(tmp, directory, gathered, extra_files) if is_rank0() else (None, None)
+    if world() > 1:  # rank 0's outcome: the others would wait at the barrier below for it to time out
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if outcome is not None:
+        no_space, message = outcome
+        raise (DiskFull if no_space else SaveFailed)(message) from cause
     barrier()
+
+
+def _size(content: ExtraFile) -> int:
+    if isinstance(content, str):
+        content = content.encode()
+    return len(content) if isinstance(content, bytes) else content.nbytes
+
+
+def _finish(
+    tmp: Path, directory: Path, gathered: list[dict], extra_files: dict[str, ExtraFile]
+) -> tuple[BaseException | None, tuple[bool, str] | None]:
+    """Rank 0's part once every rank's tensors are written: the extra files, the checksums, the rename.
+    (None, None) when done, else the error and (whether the disk was full, the one-line message) for
+    every rank to raise; the temporary is removed then (a real kill leaves it: the next prune drops it)."""
+    entries = {k: v for part in gathered for k, v in part.items()}
+    try:
+        for name, content in extra_files.items():
+            doing = f"writing {name}"
+            if isinstance(content, str | bytes):
+                (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
+            elif (known := content(tmp / name)) is not None:
+                entries[name] = known
+        doing = f"writing {CHECKSUMS}"
+        others = [p.name for p in tmp.iterdir() if p.is_file() and p.name not in entries]
+        entries.update(checksums(tmp, others))
+        write_checksums(tmp, entries)
+        doing = "renaming it into place"
+        publish(tmp, directory)
+    except Exception as err:
+        remove(tmp)
+        if _no_space(err):
+            return err, (True, f"no space left writing checkpoint {directory} ({doing}); nothing of it was kept")
+        return err, (False, f"checkpoint {directory}: {doing} failed ({err}); nothing of it was kept")
+    except BaseException:
+        remove(tmp)
+        raise
+    return None, None
 
 
 def _no_space(err: BaseException, depth: int = 0) -> bool:
@@ -136,10 +191,11 @@ SPACE_MARGIN = 1.05  # the format's own metadata, and what the file system round
 """The free space a save needs: this much times the bytes of the tensors it writes."""
 
 
-def check_space(sharded: dict, directory: Path) -> None:
+def check_space(sharded: dict, directory: Path, extra_bytes: int = 0) -> None:
     """DiskFull (an OSError, ENOSPC) naming the directory and the bytes needed when its file system cannot hold
-    the tensors this save writes (every rank's, summed: one shared file system), before anything
-    is written: a full disk is found before a partial checkpoint is, never after."""
+    the tensors this save writes (every rank's, summed: one shared file system) and the `extra_bytes` of
+    the files this rank writes beside them (rank 0's: the kept tensors, a vision tower or an MTP layer of
+    gigabytes), before anything is written: a full disk is found before a partial checkpoint is, never after."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
@@ -148,7 +204,7 @@ def check_space(sharded: dict, directory: Path) -> None:
         for v in nested_values(sharded)
         if isinstance(v, ShardedTensor) and v.data is not None and is_main_replica(v.replica_id)
     )
-    total = torch.tensor([float(mine)])
+    total = torch.tensor([float(mine + extra_bytes)])
     if world() > 1 and dist.get_backend() == "gloo":
         dist.all_reduce(total)
     elif world() > 1:

@@ -130,7 +130,7 @@ def hf_to_mcore(
         save_sharded(
             model_sharded_state_dict([model]),
             out,
-            streaming_save_strategy(make, torch_dtype, bar.update),
+            streaming_save_strategy(make, torch_dtype, bar.update, spec=spec),
             extra_files=model_files(spec, str(hf_dir)),  # its config.json and tokenizer, as a run's carry them
         )
     return Path(out)
@@ -237,7 +237,7 @@ def verify_conversion(
     model = _model(hf.spec)
     from bapo_megatron.trainer.dist_ckpt import load_model
 
-    load_model([model], mcore_dir)
+    load_model([model], weights_dir(mcore_dir))  # a step, a run's checkpoint.dir or its run directory
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(hf_dir), dtype=torch.float32, trust_remote_code=False

@@ -51,7 +51,6 @@ from bapo_megatron.common.hf_io import (
 from bapo_megatron.common.safetensors_stream import TensorEntry
 from bapo_megatron.errors import BadInputError, inside
 from bapo_megatron.models import family_of
-from bapo_megatron.models.moe import kept_in_float32
 from bapo_megatron.models.recipes import STORED_EXPERTS, expert_names
 from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, first_difference, spec_fields
 from bapo_megatron.trainer.checkpoint import HF_CONFIG, RUN_RECORD, run_record
@@ -356,11 +355,14 @@ class _LazyTensors(Mapping):
         return len(self.reads)
 
 
-def streaming_save_strategy(make: Callable, dtype: torch.dtype, on_tensor: Callable[[int], None] | None = None):
+def streaming_save_strategy(
+    make: Callable, dtype: torch.dtype, on_tensor: Callable[[int], None] | None = None, *, spec: ModelSpec
+):
     """A dist_checkpointing sharded save strategy writing Megatron's torch_dist format through torch
     DCP, one tensor at a time: `make(sharded_tensor)` returns each ShardedTensor's data (its
     `data` may be a placeholder, e.g. on the meta device) when the writer reaches it, cast to
-    `dtype`; `on_tensor(nbytes)` after each. Peak memory: one tensor, not the model. One
+    `dtype` (but the tensors `spec`'s family keeps in float32, Family.float32_tensor);
+    `on_tensor(nbytes)` after each. Peak memory: one tensor, not the model. One
     process writes the whole checkpoint (the converters run as a world of one).
 
     The files are those of Megatron's own torch_dist strategy: the same DCP keys, chunks and
@@ -385,7 +387,7 @@ def streaming_save_strategy(make: Callable, dtype: torch.dtype, on_tensor: Calla
             for item in nested_values(sharded_state_dict):
                 if is_main_replica(item.replica_id):
                     (tensors if isinstance(item, ShardedTensor) else objects).append(item)
-            planner = _StreamingSavePlanner(tensors, objects, make, dtype, on_tensor)
+            planner = _StreamingSavePlanner(tensors, objects, make, dtype, on_tensor, family_of(spec).float32_tensor)
             writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
             try:
                 dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
@@ -400,10 +402,16 @@ class _StreamingSavePlanner(DefaultSavePlanner):
     resolves each tensor item by calling `make` then, so no tensor exists before it is written."""
 
     def __init__(
-        self, tensors: list, objects: list, make: Callable, dtype: torch.dtype, on_tensor: Callable[[int], None] | None
+        self,
+        tensors: list,
+        objects: list,
+        make: Callable,
+        dtype: torch.dtype,
+        on_tensor: Callable[[int], None] | None,
+        float32: Callable[[str], bool],
     ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.make, self.dtype, self.on_tensor = make, dtype, on_tensor
+        self.make, self.dtype, self.on_tensor, self.float32 = make, dtype, on_tensor, float32
         self.tensors = {}
         for sh in tensors:
             if sh.flattened_range is not None:
@@ -417,7 +425,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
 
     def _dtype(self, sh) -> torch.dtype:
         """The dtype tensor `sh` is written in: the checkpoint's, or float32 where Megatron keeps it so."""
-        return torch.float32 if kept_in_float32(sh.key) else self.dtype
+        return torch.float32 if self.float32(sh.key) else self.dtype
 
     def create_local_plan(self) -> SavePlan:
         items = [

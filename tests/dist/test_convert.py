@@ -255,7 +255,7 @@ def _fail_midway(rank: int, world: int, root: str) -> None:
     root = Path(root)
     original = convert.streaming_save_strategy
 
-    def failing(make, dtype, on_tensor=None):
+    def failing(make, dtype, on_tensor=None, *, spec):
         written = []
 
         def count(nbytes):
@@ -263,7 +263,7 @@ def _fail_midway(rank: int, world: int, root: str) -> None:
             if len(written) == 2:
                 raise OSError(28, "No space left on device")
 
-        return original(make, dtype, count)
+        return original(make, dtype, count, spec=spec)
 
     convert.streaming_save_strategy = failing
     try:
@@ -287,12 +287,14 @@ def _streaming_save_on_two_ranks(rank: int, world: int, root: str) -> None:
     import pytest
     from megatron.core.dist_checkpointing import ShardedTensor
 
+    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.dist_ckpt import save_sharded
     from bapo_megatron.weights.mcore_io import streaming_save_strategy
 
     sharded = {"w": ShardedTensor.from_rank_offsets("w", torch.full((2, 3), float(rank)), (0, rank, world))}
     with pytest.raises(RuntimeError, match="one process"):
-        save_sharded(sharded, Path(root) / "two-ranks", streaming_save_strategy(lambda t: t.data, torch.float32))
+        strategy = streaming_save_strategy(lambda t: t.data, torch.float32, spec=tiny_spec())
+        save_sharded(sharded, Path(root) / "two-ranks", strategy)
     torch.distributed.barrier()
     assert not (Path(root) / "two-ranks").exists() and not list(Path(root).glob(".two-ranks.*.tmp"))
 

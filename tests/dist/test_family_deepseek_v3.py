@@ -6,8 +6,7 @@ serves V3); DeepSeek-V3's, Moonlight's and Kimi-K2's config.json shapes read int
 not mapped refused by name."""
 
 import dataclasses
-import re
-import zipfile
+import json
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.models import family_of
 from bapo_megatron.models.spec import ModelSpec, tiny_spec
 from bapo_megatron.trainer.memory.estimate import layer_params
-from tests.families import FamilyCase, check_family
+from tests.families import FamilyCase, SGLangLoader, check_family, check_sglang_names
 
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -107,79 +106,98 @@ DROP = object()
 
 def _variants() -> tuple[ModelSpec, ...]:
     """The tiny model's attention without a query latent (and with rotary halves, rope_interleave
-    false), and with plain RoPE, every layer dense."""
+    false), with plain RoPE, every layer dense, and with Moonlight's rms_norm_eps 1e-5."""
     tiny = tiny_spec("deepseek_v3")
     mla = tiny.latent_attention
     no_latent = dataclasses.replace(mla, q_lora_rank=None, rope_interleave=False)
     return (
         dataclasses.replace(tiny, latent_attention=no_latent),
         dataclasses.replace(tiny, moe=None, latent_attention=dataclasses.replace(mla, yarn=None)),
+        dataclasses.replace(tiny, rms_norm_eps=1e-5),
     )
 
 
+def sglang_latent_eps(model) -> None:
+    """SGLang's latent norms (deepseek_v2.py: q_a_layernorm, kv_a_layernorm) take config.json's
+    rms_norm_eps, as the trainer's do; transformers fixes theirs at 1e-6: the reference made SGLang's."""
+    for layer in model.model.layers:
+        for norm in (getattr(layer.self_attn, "q_a_layernorm", None), layer.self_attn.kv_a_layernorm):
+            if norm is not None:
+                norm.variance_epsilon = model.config.rms_norm_eps
+
+
 def test_deepseek_v3_family(tmp_path):
-    check_family(tmp_path, FamilyCase("deepseek_v3", variants=_variants()))
-    check_sglang_names(torch.load(tmp_path / "reference-export.pt"))
+    case = FamilyCase("deepseek_v3", sglang=SGLANG, variants=_variants(), hf_convention=sglang_latent_eps)
+    check_family(tmp_path, case)
+
+
+def test_the_embedded_engine_says_its_latent_norms_differ(tmp_path):
+    """transformers (the embedded engine) fixes the latent norms' epsilon at 1e-6 where the trainer and
+    SGLang take rms_norm_eps: one warning when the engine serves a model whose rms_norm_eps is not 1e-6."""
+    import warnings
+
+    from bapo_megatron.engines.embedded.core import EngineCore
+    from tests.families import random_hf_model, save_hf_model
+
+    spec = dataclasses.replace(tiny_spec("deepseek_v3"), moe=None)
+    save_hf_model(random_hf_model(spec), spec, tmp_path)
+    for eps, said in ((1e-6, 0), (1e-5, 1)):
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps(config | {"rms_norm_eps": eps}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            EngineCore(tmp_path, max_batch=1)
+        latent = [str(w.message) for w in caught if "latent norms" in str(w.message)]
+        assert len(latent) == said and all("rms_norm_eps=1e-05" in m for m in latent), latent
 
 
 # -- SGLang
 
 
-def check_sglang_names(exported: dict[str, torch.Tensor]) -> None:
-    """Every exported name lands on a parameter of SGLang's DeepSeek model through its loader's own
-    routing (deepseek_common/deepseek_weight_loader.py, checked in its source and replayed): gate and
-    up projections stacked (the experts' skipped there), experts through
-    FusedMoE.make_expert_params_mapping (compiled from the wheel), the query and kv down-projections
-    fused into fused_qkv_a_proj_with_mqa where queries have a latent, the rest by name. The module
-    names are those deepseek_v2.py's classes assign."""
-    from tests.sglang_wheel import WheelUnavailable, load_defs, source, wheel_path
+def test_names_are_what_sglangs_loader_maps():
+    """The tiny model's HF names and its variants' (what their exports write: the family test checks the
+    export's names are the HF checkpoint's) through SGLang's DeepSeek loader, the query latent's
+    down-projections fused, none without one."""
+    from bapo_megatron.common.hf_io import expected_shapes
+    from tests.families import sglang_param
 
-    try:
-        wheel = zipfile.ZipFile(wheel_path())
-    except WheelUnavailable as err:
-        pytest.skip(str(err))
-    spec = tiny_spec("deepseek_v3")
-    loader = source(wheel, "models/deepseek_common/deepseek_weight_loader.py")
-    for rule in (
-        '("gate_up_proj", "gate_proj", 0)',
-        '("gate_up_proj", "up_proj", 1)',
-        'if ("mlp.experts." in name) and name not in params_dict:',
-        "num_experts=self.config.n_routed_experts + self.num_fused_shared_experts",
-        'fuse_qkv_a_proj = hasattr(self.config, "q_lora_rank") and (',
-        '"q_a_proj", "fused_qkv_a_proj_with_mqa"',
-        '"fused_qkv_a_proj_with_mqa",',
-        ">= self.config.num_hidden_layers",
-    ):
-        assert rule in loader, rule
-    path = "layers/moe/fused_moe_triton/layer.py"
-    make = load_defs(wheel, {path: ["FusedMoE.make_expert_params_mapping"]}, {})["make_expert_params_mapping"]
-    names = {"ckpt_gate_proj_name": "gate_proj", "ckpt_down_proj_name": "down_proj", "ckpt_up_proj_name": "up_proj"}
-    experts = make.__func__(None, **names, num_experts=spec.moe.num_experts)
-    model = source(wheel, "models/deepseek_v2.py")
-    modules = set(re.findall(r"self\.(\w+)[^\n=(]*= ", model))
-    unquantized = source(wheel, "layers/quantization/unquant.py")
-    assert 'register_parameter("w13_weight"' in unquantized and 'register_parameter("w2_weight"' in unquantized
-    targets = {sglang_param(name, experts) for name in exported}
-    assert "model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight" in targets
-    assert "model.layers.1.mlp.shared_experts.gate_up_proj.weight" in targets
-    for target in targets:
-        *parents, leaf = target.split(".")
-        assert leaf in ("weight", "w13_weight", "w2_weight", "e_score_correction_bias"), target
-        assert all(p.isdigit() or p in modules for p in parents), target
+    for spec in (tiny_spec("deepseek_v3"), *_variants()):
+        check_sglang_names(SGLANG, expected_shapes(spec), spec)
+    fused = list(fused_down_projections(tiny_spec("deepseek_v3")))
+    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    assert sglang_param(name, fused, []) == "model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight"
+    assert not fused_down_projections(_variants()[0])
 
 
-def sglang_param(name: str, expert_mapping: list) -> str:
-    """The SGLang parameter HF tensor `name` loads into (a query latent's down-projection fused)."""
-    for param, weight in (("gate_up_proj", "gate_proj"), ("gate_up_proj", "up_proj")):
-        if weight in name and "mlp.experts." not in name:
-            return name.replace(weight, param)
-    for param, weight, _, _ in expert_mapping:
-        if weight in name:
-            return name.replace(weight, param)
-    for down in ("q_a_proj", "kv_a_proj_with_mqa"):
-        if f"self_attn.{down}." in name:
-            return name.replace(down, "fused_qkv_a_proj_with_mqa")
-    return name
+SGLANG_LOADER = "models/deepseek_common/deepseek_weight_loader.py"
+SGLANG_RULES = (
+    'if ("mlp.experts." in name) and name not in params_dict:',
+    "num_experts=self.config.n_routed_experts + self.num_fused_shared_experts",
+    'fuse_qkv_a_proj = hasattr(self.config, "q_lora_rank") and (',
+    '"q_a_proj", "fused_qkv_a_proj_with_mqa"',
+    '"fused_qkv_a_proj_with_mqa",',
+    ">= self.config.num_hidden_layers",
+)
+
+
+def fused_down_projections(spec: ModelSpec) -> tuple[tuple[str, str, object], ...]:
+    """The query and kv down-projections SGLang's DeepSeek loader fuses into fused_qkv_a_proj_with_mqa
+    where queries have a latent (fuse_qkv_a_proj)."""
+    if spec.latent_attention.q_lora_rank is None:
+        return ()
+    fused = "self_attn.fused_qkv_a_proj_with_mqa."
+    return tuple((fused, f"self_attn.{down}.", i) for i, down in enumerate(("q_a_proj", "kv_a_proj_with_mqa")))
+
+
+SGLANG = SGLangLoader(
+    SGLANG_LOADER,
+    sources=("models/deepseek_v2.py",),
+    stacked=fused_down_projections,
+    rules=tuple((SGLANG_LOADER, rule) for rule in SGLANG_RULES),
+)
+"""SGLang's DeepSeek loader (deepseek_common/deepseek_weight_loader.py, the rules the replay relies on
+checked in its source): gate and up projections stacked (the experts' skipped), the experts through
+FusedMoE, the latent down-projections fused; the modules deepseek_v2.py's classes assign."""
 
 
 # -- config.json
@@ -248,6 +266,11 @@ def test_the_spec_writes_back_a_config_transformers_reads():
         ({"n_group": 8, "topk_group": 2}, "topk_group"),  # top-8 from 2 groups: Megatron scores groups otherwise
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"kv_lora_rank": DROP}, "kv_lora_rank"),
+        # DeepseekV3Config's defaults (1536, 2.5, 8, 4) are DeepSeek-V3's own: a config.json must state them
+        ({"q_lora_rank": DROP}, "q_lora_rank"),
+        ({"routed_scaling_factor": DROP}, "routed_scaling_factor"),
+        ({"n_group": DROP}, "n_group"),
+        ({"topk_group": DROP}, "topk_group"),
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quantization_config"),
     ],
 )

@@ -11,7 +11,7 @@ from bapo_megatron.errors import ConfigError
 from bapo_megatron.models import family_of
 from bapo_megatron.models.spec import ModelSpec, tiny_spec
 from bapo_megatron.trainer.memory.estimate import layer_params
-from tests.families import FamilyCase, check_family
+from tests.families import FamilyCase, SGLangLoader, check_family
 
 GLM_45_AIR = {
     "architectures": ["Glm4MoeForCausalLM"],
@@ -67,7 +67,7 @@ GLM_45 = GLM_45_AIR | {
 def test_glm4_moe_family(tmp_path):
     tiny = tiny_spec("glm4_moe")
     qk_norm = dataclasses.replace(tiny, qk_norm=True, qkv_bias=False)  # GLM-4.5's q/k norms, no biases
-    check_family(tmp_path, FamilyCase("glm4_moe", sglang_loader="models/glm4_moe.py", variants=(qk_norm,)))
+    check_family(tmp_path, FamilyCase("glm4_moe", sglang=SGLangLoader("models/glm4_moe.py"), variants=(qk_norm,)))
 
 
 def test_glm_45_air_config_is_read_as_its_shape():
@@ -108,11 +108,21 @@ def test_glm_45_air_config_is_read_as_its_shape():
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"first_k_dense_replace": 46}, "first_k_dense_replace"),
         ({"n_group": 3, "topk_group": 1}, "n_group"),
+        # one sigmoid score: transformers divides it by itself (1), Megatron keeps it
+        ({"num_experts_per_tok": 1}, "norm_topk_prob"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.quant_method='fp8'"),
     ],
 )
 def test_what_is_not_mapped_is_refused_by_name(change, field):
     with pytest.raises(ConfigError, match=field):
         ModelSpec.from_hf_config(GLM_45_AIR | change)
+
+
+def test_a_single_sigmoid_expert_is_mapped_unnormalised():
+    """top-1 sigmoid routing: Megatron weighs the expert by its score, as transformers does without
+    norm_topk_prob."""
+    spec = ModelSpec.from_hf_config(GLM_45_AIR | {"num_experts_per_tok": 1, "norm_topk_prob": False})
+    assert spec.moe.top_k == 1 and not spec.moe.norm_topk_prob
 
 
 def test_deepseek_style_groups_are_mapped():

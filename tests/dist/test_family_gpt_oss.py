@@ -14,7 +14,8 @@ import torch
 
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models import family_of
-from bapo_megatron.models.spec import ModelSpec, SlidingWindowSpec, tiny_spec
+from bapo_megatron.models.features import SlidingWindowSpec
+from bapo_megatron.models.spec import ModelSpec, tiny_spec
 from bapo_megatron.trainer.memory.estimate import layer_params
 from tests.dist.launch import run_workers
 from tests.families import FamilyCase, assigned_modules, check_family, stacked_params_mapping

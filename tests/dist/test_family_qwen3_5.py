@@ -5,12 +5,9 @@ logits, conversion both ways, TP 2 (sequence parallel), PP 2 (and EP 2, routed) 
 the released multimodal layout converted both ways; the released Qwen3.5-27B config.json read into the
 spec, what is not mapped refused by name."""
 
-import ast
 import dataclasses
 import json
 import math
-import re
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from bapo_megatron.models import family_of
 from bapo_megatron.models.spec import ModelSpec, tiny_spec
 from bapo_megatron.trainer.memory.estimate import layer_params
 from tests.dist.launch import run_workers
-from tests.families import FamilyCase, check_family, hf_state_of_dir
+from tests.families import FamilyCase, SGLangLoader, check_family, check_sglang_names, hf_state_of_dir
 
 QWEN3_5_27B = {
     "architectures": ["Qwen3_5ForCausalLM"],
@@ -74,7 +71,7 @@ def test_qwen3_5_family(tmp_path):
         for part in ("in_proj_qkv.weight", "conv1d.weight", "A_log", "norm.weight"):
             name = f"model.layers.{layer}.linear_attn.{part}"
             assert not torch.equal(exported[name], initial[name]), name
-    check_sglang_names(exported, "Qwen3_5ForCausalLM")
+    check_sglang_names(sglang_loader("Qwen3_5ForCausalLM"), exported, spec)
     from tests.families import random_hf_model, save_hf_model
 
     save_hf_model(random_hf_model(tiny_spec("qwen3_next")), tiny_spec("qwen3_next"), tmp_path / "hf-qwen3_next")
@@ -110,7 +107,7 @@ def test_qwen3_5_moe_family(tmp_path):
     unnormalised = dataclasses.replace(qwen3_next, moe=dataclasses.replace(qwen3_next.moe, norm_topk_prob=False))
     check_family(tmp_path, FamilyCase("qwen3_5_moe_text", variants=(qwen3_next, unnormalised)))
     spec = tiny_spec("qwen3_5_moe_text")
-    check_sglang_names(torch.load(tmp_path / "reference-export.pt"), "Qwen3_5MoeForCausalLM", spec.moe.num_experts)
+    check_sglang_names(sglang_loader("Qwen3_5MoeForCausalLM"), torch.load(tmp_path / "reference-export.pt"), spec)
 
 
 def test_released_multimodal_layout_converts_both_ways(tmp_path):
@@ -181,69 +178,29 @@ def _add_mtp_layer(hf: Path, spec: ModelSpec) -> None:
 # -- SGLang
 
 
-def check_sglang_names(exported: dict, body_class: str, experts: int = 0, loader: str = "models/qwen3_5.py") -> None:
-    """Every exported name lands on a parameter of SGLang 0.5.23's model: Qwen3.5's text wrapper
-    (models/qwen3_5_text.py) strips `model.`, the body's load_weights (`body_class` in `loader`,
-    Qwen3.5's or Qwen3-Next's) drops `.self_attn` and applies its stacked mapping (read from its source: q/k/v,
-    gate/up, in_proj_qkv + in_proj_z, in_proj_b + in_proj_a), then, for `experts`, FusedMoE's expert
-    mapping (compiled from the wheel); each module on the way is one that SGLang's classes assign
-    (`self.<name> = ...`, or among a tuple's targets; a bare leaf other than `weight` an nn.Parameter,
-    or FusedMoE's w13_weight / w2_weight)."""
-    from tests.sglang_wheel import WheelUnavailable, load_defs, source, wheel_path
-
-    try:
-        wheel = zipfile.ZipFile(wheel_path())
-    except WheelUnavailable as err:
-        pytest.skip(str(err))
-    wrapped, body = loader == "models/qwen3_5.py", source(wheel, loader)
-    if wrapped:  # Qwen3_5ForCausalLM's text wrapper hands the body its names without `model.`
-        wrapper = source(wheel, "models/qwen3_5_text.py")
-        assert "yield name[len(_MODEL_PREFIX) :], loaded_weight" in wrapper and '_MODEL_PREFIX = "model."' in wrapper
-    assert 'name = name.replace(".self_attn", "")' in body
-    mapping = _stacked_mapping(body, body_class)
-    if experts:
-        path = "layers/moe/fused_moe_triton/layer.py"
-        make = load_defs(wheel, {path: ["FusedMoE.make_expert_params_mapping"]}, {})["make_expert_params_mapping"]
-        names = {"ckpt_gate_proj_name": "gate_proj", "ckpt_down_proj_name": "down_proj", "ckpt_up_proj_name": "up_proj"}
-        mapping += [
-            (param, weight, shard) for param, weight, _, shard in make.__func__(None, **names, num_experts=experts)
-        ]
-    modules = body + source(wheel, "models/qwen2_moe.py")  # its MLP, shared expert and experts' block
-    for name in exported:
-        if name == "lm_head.weight":
-            continue  # the wrapper's own ParallelLMHead
-        target = _sglang_target(name.removeprefix("model.") if wrapped else name, mapping)
-        *path, leaf = target.split(".")
-        for part in path:
-            assert part.isdigit() or re.search(rf"self\.{part}\b\s*[:=,]", modules), (name, target, part)
-        fused = leaf in ("w13_weight", "w2_weight") and ".mlp.experts." in name
-        assert leaf == "weight" or fused or re.search(rf"self\.{leaf}\s*=\s*nn\.Parameter", modules), (name, target)
-
-
-def _stacked_mapping(body: str, body_class: str) -> list[tuple[str, str, object]]:
-    """`body_class`.load_weights' stacked_params_mapping, evaluated from its source."""
-    cls = next(n for n in ast.parse(body).body if isinstance(n, ast.ClassDef) and n.name == body_class)
-    loader = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "load_weights")
-    assign = next(
-        n
-        for n in ast.walk(loader)
-        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "stacked_params_mapping"
+def sglang_loader(body_class: str, loader: str = "models/qwen3_5.py") -> SGLangLoader:
+    """SGLang 0.5.23's Qwen3.5 / Qwen3-Next loader: Qwen3.5's text wrapper (models/qwen3_5_text.py)
+    strips `model.` and loads lm_head itself, the body's load_weights (`body_class` in `loader`) drops
+    `.self_attn` and applies its stacked mapping (q/k/v, gate/up, in_proj_qkv + in_proj_z,
+    in_proj_b + in_proj_a); its MLP, shared expert and experts' block are models/qwen2_moe.py's."""
+    rules = [
+        (loader, 'name = name.replace(".self_attn", "")'),
+        (loader, '("in_proj_qkvz.", "in_proj_qkv.", (0, 1, 2))'),
+        (loader, '("in_proj_ba.", "in_proj_a.", 1)'),
+    ]
+    wrapped = loader == "models/qwen3_5.py"
+    if wrapped:
+        wrapper = "models/qwen3_5_text.py"
+        rules += [(wrapper, "yield name[len(_MODEL_PREFIX) :], loaded_weight"), (wrapper, '_MODEL_PREFIX = "model."')]
+    return SGLangLoader(
+        loader,
+        sources=("models/qwen2_moe.py",),
+        body_class=body_class,
+        rules=tuple(rules),
+        prefix="model." if wrapped else "",
+        dropped=".self_attn",
+        own=("lm_head.weight",) if wrapped else (),
     )
-    mapping = ast.literal_eval(assign.value)
-    assert ("in_proj_qkvz.", "in_proj_qkv.", (0, 1, 2)) in mapping and ("in_proj_ba.", "in_proj_a.", 1) in mapping
-    if "mlp.experts" in ast.get_source_segment(body, loader):
-        assert 'if "mlp.experts" in name:' in ast.get_source_segment(body, loader)
-    return mapping
-
-
-def _sglang_target(name: str, mapping: list[tuple[str, str, object]]) -> str:
-    """The loader's renaming: stacked names skip the experts' (`mlp.experts`), then the first
-    mapping whose weight name the name contains."""
-    name = name.replace(".self_attn", "")
-    for param, weight, _ in mapping:
-        if weight in name and ("mlp.experts" not in name or weight.startswith("experts.")):
-            return name.replace(weight, param)
-    return name
 
 
 # -- config.json and the family's answers (one process, no model)
@@ -276,11 +233,48 @@ def test_qwen3_5_27b_config_is_read_as_its_shape():
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
         ({"linear_num_value_heads": 24}, "linear_num_value_heads"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.quant_method='fp8'"),
     ],
 )
 def test_what_is_not_mapped_is_refused_by_name(change, field):
     with pytest.raises(ConfigError, match=field):
         ModelSpec.from_hf_config(QWEN3_5_27B | change)
+
+
+def test_quantized_releases_are_refused_by_name():
+    """Qwen3.5-MoE's and Qwen3-Next's quantized releases (fp8 block scales), and the multimodal layout's
+    quantization_config, which sits at the top level beside text_config."""
+    fp8 = {"quantization_config": {"quant_method": "fp8"}}
+    for name in ("qwen3_5_moe_text", "qwen3_next"):
+        with pytest.raises(ConfigError, match="quantization_config.quant_method='fp8'"):
+            ModelSpec.from_hf_config(family_of(name).to_hf(tiny_spec(name)) | fp8)
+    text = {k: v for k, v in QWEN3_5_27B.items() if k != "architectures"}
+    multimodal = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "tie_word_embeddings": False,
+    }
+    assert ModelSpec.from_hf_config(multimodal).num_layers == 64
+    with pytest.raises(ConfigError, match="quantization_config.quant_method='fp8'"):
+        ModelSpec.from_hf_config(multimodal | fp8)
+
+
+def test_the_dry_run_refuses_transformer_engine_as_the_run_does(tmp_path):
+    """Qwen3.5's block spec is built from Megatron's local modules only: the dry run (preflight.validate,
+    planning another machine) refuses model.transformer_impl=transformer_engine as layer_spec does."""
+    from bapo_megatron.cli.dry_run import dry_run
+    from bapo_megatron.cli.dry_run_memory import GIB
+    from bapo_megatron.config import load_config
+
+    spec = tiny_spec("qwen3_5_text")
+    (tmp_path / "config.json").write_text(json.dumps(spec.to_hf_config()))
+    overrides = [f"model.hf_path={tmp_path}", "model.transformer_impl=transformer_engine"]
+    with pytest.raises(ConfigError, match="model.transformer_impl='transformer_engine': Qwen3.5's hybrid layers"):
+        dry_run(load_config(None, overrides), 2, 80 * GIB)
+    with pytest.raises(ConfigError, match="model.transformer_impl"):
+        family_of(spec).layer_spec(spec, te=True)
+    assert dry_run(load_config(None, overrides[:1]), 2, 80 * GIB)
 
 
 def test_layer_params_are_the_hf_tensors():
@@ -331,6 +325,26 @@ def test_the_gated_delta_net_fallback_still_fits_megatron():
     assert torch.allclose(l2norm(x), torch.nn.functional.normalize(x, dim=-1), atol=1e-5)
 
 
+def test_the_torch_delta_rule_on_a_cuda_machine_is_said_once(monkeypatch):
+    """Without fla the fallback stays for the process: on CPU silently, with CUDA one warning."""
+    import warnings
+
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    from bapo_megatron.models.gdn import torch_fallback
+
+    for cuda, said in ((False, 0), (True, 1)):
+        monkeypatch.setattr(gdn, "HAVE_FLA", False)
+        monkeypatch.setattr(gdn, "chunk_gated_delta_rule", None)  # as megatron-core leaves it without fla
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert torch_fallback() and torch_fallback()
+        assert gdn.chunk_gated_delta_rule is gdn.torch_chunk_gated_delta_rule
+        assert [str(w.message) for w in caught if "fla" in str(w.message)] == [str(w.message) for w in caught]
+        assert len(caught) == said, [str(w.message) for w in caught]
+
+
 def test_the_moe_layouts_read_their_expert_layers():
     """Qwen3.5-MoE: experts in every layer (dense layers refused by name); Qwen3-Next: transformers'
     mlp_only_layers / decoder_sparse_step rule, its top-k renormalisation as configured."""
@@ -348,12 +362,18 @@ def test_the_moe_layouts_read_their_expert_layers():
         ModelSpec.from_hf_config(nxt | {"decoder_sparse_step": 0})
 
 
-def test_qwen3_next_names_are_what_sglangs_loader_maps():
-    """Qwen3-Next's HF names (what its export writes: the family test checks the export's names are
-    the HF checkpoint's) through SGLang 0.5.23's models/qwen3_next.py loader."""
-    spec = tiny_spec("qwen3_next")
-    family = family_of(spec)
-    names = {"model.embed_tokens.weight": None, "model.norm.weight": None, "lm_head.weight": None}
-    for layer in range(spec.num_layers):
-        names |= family.hf_layer_shapes(spec, layer)
-    check_sglang_names(names, "Qwen3NextForCausalLM", spec.moe.num_experts, loader="models/qwen3_next.py")
+@pytest.mark.parametrize(
+    ("name", "body_class", "loader"),
+    [
+        ("qwen3_5_text", "Qwen3_5ForCausalLM", "models/qwen3_5.py"),
+        ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "models/qwen3_5.py"),
+        ("qwen3_next", "Qwen3NextForCausalLM", "models/qwen3_next.py"),
+    ],
+)
+def test_names_are_what_sglangs_loader_maps(name, body_class, loader):
+    """Each family's HF names (what its export writes: the family test checks the export's names are
+    the HF checkpoint's) through SGLang 0.5.23's loader for it."""
+    from bapo_megatron.common.hf_io import expected_shapes
+
+    spec = tiny_spec(name)
+    check_sglang_names(sglang_loader(body_class, loader), expected_shapes(spec), spec)

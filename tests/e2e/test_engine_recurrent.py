@@ -13,24 +13,11 @@ import pytest
 import torch
 
 from bapo_megatron.common.protocol import SamplingParams
-from bapo_megatron.errors import ConfigError
 from bapo_megatron.models import FAMILIES, family_for_hf
-from bapo_megatron.models.qwen3 import Qwen3
 
 pytestmark = pytest.mark.e2e
 PROMPTS = ([5, 9, 17, 3], [100, 2, 7, 7, 7, 40, 11])
 TOKENS = 10
-
-
-class HybridStandIn(Qwen3):
-    """Reads the tiny Qwen3.5 text config as far as the engine asks, until the Qwen3.5 family
-    (models/) is registered."""
-
-    name = "qwen3_5_text"
-    architectures = ("Qwen3_5ForCausalLM",)
-
-    def cache_by_position(self, spec):
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +52,16 @@ def hybrid_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def family(hybrid_dir, monkeypatch):
-    """The family that reads the model (the stand-in while none does), which must say its cache is
-    not by position."""
+def family(hybrid_dir):
+    """The real Qwen3.5 family reads the model and says its cache is not by position."""
     import json
 
+    from bapo_megatron.models.qwen3_5 import Qwen3_5
     from bapo_megatron.models.spec import ModelSpec
 
     hf = json.loads((hybrid_dir[0] / "config.json").read_text())
-    try:
-        found = family_for_hf(hf)
-    except ConfigError:
-        monkeypatch.setitem(FAMILIES, HybridStandIn.name, HybridStandIn())
-        found = family_for_hf(hf)
+    found = family_for_hf(hf)
+    assert type(found) is Qwen3_5 and FAMILIES[found.name] is found
     assert not found.cache_by_position(ModelSpec.from_hf_config(hf)), f"{found.name}: Family.cache_by_position"
 
 

@@ -11,9 +11,10 @@ import torch
 from bapo_megatron.config import ModelConfig, ParallelConfig, load_config
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models import FAMILIES
+from bapo_megatron.models.features import MoESpec
 from bapo_megatron.models.qwen2 import Qwen2
 from bapo_megatron.models.qwen3_moe import Qwen3Moe
-from bapo_megatron.models.spec import ModelSpec, MoESpec, tiny_spec
+from bapo_megatron.models.spec import ModelSpec, tiny_spec
 from tests.helpers import make_batch
 
 LEAK = "toy recurrent mixer"

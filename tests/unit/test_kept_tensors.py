@@ -11,7 +11,7 @@ import torch
 from bapo_megatron.common.hf_io import KEPT_FILE, HFCheckpoint, expected_shapes, open_kept_file
 from bapo_megatron.models import FAMILIES
 from bapo_megatron.models.on_disk import MULTIMODAL_LAYOUT, TEXT_LAYOUT
-from bapo_megatron.models.spec import ModelSpec
+from bapo_megatron.models.spec import ModelSpec, tiny_spec
 from bapo_megatron.trainer.checkpoint import HF_CONFIG, model_files
 from tests import toy_layouts as toys
 
@@ -108,12 +108,27 @@ def test_every_family_answers_the_disk_questions(name):
         assert f"model.layers.{spec.num_layers - 1}.mlp.gate.weight" not in kept
 
 
-def test_qwen3_5_released_layout_through_the_questions(tmp_path, monkeypatch):
-    """transformers' own Qwen3_5ForConditionalGeneration checkpoint, read by the Qwen3.5 family answering
-    the two questions (toy_layouts.Qwen3_5Released: what models/qwen3_5.py needs to add): the text model
-    by canonical names, the vision tower and mtp.* kept, anything else refused."""
-    family = toys.Qwen3_5Released()
+def test_the_tensors_stored_in_float32_are_the_familys_answer(monkeypatch):
+    """hf_entries asks the family which tensors a checkpoint of any dtype stores in float32
+    (Family.float32_tensor: an expert bias); a family answering for another tensor is heard."""
+    from bapo_megatron.common.hf_io import hf_entries
+
+    dtypes = {e.name: e.dtype for e in hf_entries(tiny_spec("deepseek_v3"), torch.bfloat16)}
+    assert {n for n, d in dtypes.items() if d == torch.float32} == {
+        f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)
+    }
+    family = toys.ToyMtp()
+    monkeypatch.setattr(family, "float32_tensor", lambda name: name == "model.norm.weight")
     monkeypatch.setitem(FAMILIES, family.name, family)
+    dtypes = {e.name: e.dtype for e in hf_entries(family.tiny(), torch.bfloat16)}
+    assert dtypes["model.norm.weight"] == torch.float32 and dtypes["lm_head.weight"] == torch.bfloat16
+
+
+def test_qwen3_5_released_layout_through_the_questions(tmp_path):
+    """transformers' own Qwen3_5ForConditionalGeneration checkpoint, read by models/qwen3_5.py's own
+    answers: the text model by canonical names, the vision tower and mtp.* (mtp_num_hidden_layers)
+    kept, anything else refused."""
+    family = FAMILIES["qwen3_5_text"]
     spec = family.tiny()
     on_disk = toys.released_qwen3_5(tmp_path / "released")
     hf = HFCheckpoint(tmp_path / "released")
@@ -124,3 +139,17 @@ def test_qwen3_5_released_layout_through_the_questions(tmp_path, monkeypatch):
     toys.released_qwen3_5(tmp_path / "other", extra={"model.audio.x": torch.ones(2)})
     with pytest.raises(ValueError, match=r"e\.g\. model\.audio\.x in model\.safetensors"):
         HFCheckpoint(tmp_path / "other")
+
+
+def test_qwen3_5_released_tie_is_the_top_levels(tmp_path):
+    """transformers and SGLang read tie_word_embeddings at the top level of the multimodal config only:
+    a text_config stating another value is refused by name (its lm_head.weight is real), and a
+    released checkpoint that ties at the top level is read tied."""
+    toys.released_qwen3_5(tmp_path / "untied", tie=(False, True))
+    with pytest.raises(ValueError, match=r"text_config\.tie_word_embeddings=True but tie_word_embeddings=False"):
+        HFCheckpoint(tmp_path / "untied")
+    toys.released_qwen3_5(tmp_path / "tied", tie=(True, False))
+    with pytest.raises(ValueError, match=r"text_config\.tie_word_embeddings=False but tie_word_embeddings=True"):
+        HFCheckpoint(tmp_path / "tied")
+    toys.released_qwen3_5(tmp_path / "both", tie=(True, True))
+    assert HFCheckpoint(tmp_path / "both").spec.tie_embeddings

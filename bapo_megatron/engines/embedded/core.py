@@ -11,6 +11,7 @@ a mixture-of-experts model's routes. EngineCore builds them and answers for them
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -49,6 +50,8 @@ class EngineCore:
         self.model_dir = str(model_dir)
         self.model = load_model(self.model_dir, dtype)
         spec = ModelSpec.from_hf_dir(self.model_dir)  # after transformers has refused what it would not load
+        for difference in family_of(spec).engine_differences(spec):  # one warning line each, once
+            warnings.warn(f"{self.model_dir}: {difference}", stacklevel=2)
         self.route_recorder = RouteRecorder.of(self.model, spec)  # None: a dense model
         # a recurrent state cannot be cut, padded or slotted by position: each request over its own cache
         self.alone = batch_invariant or not family_of(spec).cache_by_position(spec)

@@ -144,15 +144,16 @@ def stage_params(spec: ModelSpec, vocab: int, tp: int, pp: int, stage: int, **la
 
 
 def layer_activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, layer: int) -> int:
-    """What layer `layer` keeps for backward per token of a micro-batch, on one rank."""
-    d, hd, tp, family = spec.hidden_size, spec.head_dim, parallel.tensor, family_of(spec)
+    """What layer `layer` keeps for backward per token of a micro-batch, on one rank: its attention's
+    (the family's answer, Family.attention_memory), the MLP's, two norm inputs and two residuals."""
+    d, tp, family = spec.hidden_size, parallel.tensor, family_of(spec)
     experts, width = family.routed(spec, layer), PARAM_BYTES[model.precision]
-    split = (spec.num_heads + 2 * spec.num_kv_heads) * hd + 2 * spec.num_heads * hd
-    split += family.normed_qk_width(spec)  # the normalised q and k
+    attention = family.attention_memory(spec, layer, local=False, selective=parallel.recompute == "selective")
     # a dense MLP, or a MoE layer's shared expert (as dense, split over TP; width 0 without one)
-    split += 3 * (spec.moe.shared_ffn_hidden_size if experts else spec.ffn_hidden_size)
-    unsplit = 4 * d  # two norm inputs, two residuals
+    split = attention.split + 3 * (spec.moe.shared_ffn_hidden_size if experts else spec.ffn_hidden_size)
+    unsplit = 4 * d + attention.sequence
     per_token = width * (split // tp + (unsplit // tp if parallel.sequence_parallel else unsplit))
+    per_token += 4 * attention.fp32 // tp
     if experts:  # at TP > 1 always under sequence parallel: each rank routes its share of the tokens
         per_token += moe_token_bytes(spec, model) // tp
     return per_token
@@ -219,32 +220,18 @@ def local_layer_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelCon
     [tokens x tokens] attention aside (local_score_bytes). Unfused, op by op, it keeps more than the
     fused layers (measured, layer by layer, on CPU):
       - per norm (input and pre-MLP) x * rsqrt and the output, and the two residual sums: 6 x hidden;
-      - attention, with grouped queries: q after rope, k and v repeated to every head, the context
-        (linear_proj's input); without (as many k/v heads as q heads) nothing is repeated, k after
-        rope is kept, and v, a view of the q/k/v output, keeps that whole; under selective
-        recompute core attention keeps its inputs: q and k after rope, and v (the q/k/v output);
-      - a q/k norm keeps its input (a copy of q or k), x * rsqrt and its output;
-      - cos and sin of the rotary embedding, for q and for k, whole on every TP rank;
-      - a dense MLP: gate and up, silu(gate), up + glu_linear_offset (a copy), their product;
-      - a linear-attention layer keeps linear_attention_elements instead of the attention's."""
-    d, hd, h, kv, tp = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, parallel.tensor
-    qkv = (h + 2 * kv) * hd
-    family = family_of(spec)
-    if not softmax_attention(spec, layer):
-        split, rope = linear_attention_elements(spec), 0
-    elif parallel.recompute == "selective":
-        split, rope = h * hd + kv * hd + qkv + h * hd, 4 * hd
-    elif h > kv:
-        split, rope = h * hd + 2 * h * hd + h * hd, 4 * hd
-    else:
-        split, rope = qkv + 3 * h * hd, 4 * hd
-    if softmax_attention(spec, layer):
-        split += 3 * family.normed_qk_width(spec)
+      - the attention's, as its family counts it (Family.attention_memory: grouped-query attention's
+        q, k and v after rope, the context and the q/k norms; a gate; multi-latent attention's
+        latents; Gated DeltaNet's per-token tensors) and its rotary cos and sin, whole on every rank;
+      - a dense MLP: gate and up, silu(gate), up + glu_linear_offset (a copy), their product."""
+    d, tp, family = spec.hidden_size, parallel.tensor, family_of(spec)
+    attention = family.attention_memory(spec, layer, local=True, selective=parallel.recompute == "selective")
     experts = family.routed(spec, layer)
     # a dense MLP, or a MoE layer's shared expert (as dense, split over TP; width 0 without one)
-    split += 5 * (spec.moe.shared_ffn_hidden_size if experts else spec.ffn_hidden_size)
-    unsplit = 6 * d // tp if parallel.sequence_parallel else 6 * d
-    per_token = PARAM_BYTES[model.precision] * (split // tp + unsplit + rope)
+    split = attention.split + 5 * (spec.moe.shared_ffn_hidden_size if experts else spec.ffn_hidden_size)
+    unsplit = 6 * d + attention.sequence
+    unsplit = unsplit // tp if parallel.sequence_parallel else unsplit
+    per_token = PARAM_BYTES[model.precision] * (split // tp + unsplit + attention.rotary) + 4 * attention.fp32 // tp
     if experts:
         per_token += local_moe_token_bytes(spec, model) // tp
     return per_token
@@ -253,19 +240,7 @@ def local_layer_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelCon
 def softmax_attention(spec: ModelSpec, layer: int) -> bool:
     """Whether layer `layer` attends with a [tokens x tokens] softmax; a Gated DeltaNet layer (Qwen3.5,
     Qwen3-Next) keeps a recurrent state instead, no score tensor."""
-    return spec.linear_attention is None or not spec.linear_attention.is_linear(layer)
-
-
-def linear_attention_elements(spec: ModelSpec) -> int:
-    """Elements a Gated DeltaNet layer's attention keeps for backward per token, before the TP split,
-    counted op by op in Megatron-Core 0.16.1's GatedDeltaNet.forward (not measured): [q; k; v] three
-    times (the convolution's input, the SiLU's input and output), q and k copied and l2-normalised
-    (4 qk), each repeated to the value heads, the value copied, z, the delta rule's output (5 v),
-    the gated norm in fp32 (12 v), the gates alpha and beta in fp32 (8 per value head); what the delta
-    rule keeps inside its kernel is not counted."""
-    la = spec.linear_attention
-    qk, v, heads = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim, la.num_value_heads
-    return 3 * (2 * qk + v) + 4 * qk + 5 * v + 12 * v + 8 * heads
+    return family_of(spec).attention_memory(spec, layer, local=True, selective=False).scores
 
 
 def local_moe_token_bytes(spec: ModelSpec, model: ModelConfig) -> int:
