@@ -396,6 +396,7 @@ def test_bapo_trains_dry_run_and_evaluate_end_in_that_line(chat_model_dir, tmp_p
     data = verl_parquet(tmp_path / "train.parquet", ["1+2="], ["3"])
     overrides = [f"model.hf_path={model}", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}"]
     overrides += ["data.answer_field=reward_model.ground_truth", "reward.function=exact"]
+    overrides += ["rollout.sampling.max_new_tokens=16"]  # room for a prompt in the model's 64 positions
     with pytest.raises(SystemExit) as exit_:
         train([*overrides, "--dry-run"])
     assert exit_.value.code == 2
