@@ -20,7 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from bapo_megatron.errors import ConfigError, check
-from bapo_megatron.models.family import common_fields, common_hf, hook_topk_routers, rope_parameters, tiny_fields
+from bapo_megatron.models.family import (
+    common_fields,
+    common_hf,
+    hook_topk_routers,
+    read_yarn,
+    rope_parameters,
+    tiny_fields,
+)
 from bapo_megatron.models.features import LatentAttentionSpec, MoESpec, YarnSpec
 from bapo_megatron.models.mla import LatentAttention, local_layer
 from bapo_megatron.models.moe import GROUPED_REQUIRED, RoutedExperts, grouped_moe_hf, read_grouped_moe, tiny_grouped_moe
@@ -89,7 +96,7 @@ class DeepseekV3(RoutedExperts, LatentAttention):
             qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
             v_head_dim=int(hf["v_head_dim"]),
             rope_interleave=bool(hf.get("rope_interleave", True)),
-            yarn=read_yarn(scaling),
+            yarn=read_yarn(scaling, "DeepSeek-V3"),
         )
         return {
             **common_fields(plain),
@@ -201,26 +208,3 @@ class DeepseekV3(RoutedExperts, LatentAttention):
         return hook_topk_routers(model, record, DeepseekV3TopkRouter)
 
 
-def read_yarn(scaling: dict | None) -> YarnSpec | None:
-    """YaRN from config.json's rope_scaling (None: plain RoPE); ConfigError naming what is not mapped."""
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind != "yarn":
-        raise ConfigError("rope_scaling.rope_type", kind, "only YaRN (yarn) is mapped for DeepSeek-V3")
-    for key, unmapped in (("attention_factor", None), ("truncate", True), ("partial_rotary_factor", 1.0)):
-        if scaling.get(key, unmapped) != unmapped:
-            raise ConfigError(
-                f"rope_scaling.{key}", scaling[key], "is not mapped (Megatron's YaRN has no such setting)"
-            )
-    for key in ("factor", "original_max_position_embeddings"):
-        if scaling.get(key) is None:
-            raise ConfigError(f"rope_scaling.{key}", None, "missing from YaRN's rope_scaling")
-    return YarnSpec(
-        factor=float(scaling["factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        beta_fast=float(scaling.get("beta_fast") or 32),
-        beta_slow=float(scaling.get("beta_slow") or 1),
-        mscale=float(scaling.get("mscale") or 0),
-        mscale_all_dim=float(scaling.get("mscale_all_dim") or 0),
-    )

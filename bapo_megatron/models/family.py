@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bapo_megatron.errors import BadInputError, ConfigError
+from bapo_megatron.models.features import YarnSpec
 from bapo_megatron.models.on_disk import TEXT_LAYOUT, DiskLayout, KeptTensors
 from bapo_megatron.models.recipes import Recipe
 from bapo_megatron.models.spec import ModelSpec
@@ -387,3 +388,31 @@ def rope_scaling(scaling: dict | None) -> float | None:
             "rope_scaling", scaling, "only Llama 3.1-style scaling (low 1, high 4, original 8192) is mapped"
         )
     return float(scaling["factor"])
+
+
+def read_yarn(scaling: dict | None, family: str, truncates: bool = False) -> YarnSpec | None:
+    """YaRN from config.json's rope_scaling (None: plain RoPE) for `family`; ConfigError naming what
+    is not mapped. `truncates`: the family maps YaRN's `truncate` setting (gpt-oss's false), else
+    only its default (true) is accepted."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise ConfigError("rope_scaling.rope_type", kind, f"only YaRN (yarn) is mapped for {family}")
+    unmapped = {"attention_factor": None, "partial_rotary_factor": 1.0} | ({} if truncates else {"truncate": True})
+    for key, default in unmapped.items():
+        if scaling.get(key, default) != default:
+            said = "is not mapped (Megatron's YaRN has no such setting)"
+            raise ConfigError(f"rope_scaling.{key}", scaling[key], said)
+    for key in ("factor", "original_max_position_embeddings"):
+        if scaling.get(key) is None:
+            raise ConfigError(f"rope_scaling.{key}", None, "missing from YaRN's rope_scaling")
+    return YarnSpec(
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        mscale=float(scaling.get("mscale") or 0),
+        mscale_all_dim=float(scaling.get("mscale_all_dim") or 0),
+        truncate=bool(scaling.get("truncate", True)),
+    )

@@ -34,7 +34,7 @@ import torch
 
 from bapo_megatron.errors import ConfigError, check
 from bapo_megatron.models.decoder import Decoder
-from bapo_megatron.models.family import common_fields, common_hf, rope_parameters, rope_theta, tiny_fields
+from bapo_megatron.models.family import common_fields, common_hf, read_yarn, rope_parameters, rope_theta, tiny_fields
 from bapo_megatron.models.features import MoESpec, SlidingWindowSpec, YarnSpec
 from bapo_megatron.models.gpt_oss_layers import gpt_oss_config, gpt_oss_layer
 from bapo_megatron.models.moe import RoutedExperts
@@ -101,7 +101,7 @@ class GptOss(RoutedExperts, Decoder):
             "moe": moe,
             "sliding_window": SlidingWindowSpec(size=int(size), layers=windowed) if windowed and size else None,
             "attention_sinks": True,
-            "yarn": read_yarn(scaling),
+            "yarn": read_yarn(scaling, "gpt-oss", truncates=True),
             "linear_bias": True,
             "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
         }
@@ -319,32 +319,6 @@ def _record_indices(record: Callable[[int, Any], None], slot: int, module: Any, 
 def _gpt_oss(window: SlidingWindowSpec | None, yarn: YarnSpec | None, limit: float) -> dict[str, Any]:
     """The ModelSpec fields every gpt-oss has, with its window, RoPE scaling and SwiGLU clamp."""
     return {"sliding_window": window, "attention_sinks": True, "yarn": yarn, "linear_bias": True, "swiglu_limit": limit}
-
-
-def read_yarn(scaling: dict | None) -> YarnSpec | None:
-    """YaRN from config.json's rope_scaling (None: plain RoPE); ConfigError naming what is not mapped."""
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind != "yarn":
-        raise ConfigError("rope_scaling.rope_type", kind, "only YaRN (yarn) is mapped for gpt-oss")
-    for key, unmapped in (("attention_factor", None), ("partial_rotary_factor", 1.0)):
-        if scaling.get(key, unmapped) != unmapped:
-            raise ConfigError(
-                f"rope_scaling.{key}", scaling[key], "is not mapped (Megatron's YaRN has no such setting)"
-            )
-    for key in ("factor", "original_max_position_embeddings"):
-        if scaling.get(key) is None:
-            raise ConfigError(f"rope_scaling.{key}", None, "missing from YaRN's rope_scaling")
-    return YarnSpec(
-        factor=float(scaling["factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        beta_fast=float(scaling.get("beta_fast") or 32),
-        beta_slow=float(scaling.get("beta_slow") or 1),
-        mscale=float(scaling.get("mscale") or 0),
-        mscale_all_dim=float(scaling.get("mscale_all_dim") or 0),
-        truncate=bool(scaling.get("truncate", True)),
-    )
 
 
 # -- the experts' tensors
