@@ -206,5 +206,3 @@ class DeepseekV3(RoutedExperts, LatentAttention):
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
         return hook_topk_routers(model, record, DeepseekV3TopkRouter)
-
-
