@@ -329,14 +329,15 @@ def hf_state_of_dir(directory: Path) -> dict[str, torch.Tensor]:
     return {k: t for f in sorted(directory.glob("*.safetensors")) for k, t in load_file(f).items()}
 
 
-def _replay_own_routes(trainer, spec: ModelSpec, root: Path) -> None:
-    """Replaying the experts the routers choose themselves: no router disagrees with them."""
-    batch = _batch(spec)
+def own_routes(trainer, batch) -> list[torch.Tensor]:
+    """The experts the trainer's routers choose for each sample of `batch` (one process, no replay),
+    as a sample's routes: [positions, routed layers, top_k] uint8."""
     seen: dict[int, torch.Tensor] = {}
     hooks = [
         r.module.register_forward_hook(lambda m, a, out, o=r.ordinal: seen.__setitem__(o, out[1]))
         for r in trainer.routers.routers
     ]
+    routes = [None] * len(batch)
     mbs, _ = trainer.microbatches(batch)
     with torch.no_grad():
         for mb in mbs:
@@ -345,10 +346,17 @@ def _replay_own_routes(trainer, spec: ModelSpec, root: Path) -> None:
             chosen = torch.stack([seen[o].view(seq, rows, -1) for o in sorted(seen)], dim=2)  # [s, b, layers, E]
             for row, i in enumerate(mb.sample_index):
                 n = batch.samples[i].length - 1
-                picked = chosen[:n, row].nonzero()[:, 2].view(n, len(seen), -1)
-                batch.samples[i].routes = picked.to(torch.uint8)
+                routes[i] = chosen[:n, row].nonzero()[:, 2].view(n, len(seen), -1).to(torch.uint8)
     for hook in hooks:
         hook.remove()
+    return routes
+
+
+def _replay_own_routes(trainer, spec: ModelSpec, root: Path) -> None:
+    """Replaying the experts the routers choose themselves: no router disagrees with them."""
+    batch = _batch(spec)
+    for sample, routes in zip(batch.samples, own_routes(trainer, batch), strict=True):
+        sample.routes = routes
     metrics = trainer.train_step(batch).metrics
     assert metrics["moe/router_disagreement"] == 0.0, metrics["moe/router_disagreement"]
 

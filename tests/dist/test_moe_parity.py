@@ -22,6 +22,7 @@ import torch
 
 from bapo_megatron.common.batch import RolloutBatch
 from tests.dist.launch import run_workers
+from tests.families import own_routes
 from tests.helpers import make_batch
 
 # name: (tensor, pipeline, expert, processes)
@@ -121,28 +122,6 @@ def _train_layout(rank: int, world: int, root: str, name: str) -> None:
         (Path(root) / f"{name}.json").write_text(json.dumps(result.metrics))
 
 
-def _own_routes(trainer, batch: RolloutBatch) -> list[torch.Tensor]:
-    """The experts the trainer's routers choose for each sample of `batch` (one process, no replay)."""
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [
-        r.module.register_forward_hook(lambda m, a, out, o=r.ordinal: seen.__setitem__(o, out[1]))
-        for r in trainer.routers.routers
-    ]
-    routes = [None] * len(batch)
-    mbs, _ = trainer.microbatches(batch)
-    with torch.no_grad():
-        for mb in mbs:
-            trainer.model[0](mb.input_ids, mb.position_ids, attention_mask=None)
-            rows, seq = mb.input_ids.shape
-            chosen = torch.stack([seen[o].view(seq, rows, -1) for o in sorted(seen)], dim=2)  # [s, b, layers, E]
-            for row, i in enumerate(mb.sample_index):
-                n = batch.samples[i].length - 1
-                routes[i] = chosen[:n, row].nonzero()[:, 2].view(n, len(seen), -1).to(torch.uint8)
-    for hook in hooks:
-        hook.remove()
-    return routes
-
-
 def _replay_checks(root: str) -> None:
     """Replaying the model's own routes is the step without replay; replaying other routes is not."""
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
@@ -152,7 +131,7 @@ def _replay_checks(root: str) -> None:
     spec, cfg, info = _setup(1, 1, 1)
     trainer = PolicyTrainer(spec, cfg, info)
     trainer.load_weights(Path(root) / "init")
-    own = _own_routes(trainer, batch)
+    own = own_routes(trainer, batch)
     results = {}
     for name, routes in (("none", [None] * len(batch)), ("own", own), ("random", random_routes)):
         for sample, r in zip(batch.samples, routes, strict=True):
