@@ -17,6 +17,7 @@ forward (half of the full s x s score matrix), three times that with backward.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -70,12 +71,12 @@ def synthetic_batch(spec: ModelSpec, prompts: int, n: int, seq: int, seed: int =
 
 
 def bench(
-    shape: str, impl: str, precision: str, recipe: str, seq: int, prompts: int, n: int, steps: int, mb_tokens: int
+    spec: ModelSpec, impl: str, precision: str, recipe: str, seq: int, prompts: int, n: int, steps: int, mb_tokens: int
 ) -> dict:
+    from bapo_megatron.trainer.memory.estimate import trainer_memory
     from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
-    spec = SHAPES[shape]
     cfg = load_config(
         None,
         [
@@ -88,6 +89,7 @@ def bench(
             "optimizer.lr=1e-6",
         ],
     )
+    estimate = trainer_memory(spec, cfg.model, cfg.parallel, 1, distributed_optimizer=torch.cuda.is_available())
     init_distributed()
     if torch.cuda.is_available():  # this precision's peak only, not an earlier row's
         import gc
@@ -122,6 +124,7 @@ def bench(
         "tflops": tflops,
         "mfu": tflops / peak if peak else None,
         "memory_gib": memory,
+        "estimate_gib": estimate.peak / 2**30,
         "device": device,
     }
 
@@ -129,6 +132,9 @@ def bench(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="the shape's layers cut to this many (a 7B layer shape on one GPU)"
+    )
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp8"])
     parser.add_argument(
         "--impl",
@@ -156,6 +162,9 @@ def main() -> None:
     from bapo_megatron.trainer.parallel import single_process_env
 
     single_process_env()
+    spec = SHAPES[args.shape]
+    if args.layers:
+        spec = dataclasses.replace(spec, num_layers=args.layers)
     seq = args.seq or (4096 if gpu else 128)
     prompts = args.prompts or (8 if gpu else 2)
     mb_tokens = args.microbatch_tokens or 2 * seq
@@ -173,7 +182,7 @@ def main() -> None:
     for impl, precision, recipe in plan:
         try:
             rows.append(
-                bench(args.shape, impl, precision, recipe, seq, prompts, args.samples_per_prompt, args.steps, mb_tokens)
+                bench(spec, impl, precision, recipe, seq, prompts, args.samples_per_prompt, args.steps, mb_tokens)
             )
         except Exception as err:  # one row's failure (an unsupported recipe, say) leaves the others standing
             traceback.print_exc()
@@ -181,13 +190,13 @@ def main() -> None:
     if not rows:
         raise SystemExit("every row failed:\n" + "\n".join(failed))
     print(
-        f"shape={args.shape} ({matmul_params(SHAPES[args.shape]) / 1e6:,.1f}M matmul params), seq={seq}, "
+        f"shape={args.shape}, {spec.num_layers} layers ({matmul_params(spec) / 1e6:,.1f}M matmul params), seq={seq}, "
         f"{prompts}x{args.samples_per_prompt} samples per step, {mb_tokens} tokens per micro-batch, "
         f"device={rows[0]['device']}, torch {torch.__version__}, median of {args.steps} steps"
     )
     header = (
         f"{'spec':>18} {'precision':>9} {'recipe':>10} {'tokens':>8} {'step s':>8} {'min-max s':>13} "
-        f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
+        f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'est GiB':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -196,7 +205,8 @@ def main() -> None:
         spread = f"{r['spread'][0]:.3f}-{r['spread'][1]:.3f}"
         print(
             f"{r['impl']:>18} {r['precision']:>9} {r['recipe']:>10} {r['tokens']:>8} {r['seconds']:>8.3f} "
-            f"{spread:>13} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} {mfu:>6} {r['memory_gib']:>8.2f}"
+            f"{spread:>13} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} {mfu:>6} {r['memory_gib']:>8.2f} "
+            f"{r['estimate_gib']:>8.2f}"
         )
     bf16 = next((r for r in rows if r["precision"] == "bf16" and r["impl"] == "transformer_engine"), None)
     for r in rows:

@@ -5,17 +5,22 @@
 #
 #   here:   tools/gpu_check.sh prepare        wheels into .gpu/ (ignored): base/ (megatron-core,
 #                                             pydantic for TE, TE's python wheel and
-#                                             its torch-extension sdist) and te1..teN/ (TE's
-#                                             CUDA-13 core wheel, cut into parts of 57 MiB)
-#   there:  tools/gpu_check.sh install        base wheels into /tmp/site (carry .gpu/base)
+#                                             its torch-extension sdist) and te1..te3/ (TE's
+#                                             CUDA-13 core wheel unpacked into a tar.xz, 128 MiB,
+#                                             cut into parts of 50 MiB)
+#   there:  tools/gpu_check.sh install        base wheels into /tmp/site (carry .gpu/base; .gpu/te1
+#                                             fits beside it: `install && stash 1`)
 #   there:  tools/gpu_check.sh stash K        keep part K in /tmp/te-parts (carry .gpu/teK); the
 #                                             machine must stay up between these commands
-#   there:  tools/gpu_check.sh install-te     join the parts (sha256 checked), install TE's core
-#                                             and python wheels, build its torch extension against
-#                                             the machine's torch (C++ only, about 28 files)
+#   there:  tools/gpu_check.sh install-te     join the parts (sha256 checked), unpack TE's core,
+#                                             install its python wheel, build its torch extension
+#                                             against the machine's torch (C++ only, about 28 files)
 #   there:  tools/gpu_check.sh tests [PATHS]  pytest tests/gpu or PATHS (TE tests skip without TE)
 #   there:  tools/gpu_check.sh bench          bench_logprobs, bench_train_step (Qwen2.5-1.5B shape,
 #                                             TE spec, 8k and 16k-token micro-batches), bench_export
+#   there:  tools/gpu_check.sh bench-7b [N]   bench_train_step at Qwen2.5-7B's layer shape cut to N
+#                                             layers (default 6: what one 80 GB GPU holds with Adam),
+#                                             bf16 against fp8, 16k-token micro-batches
 #
 # What each step cost on an H100 machine (2026-11-23): machine start about 30 s; install 18 s;
 # each stash well under a second once its 57 MiB arrived (the call, transfer included, about
@@ -34,7 +39,7 @@ WHEELS=$ROOT/.gpu
 SITE=/tmp/site
 PARTS=/tmp/te-parts
 RESULTS=${OUT:-$ROOT/gpu-results}
-PART_BYTES=$((57 * 1024 * 1024))
+PART_BYTES=$((50 * 1024 * 1024)) # a part beside base/ (6 MiB) and the checkout (6 MiB) stays under 64 MiB
 MCORE=megatron-core==0.16.1
 TE=2.11.0
 PY=${PYTHON:-python3}
@@ -77,14 +82,14 @@ page = urllib.request.urlopen("https://pypi.org/simple/transformer-engine-torch/
 url = re.search(rf'href="([^"#]*/transformer_engine_torch-{re.escape(version)}\.tar\.gz)', page).group(1)
 urllib.request.urlretrieve(url, f"{dest}/{url.rsplit('/', 1)[1]}")
 EOF
-  step "TE core wheel, in parts"
+  step "TE core wheel, unpacked and xz-compressed (128 MiB where the wheel's deflate is 171), in parts"
   local tmp
   tmp=$(mktemp -d)
   $PY -m pip download -q --no-deps "${platforms[@]}" -d "$tmp" "transformer-engine-cu13==$TE"
-  local wheel
-  wheel=$(ls "$tmp"/transformer_engine_cu13-*.whl)
-  (cd "$tmp" && sha256sum "$(basename "$wheel")") > "$WHEELS/base/te-core.sha256"
-  split -b "$PART_BYTES" -d -a 1 "$wheel" "$tmp/part-"
+  mkdir "$tmp/core" && $PY -m zipfile -e "$tmp"/transformer_engine_cu13-*.whl "$tmp/core"
+  tar -C "$tmp/core" -cf - . | xz -T0 -6 > "$tmp/te-core.tar.xz"
+  (cd "$tmp" && sha256sum te-core.tar.xz) > "$WHEELS/base/te-core.sha256"
+  split -b "$PART_BYTES" -d -a 1 "$tmp/te-core.tar.xz" "$tmp/part-"
   local i=1 part
   for part in "$tmp"/part-*; do
     mkdir -p "$WHEELS/te$i" && mv "$part" "$WHEELS/te$i/"
@@ -92,7 +97,7 @@ EOF
   done
   rm -rf "$tmp"
   du -sh "$WHEELS"/*
-  echo "carry .gpu/base with install; .gpu/te1 .. .gpu/te$((i - 1)) with one stash each"
+  echo "carry .gpu/base and .gpu/te1 with install and stash 1; .gpu/te2 .. .gpu/te$((i - 1)) with one stash each"
 }
 
 install() {
@@ -117,13 +122,12 @@ stash() {
 
 install_te() {
   env_there
-  step "join the TE core wheel"
-  local name
-  name=$(awk '{print $2}' "$PARTS/te-core.sha256")
-  cat "$PARTS"/part-* > "$PARTS/$name"
+  step "join the TE core parts"
+  cat "$PARTS"/part-* > "$PARTS/te-core.tar.xz"
   (cd "$PARTS" && sha256sum -c te-core.sha256)
+  mkdir -p "$SITE" && xz -dc -T0 "$PARTS/te-core.tar.xz" | tar -C "$SITE" -xf -
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    "$PARTS/$name" "$PARTS"/transformer_engine-*.whl
+    "$PARTS"/transformer_engine-*.whl
   step "build TE's torch extension against $($PY -c 'import torch; print(torch.__version__)')"
   local src=/tmp/te-src  # kept: a second build reuses its objects
   mkdir -p "$src" && tar xzf "$PARTS"/transformer_engine_torch-*.tar.gz -C "$src" --skip-old-files
@@ -171,6 +175,16 @@ bench() {
   $PY benchmarks/bench_export.py --shape qwen2.5-7b --json "$RESULTS/export.json" 2>&1 | tee "$RESULTS/export.txt"
 }
 
+bench_7b() {
+  env_there
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  local layers=${1:-6}
+  step "bench_train_step, Qwen2.5-7B layer shape, $layers layers, 16384 tokens per micro-batch"
+  $PY benchmarks/bench_train_step.py --shape qwen2.5-7b --layers "$layers" --impl transformer_engine \
+    --precision bf16 fp8 --fp8-recipe tensorwise blockwise --prompts 4 --microbatch-tokens 16384 \
+    --json "$RESULTS/train_step_7b_$layers.json" 2>&1 | tee "$RESULTS/train_step_7b_$layers.txt"
+}
+
 case "${1:-}" in
   prepare) timed prepare ;;
   install) timed install ;;
@@ -178,8 +192,9 @@ case "${1:-}" in
   install-te) timed install_te ;;
   tests) shift; timed tests "$@" ;;
   bench) timed bench ;;
+  bench-7b) shift; timed bench_7b "$@" ;;
   *)
-    sed -n '2,31p' "$0"
+    sed -n '2,36p' "$0"
     exit 2
     ;;
 esac

@@ -4,7 +4,10 @@ spec in float32 (the reference), and TE's error must be no larger than bf16's ow
 Qwen3-MoE runs its experts as TE's grouped GEMM (model.moe.grouped_gemm's default with TE: the
 HF weights loaded under its `linear_fc1.weightE` names) against the local spec's experts one
 after another. TE's run packs its micro-batches (parallel.packing's default with TE), the local
-ones pad theirs: log-probs are compared sample by sample."""
+ones pad theirs: log-probs are compared sample by sample. The 2026 families whose layers Transformer
+Engine builds (DeepSeek-V3's latent attention, GLM-4.5's partial rotary and shared expert, gpt-oss's
+sinks, windows and clamped experts) run the same comparison from a random transformers model;
+Qwen3.5's hybrid layers are local only (its family refuses TE)."""
 
 import importlib.util
 import json
@@ -20,7 +23,31 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
     reason="needs CUDA and Transformer Engine",
 )
-MODELS = {"qwen2-gqa2": CASES["qwen2-gqa2"], "qwen3-moe": ("qwen3_moe", 2, False)}
+MODELS = {
+    "qwen2-gqa2": CASES["qwen2-gqa2"],
+    "qwen3-moe": ("qwen3_moe", 2, False),
+    "deepseek-v3": "deepseek_v3",
+    "glm4-moe": "glm4_moe",
+    "gpt-oss": "gpt_oss",
+}
+"""name: (architecture, kv heads, tied) for tests.helpers' HF models, or a family's name (its tiny(),
+random weights from tests/families.py)."""
+
+
+def hf_model_of(name: str, root: Path):
+    """MODELS[name]'s spec, its HF directory written to root/name."""
+    import dataclasses
+
+    from bapo_megatron.models.spec import tiny_spec
+    from tests.families import random_hf_model, save_hf_model
+
+    if isinstance(MODELS[name], str):
+        spec = tiny_spec(MODELS[name])
+        save_hf_model(random_hf_model(spec), spec, root / name)
+        return spec
+    arch, kv, tied = MODELS[name]
+    make_hf_model(root, name, MODELS[name])
+    return dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
 
 
 RUNS = {
@@ -34,18 +61,13 @@ def logprobs_of_runs(rank: int, world: int, root: str, name: str, runs: dict[str
     """For each of `runs` (label: config overrides), every response token's log-prob of the same batch
     under MODELS[name]'s HF weights, in sample order (the runs' micro-batch layouts may differ: TE
     packs), and the attention the run's layout took; into root/logprobs.json."""
-    import dataclasses
-
     from bapo_megatron.config import load_config
-    from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.parallel import init_model_parallel
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
     from bapo_megatron.weights.hf_load import load_hf_into_trainer
     from tests.dist.test_packing import token_logprobs
 
-    arch, kv, tied = MODELS[name]
-    spec = dataclasses.replace(tiny_spec(arch), num_kv_heads=kv, tie_embeddings=tied)
-    make_hf_model(Path(root), name, MODELS[name])
+    spec = hf_model_of(name, Path(root))
     batch = make_batch(5, groups=4, n=4, max_len=40)
     out, attention = {}, {}
     for label, overrides in runs.items():
