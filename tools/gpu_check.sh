@@ -125,9 +125,11 @@ install_te() {
   step "join the TE core parts"
   cat "$PARTS"/part-* > "$PARTS/te-core.tar.xz"
   (cd "$PARTS" && sha256sum -c te-core.sha256)
-  mkdir -p "$SITE" && xz -dc -T0 "$PARTS/te-core.tar.xz" | tar -C "$SITE" -xf -
+  # the python wheel first: pip's --target --upgrade replaces the whole transformer_engine folder,
+  # which the core's files (wheel_lib/libtransformer_engine.so) share
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "$PARTS"/transformer_engine-*.whl
+  xz -dc -T0 "$PARTS/te-core.tar.xz" | tar -C "$SITE" -xf -
   step "build TE's torch extension against $($PY -c 'import torch; print(torch.__version__)')"
   local src=/tmp/te-src  # kept: a second build reuses its objects
   mkdir -p "$src" && tar xzf "$PARTS"/transformer_engine_torch-*.tar.gz -C "$src" --skip-old-files

@@ -103,6 +103,8 @@ def test_te_bf16_logprobs_match_the_local_spec(tmp_path, name):
         f"TE vs local bf16: max {between.max():.4f}, mean {between.mean():.5f} over {ref.numel()} tokens"
     )
     assert ref.numel() > 100
-    # bf16 keeps 8 bits of mantissa: log-probs around -5.5 carry errors of a few hundredths
-    assert between.max() <= 0.1
+    # bf16 keeps 8 bits of mantissa: log-probs around -5.5 carry errors of a few hundredths, and a
+    # routed model's bf16 router logits can tie and pick another expert (measured on an H100: local
+    # bf16 0.12 at worst on the tiny Qwen3-MoE, TE 0.05): TE's worst no worse than bf16's own
+    assert te_err.max() <= max(local_err.max(), 0.1)
     assert te_err.mean() <= 2 * local_err.mean() + 1e-3
