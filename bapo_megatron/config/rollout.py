@@ -66,12 +66,17 @@ class PartialConfig:
             check(self.enabled, "mode", self.mode, "needs enabled=true")
 
 
+OnShortfall = Literal["warn", "fill", "error"]
+"""rollout.filter_groups.on_shortfall: what a step short of groups whose rewards differ does."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FilterGroupsConfig:
     """rollout.filter_groups: dynamic sampling (DAPO; verl's algorithm.filter_groups, slime's
     check_reward_nonzero_std filter). A group whose rewards are all equal has every advantage 0 and
     trains nothing: it is set aside and another prompt generated in its place (rollout/filtering.py).
-    Metrics: rollout/filtered_groups, rollout/extra_rounds, rollout/filter_shortfall."""
+    Metrics every step: rollout/filtered_groups, rollout/extra_rounds, rollout/filter_shortfall,
+    rollout/flat_share."""
 
     enabled: bool = False
     """Set aside the groups whose rewards (reward.*, the overlong penalty included) are all equal and
@@ -81,13 +86,28 @@ class FilterGroupsConfig:
     """A step stops generating once it has seen (1 + this) x prompts_per_step complete groups (those
     completing as it ends are counted too; rollout/extra_rounds: the groups seen beyond
     prompts_per_step, in steps' worth). verl's max_num_gen_batches - 1 where gen_batch_size =
-    train_batch_size; there is no unbounded setting. Short of groups whose rewards differ by then,
-    the step trains on those it has, topped up with groups set aside to keep its size
-    (rollout/filter_shortfall counts them); with none at all the run stops with an error: the
-    prompts are too hard or too easy for the model, or the reward is wrong."""
+    train_batch_size; there is no unbounded setting (verl's max_num_gen_batches=0). Short of groups
+    whose rewards differ by then, the step does what on_shortfall says; with none at all the run
+    stops with an error: the prompts are too hard or too easy for the model, or the reward is wrong."""
+    on_shortfall: OnShortfall = "warn"
+    """A step that has used its max_extra_rounds short of prompts_per_step groups whose rewards differ:
+    "warn" tops it up with groups of equal rewards it drew (the oldest set aside), as "fill" does, and
+    prints one warning line (the flat share: the groups it set aside over those it looked at; the
+    groups short; the rounds); "fill" tops it up without a word. The groups topped up
+    (rollout/filter_shortfall) have advantage 0 and give no policy gradient, but they keep the batch's
+    size, which algo.updates_per_batch and the data-parallel ranks divide, and its token count (their
+    tokens count in the step's token mean, so they scale the policy gradient down, and they carry the
+    KL and entropy terms). "error" stops the run with an error line, as verl does when
+    max_num_gen_batches runs out."""
 
     def __post_init__(self) -> None:
         check(self.max_extra_rounds >= 0, "max_extra_rounds", self.max_extra_rounds, "must be >= 0")
+        check(
+            self.enabled or self.on_shortfall == "warn",
+            "on_shortfall",
+            self.on_shortfall,
+            "applies with enabled=true (rollout.filter_groups.enabled=true)",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

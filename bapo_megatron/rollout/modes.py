@@ -39,7 +39,8 @@ def rollout_core(
 def make_strategy(cfg: JobConfig, core: RolloutCore) -> Strategy:
     """The rollout mode's strategy."""
     ro = cfg.rollout
-    sieve = DropEqualRewards(ro.filter_groups.max_extra_rounds) if ro.filter_groups.enabled else KeepAll()
+    f = ro.filter_groups
+    sieve = DropEqualRewards(f.max_extra_rounds, f.on_shortfall) if f.enabled else KeepAll()
     if ro.mode == "async":
         return AsyncStream(core, ro.prompts_per_step, ro.oversample, ro.pause_mode, sieve)
     if ro.deterministic:

@@ -24,7 +24,9 @@ The modes:
 Across the modes, rollout.filter_groups (rollout/filtering.py) sets aside the groups whose rewards
 are all equal as they complete: a sync step draws a new prompt for each and generates on; the async
 producer admits others in their place. A step ends once it has prompts_per_step groups to train
-(or its extra rounds are used up). A step whose every group has equal rewards is warned about.
+or its extra rounds are used up; short of them, it is topped up with groups set aside (warned about
+or not) or stops the run, as rollout.filter_groups.on_shortfall says (`_take`, the filter's
+`figures`). A step whose every group has equal rewards is warned about.
 """
 
 from __future__ import annotations
