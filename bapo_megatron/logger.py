@@ -1,5 +1,5 @@
-"""The run's logs: one metric logger with backends (console, jsonl, wandb), metrics as dicts with slash
-names; what each step trains on (samples.jsonl, rollouts.jsonl, batches/).
+"""The run's logs: one metric logger with backends (console, jsonl, wandb, tensorboard), metrics as dicts
+with slash names; what each step trains on (samples.jsonl, rollouts.jsonl, batches/).
 """
 
 from __future__ import annotations
@@ -36,6 +36,27 @@ EVAL_SHOWN = ("greedy_acc", "avg@", "pass@")
 """Held-out figures shown on the console: eval/X and each named set's eval/NAME/X."""
 
 
+NO_SIGNAL_PLACEHOLDERS = ("bapo/rho", "bapo/rho_start")
+"""Figures a step whose tokens carry no advantage only fills in (a share of nothing: BAPO's search
+says 1); such a step's lines and plots leave them out."""
+
+
+def trained_nothing(metrics: dict) -> bool:
+    """Whether a step's updates had no token with an advantage (every group's rewards equal: its
+    gradient is 0): policy/signal_tokens, the share of tokens with one, is 0 (in logs from before it
+    was logged, advantage/zero_group_frac is 1)."""
+    if "policy/signal_tokens" in metrics:
+        return metrics["policy/signal_tokens"] == 0
+    return metrics.get("advantage/zero_group_frac") == 1
+
+
+def without_placeholders(metrics: dict) -> dict:
+    """`metrics` less NO_SIGNAL_PLACEHOLDERS where the step trained nothing."""
+    if not trained_nothing(metrics):
+        return metrics
+    return {k: v for k, v in metrics.items() if k not in NO_SIGNAL_PLACEHOLDERS}
+
+
 def shown_eval(key: str) -> bool:
     return key.startswith("eval/") and key.rsplit("/", 1)[-1].startswith(EVAL_SHOWN)
 
@@ -65,6 +86,7 @@ class MetricLogger:
         self.enabled = enabled
         self._jsonl = None
         self._wandb = None
+        self._tensorboard = None
         if not enabled:
             return
         if "jsonl" in cfg.backends:
@@ -84,11 +106,15 @@ class MetricLogger:
                 mode=mode,
                 dir=str(Path(run_dir)),
             )
+        if "tensorboard" in cfg.backends:
+            directory = Path(cfg.tensorboard_dir) if cfg.tensorboard_dir else Path(run_dir) / "tensorboard"
+            self._tensorboard = tensorboard_writer(directory, config, resume_step)
         self._start = time.monotonic()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled or step % self.cfg.interval:
             return
+        metrics = without_placeholders(metrics)
         if "console" in self.cfg.backends:
             keys = [k for k in CONSOLE_KEYS if k in metrics] + sorted(k for k in metrics if shown_eval(k))
             shown = " ".join(f"{console_label(k)}={metrics[k]:.4g}" for k in keys)
@@ -99,12 +125,34 @@ class MetricLogger:
             self._jsonl.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+        if self._tensorboard is not None:
+            for name, value in metrics.items():
+                self._tensorboard.add_scalar(name, value, global_step=step)
+            self._tensorboard.flush()  # a step's figures on disk as the jsonl line is
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def tensorboard_writer(directory: Path, config: dict, resume_step: int | None):
+    """A SummaryWriter into `directory` holding the run's config as text (once: at step 0). Events of
+    steps after `resume_step` (a new run: every one) that an earlier run left there are hidden from
+    tensorboard, so that it shows one timeline, as metrics.jsonl holds one."""
+    import yaml
+    from torch.utils.tensorboard import SummaryWriter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = SummaryWriter(str(directory), purge_step=0 if resume_step is None else resume_step + 1)
+    if resume_step is None:
+        # indented four spaces: shown as written (the text panel renders markdown)
+        text = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+        writer.add_text("config", "".join(f"    {line}\n" for line in text.splitlines()), global_step=0)
+    return writer
 
 
 def truncate_after(path: Path, step: int | None) -> None:

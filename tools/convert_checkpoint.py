@@ -23,7 +23,17 @@ import sys
 
 from bapo_megatron.common.arguments import at_least_one
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.trainer.checkpoint import STEP_DIR, step_of, weights_dir
 from bapo_megatron.weights.convert import DTYPES, TEMPLATE_HELP, hf_to_mcore, mcore_to_hf, verify_conversion
+
+
+def exported_from(mcore: str) -> str:
+    """Which weights --mcore names, said after the output: a run's step (for a run's checkpoint.dir or
+    directory, the one a resume would load) or a converted checkpoint."""
+    directory = weights_dir(mcore)
+    if STEP_DIR.match(directory.name):
+        return f"from step {step_of(directory)} ({directory})"
+    return f"from {directory} (a converted checkpoint: no training step)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             out = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.dtype, progress=show, ep=args.ep)
             print(f"wrote {out}")
         elif args.command == "mcore-to-hf":
-            print(f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, progress=show)}")
+            source = exported_from(args.mcore)
+            print(f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, progress=show)} {source}")
         else:
             result = verify_conversion(args.hf, args.mcore)
             ok = result["max_rel"] <= args.tolerance

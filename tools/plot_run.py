@@ -4,8 +4,10 @@
 
 Panels (the BAPO paper's Figure 9, then what this stack adds): reward, policy entropy, the
 positive contribution rho, gradient norm, the clip bounds (low dashed), response length,
-token staleness and held-out accuracy (eval/*). A panel whose metric no run logged says so.
-Each run is labelled with its directory name (or --labels).
+token staleness and held-out accuracy (eval/*); a panel whose metric no run logged says so.
+Then, only where a run logged their metrics: the KL loss, the groups dynamic sampling filtered
+out, and the experts' load. A step that trained nothing (no token had an advantage) has no rho
+point. Each run is labelled with its directory name (or --labels).
 """
 
 from __future__ import annotations
@@ -13,19 +15,36 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from bapo_megatron.fsutil import read_jsonl
+from bapo_megatron.logger import without_placeholders
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    keys: tuple[str, ...]
+    """Its metrics, one line style each (a trailing '*': every metric it starts)."""
+    either: bool = False
+    """The keys name one figure under the names of several versions: a run's first one logged is drawn."""
+    optional: bool = False
+    """Drawn only when a run logged one of its metrics (else: 'not logged' in its place)."""
+
 
 PANELS = [
-    ("reward", ["rollout/reward_mean", "advantage/reward_mean"]),
-    ("policy entropy", ["policy/entropy"]),
-    ("positive contribution rho", ["bapo/rho"]),
-    ("gradient norm", ["train/grad_norm"]),
-    ("clip bounds (low dashed)", ["bapo/clip_high", "bapo/clip_low"]),
-    ("response length", ["rollout/response_length"]),
-    ("token staleness", ["rollout/token_staleness", "rollout/token_staleness_max"]),
-    ("held-out accuracy", ["eval/greedy_acc", "eval/avg@*", "eval/pass@*"]),
+    Panel("reward", ("rollout/reward_mean", "advantage/reward_mean"), either=True),
+    Panel("policy entropy", ("policy/entropy",)),
+    Panel("positive contribution rho", ("bapo/rho",)),
+    Panel("gradient norm", ("train/grad_norm",)),
+    Panel("clip bounds (low dashed)", ("bapo/clip_high", "bapo/clip_low")),
+    Panel("response length", ("rollout/response_length",)),
+    Panel("token staleness", ("rollout/token_staleness_mean", "rollout/token_staleness_max")),
+    Panel("held-out accuracy", ("eval/greedy_acc", "eval/avg@*", "eval/pass@*")),
+    Panel("KL loss", ("loss/kl",), optional=True),
+    Panel("filtered groups (shortfall dashed)", ("rollout/filtered_groups", "rollout/filter_shortfall"), optional=True),
+    Panel("expert load (router disagreement dashed)", ("moe/load_max", "moe/router_disagreement"), optional=True),
 ]
 
 
@@ -34,7 +53,8 @@ def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl" if run.is_dir() else run
     if not path.is_file():
         raise ValueError(f"{run}: no metrics.jsonl")
-    return read_jsonl(path, lambda r: None if isinstance(r.get("step"), int) else "a record needs an integer step")
+    records = read_jsonl(path, lambda r: None if isinstance(r.get("step"), int) else "a record needs an integer step")
+    return [without_placeholders(r) for r in records]  # a log written before the logger left them out
 
 
 def series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[float]]]:
@@ -48,10 +68,23 @@ def series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[flo
     return out
 
 
+def panel_series(records: list[dict], panel: Panel) -> list[tuple[int, str, tuple[list[int], list[float]]]]:
+    """(the key's index in the panel: its line style, metric name, its series) for each line of `panel`."""
+    lines = []
+    for k, key in enumerate(panel.keys):
+        lines += [(k, name, points) for name, points in series(records, key).items()]
+        if panel.either and lines:
+            break
+    return lines
+
+
 def _plottable(value) -> bool:
     """A finite number (a logged NaN is null; an infinity, a flag or text has no place on an axis)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
+
+MARKED_BELOW = 50
+"""A line of fewer points than this marks each point."""
 
 LEGEND_IN_PANELS = 3
 """More runs than this: one figure legend, not one in each panel."""
@@ -76,28 +109,13 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, groups: l
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colour = {name: colours[i % len(colours)] for i, name in enumerate(names)}
     in_panels = len(runs) <= LEGEND_IN_PANELS
+    panels = [p for p in PANELS if not p.optional or any(panel_series(records, p) for records in data)]
     cols = 4
-    rows = (len(PANELS) + cols - 1) // cols
+    rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows + (0 if in_panels else 0.6)), squeeze=False)
-    drawn = []
-    for ax, (title, keys) in zip(axes.flat, PANELS, strict=False):
-        any_data = False
-        for records, label, group in zip(data, labels, groups, strict=True):
-            for k, key in enumerate(keys):
-                for name, (steps, values) in series(records, key).items():
-                    style = ("-", "--", ":")[k % 3]  # one colour a run (or group), one line style a metric
-                    suffix = f" {name.split('/')[-1]}" if len(keys) > 1 else ""
-                    ax.plot(steps, values, style, color=colour[group], label=label + suffix, lw=1.2, alpha=0.85)
-                    any_data = True
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        if any_data:
-            drawn.append(title)
-            if in_panels:
-                ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
-    for ax in list(axes.flat)[len(PANELS) :]:
+    lines = [(records, label, colour[group]) for records, label, group in zip(data, labels, groups, strict=True)]
+    drawn = [panel.title for ax, panel in zip(axes.flat, panels, strict=False) if _draw(ax, panel, lines, in_panels)]
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     if not in_panels:
         handles = [Line2D([], [], color=colour[name], lw=2) for name in names]
@@ -109,6 +127,25 @@ def plot(runs: list[Path], out: Path, labels: list[str] | None = None, groups: l
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return drawn
+
+
+def _draw(ax, panel: Panel, lines: list[tuple[list[dict], str, str]], legend: bool) -> bool:
+    """Draw `panel` from each (records, label, colour) of `lines`; whether any run had its data."""
+    any_data = False
+    for records, label, colour in lines:
+        for k, name, (steps, values) in panel_series(records, panel):
+            style = ("-", "--", ":")[k % 3]  # one colour a run (or group), one line style a metric
+            suffix = f" {name.split('/')[-1]}" if len(panel.keys) > 1 and not panel.either else ""
+            dots = "o" if len(steps) < MARKED_BELOW else None  # a lone point (rho after steps that trained nothing)
+            ax.plot(steps, values, style, marker=dots, ms=2.5, color=colour, label=label + suffix, lw=1.2, alpha=0.85)
+            any_data = True
+    ax.set_title(panel.title)
+    ax.set_xlabel("step")
+    if not any_data:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+    elif legend:
+        ax.legend(fontsize=7)
+    return any_data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({len(drawn)} of {len(PANELS)} panels with data)")
+    print(f"wrote {out} ({len(drawn)} panels with data)")
     return 0
 
 

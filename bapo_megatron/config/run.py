@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,10 +13,14 @@ from bapo_megatron.errors import check
 class LoggingConfig:
     """Where metrics go: one logger, several backends."""
 
-    backends: tuple[Literal["console", "jsonl", "wandb"], ...] = ("console", "jsonl")
-    """Where each step's metrics go: "console" (a line on stdout), "jsonl" (a file), "wandb"."""
+    backends: tuple[Literal["console", "jsonl", "wandb", "tensorboard"], ...] = ("console", "jsonl")
+    """Where each step's metrics go: "console" (a line on stdout), "jsonl" (a file), "wandb",
+    "tensorboard" (event files: every metric a scalar at its step, the run's config as text; needs
+    the `tensorboard` package: pip install -e '.[tensorboard]')."""
     jsonl_path: str | None = None
     """The jsonl backend's file (None: metrics.jsonl in the run directory)."""
+    tensorboard_dir: str | None = None
+    """The tensorboard backend's directory (None: tensorboard/ in the run directory)."""
     wandb_project: str | None = None
     """The wandb project (needed by the wandb backend)."""
     wandb_run_name: str | None = None
@@ -41,6 +46,13 @@ class LoggingConfig:
         if "wandb" in self.backends:
             check(
                 self.wandb_project is not None, "wandb_project", self.wandb_project, "the wandb backend needs a project"
+            )
+        if "tensorboard" in self.backends:  # said now, not after the model has loaded
+            check(
+                importlib.util.find_spec("tensorboard") is not None,
+                "backends",
+                self.backends,
+                "the tensorboard backend needs the tensorboard package: pip install -e '.[tensorboard]'",
             )
 
 

@@ -52,7 +52,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("rollout.partial.token_budget=8", "rollout.partial.token_budget=8: only applies with enabled=true"),
         ("steps.x=1", "steps.x=1: 'steps' is a value, not a section"),
         ("algo.bapo.preset=fast", "algo.bapo.preset='fast': must be one of"),
-        ("logging.backends=[console, tensorboard]", "logging.backends[1]='tensorboard': must be one of"),
+        ("logging.backends=[console, mlflow]", "logging.backends[1]='mlflow': must be one of"),
         ("algo.updates_per_batch=3", "algo.updates_per_batch=3: must divide rollout.prompts_per_step=8"),
         ("reward.workers=0", "reward.workers=0: must be >= 1"),
         ("reward.range=[1, -1]", "reward.range=[1.0, -1.0]: needs low < high"),

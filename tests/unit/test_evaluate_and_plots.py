@@ -216,8 +216,13 @@ def _metrics(run: Path, steps: int, with_bapo: bool) -> None:
                     "bapo/clip_high": 1.2 + step / 10,
                     "train/grad_norm": 1.0,
                     "rollout/response_length": 5.0,
-                    "rollout/token_staleness": 0.5,
+                    "rollout/token_staleness_mean": 0.5,
                     "rollout/token_staleness_max": 2.0,
+                    "loss/kl": 0.01 * step,
+                    "rollout/filtered_groups": 3.0,
+                    "rollout/filter_shortfall": 0.0,
+                    "moe/load_max": 1.5,
+                    "moe/router_disagreement": 0.02,
                 }
             )
         if step % 5 == 0:
@@ -234,7 +239,7 @@ def test_plot_run_draws_every_panel(tmp_path):
     _metrics(tmp_path / "b", 10, with_bapo=False)
     out = tmp_path / "plots.png"
     drawn = plot_run.plot([tmp_path / "a", tmp_path / "b"], out)
-    assert drawn == [title for title, _ in plot_run.PANELS]  # every panel had data from run a
+    assert drawn == [panel.title for panel in plot_run.PANELS]  # every panel had data from run a
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     assert plot_run.main([str(tmp_path / "b"), "--out", str(tmp_path / "b.png")]) == 0
     (tmp_path / "bad").mkdir()
@@ -282,3 +287,90 @@ def test_plot_run_groups_seeds_of_a_method_under_one_colour_and_legend(tmp_path,
     assert legends == [["bapo", "ppo"]]  # one figure legend, one entry a group, not 6 x 8 panel legends
     with pytest.raises(ValueError, match="5 groups for 6 runs"):
         plot_run.plot(runs, tmp_path / "bad.png", groups=groups[:5])
+
+
+def test_plot_run_panels_read_metrics_the_package_logs():
+    """Each panel's metric is a name the package writes (a renamed metric leaves no panel empty)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import plot_run
+
+    source = "".join(path.read_text() for path in (ROOT / "bapo_megatron").rglob("*.py"))
+    for panel in plot_run.PANELS:
+        for key in panel.keys:
+            if not key.startswith("eval/"):  # (eval/ names are made per evaluation set)
+                assert f'"{key}"' in source, (panel.title, key)
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The axes of each figure plot_run saves, by title."""
+    import matplotlib.figure
+
+    saved = []
+    original = matplotlib.figure.Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        saved.append({ax.get_title(): ax for ax in self.axes if ax.axison})
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    return saved
+
+
+def test_plot_run_shows_optional_panels_only_where_logged(tmp_path, figures):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import plot_run
+
+    _metrics(tmp_path / "plain", 4, with_bapo=False)
+    optional = {panel.title for panel in plot_run.PANELS if panel.optional}
+    assert plot_run.plot([tmp_path / "plain"], tmp_path / "plain.png") == ["reward", "policy entropy"]
+    assert optional and not optional & set(figures[-1])
+    assert "gradient norm" in figures[-1]  # a panel of the paper's figure says "not logged" instead
+    _metrics(tmp_path / "moe", 4, with_bapo=True)
+    plot_run.plot([tmp_path / "plain", tmp_path / "moe"], tmp_path / "both.png")
+    assert optional <= set(figures[-1])
+
+
+def test_a_step_that_trains_nothing_has_no_rho(tmp_path, figures, capsys):
+    """BAPO's rho is 1 where no token has an advantage (a share of nothing): not a figure to show."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import plot_run
+
+    from bapo_megatron.config import LoggingConfig
+    from bapo_megatron.logger import MetricLogger
+
+    steps = {1: 0.5, 2: 0.0, 3: 0.25}  # policy/signal_tokens: the share of tokens with an advantage
+    run = tmp_path / "run"
+    logger = MetricLogger(LoggingConfig(backends=("console", "jsonl")), job_name="j", config={}, run_dir=run)
+    for step, signal in steps.items():
+        logger.log(step, {"policy/signal_tokens": signal, "bapo/rho": 1.0 if signal == 0 else 0.4, "loss/pg": 0.1})
+    logger.close()
+    console = capsys.readouterr().out.splitlines()
+    assert ["rho=" in line for line in console] == [True, False, True], console
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert ["bapo/rho" in r for r in records] == [True, False, True]
+    # a log written before the logger left it out: the plot leaves it out
+    old = tmp_path / "old"
+    old.mkdir()
+    lines = [{"step": s, "policy/signal_tokens": g, "bapo/rho": 1.0 if g == 0 else 0.4} for s, g in steps.items()]
+    lines.append({"step": 4, "advantage/zero_group_frac": 1.0, "bapo/rho": 1.0})  # before signal_tokens was logged
+    (old / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    plot_run.plot([old], tmp_path / "old.png")
+    (line,) = figures[-1]["positive contribution rho"].get_lines()
+    assert list(line.get_xdata()) == [1, 3]
+
+
+def test_plot_run_draws_one_reward_line_a_run(tmp_path, figures):
+    """The loop logs its reward under two names (the rollout's and the advantage's): one line, one
+    legend entry."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import plot_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": s, "rollout/reward_mean": 0.1 * s, "advantage/reward_mean": 0.1 * s} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    plot_run.plot([run], tmp_path / "r.png")
+    reward = figures[-1]["reward"]
+    assert [t.get_text() for t in reward.get_legend().get_texts()] == ["run"]
+    assert len(reward.get_lines()) == 1
