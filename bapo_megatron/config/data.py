@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from bapo_megatron.errors import check
+from bapo_megatron.errors import ConfigError, check
+
+RENDERER_ARGUMENTS = ("add_generation_prompt", "tokenize", "conversation", "messages")
+"""apply_chat_template's arguments that the prompt renderer sets itself: not chat_template_kwargs'."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +49,11 @@ class DataConfig:
     """Seeds the prompt order (with the epoch): the same seed, the same prompts each step."""
     chat_template: bool = False
     """Wrap each text prompt in the tokenizer's chat template (one user turn, generation prompt)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """More variables for the chat template, wherever prompts are rendered (the loop, evaluate, the
+    dry run): {enable_thinking: false} renders Qwen3's prompts with thinking off (the template's
+    default is on). verl's data.apply_chat_template_kwargs, read by that name too. Values are
+    JSON-like (text, numbers, true/false, null, lists, mappings)."""
 
     def __post_init__(self) -> None:
         for name in ("prompt_field", "answer_field"):
@@ -53,3 +62,34 @@ class DataConfig:
         if self.max_prompt_tokens is not None:
             check(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
         check(self.check_records >= 1, "check_records", self.check_records, "must be >= 1")
+        self._check_template_kwargs()
+
+    def _check_template_kwargs(self) -> None:
+        """A mapping of variable names to JSON-like values, none of them the renderer's own arguments."""
+        options, what = self.chat_template_kwargs, "chat_template_kwargs"
+        check(isinstance(options, dict), what, options, "must be a mapping of the template's variables")
+        for key, value in options.items():
+            check(isinstance(key, str) and key.isidentifier(), what, key, "keys must be variable names")
+            if key in RENDERER_ARGUMENTS:
+                said = ", ".join(RENDERER_ARGUMENTS)
+                raise ConfigError(f"{what}.{key}", value, f"set by the prompt renderer itself ({said})")
+            check(
+                _json_like(value), f"{what}.{key}", value, "must be text, a number, true/false, null, a list or mapping"
+            )
+
+    def template_options(self) -> str:
+        """chat_template_kwargs as the start banner says them ("enable_thinking=False"), or "its defaults"."""
+        return ", ".join(f"{key}={value!r}" for key, value in self.chat_template_kwargs.items()) or "its defaults"
+
+
+def _json_like(value: Any) -> bool:
+    """Whether `value` is what a JSON document holds (as a chat template's variables are, in verl's configs too)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_json_like(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_like(v) for k, v in value.items())
+    return False

@@ -69,20 +69,25 @@ MOVED = {
     "data.max_reward_failure_share": "reward.max_failure_share",
     "data.reward_failure_steps": "reward.failure_steps",
     "reward.routes": "reward.table",
+    "data.apply_chat_template_kwargs": "data.chat_template_kwargs",
 }
 """Fields of an earlier layout and where they are now: a config that still names one is told where."""
-STILL_READ = frozenset({"reward.routes"})
+STILL_READ = frozenset({"reward.routes", "data.apply_chat_template_kwargs"})
 """MOVED fields read into their new place (in the same section), with a warning, not refused:
 every config.yaml a run saved before the rename names reward.routes (`evaluate --config` and a
 rerun read them)."""
+VERL_NAMES = frozenset({"data.apply_chat_template_kwargs"})
+"""STILL_READ fields that are verl's names, read without a warning: a verl config's keys work key for key."""
 
 
 def _new_name(path: str, key: str) -> str | None:
-    """The field's name now when `path`.`key` is a STILL_READ one (with a FutureWarning), else None."""
+    """The field's name now when `path`.`key` is a STILL_READ one (with a FutureWarning unless it is
+    verl's name), else None."""
     dotted = f"{path}.{key}" if path else key
     if dotted not in STILL_READ:
         return None
-    warnings.warn(f"{dotted} is now called {MOVED[dotted]}: read as that", FutureWarning, stacklevel=3)
+    if dotted not in VERL_NAMES:
+        warnings.warn(f"{dotted} is now called {MOVED[dotted]}: read as that", FutureWarning, stacklevel=3)
     return MOVED[dotted].rpartition(".")[2]
 
 
@@ -188,7 +193,8 @@ def build(cls: type, data: Any, path: str = "") -> Any:
     for key, value in data.items():
         if key not in names and (new := _new_name(path, key)) is not None:
             if new in data:
-                raise ConfigError(f"{path}.{key}" if path else key, value, f"is {new}'s old name, and {new} is set too")
+                said = f"verl's name for {new}" if f"{path}.{key}" in VERL_NAMES else f"{new}'s old name"
+                raise ConfigError(f"{path}.{key}" if path else key, value, f"is {said}, and {new} is set too")
             key = new
         if key not in names:
             raise _unknown_key(path, key, names + (["preset"] if presets else []))

@@ -4,7 +4,9 @@ checkpointed cursor.
 A record's prompt (data.prompt_field, a dotted path) is text, a list of token ids, or a list
 of chat messages ({"role", "content"}); text and messages are rendered with the model
 directory's tokenizer (messages, and text under data.chat_template, through its chat template,
-with data.system_prompt as the first turn when given) and tokenized when the record is drawn.
+with data.system_prompt as the first turn when given and data.chat_template_kwargs as its
+variables) and tokenized when the record is drawn. Every reader of prompts (the loop, evaluate,
+the dry run) renders them here.
 The whole record goes to the reward, with the answer (data.answer_field) as record["answer"].
 
 The first data.check_records records (in file order) are read, rendered and checked before
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +106,12 @@ class Renderer:
         self.config, self.tokenizer, self.tokenize = config, tokenizer, tokenize
         if tokenize is None and tokenizer is not None:
             self.tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        unread = unread_variables(tokenizer, config.chat_template_kwargs)
+        if unread:
+            warnings.warn(
+                f"data.chat_template_kwargs: {template_file(tokenizer)} never reads {', '.join(unread)}: no effect",
+                stacklevel=3,
+            )
 
     def __call__(self, prompt: Any) -> list[int]:
         c = self.config
@@ -147,16 +156,36 @@ class Renderer:
                 "or chat_template.jinja), and there is none: set model.hf_path to a model directory that has one "
                 "(`python -m bapo_megatron.tasks verl-data DIR` writes a tiny one, DIR/model)"
             )
+        options = self.config.chat_template_kwargs
         try:  # the model directory's template: a syntax error, its raise_exception(...), the sandbox's refusal
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options)
         except Exception as err:
             said = " ".join(str(err).split())
             line = f" (line {err.lineno})" if getattr(err, "lineno", None) else ""
+            given = f" with data.chat_template_kwargs {self.config.template_options()}" if options else ""
             raise ValueError(
-                f"the chat template ({template_file(self.tokenizer)}) does not render its messages: "
+                f"the chat template ({template_file(self.tokenizer)}) does not render its messages{given}: "
                 f"{type(err).__name__}{line}: {said}"
             ) from None
         return self._text(text)  # the template wrote any special tokens itself: encoded as they are
+
+
+def unread_variables(tokenizer, options: dict[str, Any]) -> list[str]:
+    """The keys of `options` (data.chat_template_kwargs) that `tokenizer`'s chat template never reads:
+    jinja ignores a variable a template does not name, so such a key changes nothing. None are said
+    of a template that does not parse here (rendering it says why)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not options or not isinstance(template, str):
+        return []
+    import jinja2
+    import jinja2.meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # parsed as transformers compiles chat templates (its sandbox, loop controls)
+        parsed = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return []
+    return sorted(set(options) - jinja2.meta.find_undeclared_variables(parsed))
 
 
 def _kind(value: Any) -> str:

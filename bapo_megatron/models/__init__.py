@@ -49,15 +49,24 @@ def family_of(spec: ModelSpec | str) -> Family:
 
 def family_for_hf(hf: dict) -> Family:
     """The family that reads a config.json: that of the first of its `architectures` a family reads,
-    or of its model_type when it names none; ConfigError naming the supported architectures."""
+    or, when it names none, the family whose model_type (its name) the text model's config states, in
+    the family's disk layout (a multimodal config.json nests it: Qwen3.5's text_config); ConfigError
+    naming both, and what is supported, when neither is mapped."""
     archs = hf.get("architectures") or []
     by_architecture = {a: family for family in FAMILIES.values() for a in family.architectures}
     known = [a for a in archs if a in by_architecture]
     if known:
         return by_architecture[known[0]]
-    if not archs and hf.get("model_type") in FAMILIES:
-        return FAMILIES[hf["model_type"]]
-    raise ConfigError("architectures", archs, f"not mapped; supported: {supported()}")
+    by_type = next((f for f in FAMILIES.values() if f.disk_layout(hf).model_type(hf) == f.name), None)
+    if not archs and by_type is not None:
+        return by_type
+    model_type = hf.get("model_type")
+    if by_type is not None:  # SGLang loads by architectures: one it has no class for would fail there
+        said = f" (its model_type {model_type!r} is {by_type.architectures[0]}'s: name that)"
+    else:
+        said = f", nor model_type {model_type!r}" if model_type is not None else ""
+    types = f"; with no architectures, a model_type of {sorted(FAMILIES)}"
+    raise ConfigError("architectures", archs, f"not mapped{said}; supported: {supported()}{types}")
 
 
 __all__ = ["FAMILIES", "Family", "family_for_hf", "family_of", "supported"]

@@ -63,6 +63,12 @@ class DiskLayout:
         inherited = {key: config[key] for key in INHERITED_KEYS if key in config}
         return {**nested, **inherited}
 
+    def model_type(self, config: dict) -> object:
+        """The text model's model_type as a config.json mapping states it in this layout (None where it
+        does not): what transformers builds the model by, and a config.json without `architectures` says."""
+        text = config.get(self.text_config) if self.text_config is not None else config
+        return text.get("model_type") if isinstance(text, dict) else None
+
 
 TEXT_LAYOUT = DiskLayout()
 """A causal LM's checkpoint: model.* and lm_head.weight, config.json the text model's."""

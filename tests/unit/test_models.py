@@ -79,6 +79,24 @@ def test_one_error_names_every_supported_architecture_and_model_type_stands_in()
     assert ModelSpec.from_hf_config(hf) == tiny_spec("qwen3")
 
 
+@pytest.mark.parametrize("shape", ["qwen3.5-27b", "qwen3.5-35b-a3b"])
+def test_a_multimodal_config_without_architectures_is_read_by_its_text_models_type(shape):
+    """A released Qwen3.5 config.json (model_type qwen3_5, its text model's qwen3_5_text nested
+    under text_config) that names no architecture is read as the one that names it."""
+    import json
+
+    hf = json.loads((PACKAGE.parent / "examples" / shape / "shape" / "config.json").read_text())
+    named = ModelSpec.from_hf_config(hf)
+    assert ModelSpec.from_hf_config({k: v for k, v in hf.items() if k != "architectures"}) == named
+
+
+def test_neither_architectures_nor_model_type_mapped_is_one_error_naming_both():
+    with pytest.raises(ConfigError, match=r"^architectures=\[\]: not mapped, nor model_type 'mistral'; .*'qwen3'"):
+        ModelSpec.from_hf_config({"model_type": "mistral"})
+    with pytest.raises(ConfigError, match=r"MyQwen3.*model_type 'qwen3' is Qwen3ForCausalLM's: name that"):
+        ModelSpec.from_hf_config({**tiny_spec("qwen3").to_hf_config(), "architectures": ["MyQwen3"]})
+
+
 def branches_on_features(package: Path = PACKAGE) -> list[str]:
     """'path:line attr' for every read of a family feature, or comparison of an architecture with a
     name, outside models/."""

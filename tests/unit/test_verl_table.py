@@ -60,7 +60,8 @@ def test_every_verl_key_the_table_names_is_in_verls_config():
 
     def leaves(node, prefix: str = ""):
         for key, value in node.items():
-            yield from leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key]
+            nested = isinstance(value, dict) and value  # an empty mapping ({}: apply_chat_template_kwargs) is a key
+            yield from leaves(value, f"{prefix}{key}.") if nested else [prefix + key]
 
     known = set(leaves(config))
     keys = [key for theirs, _ in table() for key in verl_keys(theirs)]
