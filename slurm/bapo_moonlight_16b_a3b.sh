@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # BAPO on Moonlight-16B-A3B (DeepSeek-V3's architecture: multi-latent attention, 64 experts top-6,
-# 2 shared) with the paper's settings (examples/moonlight-16b-a3b/config.yaml), 8xH100 nodes:
-#   trainer  1 node: TP 2 x EP 8 x DP 4 = 8 ranks, sequence parallel, one srun task per GPU (no
-#            torchrun); the node's 8 ranks are one expert-parallel group (8 experts a rank);
-#   rollout  1 node: SGLang servers (4 a node, TP 2 each), reached over rollout.engines.urls,
-#            weights pushed to them over NCCL after every step; routing replay starts them with
-#            --enable-return-routed-experts;
-#   COLOCATE=1 and --nodes=1: no rollout nodes, the servers share the trainer node's GPUs.
+# 2 shared) with the paper's settings (examples/moonlight-16b-a3b/config.yaml), 8xH100 nodes: the
+# trainer on 1 trainer node, one srun task per GPU (no torchrun), the node's 8 ranks one
+# expert-parallel group (8 experts a rank); SGLang servers on 1 rollout node, reached over
+# rollout.engines.urls, weights pushed to them over NCCL after every step, started with
+# --enable-return-routed-experts for routing replay. COLOCATE=1 and --nodes=1: no rollout nodes, the
+# servers share the trainer's GPUs. The plan, as the dry run prints it
+# (tests/unit/test_preset_docs.py runs each `$` line here and compares; ... stands for what a line
+# leaves out):
+#   $ bapo-train examples/moonlight-16b-a3b/config.yaml --dry-run
+#   # no --world-size: planned for 8 trainer processes, as slurm/bapo_moonlight_16b_a3b.sh runs this config: 1 trainer node(s) x 8 GPUs, 1 rollout node(s)
+#   trainer: 8 processes, TP 2 x PP 1 x EP 8 x DP 4
+#   activation recompute: auto chose none; the least whose estimated peak, 55.9 GiB, fits ...
+#   engines: 4 sglang server(s), TP 2 each, on rollout nodes as slurm/bapo_moonlight_16b_a3b.sh places them: 1 node(s) x 4 server(s) ...
 # MODEL_DIR is a Hugging Face directory transformers' own DeepseekV3 classes load: the hub's
 # config.json names its own code (auto_map), which bapo-train refuses; remove that key first.
 # Near the time limit Slurm sends USR1: the trainer saves at the step boundary, the job requeues

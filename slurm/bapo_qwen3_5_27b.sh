@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # BAPO on Qwen3.5-27B (Gated DeltaNet hybrid, dense) with the paper's settings
-# (examples/qwen3.5-27b/config.yaml), 8xH100 nodes:
-#   trainer  4 nodes: TP 4 x PP 2 x DP 4 = 32 ranks, sequence parallel, one srun task per GPU (no
-#            torchrun); Megatron's local modules (the hybrid has no Transformer Engine spec), full
-#            recompute of most layers to fit 16k-token responses (parallel.recompute auto);
-#   rollout  2 nodes: SGLang servers (2 a node, TP 4 each), reached over rollout.engines.urls,
-#            weights pushed to them over NCCL after every step;
-#   COLOCATE=1 and --nodes=4: no rollout nodes, the servers share the first trainer node's GPUs.
+# (examples/qwen3.5-27b/config.yaml), 8xH100 nodes: the trainer on 4 trainer nodes, one srun task per
+# GPU (no torchrun), Megatron's local modules (the hybrid has no Transformer Engine spec), full
+# recompute of most layers to fit 16k-token responses (parallel.recompute auto); SGLang servers on 2
+# rollout nodes, reached over rollout.engines.urls, weights pushed to them over NCCL after every
+# step. COLOCATE=1 and --nodes=4: no rollout nodes, the servers share the trainer's GPUs. The plan,
+# as the dry run prints it
+# (tests/unit/test_preset_docs.py runs each `$` line here and compares; ... stands for what a line
+# leaves out):
+#   $ bapo-train examples/qwen3.5-27b/config.yaml --dry-run
+#   # no --world-size: planned for 32 trainer processes, as slurm/bapo_qwen3_5_27b.sh runs this config: 4 trainer node(s) x 8 GPUs, 2 rollout node(s)
+#   trainer: 32 processes, TP 4 x PP 2 x DP 4
+#   activation recompute: auto chose full: 30 of the 32 layers of each pipeline stage run again in the backward pass, about +30% step compute; the least whose estimated peak, 65.4 GiB, fits ...
+#   engines: 4 sglang server(s), TP 4 each, on rollout nodes as slurm/bapo_qwen3_5_27b.sh places them: 2 node(s) x 2 server(s) ...
 # MODEL_DIR is the released checkpoint (Qwen3_5ForConditionalGeneration): the text model trains, its
 # vision tower and MTP layer are carried and written back untouched in the HF export.
 # Near the time limit Slurm sends USR1: the trainer saves at the step boundary, the job requeues

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# BAPO on Qwen3-8B with the paper's settings (examples/qwen3-8b/config.yaml), 8xH100 nodes:
-#   trainer  1 node: TP 4 x DP 2 = 8 ranks, sequence parallel, one srun task per GPU (no torchrun);
-#   rollout  1 node: SGLang servers (4 a node, TP 2 each), reached over rollout.engines.urls,
-#            weights pushed to them over NCCL after every step;
-#   COLOCATE=1 and --nodes=1: no rollout nodes, the servers share the first trainer node's GPUs.
+# BAPO on Qwen3-8B with the paper's settings (examples/qwen3-8b/config.yaml), 8xH100 nodes: the
+# trainer on 1 trainer node, one srun task per GPU (no torchrun); SGLang servers on 1 rollout node,
+# reached over rollout.engines.urls, weights pushed to them over NCCL after every step. COLOCATE=1
+# and --nodes=1: no rollout nodes, the servers share the trainer's GPUs. The plan, as the dry run
+# prints it (tests/unit/test_preset_docs.py runs each `$` line here and compares; ... stands for
+# what a line leaves out):
+#   $ bapo-train examples/qwen3-8b/config.yaml --dry-run
+#   # no --world-size: planned for 8 trainer processes, as slurm/bapo_qwen3_8b.sh runs this config: 1 trainer node(s) x 8 GPUs, 1 rollout node(s)
+#   trainer: 8 processes, TP 4 x PP 1 x DP 2
+#   activation recompute: none; estimated peak 50.3 GiB fits the 73.0 GiB usable of each 80 GiB GPU
+#   engines: 4 sglang server(s), TP 2 each, on rollout nodes as slurm/bapo_qwen3_8b.sh places them: 1 node(s) x 4 server(s) ...
 # Near the time limit Slurm sends USR1: the trainer saves at the step boundary, the job requeues
 # itself and resumes from the checkpoint. When the run is done, the checkpoint goes to HF format.
 #
