@@ -3,7 +3,9 @@
 `Job.start(cfg)` runs every check that needs no model first (bad input fails in seconds, before
 any process group starts), then builds the trainer, resumes it from its checkpoint (or loads the
 starting weights), and starts the batch source (sources.py: the engines of an online run serve
-the trainer's weights when it returns). `job.close()` undoes it, whatever happened.
+the trainer's weights when it returns). `job.close()` undoes it, whatever happened. A run that
+starts over keeps an earlier start's logs; runinfo.Ending records how it ends. `RolloutOnly` is
+--rollout-only's half of it: the engines, prompts and reward, no trainer.
 """
 
 from __future__ import annotations
@@ -23,20 +25,32 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.cli.rollout_only import check_rollout_only
 from bapo_megatron.common import quiet
 from bapo_megatron.config import JobConfig, dump_config, parse_stop_when, to_dict
-from bapo_megatron.errors import RunStopped
+from bapo_megatron.errors import ConfigError, RunStopped
 from bapo_megatron.fsutil import write_text_atomic
 from bapo_megatron.logger import MetricLogger, StepLog
 from bapo_megatron.plan import RunPlan, plan_run
-from bapo_megatron.runinfo import RunStatus, banner, check_resume, ending, identity, next_commands
+from bapo_megatron.runinfo import (
+    Ending,
+    Interrupted,
+    RunStatus,
+    banner,
+    check_resume,
+    ending,
+    identity,
+    keep_earlier_logs,
+    next_commands,
+    rollout_banner,
+)
 from bapo_megatron.sources import BatchSource
 
 
 class StopSignal:
     """SIGTERM/SIGUSR1 (checkpoint.save_on_signal): remembered, acted on at the next step boundary
     (all ranks agree, then save and exit 0). Without save_on_signal, SIGTERM ends the run at once,
-    through its teardown (engines stopped), and SIGUSR1 is ignored."""
+    through its teardown (engines stopped; status.json "interrupted"), and SIGUSR1 is ignored."""
 
     def __init__(self, save_on_signal: bool) -> None:
         self.received: int | None = None
@@ -51,7 +65,7 @@ class StopSignal:
 
     def _end(self, signum, frame) -> None:
         if signum == signal.SIGTERM:
-            raise SystemExit(128 + signum)
+            raise Interrupted(signum)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
@@ -205,12 +219,20 @@ class Job:
     ended: Literal["stop_when", "signal"] | None = field(default=None)  # once decided
     skipped_in_a_row: int = 0  # steps whose every update was skipped, up to the last
     resume_from: Path | None = None  # the step directory the run resumes from
+    ending: Ending | None = None  # how the run ends, recorded (runinfo.Ending; one of its own if not given)
+
+    def __post_init__(self) -> None:
+        if self.ending is None:  # a job made by hand, not by start: its run has begun
+            self.ending = Ending(self.cfg)
+            self.ending.begin()
 
     @classmethod
-    def start(cls, cfg: JobConfig) -> Job:
-        """The job, built; AlreadyFinished (said on rank 0) when its checkpoint leaves nothing to do."""
+    def start(cls, cfg: JobConfig, ending: Ending | None = None) -> Job:
+        """The job, built; AlreadyFinished (said on rank 0) when its checkpoint leaves nothing to do.
+        A run that starts over keeps the logs of an earlier start (runinfo.keep_earlier_logs)."""
         from bapo_megatron.preflight import check_starting_weights
         from bapo_megatron.sources import make_source
+        from bapo_megatron.trainer.checkpoint import step_of
         from bapo_megatron.trainer.parallel import single_process_env
 
         single_process_env()
@@ -223,7 +245,7 @@ class Job:
             source = make_source(cfg, spec, rank)
             source.stopping = lambda: stop.received is not None
             checkpointer = Checkpointer(cfg, source, identity(cfg, spec))
-            job = cls(cfg, rank, source, checkpointer, stop, StopWhen(cfg.stop_when, cfg.stop_window))
+            job = cls(cfg, rank, source, checkpointer, stop, StopWhen(cfg.stop_when, cfg.stop_window), ending=ending)
             starting_weights = check_starting_weights(cfg)
             job.resume_from = job.checkpointer.check_start(cfg)
             if (done := finished_before(cfg, job.resume_from)) is not None:
@@ -234,7 +256,10 @@ class Job:
                 source.close()
             raise
         if rank == 0:  # what the run will do, before the engines and the trainer start
-            print(banner(cfg, spec, planned.world_size, job.resume_from, starting_weights), flush=True)
+            kept = keep_earlier_logs(cfg) if job.resume_from is None else None
+            print(banner(cfg, spec, planned.world_size, job.resume_from, starting_weights, kept), flush=True)
+        job.ending.begin()
+        job.ending.step = step_of(job.resume_from) if job.resume_from is not None else 0  # (an interrupt's)
         try:
             job._build(spec, starting_weights)
         except BaseException:
@@ -260,6 +285,7 @@ class Job:
         self.trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
         start = self.checkpointer.resume(self.trainer) if cfg.checkpoint.resume else None
         self.resumed, self.step = start is not None, start or 0
+        self.ending.step = self.step
         if not self.resumed and cfg.model.mcore_path:
             self.trainer.load_weights(weights_dir(cfg.model.mcore_path))
         elif not self.resumed and starting_weights:
@@ -294,13 +320,14 @@ class Job:
             print("\n".join([why, *next_commands(cfg)]), flush=True)
             previous = RunStatus.read(cfg.run_path)
             if previous is None or previous.state != "finished":
-                cfg.run_path.mkdir(parents=True, exist_ok=True)
-                RunStatus("finished", "steps", step, cfg.steps).write(cfg.run_path)
+                self.ending.begin()  # (its banner is not said: nothing starts)
+                self.ending.record(RunStatus("finished", "steps", step, cfg.steps))
         raise AlreadyFinished(why)
 
     def watch(self, step: int, metrics: dict[str, float]) -> None:
         """A step's metrics, for stop_when; RunStopped (every rank: the figure is theirs too) when
         optimizer.max_skipped_steps steps in a row skipped every update: the run is not training."""
+        self.ending.step = step
         self.until.add(metrics)
         skipped_all = metrics.get("train/skipped", 0) >= self.cfg.algo.updates_per_batch
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped_all else 0
@@ -329,16 +356,24 @@ class Job:
         self.log.flush()
         if step > self.step and not self.checkpointer.due(step):  # trained here, and not saved on schedule
             self.checkpointer.save(self.trainer, step, self.log)
+        status = RunStatus.ended(step, cfg.steps, self.ended, self.stop.received, cfg.stop_when)
+        self.ending.record(status)
         if self.rank == 0:
-            status = RunStatus.ended(step, cfg.steps, self.ended, self.stop.received, cfg.stop_when)
-            status.write(cfg.run_path)
             if self.stop.received is not None:
-                message = f"signal {self.stop.received}: saved step {step} of {cfg.steps}; the same command resumes"
-                print(message, file=sys.stderr)
+                print(self._stopped(step), file=sys.stderr)
             elif status.state == "finished":  # what was written, and what comes next
                 manager = self.checkpointer.manager
                 saved = manager.root / f"step_{step:08d}" if manager is not None else None
                 print(ending(cfg, step, saved if saved is not None and saved.is_dir() else None), flush=True)
+
+    def _stopped(self, step: int) -> str:
+        """What a stop signal left: the checkpoint the same command resumes from, or nothing saved."""
+        from bapo_megatron.trainer.checkpoint import step_of
+
+        cfg, signum, saved = self.cfg, self.stop.received, self.ending.checkpoint()
+        if saved is not None:
+            return f"signal {signum}: saved step {step_of(saved)} of {cfg.steps}; the same command resumes"
+        return f"signal {signum} at step {step} of {cfg.steps}: nothing was saved; the same command starts over"
 
     def failed(self, err: BaseException) -> None:
         """status.json says the run failed and why (rank 0); the lines of the steps it trained are
@@ -347,9 +382,7 @@ class Job:
             return
         with contextlib.suppress(Exception):  # the error being reported matters more than these lines
             self.log.flush(evaluations=False)
-        status = RunStatus.failed(self.log.step or self.step, self.cfg.steps, str(err) or type(err).__name__)
-        with contextlib.suppress(OSError):  # (a full disk may refuse this too: the error line still says it)
-            status.write(self.cfg.run_path)
+        self.ending.record(RunStatus.failed(self.log.step or self.step, self.cfg.steps, str(err) or type(err).__name__))
 
     def close(self) -> None:
         """Teardown: signals restored, engines stopped, logs closed (the warnings held since the start
@@ -361,9 +394,60 @@ class Job:
             with contextlib.suppress(OSError):  # (a full disk: the run's own error matters more)
                 quiet.flush(self.cfg.run_path, rank=self.rank)
             if self.log is not None:
+                with contextlib.suppress(Exception):  # an interrupt's: the lines of the steps it trained
+                    self.log.flush(evaluations=False)
                 self.log.logger.close()
             if self.own_group and dist.is_initialized():
                 from bapo_megatron.trainer.parallel import destroy_model_parallel
 
                 destroy_model_parallel()
                 dist.destroy_process_group()
+
+
+@dataclass
+class RolloutOnly:
+    """`bapo-train CONFIG --rollout-only`: a run's engines, prompts and reward without its trainer
+    (verl's trainer.val_only, slime's debug rollout): each step generated by the starting weights,
+    scored and written down (rollouts.jsonl, metrics.jsonl), in rollout_only_config's directory.
+    No process group, optimizer, checkpoint or weight update; SIGTERM ends it as Ctrl-C does."""
+
+    cfg: JobConfig
+    driver: object  # driver.RolloutDriver
+    log: MetricLogger
+    stop: StopSignal
+
+    @classmethod
+    def start(cls, cfg: JobConfig, ending: Ending) -> RolloutOnly:
+        from bapo_megatron.driver import RolloutDriver
+        from bapo_megatron.trainer.parallel import single_process_env
+
+        single_process_env()
+        if (world := int(os.environ["WORLD_SIZE"])) > 1:
+            raise ConfigError(
+                "WORLD_SIZE", world, "--rollout-only runs in one process: start it without torchrun or srun"
+            )
+        spec = check_rollout_only(cfg)  # as its dry run checks
+        stop = StopSignal(save_on_signal=False)
+        driver = None
+        try:
+            driver = RolloutDriver(cfg, spec, cfg.run_path)  # data, reward, tokenizer, ports checked
+            print(rollout_banner(cfg, spec, keep_earlier_logs(cfg)), flush=True)
+            ending.begin()
+            write_text_atomic(cfg.run_path / "config.yaml", dump_config(cfg))
+            driver.start_generating(cfg.model.hf_path)
+            logger = MetricLogger(cfg.logging, job_name=cfg.name, config=to_dict(cfg), run_dir=cfg.run_path)
+        except BaseException:
+            stop.restore()
+            if driver is not None:
+                driver.close()
+            raise
+        return cls(cfg, driver, logger, stop)
+
+    def close(self) -> None:
+        self.stop.restore()
+        try:
+            self.driver.close()
+        finally:
+            self.log.close()
+            with contextlib.suppress(OSError):
+                quiet.flush(self.cfg.run_path, rank=0)

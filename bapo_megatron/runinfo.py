@@ -4,7 +4,8 @@
     notice = check_resume(step_dir, record, allowed)   # ConfigError for another run's checkpoint
     print(banner(cfg, spec, world, resume_from))       # rank 0, before the engines and the trainer start
     print(ending(cfg, step, saved))                    # rank 0, after the last step
-    RunStatus.ended(step, cfg.steps, ...).write(run_dir)   # status.json: how it ended, for job scripts
+    kept = keep_earlier_logs(cfg)                      # a run that starts over: the earlier logs set aside
+    with Ending(cfg) as ending: ...                    # status.json however the run ends, for job scripts
 
 A checkpoint is this run's when it records the same run name and the same algo, data, reward and
 model shape (SAME_RUN): the parallel layout, the step count, the optimizer, the engines and the
@@ -16,6 +17,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import shutil
+import signal as signals
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -24,7 +29,7 @@ from bapo_megatron.errors import ConfigError
 from bapo_megatron.fsutil import write_text_atomic
 from bapo_megatron.models.spec import ModelSpec, spec_fields
 from bapo_megatron.plan import layout
-from bapo_megatron.trainer.checkpoint import run_record, step_of
+from bapo_megatron.trainer.checkpoint import CheckpointManager, run_record, step_of
 
 SAME_RUN = ("algo", "data", "reward")
 """The config sections a resumed run shares with the run that saved its checkpoint (with the model's shape)."""
@@ -41,6 +46,11 @@ MECHANICS = {
 SHOWN = 4  # differences named in a refusal
 STATUS = "status.json"
 """How the run ended (RunStatus), in its run directory."""
+EARLIER = "previous"
+"""The run directory's folder of the logs of earlier starts that started over (keep_earlier_logs)."""
+LOGS = ("samples.jsonl", "rollouts.jsonl", "batches", "tensorboard", STATUS)
+"""What a run writes in its run directory beside metrics.jsonl, and a new start would cut back, hide
+or mix with its own (tensorboard/: logging.backends' events, unless logging.tensorboard_dir moves them)."""
 
 
 def identity(cfg: JobConfig, spec: ModelSpec) -> dict:
@@ -114,9 +124,14 @@ def _model(cfg: JobConfig, spec: ModelSpec) -> str:
 def _start(cfg: JobConfig, resume_from: Path | None, starting_weights: bool) -> str:
     if resume_from is not None:
         return f"resumed from {resume_from}, step {step_of(resume_from)} of {cfg.steps}"
+    return f"starting from {_origin(cfg, starting_weights)}"
+
+
+def _origin(cfg: JobConfig, starting_weights: bool) -> str:
+    """The weights a run that does not resume starts from."""
     if cfg.model.mcore_path:
-        return f"starting from the weights of {cfg.model.mcore_path}"
-    return f"starting from {cfg.model.hf_path}'s weights" if starting_weights else "starting from random weights"
+        return f"the weights of {cfg.model.mcore_path}"
+    return f"{cfg.model.hf_path}'s weights" if starting_weights else "random weights"
 
 
 def _plural(n: int, noun: str, suffix: str = "s") -> str:
@@ -128,6 +143,16 @@ def _address(host: str, first: int | None, count: int) -> str:
     if first is None:
         return f"a free port of {host}" if count == 1 else f"a free port each of {host}"
     return f"{host}:{first}" if count == 1 else f"{host}:{first}-{first + count - 1}"
+
+
+def _chat_template(cfg: JobConfig) -> list[tuple[str, str]]:
+    """The banner's row on how prompts meet the model's chat template (data.chat_template_kwargs
+    among them: Qwen3's enable_thinking); none without prompts to render or a model directory's template."""
+    d = cfg.data
+    if d.path is None or cfg.rollout.replay is not None or cfg.model.hf_path is None:
+        return []
+    text = "chat-message and text prompts (data.chat_template)" if d.chat_template else "chat-message prompts"
+    return [("chat template", f"the model's, {d.template_options()}; for {text}")]
 
 
 def _batches(cfg: JobConfig) -> str:
@@ -169,6 +194,8 @@ def _records(cfg: JobConfig) -> str:
             names.append(f"rollouts.jsonl ({cfg.logging.samples} samples a step)")
     if "wandb" in cfg.logging.backends:
         names.append(f"wandb project {cfg.logging.wandb_project}")
+    if "tensorboard" in cfg.logging.backends:
+        names.append(f"tensorboard events in {cfg.logging.tensorboard_dir or 'tensorboard/'}")
     return ", ".join(names)
 
 
@@ -181,19 +208,46 @@ def _checkpoints(cfg: JobConfig) -> str:
 
 
 def banner(
-    cfg: JobConfig, spec: ModelSpec, world: int, resume_from: Path | None, starting_weights: bool = False
+    cfg: JobConfig,
+    spec: ModelSpec,
+    world: int,
+    resume_from: Path | None,
+    starting_weights: bool = False,
+    kept: Path | None = None,
 ) -> str:
-    """What the run is about to do, said before anything slow starts."""
+    """What the run is about to do, said before anything slow starts; kept: where the logs of an
+    earlier start of a run that starts over went (keep_earlier_logs)."""
     rows = [
         ("run directory", str(cfg.run_path)),
         ("model", _model(cfg, spec)),
         ("start", _start(cfg, resume_from, starting_weights)),
         ("batches", _batches(cfg)),
+        *_chat_template(cfg),
         ("records", _records(cfg)),
         ("checkpoints", _checkpoints(cfg)),
     ]
+    if kept is not None:
+        rows.append(("earlier logs", f"kept in {kept} (an earlier start's: this one starts over)"))
     processes = f"{_plural(world, 'process', 'es')}, {layout(cfg.parallel, world)}"
     head = f"bapo-train {cfg.name}: {cfg.steps} steps, algo.loss={cfg.algo.loss}, {processes}"
+    return "\n".join([head, *(f"  {name:<15}{text}" for name, text in rows)])
+
+
+def rollout_banner(cfg: JobConfig, spec: ModelSpec, kept: Path | None) -> str:
+    """What a --rollout-only run is about to do (job.RolloutOnly), said before the engines start."""
+    urls = cfg.rollout.engines.urls
+    weights = f"the weights the engines at {', '.join(urls)} serve" if urls else f"{cfg.model.hf_path}'s weights"
+    per_step = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    rows = [
+        ("run directory", str(cfg.run_path)),
+        ("model", f"{_model(cfg, spec)}; {weights} throughout (nothing trains)"),
+        ("batches", _batches(cfg)),
+        *_chat_template(cfg),
+        ("records", f"metrics.jsonl (reward, lengths), rollouts.jsonl (all {per_step} samples a step), {STATUS}"),
+    ]
+    if kept is not None:
+        rows.append(("earlier logs", f"kept in {kept}"))
+    head = f"bapo-train {cfg.name} --rollout-only: {cfg.steps} steps generated and scored; no trainer, nothing saved"
     return "\n".join([head, *(f"  {name:<15}{text}" for name, text in rows)])
 
 
@@ -228,12 +282,13 @@ def ending(cfg: JobConfig, step: int, saved: Path | None, how: str = "finished")
 @dataclasses.dataclass(frozen=True)
 class RunStatus:
     """How a run ended, as its run directory's status.json says it: for job scripts (slurm/common.sh
-    requeues a "stopped" run, exports a "finished" one) and for the run itself (a resume of a run
-    that its stop_when ended has nothing to do)."""
+    requeues a "stopped" run, exports a "finished" one, fails on anything else) and for the run
+    itself (a resume of a run that its stop_when ended has nothing to do)."""
 
-    state: Literal["finished", "stopped", "failed"]
+    state: Literal["finished", "stopped", "failed", "interrupted"]
     reason: Literal["steps", "stop_when", "signal", "error"]
-    """What ended it: its last step, its stop_when rule, a signal (saved: the same command resumes), an error."""
+    """What ended it: its last step, its stop_when rule, a signal (stopped: saved, the same command
+    resumes; interrupted: Ctrl-C, or SIGTERM without checkpoint.save_on_signal, nothing saved then), an error."""
     step: int
     """The last step it trained."""
     steps: int
@@ -244,6 +299,9 @@ class RunStatus:
     """The rule that ended it (reason "stop_when")."""
     error: str | None = None
     """What failed (state "failed")."""
+    checkpoint: int | None = None
+    """The step of the checkpoint the same command resumes from (state "interrupted"; None: none,
+    it starts over)."""
 
     @classmethod
     def ended(
@@ -266,10 +324,15 @@ class RunStatus:
     def failed(cls, step: int, steps: int, error: str) -> RunStatus:
         return cls("failed", "error", step, steps, error=error)
 
+    @classmethod
+    def interrupted(cls, step: int, steps: int, signal: int, checkpoint: int | None) -> RunStatus:
+        return cls("interrupted", "signal", step, steps, signal, checkpoint=checkpoint)
+
     def write(self, run_dir: Path) -> None:
-        """run_dir/status.json, whole or not at all: `signal` always (null: none came), `stop_when` and
-        `error` where they apply."""
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k == "signal"}
+        """run_dir/status.json, whole or not at all: `signal` always (null: none came), `checkpoint`
+        always when interrupted (null: none), `stop_when` and `error` where they apply."""
+        always = ("signal", "checkpoint") if self.state == "interrupted" else ("signal",)
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k in always}
         write_text_atomic(run_dir / STATUS, json.dumps(fields) + "\n")
 
     @classmethod
@@ -281,3 +344,121 @@ class RunStatus:
             return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
         except (OSError, ValueError, TypeError):
             return None
+
+
+class Interrupted(SystemExit):
+    """A signal that ends the run at once, through its teardown: Ctrl-C's SIGINT, or SIGTERM
+    without checkpoint.save_on_signal; the exit code is the shell's, 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+class Ending:
+    """However a run ends, the one place that records it: status.json on rank 0 (RunStatus), and,
+    after an interrupt, one line on what was saved and what the same command will do. It holds the
+    whole run (train.run), so that an error or an interrupt while the run starts, trains or stops is
+    recorded as well as its own end:
+
+        with Ending(cfg) as ending:
+            ending.begin()               # the banner said: the run directory is this run's from here
+            ending.step = step           # the last step trained, kept current by the job
+            ending.record(status)        # a run that ended its loop, or had nothing to do
+
+    Before `begin` (a check that refuses the config), status.json is written only over an earlier
+    one: a stale "stopped" would have a job script requeue the run forever; a mistyped command
+    creates nothing."""
+
+    def __init__(self, cfg: JobConfig, rollout_only: bool = False) -> None:
+        self.cfg, self.rollout_only = cfg, rollout_only
+        self.step = 0
+        self.begun = False
+        self.status: RunStatus | None = None
+
+    def begin(self) -> None:
+        self.begun = True
+
+    def record(self, status: RunStatus) -> None:
+        self.status = status
+        if int(os.environ.get("RANK", "0")) != 0 or not (self.begun or (self.cfg.run_path / STATUS).is_file()):
+            return
+        try:
+            self.cfg.run_path.mkdir(parents=True, exist_ok=True)
+            status.write(self.cfg.run_path)
+        except OSError as err:  # (a full disk: the run's own error line still says how it ended)
+            print(f"warning: {self.cfg.run_path / STATUS} not written: {err}", file=sys.stderr)
+
+    def __enter__(self) -> Ending:
+        return self
+
+    def __exit__(self, kind, err, trace) -> None:
+        if isinstance(err, KeyboardInterrupt | Interrupted):
+            signum = err.signum if isinstance(err, Interrupted) else signals.SIGINT
+            saved = None if self.rollout_only else self.checkpoint()
+            self.record(RunStatus.interrupted(self.step, self.cfg.steps, signum, step_of(saved) if saved else None))
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(interrupted(self.cfg, self.step, saved, self.rollout_only), file=sys.stderr, flush=True)
+            raise Interrupted(signum) from None  # said: the command line's handler only exits
+        if isinstance(err, Exception) and (self.status is None or self.status.state != "failed"):
+            self.record(RunStatus.failed(self.step, self.cfg.steps, str(err) or type(err).__name__))
+
+    def checkpoint(self) -> Path | None:
+        """The step directory the same command would resume from (None: none)."""
+        path = self.cfg.checkpoint_path
+        if path is None or not path.is_dir():
+            return None
+        try:
+            return CheckpointManager(dataclasses.replace(self.cfg.checkpoint, dir=str(path))).latest()
+        except ValueError:  # a pointer the next start reports
+            return None
+
+
+def interrupted(cfg: JobConfig, step: int, saved: Path | None, rollout_only: bool = False) -> str:
+    """What an interrupted run leaves, and what the same command will do with it."""
+    run = cfg.run_path
+    engines = cfg.rollout.replay is None and cfg.algo.loss != "sft"
+    head = f"interrupted at step {step} of {cfg.steps}" + (", engines stopped" if engines else "")
+    again = f"the same command starts over (the logs in {run} are then kept in {run / EARLIER}/)"
+    if rollout_only:
+        return f"{head}: the rollouts of the steps done are in {run}; {again}"
+    if saved is not None and not cfg.checkpoint.resume:
+        return f"{head}: {saved} is kept; the same command refuses to start over it (checkpoint.resume=false)"
+    if saved is not None:
+        done = step_of(saved)
+        again = f"step {step}" if step == done + 1 else f"steps {done + 1}-{step}"
+        redo = f"; {again} trained again, their lines cut from the logs" if step > done else ""
+        return f"{head}: the same command resumes from step {done} ({saved}){redo}; run directory {run}"
+    c = cfg.checkpoint
+    if cfg.checkpoint_path is None:
+        why = "checkpoint.save=false"
+    elif c.interval and step < c.interval:
+        why = f"the first checkpoint comes at step {c.interval}"
+    else:
+        why = "checkpoint.interval=0: a checkpoint only at the end"
+    starting_weights = bool(cfg.model.hf_path) and any(Path(cfg.model.hf_path).glob("*.safetensors"))
+    return (
+        f"{head}: nothing was saved ({why}); the same command starts over from "
+        f"{_origin(cfg, starting_weights)}, in {run} (this start's logs then kept in {run / EARLIER}/)"
+    )
+
+
+def keep_earlier_logs(cfg: JobConfig) -> Path | None:
+    """A run that starts over where an earlier start left logs (interrupted before its first
+    checkpoint, or run again with checkpoint.save=false): those logs moved, whole, to the run
+    directory's previous/<n> (n: 1, 2, ... the first free), where a new start would cut them back
+    to nothing. Returns that folder; None when there was nothing to keep. (A resumed run instead
+    cuts its logs back to its checkpoint's step: one timeline.)"""
+    run = cfg.run_path
+    metrics = metrics_path(cfg)
+    found = [p for p in [*([metrics] if metrics else []), *(run / name for name in LOGS)] if p.exists()]
+    if not any(p.is_file() and p.suffix == ".jsonl" and p.stat().st_size for p in found):
+        return None
+    n = 1
+    while (run / EARLIER / str(n)).exists():
+        n += 1
+    kept = run / EARLIER / str(n)
+    kept.mkdir(parents=True)
+    for path in found:
+        shutil.move(path, kept / path.name)  # (logging.jsonl_path may lie on another file system)
+    return kept

@@ -7,7 +7,7 @@
 args.py reads the command line; fields.py lists the config's fields from the dataclasses and their
 field docstrings; dry_run.py and dry_run_memory.py say what a run would do, planned as the run
 plans (plan.py); slurm.py finds the Slurm script that runs a config, whose world the dry run plans
-for. Launching is train.main's.
+for; rank_errors.py says a config error every rank makes once a node. Launching is train.main's.
 """
 
 from bapo_megatron.cli.args import parse_args

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-USAGE = "bapo-train [CONFIG.yaml] [key=value ...] [--dry-run] [--world-size N] [--gpu-memory-gib G]"
+USAGE = (
+    "bapo-train [CONFIG.yaml] [key=value ...] [--dry-run] [--rollout-only] [--steps N] [--world-size N] "
+    "[--gpu-memory-gib G]"
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -26,6 +29,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value", help="a YAML file, then overrides")
     parser.add_argument("--help-config", action="store_true", help="list every config field and exit")
     parser.add_argument("--dry-run", action="store_true", help="print what would run and the memory it needs; exit")
+    parser.add_argument(
+        "--rollout-only",
+        action="store_true",
+        help="generate and score only (verl's trainer.val_only, slime's debug rollout): the engines start "
+        "from model.hf_path's weights and keep them; every sample goes to rollouts.jsonl and each step's reward "
+        "mean, spread, positive share, flat groups and response lengths to metrics.jsonl, in "
+        "<run_dir>/rollout_only; no trainer, optimizer or checkpoint. With --dry-run: its checks and plan",
+    )
+    parser.add_argument("--steps", type=int, metavar="N", help="the steps to run: the same as the override steps=N")
     parser.add_argument(
         "--world-size",
         type=int,
@@ -50,4 +62,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [a for a in args.overrides if "=" not in a]
     if bad:
         parser.error(f"{bad[0]!r} is neither the config file (first) nor a key=value override")
+    if args.steps is not None:
+        args.overrides.append(f"steps={args.steps}")
     return args

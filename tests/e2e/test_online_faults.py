@@ -170,11 +170,13 @@ def test_sigterm_while_every_reward_hangs_ends_the_run_and_its_workers(task, tmp
     assert not (run / "metrics.jsonl").exists() or not metrics(run), out[-3000:]
     if save_on_signal:
         assert proc.returncode == 0, out[-3000:]
-        assert out.strip().splitlines()[-1] == "signal 15: saved step 0 of 3; the same command resumes"
+        said = "signal 15 at step 0 of 3: nothing was saved; the same command starts over"
+        assert out.strip().splitlines()[-1] == said
         status = json.loads((run / "status.json").read_text())
         assert status["state"] == "stopped" and status["reason"] == "signal" and status["step"] == 0, status
     else:
         assert proc.returncode == 143, out[-3000:]
+        assert json.loads((run / "status.json").read_text())["state"] == "interrupted"
     no_reward_worker_left(task)
     no_engine_left(run)
 

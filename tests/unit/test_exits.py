@@ -1,0 +1,117 @@
+"""However a run ends, status.json says how (runinfo.Ending), and an interrupt says what it left: the
+checkpoint the same command resumes from, or that nothing was saved and what the same command starts
+over from. A run that starts over keeps the logs of the start before it (keep_earlier_logs)."""
+
+import json
+import signal
+
+import pytest
+
+from bapo_megatron.config import load_config
+from bapo_megatron.errors import ConfigError
+from bapo_megatron.models.spec import tiny_spec
+from bapo_megatron.runinfo import Ending, Interrupted, RunStatus, banner, keep_earlier_logs
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(None, [f"run_dir={tmp_path / 'run'}", "steps=20", "checkpoint.interval=5", *overrides])
+
+
+def _status(cfg) -> dict:
+    return json.loads((cfg.run_path / "status.json").read_text())
+
+
+def _save_step(cfg, step: int) -> None:
+    """A step directory as complete as the checkpoint manager tells them apart, and `latest` naming it."""
+    directory = cfg.checkpoint_path / f"step_{step:08d}"
+    directory.mkdir(parents=True)
+    (directory / "metadata.json").write_text("{}")
+    (cfg.checkpoint_path / "latest").write_text(directory.name + "\n")
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_nothing_was_saved(tmp_path, capsys):
+    cfg = _cfg(tmp_path, f"model.hf_path={tmp_path / 'm'}")
+    with pytest.raises(Interrupted) as raised, Ending(cfg) as ending:
+        ending.begin()
+        ending.step = 3
+        raise KeyboardInterrupt
+    assert raised.value.code == 130
+    said = capsys.readouterr().err.strip()
+    run = cfg.run_path
+    assert said == (
+        f"interrupted at step 3 of 20, engines stopped: nothing was saved (the first checkpoint comes at step 5); "
+        f"the same command starts over from random weights, in {run} (this start's logs then kept in {run}/previous/)"
+    )
+    assert _status(cfg) == {
+        "state": "interrupted",
+        "reason": "signal",
+        "step": 3,
+        "steps": 20,
+        "signal": 2,
+        "checkpoint": None,
+    }
+
+
+def test_sigterm_after_a_checkpoint_says_where_the_same_command_resumes(tmp_path, capsys):
+    """SIGTERM without checkpoint.save_on_signal (job.StopSignal raises Interrupted) after step 7,
+    the last checkpoint at step 5; with save_on_signal off a job script sees "interrupted", not "stopped"."""
+    cfg = _cfg(tmp_path, "checkpoint.save_on_signal=false", "rollout.replay=batches/")
+    _save_step(cfg, 5)
+    with pytest.raises(Interrupted) as raised, Ending(cfg) as ending:
+        ending.begin()
+        ending.step = 7
+        raise Interrupted(signal.SIGTERM)
+    assert raised.value.code == 143
+    assert capsys.readouterr().err.strip() == (
+        f"interrupted at step 7 of 20: the same command resumes from step 5 ({cfg.checkpoint_path / 'step_00000005'}); "
+        f"steps 6-7 trained again, their lines cut from the logs; run directory {cfg.run_path}"
+    )
+    assert _status(cfg)["state"] == "interrupted" and _status(cfg)["checkpoint"] == 5
+    assert RunStatus.read(cfg.run_path) == RunStatus.interrupted(7, 20, signal.SIGTERM, 5)
+
+
+def test_an_error_before_the_run_begins_replaces_a_stale_status(tmp_path):
+    """A requeued run that now fails its checks must not leave the last attempt's "stopped" behind
+    (slurm/common.sh would requeue it again, forever); a mistyped command creates nothing."""
+    cfg = _cfg(tmp_path)
+    cfg.run_path.mkdir()
+    RunStatus.ended(7, 20, "signal", signal.SIGUSR1, None).write(cfg.run_path)
+    with pytest.raises(ConfigError), Ending(cfg):
+        raise ConfigError("checkpoint.dir", "x", "holds another run's checkpoint")
+    assert _status(cfg) | {"error": "?"} == {
+        "state": "failed",
+        "reason": "error",
+        "step": 0,
+        "steps": 20,
+        "signal": None,
+        "error": "?",
+    }
+    (cfg.run_path / "status.json").unlink()
+    with pytest.raises(ConfigError), Ending(cfg):
+        raise ConfigError("parallel.tensor", 3, "must divide the heads")
+    assert sorted(cfg.run_path.iterdir()) == []
+
+
+def test_a_run_that_starts_over_keeps_the_earlier_logs_and_says_where(tmp_path):
+    cfg = _cfg(tmp_path)
+    run = cfg.run_path
+    assert keep_earlier_logs(cfg) is None  # nothing there yet
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / "samples.jsonl").write_text('{"step": 1, "groups": []}\n')
+    RunStatus.interrupted(2, 20, signal.SIGINT, None).write(run)
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out.tfevents.1").write_bytes(b"e")  # a new start's writer would hide them
+    (run / "config.yaml").write_text("steps: 20\n")
+    kept = keep_earlier_logs(cfg)
+    assert kept == run / "previous" / "1"
+    assert sorted(p.name for p in kept.iterdir()) == ["metrics.jsonl", "samples.jsonl", "status.json", "tensorboard"]
+    assert (kept / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "previous"]
+    assert f"earlier logs   kept in {kept} (an earlier start's: this one starts over)" in banner(
+        cfg, tiny_spec(), 1, None, kept=kept
+    )
+    (run / "metrics.jsonl").write_text("")  # a start that logged nothing keeps nothing
+    assert keep_earlier_logs(cfg) is None
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert keep_earlier_logs(cfg) == run / "previous" / "2"
