@@ -185,7 +185,8 @@ run_trainer() {
     return "$code"
 }
 
-# The trainer's status.json: "finished", "stopped" (a signal: requeue) or missing (it failed).
+# The trainer's status.json: "finished", "stopped" (a signal: requeue), "failed" or "interrupted"
+# (the job's error branch), or missing (it died before writing one).
 run_state() {
     "$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["state"])' "$RUN_DIR/status.json" \
         2>/dev/null || echo missing
