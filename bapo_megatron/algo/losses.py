@@ -10,17 +10,21 @@ step too (regularizers()).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.algo import rollout_corr_metrics as corr_metrics
 from bapo_megatron.algo.bapo import BAPOConfig, ClipBounds, contribution_sums, search_clip_bounds
 from bapo_megatron.algo.metrics import LossOutput
-from bapo_megatron.errors import check
+from bapo_megatron.algo.rollout_correction import Corrected, RolloutCorrectionConfig, Sequences, apply_correction
+from bapo_megatron.errors import ConfigError, check
 
 LOG_RATIO_CLAMP = 20.0
 """r_t = exp(clamp(log pi - log mu, -20, 20)), as the spec defines it."""
@@ -58,7 +62,11 @@ class PolicyLossConfig:
     cispo_eps_high: float = 0.28
     """cispo: the stop-gradient weight is clip(r, 0, 1 + eps_high)."""
     tis_cap: float | None = None
-    """Truncated importance weight min(pi_prox / mu, cap) on any loss (None: off)."""
+    """Truncated importance weight min(pi_prox / mu, cap) on any loss (None: off): the same as
+    rollout_correction.rollout_is "token" with rollout_is_threshold cap."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights and rejection between the engine's policy and the trainer's, verl's
+    algorithm.rollout_correction (docs/BAPO_SPEC.md, "Rollout correction")."""
     kl_coef: float = 0.0
     """A KL loss to the reference policy (the run's starting weights, held frozen by the trainer):
     the loss adds kl_coef x the token mean of a KL(pi || pi_ref) estimate, reported as loss/kl.
@@ -96,12 +104,25 @@ class PolicyLossConfig:
                 self.tis_cap,
                 "must be None or a finite number >= 1",
             )
+        corr, why = self.correction, "must be ppo with rollout_correction.loss_type reinforce"
+        check(corr.loss_type == "ppo_clip" or self.loss == "ppo", "loss", self.loss, why)
+        off = corr == RolloutCorrectionConfig()  # sft trains given answers, with no engine to correct for
+        check(self.loss != "sft" or off, "rollout_correction", corr, "must stay off with loss sft")
         for name in ("kl_coef", "entropy_coef"):
             value = getattr(self, name)
             check(math.isfinite(value) and value >= 0.0, name, value, "must be a finite number >= 0 (0: off)")
         verl = ", ".join(f"{k} is {v}" for k, v in VERL_KL_TYPES.items() if k != v)
         known = self.kl_type in KL_ESTIMATES or self.kl_type in VERL_KL_TYPES
         check(known, "kl_type", self.kl_type, f"must be one of {list(KL_ESTIMATES)} ({verl})")
+
+    @cached_property
+    def correction(self) -> RolloutCorrectionConfig:
+        """rollout_correction, with tis_cap read as the token-level truncated weight it is."""
+        if self.tis_cap is None:
+            return self.rollout_correction
+        if self.rollout_correction.rollout_is is not None:
+            raise ConfigError("tis_cap", self.tis_cap, "means rollout_correction.rollout_is=token: set one")
+        return dataclasses.replace(self.rollout_correction, rollout_is="token", rollout_is_threshold=self.tis_cap)
 
 
 @dataclass
@@ -116,7 +137,8 @@ class PolicyBatch:
     mask: torch.Tensor
     """1 for counted response tokens, 0 for prompt and padding (which may hold NaN)."""
     prox_logprobs: torch.Tensor | None = None
-    """log pi_prox, recomputed at the start of the step; needed only with tis_cap."""
+    """log pi_prox, recomputed at the start of the step; needed by a decoupled rollout correction
+    (weights or rejection, tis_cap); the correction's metrics measure it where given."""
     ref_logprobs: torch.Tensor | None = None
     """log pi_ref of the reference policy (no gradient); needed only with kl_coef > 0."""
     entropy: torch.Tensor | None = None
@@ -129,11 +151,20 @@ class PolicyBatch:
     sft/token_acc and sft/answer_acc from it)."""
     first_update: bool = True
     """Report rollout/logprob_mismatch (this is the first update on a fresh rollout batch)."""
+    sequences: Sequences | None = None
+    """Which response each token belongs to, for sequence-level correction and metrics; default:
+    each row of a 2-D batch is one."""
+    same_version: torch.Tensor | None = None
+    """True where the step's own policy version sampled the token (splits the staleness metrics)."""
+    is_scale: torch.Tensor | None = None
+    """The step's mean importance weight, rollout_is_batch_normalize's divisor (the trainer's prepass)."""
+    is_weight: torch.Tensor | None = None
+    """The rollout correction's weight on each token's loss (policy_loss fills it; None: 1)."""
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
         names = ("old_logprobs", "advantages", "mask", "prox_logprobs", "ref_logprobs", "entropy", "segment_ids")
-        for name in (*names, "top_logprobs"):
+        for name in (*names, "top_logprobs", "same_version", "is_weight"):
             t = getattr(self, name)
             if t is not None and t.shape != shape:
                 raise ValueError(f"PolicyBatch.{name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
@@ -148,11 +179,6 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torc
     return torch.exp(torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
-def truncated_is_weight(prox_logprobs: torch.Tensor, old_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """w_t = min(pi_prox / mu, cap), detached."""
-    return torch.exp(torch.clamp(prox_logprobs - old_logprobs, max=math.log(cap))).detach()
-
-
 @dataclass
 class _Tokens:
     """Sanitised per-token tensors: masked-out positions hold neutral values, never NaN."""
@@ -163,7 +189,7 @@ class _Tokens:
     log_ratio: torch.Tensor  # clamp(log pi - log mu, -20, 20), with gradient
     ratio: torch.Tensor  # exp(log_ratio), with gradient
     advantages: torch.Tensor
-    is_weight: torch.Tensor  # truncated importance weight (detached), 1 when off
+    is_weight: torch.Tensor  # the rollout correction's weight (detached), 1 when off
 
 
 def _prepare(batch: PolicyBatch, cfg: PolicyLossConfig) -> _Tokens:
@@ -173,12 +199,7 @@ def _prepare(batch: PolicyBatch, cfg: PolicyLossConfig) -> _Tokens:
     old = torch.where(counted, batch.old_logprobs.to(logprobs.dtype), 0.0)
     log_ratio = torch.clamp(logprobs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # gspo needs it before exp
     advantages = torch.where(counted, batch.advantages.to(logprobs.dtype), 0.0)
-    is_weight = torch.ones_like(weight)
-    if cfg.tis_cap is not None:
-        if batch.prox_logprobs is None:
-            raise ValueError("tis_cap is set but PolicyBatch.prox_logprobs is None")
-        prox = torch.where(counted, batch.prox_logprobs.to(logprobs.dtype), 0.0)
-        is_weight = truncated_is_weight(prox, old, cfg.tis_cap)
+    is_weight = torch.ones_like(weight) if batch.is_weight is None else batch.is_weight.to(weight).detach()
     return _Tokens(counted, weight, logprobs, log_ratio, torch.exp(log_ratio), advantages, is_weight)
 
 
@@ -227,8 +248,6 @@ def _output(
     if batch.first_update:
         diff = torch.where(tokens.counted, (tokens.logprobs.detach() - batch.old_logprobs).abs(), 0.0)
         out.add_mean("rollout/logprob_mismatch", (w * diff).sum(), count)
-    if cfg.tis_cap is not None:
-        out.add_mean("policy/tis_weight_mean", (w * tokens.is_weight).sum(), count)
     # The parts of two shares measured alike for every method (the paper's Fig. 4), as means over
     # the counted tokens, so that they add up over micro-batches, ranks and updates (a mini-batch
     # whose groups all carry no advantage adds 0 to each, where a ratio of its own would be 0/0):
@@ -445,18 +464,37 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 }
 
 
+def reinforce_loss(batch: PolicyBatch, cfg: PolicyLossConfig, bounds=None, group=None) -> LossOutput:
+    """verl's bypass REINFORCE (loss_type reinforce): -w_t A_t log pi_t; no clip (bounds 0, e^20)."""
+    t = _prepare(batch, cfg)
+    return _output(t, -t.advantages * t.logprobs, batch, cfg, 0.0, math.exp(LOG_RATIO_CLAMP), None)
+
+
+def corrected(batch: PolicyBatch, cfg: PolicyLossConfig) -> tuple[PolicyBatch, Corrected]:
+    """The batch the loss trains on (rejected tokens out of its mask, the correction's weight on
+    each token's loss: docs/BAPO_SPEC.md) and the correction that made it."""
+    seqs = batch.sequences or Sequences.of(batch.logprobs, batch.segment_ids)
+    prox, old = batch.prox_logprobs, batch.old_logprobs
+    fixed = apply_correction(batch.logprobs, prox, old, batch.mask, seqs, cfg.correction, batch.is_scale)
+    return dataclasses.replace(batch, mask=fixed.mask, is_weight=fixed.is_weight), fixed
+
+
 def policy_loss(
     batch: PolicyBatch,
     cfg: PolicyLossConfig,
     bounds: ClipBounds | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> LossOutput:
-    """The configured loss with its KL and entropy terms (regularizers); `bounds` and `group`
-    matter to bapo only."""
-    out = POLICY_LOSSES[cfg.loss](batch, cfg, bounds=bounds, group=group)
-    extra, metrics = regularizers(batch, cfg)
+    """The configured loss on the rollout-corrected batch with its KL and entropy terms
+    (regularizers) and the rollout_corr/ metrics; `bounds` and `group` matter to bapo only."""
+    train, fixed = (batch, None) if cfg.loss == "sft" else corrected(batch, cfg)
+    loss = reinforce_loss if cfg.correction.loss_type == "reinforce" else POLICY_LOSSES[cfg.loss]
+    out = loss(train, cfg, bounds=bounds, group=group)
+    extra, metrics = regularizers(train, cfg)
     if cfg.kl_coef > 0 or cfg.entropy_coef > 0:
         out.loss_sum = out.loss_sum + extra
     for name, (value, count) in metrics.items():
         out.add_mean(name, value, count)
+    if fixed is not None:
+        corr_metrics.add_metrics(out, fixed, batch.old_logprobs, batch.mask, batch.same_version, batch.is_scale)
     return out

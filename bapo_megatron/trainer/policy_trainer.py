@@ -3,10 +3,11 @@
 One optimizer step on a list of samples:
   1. advantages from group rewards; samples split over data-parallel ranks and into
      micro-batches by token budget (every rank the same number);
-  2. where needed (BAPO with bound_scope "step", or a truncated importance weight), a
+  2. where needed (BAPO with bound_scope "step", or a decoupled rollout correction), a
      forward-only pass at the parameters of the start of the step: per-micro-batch BAPO
-     tables summed, ONE all-reduce over data x context parallel on the last stage, and
-     pi_prox for the importance weight; with a KL loss (algo.kl_coef > 0), one more through
+     tables summed, ONE all-reduce over data x context parallel on the last stage (one more
+     for the step's mean importance weight under batch normalisation), and pi_prox for the
+     correction; with a KL loss (algo.kl_coef > 0), one more through
      the frozen reference model (trainer/reference.py) for pi_ref;
   3. the training pass through get_forward_backward_func: forward_step on every stage,
      the loss on the last, (loss_sum, token_count) so that finalize_model_grads divides
@@ -18,16 +19,18 @@ One optimizer step on a list of samples:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.algo import rollout_corr_metrics as corr_metrics
 from bapo_megatron.algo.advantages import group_advantages
 from bapo_megatron.algo.bapo import BoundSearch, ClipBounds
-from bapo_megatron.algo.losses import PolicyBatch, importance_ratio, policy_loss, truncated_is_weight
+from bapo_megatron.algo.losses import PolicyBatch, importance_ratio, policy_loss
 from bapo_megatron.algo.metrics import LossOutput, reduce_metrics
+from bapo_megatron.algo.rollout_correction import Sequences, apply_correction, batch_mean_parts, normaliser
 from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.common.progress import Progress, bars_on
 from bapo_megatron.config import JobConfig
@@ -54,6 +57,10 @@ class StepState:
     """Why the step will be skipped (a non-finite input found by a collective check); empty: it will not."""
     version: int | None = None
     """The policy version the step's weights are (the batch's metadata), where the rollout says."""
+    is_parts: list[torch.Tensor] = field(default_factory=list)
+    """Each micro-batch's (sum, count) of the importance weights' mean (rollout_is_batch_normalize)."""
+    is_scale: torch.Tensor | None = None
+    """The step's mean importance weight over every rank, the batch normalisation's divisor."""
 
 
 @dataclass
@@ -215,17 +222,25 @@ class PolicyTrainer:
             with_top=with_top,
         )
 
-    def _is_weight(self, mb: MicroBatch, prox: torch.Tensor) -> torch.Tensor:
-        cap = self.cfg.algo.tis_cap
-        return torch.ones_like(prox) if cap is None else truncated_is_weight(prox, mb.old_logprobs, cap)
+    def _sequences(self, mb: MicroBatch) -> Sequences:
+        """Which sample each position of `mb` belongs to (padded rows or a packed row)."""
+        if mb.cu_seqlens is None:
+            return Sequences.rows(mb.loss_mask.shape, len(mb.sample_index), mb.loss_mask.device)
+        return Sequences.packed(mb.cu_seqlens, len(mb.sample_index), mb.loss_mask.shape[1])
 
     def _stats_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
-        """Forward-only pass: keep pi_prox and this micro-batch's part of the BAPO table."""
+        """Forward-only pass: keep pi_prox and this micro-batch's part of the BAPO table, searched
+        over the tokens that train with their correction weights (before batch normalisation, a
+        common factor that leaves the positive share as it is)."""
         logp, _ = self._logprobs(mb, logits, step.temperature)
-        mb.prox_logprobs = logp.detach()
-        ratio = importance_ratio(logp, mb.old_logprobs)
-        weights = mb.loss_mask * self._is_weight(mb, logp)
-        table = self.search.table(ratio, mb.advantages, weights)
+        mb.prox_logprobs = logp = logp.detach()
+        corr, seqs = self.cfg.algo.correction, self._sequences(mb)
+        fixed = apply_correction(logp, logp, mb.old_logprobs, mb.loss_mask, seqs, corr, logp.new_ones(()))
+        weights = fixed.mask if fixed.is_weight is None else fixed.mask * fixed.is_weight
+        if corr.rollout_is_batch_normalize:
+            level = "token" if corr.rollout_is == "token" else "sequence"
+            step.is_parts.append(batch_mean_parts(fixed.correction, mb.loss_mask, seqs, level))
+        table = self.search.table(importance_ratio(logp, mb.old_logprobs), mb.advantages, weights)
         return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), table
 
     def _reference_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
@@ -252,6 +267,9 @@ class PolicyTrainer:
             entropy=entropy,
             top_logprobs=top[0] if top else None,
             first_update=step.first_update,
+            sequences=self._sequences(mb),
+            same_version=None if step.version is None else mb.versions == step.version,
+            is_scale=step.is_scale,
         )
         scope_group = self.info.dp_cp_group if step.bounds is None else None
         try:
@@ -270,7 +288,9 @@ class PolicyTrainer:
         # The schedule gets a tensor of its own: with pipeline stages it frees what it backpropagates
         # through (deallocate_pipeline_outputs: .data made an uninitialised [1]), and the non-finite
         # check reads out.loss_sum afterwards
-        return out.loss_sum.clone(), torch.tensor(mb.num_tokens, dtype=torch.int), out
+        # rejected tokens leave the step's token count too (verl's mask): counted on the device then
+        count = out.token_count.round().to(torch.int) if self.cfg.algo.correction.rules else mb.num_tokens
+        return out.loss_sum.clone(), torch.as_tensor(count, dtype=torch.int), out
 
     def _start_bounds(self) -> ClipBounds:
         c_low, c_high = self.search.path.points[0]
@@ -282,17 +302,23 @@ class PolicyTrainer:
         step.skip_reason = str(err)
 
     def _needs_prepass(self) -> bool:
-        algo = self.cfg.algo
-        return (algo.loss == "bapo" and algo.bapo.bound_scope == "step") or algo.tis_cap is not None
+        algo, corr = self.cfg.algo, self.cfg.algo.correction
+        bapo_step = algo.loss == "bapo" and algo.bapo.bound_scope == "step"
+        return algo.loss != "sft" and (bapo_step or corr.needs_prox or corr.rollout_is_batch_normalize)
 
     def _step_bounds(self, step: StepState, mbs: list[MicroBatch]) -> ClipBounds | None:
-        """BAPO's bounds over the whole step, at the start-of-step parameters (None: not searched here)."""
+        """BAPO's bounds over the whole step, at the start-of-step parameters (None: not searched
+        here), and the step's mean importance weight where batch normalisation needs it."""
         with torch.no_grad():
             tables = self._run(mbs, partial(self._stats_loss, step), forward_only=True, label="bounds")
-        if self.cfg.algo.loss != "bapo" or self.cfg.algo.bapo.bound_scope != "step":
-            return None
         if not self.info.is_last_stage:
             return None  # only the last stage computes the loss
+        if step.is_parts:
+            parts = torch.stack(step.is_parts).sum(0)
+            dist.all_reduce(parts, group=self.info.dp_cp_group)
+            step.is_scale = normaliser(parts)
+        if self.cfg.algo.loss != "bapo" or self.cfg.algo.bapo.bound_scope != "step":
+            return None
         try:
             return self.search.select(torch.stack(tables).sum(0), group=self.info.dp_cp_group)
         except NonFiniteInputError as err:
@@ -376,7 +402,7 @@ class PolicyTrainer:
 
         metrics: dict[str, float] = {}
         if self.info.is_last_stage:
-            metrics = reduce_metrics(outputs, group=self.info.dp_cp_group)
+            metrics = corr_metrics.finish(reduce_metrics(outputs, group=self.info.dp_cp_group))
             if metrics.get("rollout/same_version_share", 1.0) == 0.0:  # no token of this version: no figure
                 metrics.pop("rollout/logprob_mismatch_same_version")
         metrics.update(adv_metrics)
