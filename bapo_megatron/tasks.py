@@ -1,13 +1,19 @@
 """Built-in toy tasks that a tiny model learns on two CPU cores: verifiable answers, a
-character-level tokenizer and a tiny Qwen2 model made from a config (nothing downloaded).
+character-level tokenizer and a tiny model of any mapped family made from a config (nothing downloaded).
 
     python -m bapo_megatron.tasks addition runs/tasks/addition      # data + model directory
+    python -m bapo_megatron.tasks addition runs/tasks/moe --architecture qwen3_moe   # another family
+
+--architecture picks the model's family (default qwen2; every family of bapo_megatron/models, listed
+below with the config.json architectures it reads): its task model of 0.8 to 2.1M parameters, the same
+hidden size, layers and heads in each, with the family's own features (experts, latent or linear
+attention, sinks), seeded random weights, and the tokenizer below.
 
 writes, under the output directory:
   train.jsonl    {"prompt": "123+045=", "answer": "0168"} records (data.path of SFT and RL)
   heldout.jsonl  prompts never in train.jsonl, for evaluation
   model/         config.json, model.safetensors (seeded random weights), tokenizer.json and
-                 tokenizer_config.json: model.hf_path of the first run
+                 tokenizer_config.json: model.hf_path of the first run, of --architecture's family
 A response is the answer's characters followed by <eos>; the "exact" reward compares the
 decoded text with the answer.
 
@@ -15,7 +21,7 @@ decoded text with the answer.
 
 writes train.parquet and test.parquet in verl's gsm8k layout (data_source, prompt as chat
 messages, ability, reward_model {style, ground_truth}, extra_info) over one-digit sums
-("3+4=", ground truth "7", answered "#### 7"), and model/: the tiny Qwen2 with the chat
+("3+4=", ground truth "7", answered "#### 7"), and model/: the tiny model with the chat
 tokenizer (the characters above, " ", "#", role markers and "#### " as tokens, a chat template).
 
 The output directory is new or empty (--force replaces an earlier output directory: one that holds
@@ -409,7 +415,14 @@ def main(argv: list[str] | None = None) -> int:
         help="held-out prompts, at most half of the task's distinct ones (default 1000; verl-data 20 of its 100)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--architecture", default="qwen2", choices=sorted(FAMILIES))
+    parser.add_argument(
+        "--architecture",
+        default="qwen2",
+        choices=sorted(FAMILIES),
+        metavar="FAMILY",
+        help="the tiny model's family (default qwen2), by the config.json architectures it reads: "
+        + "; ".join(f"{name} ({', '.join(FAMILIES[name].architectures)})" for name in sorted(FAMILIES)),
+    )
     parser.add_argument(
         "--force",
         action="store_true",

@@ -191,6 +191,11 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl"):
         assert (run / "rl" / name).stat().st_size > 0, name
     assert "held-out greedy accuracy" in done.stdout
+    # the quick run's BAPO steps have rewards that differ within groups, and it says what it checks
+    assert "trains on nothing" not in done.stdout + done.stderr
+    assert "--quick checks the plumbing only" in done.stdout and summary["quick"] is True
+    records = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("train/grad_norm", 0) > 0 for r in records)  # its updates had advantages to follow
     # Megatron's notices that Transformer Engine and Apex are missing (the CPU default's fallbacks)
     # are kept in each run's warnings.log, off the console
     assert "Apex is not installed" not in done.stdout + done.stderr

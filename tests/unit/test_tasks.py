@@ -7,10 +7,14 @@ import json
 import os
 import random
 import re
+from pathlib import Path
 
 import pytest
 
+from bapo_megatron.models import FAMILIES
 from bapo_megatron.tasks import SPECIAL, SYMBOLS, TASKS, char_tokenizer, split, write_task
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_answers_are_right():
@@ -369,3 +373,45 @@ def test_the_working_directory_those_above_it_home_and_root_are_refused(tmp_path
     empty.mkdir()
     monkeypatch.chdir(empty)  # new or empty, the working directory is still not replaced
     assert tasks_main("addition", ".", *small[:-1])[0] == 2 and not any(empty.iterdir())
+
+
+@pytest.mark.parametrize("architecture", sorted(FAMILIES))
+def test_every_family_gets_a_tiny_model_with_its_tokenizer_that_our_readers_load(tmp_path, tasks_main, architecture):
+    """`python -m bapo_megatron.tasks TASK DIR --architecture NAME` for each family of the registry:
+    config.json read back by the loop's reader (HFCheckpoint: the spec, and every tensor it implies
+    with its shape) as the family's task model, the tokenizer's vocabulary and end token the model's."""
+    from bapo_megatron.common.hf_io import HFCheckpoint
+    from bapo_megatron.data.prompts import load_tokenizer
+
+    code, errors = tasks_main(
+        "sort", str(tmp_path / "out"), "--train", "4", "--heldout", "2", "--architecture", architecture
+    )
+    assert code == 0 and not errors, errors
+    model = tmp_path / "out" / "model"
+    checkpoint = HFCheckpoint(model)
+    tokenizer = load_tokenizer(model)
+    spec = checkpoint.spec
+    assert spec == FAMILIES[architecture].task_model(len(tokenizer), spec.max_position_embeddings)
+    assert spec.max_position_embeddings >= len("s123456=") + TASKS["sort"].max_new_tokens
+    assert tokenizer.eos_token_id == json.loads((model / "config.json").read_text())["eos_token_id"]
+
+
+def test_the_help_names_every_family_and_the_architectures_it_reads(capsys):
+    from bapo_megatron.tasks import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at any space
+    for name, family in FAMILIES.items():
+        assert f"{name} ({', '.join(family.architectures)})" in shown
+
+
+def test_the_quick_demos_reward_tells_apart_what_exact_match_scores_alike():
+    """examples/rewards/right_characters.py, loaded as the quick demo names it: a model at chance gets
+    some characters right, which `exact` scores 0 all alike; only the answer itself scores 1."""
+    from bapo_megatron.rewards.functions import load_reward
+
+    reward = load_reward(f"{ROOT / 'examples' / 'rewards' / 'right_characters.py'}:right_characters")
+    record = {"prompt": "123+045=", "answer": "0168"}
+    scores = [reward(text, [], record) for text in ("0168", "0160", "0999", "9999", "", "01688888")]
+    assert scores == [1.0, 0.75, 0.25, 0.0, 0.0, 0.5]
