@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bapo_megatron.config import LoggingConfig
+from bapo_megatron.run_checks import RunChecks
 
 if TYPE_CHECKING:
     from bapo_megatron.common.batch import RolloutBatch
@@ -265,10 +266,13 @@ class StepRecords:
 class StepLog:
     """Each step's line, in step order, written once the held-out evaluation it started (if any) has
     its figures: an evaluation runs beside the next step and reports in the line of the step whose
-    weights it measured. `flush` waits for whatever is pending (before a checkpoint, at the end)."""
+    weights it measured. `flush` waits for whatever is pending (before a checkpoint, at the end).
+    Each step's metrics pass logging.checks as they are recorded (run_checks.CheckFailed: the run
+    stops at that step, its line written or pending)."""
 
     def __init__(self, logger: MetricLogger) -> None:
         self.logger = logger
+        self.checks = RunChecks(logger.cfg.checks)
         self.pending: list[tuple[int, dict[str, float], Future | None]] = []
         self.history: list[dict[str, float]] = []
         self.step: int | None = None  # the last step recorded
@@ -279,6 +283,7 @@ class StepLog:
         self.step = step
         self._carried = {}
         self._write(wait=False)
+        self.checks.step(step, metrics)  # on every rank: the trainer's figures are each rank's
 
     def carry(self, metrics: dict[str, float]) -> None:
         """Figures for the next line (a checkpoint's time, taken after its step's line was written)."""

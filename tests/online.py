@@ -59,6 +59,27 @@ def engine_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+CHECKS = (
+    "logging.checks.enabled=true",
+    "logging.checks.max_logprob_mismatch=1e-5",
+)
+"""The regression gate of every run `args` makes (logging.checks, run_checks.py): step 1's KL to the
+reference is 0 (with algo.kl_coef), log-probs and entropy in range, no NaN, and the tokens of each
+step's own version hold the engine's log-probs to the trainer's within 1e-5 (float32 on both ends:
+~1e-6 measured; the e2e asserts hold them to the same bound); `entropy_bound` adds the most entropy
+the run's model can have. A test may override any of them."""
+
+
+def entropy_bound(argv: list[str]) -> list[str]:
+    """logging.checks.entropy_max for the model the run's argv names: ln of its vocabulary (no
+    distribution over V tokens has more; the trainer leaves the padding rows out); none where the
+    model has no config.json yet."""
+    models = [a.split("=", 1)[1] for a in argv if a.startswith("model.hf_path=")]
+    config = Path(models[-1]) / "config.json"
+    vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+    return [f"logging.checks.entropy_max={math.log(vocab) + 1e-6!r}"] if vocab else []
+
+
 PORTS: dict[Path, list[int]] = {}
 """The engine ports each run directory was given (no_engine_left looks for those)."""
 
@@ -66,8 +87,9 @@ PORTS: dict[Path, list[int]] = {}
 def args(task: Path, run: Path, steps: int, *extra: str) -> list[str]:
     port = engine_port()
     PORTS.setdefault(run, []).append(port)
+    model = f"model.hf_path={task / 'm'}"
     return [
-        f"model.hf_path={task / 'm'}",
+        model,
         f"data.path={task / 'prompts.jsonl'}",
         f"reward.function={task / 'reward.py'}:even",
         f"steps={steps}",
@@ -82,6 +104,8 @@ def args(task: Path, run: Path, steps: int, *extra: str) -> list[str]:
         "optimizer.lr=1e-3",
         "logging.backends=[jsonl]",
         "parallel.max_tokens_per_microbatch=64",
+        *CHECKS,
+        *entropy_bound([model, *extra]),
         *extra,
     ]
 

@@ -3,10 +3,63 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 from bapo_megatron.errors import check
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunChecksConfig:
+    """logging.checks: figures each step's metrics must meet, as Miles and slime assert inside their
+    CI runs; a step that fails one stops the run (one `error:` line naming the check, the step, the
+    metric, its value and the bound; status.json "failed"). A check whose metric a step does not
+    report is not applied at that step."""
+
+    enabled: bool = False
+    """Apply the checks below (the project's own end-to-end tests turn them on)."""
+    kl_zero_at_first_step: bool = True
+    """The KL to the reference (loss/kl, reported when algo.kl_coef > 0) is 0 at step 1 of a new run:
+    the reference is the policy then, and that step's one update measures it before it moves (a step
+    1 of several updates averages later ones in: not checked). Within kl_tolerance."""
+    kl_tolerance: float = 1e-6
+    """How far from 0 step 1's KL may be (float rounding between two forwards of equal weights)."""
+    max_logprob_mismatch: float | None = None
+    """The largest train-rollout absolute log-prob difference (each of mismatch_metrics) a step may
+    report; None: not checked. fp32 engine and trainer: ~1e-6; a bf16 engine: ~1e-2."""
+    mismatch_metrics: tuple[str, ...] = ("rollout/logprob_mismatch_same_version",)
+    """The metrics max_logprob_mismatch bounds (e.g. rollout/logprob_mismatch, which an asynchronous
+    or partial rollout raises with older tokens, or rollout_corr/train_rollout_logprob_abs_diff)."""
+    logprob_range: bool = True
+    """Log-probs lie in (-inf, 0]: each of log_ppl_metrics (a mean of -log p over a step's
+    sequences: no metric reports single log-probs) is finite and >= 0 (within kl_tolerance)."""
+    log_ppl_metrics: tuple[str, ...] = ("rollout_corr/training_log_ppl", "rollout_corr/rollout_log_ppl")
+    """The metrics logprob_range bounds: the trainer's and the engine's mean negative log-probs."""
+    entropy_min: float | None = 0.0
+    """policy/entropy is at least this (None: no lower bound; a collapsed policy nears 0)."""
+    entropy_max: float | None = None
+    """policy/entropy is at most this (None: no upper bound; ln(vocabulary size) is the most it can be)."""
+    no_nan: bool = True
+    """No metric is NaN, except in a step with an update skipped for a non-finite loss or gradient
+    (its grad_norm is NaN: optimizer.max_skipped_steps judges those). Held-out evaluation figures,
+    which join a step's line later, are not checked."""
+
+    def __post_init__(self) -> None:
+        check(
+            math.isfinite(self.kl_tolerance) and self.kl_tolerance >= 0,
+            "kl_tolerance",
+            self.kl_tolerance,
+            "must be >= 0",
+        )
+        if self.max_logprob_mismatch is not None:
+            ok = math.isfinite(self.max_logprob_mismatch) and self.max_logprob_mismatch >= 0
+            check(ok, "max_logprob_mismatch", self.max_logprob_mismatch, "must be >= 0 (None: not checked)")
+            check(bool(self.mismatch_metrics), "mismatch_metrics", self.mismatch_metrics, "names no metric to bound")
+        for name, names in (("mismatch_metrics", self.mismatch_metrics), ("log_ppl_metrics", self.log_ppl_metrics)):
+            check(all("/" in n for n in names), name, names, "metric names have a slash (rollout/logprob_mismatch)")
+        low, high = self.entropy_min, self.entropy_max
+        check(low is None or high is None or low <= high, "entropy_max", high, f"is below entropy_min={low}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +92,8 @@ class LoggingConfig:
     """Write each step's rollout batch (what the trainer trains on: tokens, behaviour log-probs,
     versions, rewards, loss masks, routes) to batches/step_NNNNNNNN.safetensors in the run
     directory: `rollout.replay=<run_dir>/batches` then trains on them alone, without engines."""
+    checks: RunChecksConfig = field(default_factory=RunChecksConfig)
+    """In-run checks every step's metrics must pass, or the run stops (off by default)."""
 
     def __post_init__(self) -> None:
         check(self.interval >= 1, "interval", self.interval, "must be >= 1")

@@ -29,6 +29,7 @@ RANK = {
     "rewards": 5,
     "rollout": 6,
     "weights": 6,
+    "run_checks": 6,
     "logger": 7,
     "tasks": 7,
     "evaluate": 7,
