@@ -30,6 +30,7 @@ import torch
 
 from bapo_megatron.common.batch import RolloutBatch, Sample
 from bapo_megatron.config import JobConfig
+from bapo_megatron.engines.fleet import node_engines
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.handoff import GiveUp, Handoff, Ready, Refit, Stop
 from bapo_megatron.models.spec import ModelSpec
@@ -207,10 +208,12 @@ class OnlineFollower(BatchSource):
         self.cfg = cfg
         self.publisher: WeightPublisher | None = None
         self.refit_gaps: list[float] = []  # probe gaps of refits during the step (reported at its publish)
+        self.node_servers: list = []  # colocated engines this rank started for its node (engines/fleet.node_engines)
 
     def start(self, trainer, step: int, resumed: bool) -> None:
         holders = handle_holders(self.cfg, trainer)  # a collective: every rank, here
         engine_model_dir(self.cfg, trainer)
+        self.node_servers = node_engines(self.cfg, trainer.spec, holders, None, None, None)  # (colocated, a node's)
         self.publisher = WeightPublisher(self.cfg, trainer, Gathering(holders), holders)
         self.publish(trainer, step)
 
@@ -250,6 +253,10 @@ class OnlineFollower(BatchSource):
         self.refit_gaps = []
         return {**metrics, "sync/refit_probe_gap": max(gaps)} if gaps else metrics
 
+    def close(self) -> None:
+        for server in self.node_servers:
+            server.stop()
+
 
 class OnlineSource(OnlineFollower):
     """Rank 0 of a generating run: the driver's engines, prompts and rewards (driver.py, rollout/);
@@ -275,7 +282,9 @@ class OnlineSource(OnlineFollower):
         holders = handle_holders(self.cfg, trainer)
         model_dir = engine_model_dir(self.cfg, trainer)
         self.driver.records.truncate_after(step if resumed else None)  # one timeline with metrics.jsonl
-        self.driver.start(model_dir, holders, self._colocated_fraction(trainer))
+        fraction = self._colocated_fraction(trainer)
+        node_engines(self.cfg, trainer.spec, holders, self.driver.engines, model_dir, fraction)  # the other nodes'
+        self.driver.start(model_dir, holders, fraction)
         self.publisher = WeightPublisher(self.cfg, trainer, self.driver.updates, holders)
         self.publish(trainer, step)  # the engines serve the trainer's weights (a resumed run's too)
 

@@ -227,7 +227,8 @@ export_hf() {
 # slurm/bapo_7b.sh and slurm/bapo_32b.sh: TRAIN_NODES trainer nodes (the environment's TRAIN_NODES
 # wins), ENGINES_PER_NODE SGLang servers on each further node (likewise), ENGINE_TP the preset's
 # rollout.engines.tensor_parallel; MODEL_DIR and DATA from the environment (a data.path=... argument
-# stands for DATA, as the recipes' launch passes it); COLOCATE=1: no rollout nodes.
+# stands for DATA, as the recipes' launch passes it); COLOCATE=1: no rollout nodes, the engines on
+# every trainer node's GPUs (TRAIN_NODES x 8 / ENGINE_TP servers).
 bapo_gpu_job() {
     TRAIN_NODES=${TRAIN_NODES:-$1}
     ENGINES_PER_NODE=${ENGINES_PER_NODE:-$2}
@@ -257,8 +258,11 @@ bapo_gpu_job() {
         "rollout.engines.admin_key_file=$(shared_admin_key)"
     )
     if [[ $COLOCATE == 1 ]]; then
-        # colocated engines give their memory to the trainer while it trains: generation is synchronous
-        args+=("rollout.mode=sync" "rollout.engines.colocate=true" "rollout.engines.servers=$((gpus_per_node / engine_tp))")
+        # colocated engines give their memory to the trainer while it trains: generation is synchronous.
+        # One server per ENGINE_TP GPUs on every trainer node, started by that node's first rank and
+        # reached by the driver beyond loopback (the admin key above), weights by CUDA IPC on each node
+        args+=("rollout.mode=sync" "rollout.engines.colocate=true" "rollout.engines.host=0.0.0.0"
+            "rollout.engines.servers=$((TRAIN_NODES * gpus_per_node / engine_tp))")
     else
         if ((${#nodes[@]} == TRAIN_NODES)); then
             echo "error: no rollout nodes: submit with more than TRAIN_NODES=$TRAIN_NODES nodes, or COLOCATE=1" >&2

@@ -200,6 +200,8 @@ def _engines(r: RolloutConfig, world_size: int, gpus_per_node: int, slurm: Slurm
             f"{used} of each node's {slurm.gpus_per_node} GPUs{room}; the script passes their URLs to the trainer "
             "(rollout.engines.urls; COLOCATE=1 puts them on the trainer's GPUs instead)"
         ]
+    if e.colocate:
+        return _colocated(r, world_size, gpus_per_node)
     if e.kind == "embedded":
         where = "in processes of their own on this machine's CPU, on 127.0.0.1"
     else:
@@ -210,6 +212,51 @@ def _engines(r: RolloutConfig, world_size: int, gpus_per_node: int, slurm: Slurm
     if e.kind == "sglang":
         out.append(_sglang_placement(r, min(world_size, gpus_per_node), gpus_per_node))
     return out
+
+
+def _colocated(r: RolloutConfig, world_size: int, gpus_per_node: int) -> list[str]:
+    """Colocated engines on every node of the trainer (engines/fleet.colocated_servers): how many a
+    node, on which GPUs, fed by which trainer ranks, and the GPUs that wait during generation."""
+    from bapo_megatron.engines.fleet import block_layout, colocated_servers
+
+    e = r.engines
+    layout = block_layout(world_size, gpus_per_node)
+    head = f"engines: {e.servers} {e.kind} server(s), TP {e.tensor_parallel} each, colocated with the trainer"
+    try:
+        servers = colocated_servers(e.servers, e.tensor_parallel, layout)
+    except ValueError as err:
+        return [f"{head}: cannot place them ({err})"]
+    first = e.first_port
+    ports = "a free port each" if first is None else f"ports {first}..{first + e.servers - 1}"
+    per_node = e.servers // len(layout)
+    out = [f"{head} on every node: {len(layout)} node(s) x {per_node} server(s), {ports}"]
+    last = len(layout) - 1
+    for node in sorted({0, last}) if last > 2 else range(len(layout)):
+        if node == last and last > 2:
+            out.append(f"  nodes 1..{last - 1} likewise, {per_node} server(s) each")
+        here = ", ".join(
+            f"server {s.index} on GPUs {_span(s.gpus)} (weights from trainer ranks {_span(s.ranks)})"
+            for s in servers
+            if s.node == node
+        )
+        out.append(f"  node {node}: {here}")
+    out.append(
+        "colocated weight updates: every trainer rank gathers the whole model's buckets (its tensor- and "
+        "expert-parallel groups), and each server's TP rank loads, by CUDA IPC, the copy of the trainer rank "
+        "on its GPU, on its node"
+    )
+    idle = world_size - e.servers * e.tensor_parallel
+    if idle > 0:
+        fits = len(layout) * (min(len(ranks) for ranks in layout) // e.tensor_parallel)
+        out.append(
+            f"colocated: {idle} of the trainer's {world_size} GPUs run no engine and wait during generation; "
+            f"rollout.engines.servers={fits} uses every GPU"
+        )
+    return out
+
+
+def _span(numbers: tuple[int, ...]) -> str:
+    return str(numbers[0]) if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]}"
 
 
 def _sglang_placement(r: RolloutConfig, trainer_gpus: int, node_gpus: int) -> str:

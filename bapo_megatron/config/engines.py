@@ -51,7 +51,8 @@ class EnginesConfig:
     kind: Literal["embedded", "sglang"] = "embedded"
     """"embedded": the CPU engine of this package; "sglang": SGLang servers."""
     servers: int = 1
-    """Engine servers (one per inference data-parallel replica)."""
+    """Engine servers (one per inference data-parallel replica). Colocated, divided evenly among the
+    trainer's nodes (nodes x GPUs a node / tensor_parallel uses every GPU)."""
     tensor_parallel: int = 1
     """Tensor-parallel size of each SGLang server."""
     urls: tuple[str, ...] = ()
@@ -65,7 +66,9 @@ class EnginesConfig:
     that runs and tests side by side never collide; SGLang servers, and bapo-serve's engines (the
     trainer is handed their URLs), listen on 30000 + i. Engines given by `urls` keep theirs."""
     colocate: bool = False
-    """SGLang shares the trainer's GPUs: memory saver on, weights pushed with update_weights_from_tensor."""
+    """SGLang shares the trainer's GPUs, on every node of the trainer (each node's first rank starts
+    its node's servers): memory saver on, weights pushed with update_weights_from_tensor, each
+    engine rank loading the copy of the trainer rank on its GPU (CUDA IPC, within its node)."""
     mem_fraction_static: float | None = None
     """SGLang: fraction of GPU memory for weights and KV cache. None: 0.8 on GPUs of their own;
     colocated, what the trainer's resident memory (parameters, gradients, optimizer states:

@@ -9,6 +9,10 @@ or already running elsewhere (rollout.engines.urls), as one pool of clients.
 
 A started engine dies with this process (parent-death signal), so a killed driver leaves none
 behind. Started embedded engines get a generated admin key; SGLang's key comes from its launcher.
+
+Colocated engines go on every node of the trainer (`colocated_servers`): rollout.engines.servers
+divided evenly among the nodes, each server on the GPUs of TP consecutive local ranks of its node,
+its engine TP rank g loading the weights from the trainer rank on its GPU (weights/sync.HandleHolders).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextlib
 import os
 import secrets
 import socket
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bapo_megatron.common.routes import recorded_routes
@@ -47,6 +52,57 @@ def spec_difference(spec: ModelSpec, other: ModelSpec) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class ColocatedServer:
+    """One colocated engine: its index (place in the pool, port offset), its node (in the order of
+    the nodes' first ranks: node 0 is the driver's), the local GPUs it runs on, and the global
+    trainer rank on each of them (by engine TP rank), whose copy of each bucket that rank loads."""
+
+    index: int
+    node: int
+    gpus: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+
+def block_layout(world_size: int, ranks_per_node: int) -> list[list[int]]:
+    """The global ranks of each node, by local rank, as torchrun and srun's block distribution place them."""
+    nodes = max(1, -(-world_size // ranks_per_node))
+    return [list(range(m * ranks_per_node, min(world_size, (m + 1) * ranks_per_node))) for m in range(nodes)]
+
+
+def colocated_servers(servers: int, tp: int, ranks_by_node: list[list[int]]) -> list[ColocatedServer]:
+    """Where `servers` colocated engines of TP `tp` run, with ranks_by_node[m][l] the global rank of
+    local rank l (GPU l) on node m: servers / nodes of them on each node, server k of a node on its
+    GPUs [k x TP, (k + 1) x TP). ValueError naming the counts (and the count that would use every
+    GPU) when they do not divide evenly or do not fit on a node's ranks."""
+    nodes = len(ranks_by_node)
+    fewest = min(len(ranks) for ranks in ranks_by_node)
+    if tp > fewest:
+        raise ValueError(
+            f"colocated, a server of TP {tp} needs {tp} trainer ranks on a node, and a node runs {fewest}: "
+            "use a smaller rollout.engines.tensor_parallel, or engines on GPUs of their own"
+        )
+    fits = nodes * (fewest // tp)
+    every = f"rollout.engines.servers={fits} ({nodes} node(s) x {fewest // tp} of TP {tp}) uses every GPU"
+    if servers % nodes:
+        raise ValueError(
+            f"colocated engines go on every node of the trainer: {servers} server(s) do not divide among "
+            f"{nodes} node(s); {every}"
+        )
+    per_node = servers // nodes
+    if per_node * tp > fewest:
+        raise ValueError(
+            f"colocated, {per_node} server(s) a node x TP {tp} need the GPUs of {per_node * tp} trainer ranks on "
+            f"each node, and a node runs {fewest}: {every}"
+        )
+    out = []
+    for m, ranks in enumerate(ranks_by_node):
+        for k in range(per_node):
+            gpus = tuple(range(k * tp, (k + 1) * tp))
+            out.append(ColocatedServer(m * per_node + k, m, gpus, tuple(ranks[g] for g in gpus)))
+    return out
+
+
 class Engines:
     def __init__(self, cfg: JobConfig, spec: ModelSpec, run_dir: Path, loop: EngineLoop, local_ranks: int = 1) -> None:
         """Everything that can be checked before any engine starts: the ports of the engines to
@@ -60,6 +116,8 @@ class Engines:
         self.pool: EnginePool | None = None
         self.key: str | None = None
         self.launched = False
+        self.here = self._servers_here(local_ranks)  # the servers started on this node
+        self.remote: list[str] = []  # colocated: the URLs of the other nodes' servers (node_engines)
         self.base_gpus = self._sglang_placement(local_ranks) if e.kind == "sglang" and not e.urls else None
         if e.urls:  # engines of another job: they answer and serve this shape, or nothing starts
             from bapo_megatron.engines.sglang_launcher import KEY_ENV, admin_key
@@ -72,7 +130,7 @@ class Engines:
             self.loop.run(self._check_answering())
         else:
             host = "127.0.0.1" if e.kind == "embedded" else e.host
-            for i in range(e.servers if e.first_port is not None else 0):  # (free ports: each engine binds its own)
+            for i in range(self.here if e.first_port is not None else 0):  # (free ports: each engine binds its own)
                 check_port(host, e.first_port + i, "rollout.engines.port")
 
     def start(self, model_dir: str | Path, colocated_fraction: float | None = None) -> EnginePool:
@@ -90,7 +148,8 @@ class Engines:
                 server.wait_ready(e.startup_timeout_s, key=self.key)
         if not e.urls:
             self.clients = [
-                EngineClient(s.url, self.key, timeout_s=e.request_timeout_s, served=self.served) for s in self.servers
+                EngineClient(url, self.key, timeout_s=e.request_timeout_s, served=self.served)
+                for url in [s.url for s in self.servers] + self.remote
             ]
             if e.first_port is None:  # the banner could only say "a free port": here is which
                 print(f"engines ready: {', '.join(s.url for s in self.servers)}", flush=True)
@@ -107,14 +166,14 @@ class Engines:
             return
         if e.kind == "embedded":
             self.key = secrets.token_urlsafe(32)
-            self.servers = embedded_servers(self.cfg.rollout, model_dir, self.run_dir, self.cfg.seed, self.key)
+            self.servers = embedded_servers(self._rollout_here(), model_dir, self.run_dir, self.cfg.seed, self.key)
             for server in self.servers:
                 server.start()
         else:
             from bapo_megatron.engines.sglang_launcher import launch_sglang
 
             self.servers, self.key = launch_sglang(
-                self.cfg.rollout,
+                self._rollout_here(),
                 str(model_dir),
                 self.run_dir,
                 seed=self.cfg.seed,
@@ -122,6 +181,35 @@ class Engines:
                 base_gpus=self.base_gpus,
                 routed_experts=recorded_routes(self.cfg, self.spec) is not None,
             )
+
+    def _servers_here(self, local_ranks: int) -> int:
+        """The servers the driver starts on its node: all of them, or colocated, its node's share
+        (colocated_servers on the launcher's nodes: WORLD_SIZE ranks, `local_ranks` a node); a
+        ConfigError before any model is built when they do not divide among the nodes or fit."""
+        e = self.cfg.rollout.engines
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if not e.colocate or e.urls or world <= local_ranks:
+            return e.servers
+        layout = block_layout(world, local_ranks)
+        try:
+            colocated_servers(e.servers, e.tensor_parallel, layout)
+        except ValueError as err:
+            raise ConfigError("rollout.engines.servers", e.servers, str(err)) from None
+        from bapo_megatron.engines.launcher import is_loopback
+
+        if e.kind == "sglang" and is_loopback(e.host):  # (embedded: the nodes of one machine, in tests)
+            raise ConfigError(
+                "rollout.engines.host",
+                e.host,
+                f"colocated on {len(layout)} nodes, the driver reaches the other nodes' servers beyond loopback: "
+                "rollout.engines.host=0.0.0.0 (with an admin key, as the Slurm scripts set them)",
+            )
+        return e.servers // len(layout)
+
+    def _rollout_here(self):
+        """rollout config of the servers started on this node (rollout.engines.servers: theirs)."""
+        ro = self.cfg.rollout
+        return replace(ro, engines=replace(ro.engines, servers=self.here))
 
     def _sglang_placement(self, local_ranks: int) -> list[int]:
         """SGLang servers to start here: SGLang installed, GPUs on this node, and each server's
@@ -144,7 +232,7 @@ class Engines:
                 "SGLang runs on CUDA GPUs and this machine has none (embedded runs on CPU)",
             )
         try:
-            return gpu_placement(self.cfg.rollout, local_ranks, gpus)
+            return gpu_placement(self._rollout_here(), local_ranks, gpus)
         except ValueError as err:
             raise ConfigError("rollout.engines.servers", e.servers, str(err)) from None
 
@@ -191,3 +279,100 @@ class Engines:
         for server in self.servers:
             server.stop()
         self.servers = []
+
+
+def node_engines(cfg: JobConfig, spec: ModelSpec, holders, engines: Engines | None, model_dir, fraction) -> list:
+    """(A collective: every rank, with its weights/sync.HandleHolders or None.) Colocated engines on
+    several nodes: the driver's node's are the driver's (`engines`, rank 0's); each other node's
+    local rank 0 starts its node's on rank 0's model directory, admin key and memory fraction, and
+    waits until they answer; rank 0's `engines.remote` gets their URLs, in engine order. Returns the
+    servers this rank started (it stops them at its close). Engines on one node: nothing to do."""
+    servers = holders.servers if holders is not None else []
+    if len({s.node for s in servers}) < 2:
+        return []
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    shared: list = [None] * 5
+    if rank == 0:
+        if not engines.launched:
+            engines.launch(model_dir, fraction)
+        shared = [str(model_dir), engines.key, fraction, socket.gethostname(), engines.here]
+    dist.broadcast_object_list(shared, src=0, device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    here, planned = shared.pop(), sum(s.node == 0 for s in servers)
+    if here != planned:  # the driver counted the nodes from its launcher's environment, before any process group
+        raise RunStopped(
+            f"colocated engines: the driver started {here} server(s) on its node, the nodes' ranks plan {planned} "
+            "there: start the same number of trainer ranks on every node"
+        )
+    node = next((s.node for s in servers if s.node and s.gpus[0] == 0 and s.ranks[0] == rank), None)
+    started: list[ServerProcess] = []
+    answer: list | str = []
+    if node is not None:
+        mine = [s for s in servers if s.node == node]
+        try:
+            started = _start_node(cfg, spec, mine, *shared)
+            answer = [(s.index, _reachable(p.url, shared[3])) for s, p in zip(mine, started, strict=True)]
+        except Exception as err:  # every rank stops with the reason, none waits for this node
+            answer = f"colocated engines on node {node} ({socket.gethostname()}): {str(err)[:500]}"
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, answer)
+    failed = [g for g in gathered if isinstance(g, str)]
+    if failed:
+        for server in started:
+            server.stop()
+        raise RunStopped(failed[0])
+    if rank == 0:
+        engines.remote = [url for _, url in sorted(pair for got in gathered for pair in got)]
+    return started
+
+
+def _start_node(cfg: JobConfig, spec: ModelSpec, mine: list[ColocatedServer], model_dir, key, fraction, driver_host):
+    """This node's colocated servers (`mine`), started and answering; the driver on `driver_host`
+    reaches them beyond loopback only."""
+    from bapo_megatron.engines.launcher import is_loopback
+
+    ro, e = cfg.rollout, cfg.rollout.engines
+    if socket.gethostname() != driver_host and is_loopback(e.host):
+        raise ValueError(
+            f"rollout.engines.host={e.host}: the driver on {driver_host} cannot reach engines here; listen beyond "
+            "loopback (rollout.engines.host=0.0.0.0, with an admin key)"
+        )
+    here = replace(ro, engines=replace(e, servers=len(mine)))
+    first = mine[0].index
+    if e.kind == "embedded":
+        servers = embedded_servers(here, model_dir, cfg.run_path, cfg.seed, key, host=e.host, first=first)
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(e.startup_timeout_s, key=key)
+        return servers
+    from bapo_megatron.engines.sglang_launcher import KEY_ENV, sglang_servers, wait_sglang
+
+    if key is not None:
+        os.environ[KEY_ENV] = key  # the driver's key, never one generated here
+    routes = recorded_routes(cfg, spec) is not None
+    bases = [s.gpus[0] for s in mine]
+    servers, _ = sglang_servers(
+        here, str(model_dir), cfg.run_path, "0", cfg.seed, fraction, bases, routed_experts=routes, first=first
+    )
+    try:
+        for server in servers:
+            server.start()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    wait_sglang(servers, key, e.startup_timeout_s)
+    return servers
+
+
+def _reachable(url: str, driver_host: str) -> str:
+    """A server's URL as the driver reaches it: loopback on the driver's host, else this host's name."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if socket.gethostname() == driver_host or parts.hostname not in ("127.0.0.1", "0.0.0.0", "::", "localhost"):
+        return url
+    return f"{parts.scheme}://{socket.getfqdn()}:{parts.port}"

@@ -228,11 +228,17 @@ def embedded_server(
 
 
 def embedded_servers(
-    ro: RolloutConfig, model_dir: str | Path, run_dir: Path, seed: int, admin_key: str | None, host: str = "127.0.0.1"
+    ro: RolloutConfig,
+    model_dir: str | Path,
+    run_dir: Path,
+    seed: int,
+    admin_key: str | None,
+    host: str = "127.0.0.1",
+    first: int = 0,
 ) -> list[ServerProcess]:
     """The job's rollout.engines.servers embedded engines (not started), as the driver and bapo-serve both
     start them: engine i on port rollout.engines.port + i (unset: a free port each) with seed + i,
-    logging to run_dir/engine_i.log."""
+    logging to run_dir/engine_i.log; i from `first` (a node's colocated engines: engines/fleet.py)."""
     engines = ro.engines
     return [
         embedded_server(
@@ -246,5 +252,5 @@ def embedded_servers(
             batch_invariant=ro.deterministic,
             dtype="float32" if engines.dtype == "auto" else engines.dtype,
         )
-        for i in range(engines.servers)
+        for i in range(first, first + engines.servers)
     ]

@@ -175,18 +175,19 @@ def sglang_servers(
     base_gpus: list[int] | None = None,
     *,
     routed_experts: bool = False,
+    first: int = 0,
 ) -> tuple[list[ServerProcess], str | None]:
     """Not yet started server processes (one per rollout.engines.servers) and the admin key they use;
     base_gpus: each one's first GPU (gpu_placement; None: as bapo-serve places them);
-    routed_experts: see server_args."""
+    routed_experts: see server_args; first: the first one's index (a node's colocated servers: engines/fleet.py)."""
     key = admin_key(cfg, run_dir)
     run_dir = Path(run_dir)
     servers = []
-    for i in range(cfg.engines.servers):
+    for i in range(first, first + cfg.engines.servers):
         config = run_dir / f"sglang_{i}.yaml"
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            base = None if base_gpus is None else base_gpus[i]
+            base = None if base_gpus is None else base_gpus[i - first]
             args = server_args(
                 cfg, model_path, i, key, weight_version, seed, colocated_fraction, base, routed_experts=routed_experts
             )

@@ -5,7 +5,7 @@
 
 A publish makes the model's HF buckets (every rank takes its part in the gathers), hands them to
 this rank's outlet (rank 0: the engines' weight-update group, weights/engine_updates.py; a rank
-holding a copy for a colocated engine: its holders; the others: nowhere), then checks what the
+holding a copy for a colocated engine, on any node: its holders; the others: nowhere), then checks what the
 engines serve: every rollout.sync.check_every versions a probe's log-probs from a serving engine
 against the trainer's, and for each engine that took the weights while it waited for them
 (restarted), the same probe from that engine before it serves again. The probe is rank 0's: every rank receives it
@@ -90,17 +90,17 @@ class WeightPublisher:
 
     def _buckets(self):
         """The model's HF buckets as this rank makes them: on rank 0 the whole model (every
-        data-parallel rank 0 helping gather it); with holders, every holder its own copy."""
+        data-parallel rank 0 helping gather it); with holders, every rank its own copy (a rank that
+        holds none still joins its tensor- and expert-parallel groups' gathers, which may hold
+        ranks that do, on any node)."""
         from bapo_megatron.weights.export import stream_hf_buckets
         from bapo_megatron.weights.gather import hf_buckets_to_rank0
 
         size = self.cfg.rollout.sync.bucket_mb << 20
         if self.holders is None:
             return hf_buckets_to_rank0(self.trainer, size)
-        # the tensor-parallel groups with a holder make the buckets; the others wait
-        mine = min(dist.get_process_group_ranks(self.trainer.info.tp_group)) < self.holders.n
         trainer = self.trainer
-        return stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size) if mine else iter(())
+        return stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size)
 
     def _refit_checks(self, version: int) -> dict[str, float]:
         """Engines that took the weights in this publish while they waited for them serve again once
@@ -138,20 +138,35 @@ class WeightPublisher:
 
 
 def handle_holders(cfg: JobConfig, trainer):
-    """weights/sync.HandleHolders when engines the driver starts are colocated on several GPUs
-    (each engine rank then loads the copy of the trainer rank on its GPU); else None: rank 0's
-    copy serves every engine rank (one engine GPU, or pipeline stages, which only rank 0 joins).
-    A collective: every rank calls it."""
-    from bapo_megatron.weights.sync import HandleHolders
+    """weights/sync.HandleHolders when engines the driver starts are colocated on several GPUs or
+    on several nodes (each engine rank then loads the copy of the trainer rank on its GPU:
+    engines/fleet.colocated_servers); else None: rank 0's copy serves every engine rank (one
+    engine GPU, or, on one node, pipeline stages, which only rank 0 joins, or more engine GPUs
+    than trainer ranks, as embedded engines on CPU may have). A collective: every rank calls it."""
+    from bapo_megatron.engines.fleet import colocated_servers
+    from bapo_megatron.weights.sync import HandleHolders, node_layout
 
     e = cfg.rollout.engines
-    n = e.servers * e.tensor_parallel
-    if not e.colocate or e.urls or trainer.info.pp_size > 1 or not 1 < n <= dist.get_world_size():
+    if not e.colocate or e.urls:
         return None
     try:
-        return HandleHolders(n)
+        layout = node_layout()
     except ValueError as err:
         raise ConfigError("rollout.engines.colocate", e.colocate, str(err)) from None
+    n = e.servers * e.tensor_parallel
+    if len(layout) == 1 and (trainer.info.pp_size > 1 or not 1 < n <= dist.get_world_size()):
+        return None
+    if trainer.info.pp_size > 1:
+        raise ConfigError(
+            "parallel.pipeline",
+            trainer.info.pp_size,
+            f"colocated engines on {len(layout)} nodes load their own node's copy of the whole model, which a "
+            "pipeline stage does not hold: parallel.pipeline=1, or engines on GPUs of their own",
+        )
+    try:
+        return HandleHolders(colocated_servers(e.servers, e.tensor_parallel, layout))
+    except ValueError as err:
+        raise ConfigError("rollout.engines.servers", e.servers, str(err)) from None
 
 
 def engine_model_dir(cfg: JobConfig, trainer) -> Path | None:

@@ -13,7 +13,8 @@ TensorWeightSender (update_weights_from_tensor, colocated engines): each bucket 
 handles to memory the trainer holds (CUDA IPC, or shared memory on CPU; common/ipc.py),
 one payload per engine TP rank, by default one flattened tensor per bucket. The bucket stays
 alive until every engine has answered, by which time the engines have copied it. With
-HandleHolders, engine rank g's payload is trainer rank g's own copy, on its own GPU.
+HandleHolders, each engine rank's payload is the own copy of the trainer rank on its GPU, on
+its node (engines on every node: each node's copy goes to its own engines).
 
 Both run the whole sync inside one begin/end weight-update session (SGLang >= 0.5.21) and
 set the new weight version on every engine; a failed update still ends the session, and so
@@ -210,49 +211,64 @@ def _payload(bucket: Bucket, flatten: bool):
     return ipc.flattened_bucket(bucket) if flatten else list(bucket)
 
 
+def node_layout() -> list[list[int]]:
+    """(A collective: every rank.) The global ranks of each node of the job by local rank (LOCAL_RANK,
+    its GPU), nodes in the order of their first rank (node 0: rank 0's, the driver's). A node is a
+    host and its node rank (torchrun's GROUP_RANK, srun's SLURM_NODEID), so that the nodes of a
+    multi-node launch on one machine are told apart. ValueError when a node's local ranks are not
+    0..k-1, once each."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    mine = (socket.gethostname(), os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "0")))
+    where: list = [None] * dist.get_world_size()
+    dist.all_gather_object(where, (*mine, int(os.environ.get("LOCAL_RANK", "0"))))
+    nodes: dict[tuple[str, str], dict[int, int]] = {}
+    for rank, (host, node, local) in enumerate(where):
+        ranks = nodes.setdefault((host, node), {})
+        if local in ranks:
+            raise ValueError(f"ranks {ranks[local]} and {rank} are both local rank {local} on {host} (node {node})")
+        ranks[local] = rank
+    for (host, node), ranks in nodes.items():
+        if sorted(ranks) != list(range(len(ranks))):
+            raise ValueError(f"the local ranks on {host} (node {node}) are {sorted(ranks)}, not 0..{len(ranks) - 1}")
+    return [[ranks[local] for local in range(len(ranks))] for ranks in nodes.values()]
+
+
 class HandleHolders:
-    """Colocated engines on n > 1 GPUs of the driver's node: engine GPU g is trainer rank g's
-    (rollout/sglang_launcher.gpu_placement), and each engine rank loads handles to its own GPU's
-    memory (else every engine rank would open rank 0's, with a CUDA context on GPU 0 each).
+    """Colocated engines on several GPUs, on one node or on every node of the trainer
+    (engines/fleet.colocated_servers): engine rank g of a server loads handles to the memory of
+    the trainer rank on its GPU, on its own node (CUDA IPC reaches no other node; and one rank's
+    copy for every engine rank would make a CUDA context on that GPU in each).
 
-    Every rank of the job makes the model's HF buckets itself (its own tensor-parallel gathers;
-    pipeline_parallel 1). For each bucket, ranks 0..n-1 serialize their copy and gather the
-    payloads on rank 0, which hands engine i those of ranks [i x TP, (i + 1) x TP), then lets
-    them drop their copies once the engines have answered. Made on every rank of the job at the
-    same point (a process group of the n). Global ranks 0..n-1 must be local ranks 0..n-1 of the
-    driver's node (torchrun; srun's default block distribution), as the placement puts the
-    engines there: checked here, ValueError on every rank otherwise."""
+    Every rank of the job makes the model's HF buckets itself (its own tensor- and expert-parallel
+    gathers; pipeline_parallel 1: each holder needs the whole model). For each bucket, the holders
+    serialize their copy and gather the payloads (handles, not tensors) on rank 0, which hands each
+    engine those of its ranks, then lets them drop their copies once the engines have answered.
+    Made on every rank of the job at the same point (a process group of the holders)."""
 
-    def __init__(self, n: int, flatten: bool = True) -> None:
-        import os
-        import socket
-
+    def __init__(self, servers: list, flatten: bool = True) -> None:
         import torch.distributed as dist
 
-        if not 1 < n <= dist.get_world_size():
-            raise ValueError(f"{n} engine GPUs for a job of {dist.get_world_size()} ranks")
-        where: list = [None] * dist.get_world_size()
-        dist.all_gather_object(where, (socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0"))))
-        away = [r for r in range(n) if where[r] != (where[0][0], r)]
-        if away:
-            host, local = where[away[0]]
-            raise ValueError(
-                f"the colocated engines' GPUs 0..{n - 1} are those of trainer ranks 0..{n - 1} on the driver's node "
-                f"{where[0][0]}, but rank {away[0]} is local rank {local} on {host}: start the trainer with "
-                f"torchrun, or srun's block distribution"
-            )
-        self.n, self.flatten, self.rank = n, flatten, dist.get_rank()
-        self.group = dist.new_group(list(range(n)))
+        self.servers = servers  # engines/fleet.ColocatedServer, by engine index
+        self.order = [rank for server in servers for rank in server.ranks]  # engine by engine, by TP rank
+        self.ranks = sorted(self.order)
+        if 0 not in self.ranks or len(set(self.order)) != len(self.order):
+            raise ValueError(f"engine ranks {self.order}: rank 0 must hold one, and no rank two")
+        self.n, self.flatten, self.rank = len(self.order), flatten, dist.get_rank()
+        self.group = dist.new_group(self.ranks)
 
     @contextlib.contextmanager
     def payloads(self, bucket: Bucket) -> Iterator[list[str]]:
-        """(rank 0) Every holder's payload of `bucket`, by rank: valid until the block ends."""
+        """(rank 0) Every engine rank's payload of `bucket`, engine by engine: valid until the block ends."""
         import torch.distributed as dist
 
         with ipc.serialized(_payload(bucket, self.flatten)) as (mine,):
             gathered: list = [None] * self.n
-            dist.gather_object(mine, gathered, dst=0, group=self.group)
-            yield gathered
+            dist.gather_object(mine, gathered, dst=0, group=self.group)  # by group rank: the sorted ranks
+            yield [gathered[self.ranks.index(rank)] for rank in self.order]
             dist.barrier(group=self.group)  # the engines have answered: the holders may let go
 
     def hold(self, buckets: Iterable[Bucket]) -> None:
@@ -262,7 +278,7 @@ class HandleHolders:
         # the sender looks one bucket ahead (_mark_last): the next bucket's gathers come before this
         # one's payloads on rank 0, so they must here too
         for bucket, _ in _mark_last(buckets):
-            if self.rank < self.n:
+            if self.rank in self.ranks:
                 with ipc.serialized(_payload(bucket, self.flatten)) as (mine,):
                     dist.gather_object(mine, None, dst=0, group=self.group)
                     dist.barrier(group=self.group)

@@ -1,6 +1,7 @@
 """Colocated engines on several GPUs (weights/sync.HandleHolders): engine rank g loads handles to
 trainer rank g's own copy of each bucket, never rank 0's, also when a rank that holds no engine
-shares the buckets' collectives, and when the sender looks one bucket ahead. On CPU the handles
+shares the buckets' collectives, and when the sender looks one bucket ahead; with engines on
+every node, each loads its own node's copy (nodes told apart by GROUP_RANK). On CPU the handles
 are shared-memory files named by the writing process, so the test sees whose copy each engine
 got; every file is gone after the sync."""
 
@@ -61,12 +62,13 @@ def _worker(rank: int, world: int, holders_n: int) -> None:
     import torch.distributed as dist
 
     from bapo_megatron.common import ipc
+    from bapo_megatron.engines.fleet import colocated_servers
     from bapo_megatron.engines.loop import EngineLoop
-    from bapo_megatron.weights.sync import HandleHolders, TensorWeightSender
+    from bapo_megatron.weights.sync import HandleHolders, TensorWeightSender, node_layout
 
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    holders = HandleHolders(holders_n)
+    holders = HandleHolders(colocated_servers(holders_n, 1, node_layout()))
     before = set(ipc._shm_dir().glob("bapo-*"))
     if rank == 0:
         engines = [Engine() for _ in range(holders_n)]
@@ -84,6 +86,41 @@ def _worker(rank: int, world: int, holders_n: int) -> None:
         holders.hold(_buckets())
     dist.barrier()
     assert set(ipc._shm_dir().glob("bapo-*")) - before == set()  # nothing left behind, on any rank
+    for nodes in ([[0, 1], [2]], [[0, 2], [1]]):  # two nodes, ranks in blocks (torchrun) or cyclic (srun)
+        _node_handoff(rank, world, nodes)
+
+
+def _node_handoff(rank: int, world: int, nodes: list[list[int]]) -> None:
+    """Engines on every node (engines/fleet.colocated_servers), nodes told apart by GROUP_RANK (as
+    torchrun --nnodes sets it): the engine of node m loads the copy of node m's local rank 0, never
+    rank 0's; the node's other rank holds none and joins every bucket's collectives."""
+    import torch.distributed as dist
+
+    from bapo_megatron.engines.fleet import colocated_servers
+    from bapo_megatron.engines.loop import EngineLoop
+    from bapo_megatron.weights.sync import HandleHolders, TensorWeightSender, node_layout
+
+    node = next(m for m, ranks in enumerate(nodes) if rank in ranks)
+    os.environ.update(GROUP_RANK=str(node), LOCAL_RANK=str(nodes[node].index(rank)))
+    layout = node_layout()
+    assert layout == nodes, layout
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    servers = colocated_servers(len(nodes), 1, layout)  # one engine a node, on its GPU 0
+    holders = HandleHolders(servers)
+    if rank == 0:
+        engines = [Engine() for _ in servers]
+        loop = EngineLoop()
+        TensorWeightSender(engines, engine_tp=1, holders=holders).send(_buckets(), "1", loop)
+        loop.close()
+        want = [pair for bucket in _buckets_local() for pair in bucket]
+        for server, engine in zip(servers, engines, strict=True):
+            # the engine of node m: the copy of node m's local rank 0, never rank 0's
+            assert engine.writers == {pids[nodes[server.node][0]]}, (server, engine.writers, pids)
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.loaded, want, strict=True))
+    else:
+        holders.hold(_buckets())
+    dist.barrier()
 
 
 def _buckets_local():
@@ -103,13 +140,13 @@ def _elsewhere_worker(rank: int, world: int) -> None:
 
     import pytest
 
-    from bapo_megatron.weights.sync import HandleHolders
+    from bapo_megatron.weights.sync import node_layout
 
     if rank == 1:
-        socket.gethostname = lambda: "node002"  # a cyclic srun distribution: rank 1 on another node
-    with pytest.raises(ValueError, match=r"rank 1 is local rank 1 on node002: start the trainer with torchrun"):
-        HandleHolders(2)
+        socket.gethostname = lambda: "node002"  # rank 1 alone on another node, yet local rank 1 there
+    with pytest.raises(ValueError, match=r"the local ranks on node002 \(node 0\) are \[1\], not 0..0"):
+        node_layout()
 
 
-def test_engine_gpus_on_another_node_are_refused_on_every_rank():
+def test_a_node_whose_local_ranks_do_not_number_its_gpus_is_refused_on_every_rank():
     run_workers(_elsewhere_worker, 2)

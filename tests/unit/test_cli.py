@@ -86,7 +86,7 @@ def test_dry_run_prints_layout_engines_and_memory_without_megatron(tmp_path):
     assert "trainer: 8 processes, TP 4 x PP 1 x DP 2" in out
     assert "engines: 2 sglang server(s), TP 4 each" in out and "colocated with the trainer" in out
     assert "rollout: mode sync, max_staleness K=4: each step generates, then trains; whole responses" in out
-    assert "SGLang servers on the driver's node (8 GPUs, trainer ranks on GPUs 0-7): GPUs 0-3, 4-7" in out
+    assert "node 0: server 0 on GPUs 0-3 (weights from trainer ranks 0-3), server 1 on GPUs 4-7 (weights" in out
     assert "trainer, distributed optimizer: parameters 3.55 GiB" in out  # 7.6 B bf16 over TP 4
     assert "each SGLang server GPU: mem_fraction_static" in out and "KV cache" in out
     assert out.strip().endswith("MEGATRON False")  # nothing was built: Megatron never imported
