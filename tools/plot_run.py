@@ -6,7 +6,9 @@ Panels (the BAPO paper's Figure 9, then what this stack adds): reward, policy en
 positive contribution rho, gradient norm, the clip bounds (low dashed), response length,
 token staleness and held-out accuracy (eval/*); a panel whose metric no run logged says so.
 Then, only where a run logged their metrics: the KL loss, the groups dynamic sampling filtered
-out, and the experts' load. A step that trained nothing (no token had an advantage) has no rho
+out, the experts' load, and the engine-trainer mismatch (rollout_corr/: its KL, NeMo-RL's
+token_mult_prob_error for this version's tokens and older ones, the perplexity ratio, the IS weights
+and the rejected shares; algo.rollout_correction). A step that trained nothing (no token had an advantage) has no rho
 point. Each run is labelled with its directory name (or --labels).
 """
 
@@ -45,6 +47,23 @@ PANELS = [
     Panel("KL loss", ("loss/kl",), optional=True),
     Panel("filtered groups (shortfall dashed)", ("rollout/filtered_groups", "rollout/filter_shortfall"), optional=True),
     Panel("expert load (router disagreement dashed)", ("moe/load_max", "moe/router_disagreement"), optional=True),
+    Panel("engine-trainer mismatch: KL (k3 dashed)", ("rollout_corr/kl", "rollout_corr/k3_kl"), optional=True),
+    Panel(
+        "token_mult_prob_error (older tokens dashed)",
+        ("rollout_corr/token_mult_prob_error_same_version", "rollout_corr/token_mult_prob_error_older"),
+        optional=True,
+    ),
+    Panel("perplexity ratio, training / rollout", ("rollout_corr/ppl_ratio",), optional=True),
+    Panel(
+        "IS weights: mean (out-of-bounds share dashed)",
+        ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_oob_ratio"),
+        optional=True,
+    ),
+    Panel(
+        "rejected: tokens (sequences dashed)",
+        ("rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_seq_masked_fraction"),
+        optional=True,
+    ),
 ]
 
 

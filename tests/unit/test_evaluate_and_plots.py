@@ -223,6 +223,15 @@ def _metrics(run: Path, steps: int, with_bapo: bool) -> None:
                     "rollout/filter_shortfall": 0.0,
                     "moe/load_max": 1.5,
                     "moe/router_disagreement": 0.02,
+                    "rollout_corr/kl": 0.001,
+                    "rollout_corr/k3_kl": 0.001,
+                    "rollout_corr/token_mult_prob_error_same_version": 1.01,
+                    "rollout_corr/token_mult_prob_error_older": 1.05,
+                    "rollout_corr/ppl_ratio": 1.0,
+                    "rollout_corr/rollout_is_mean": 1.0,
+                    "rollout_corr/rollout_is_oob_ratio": 0.01,
+                    "rollout_corr/rollout_rs_masked_fraction": 0.02,
+                    "rollout_corr/rollout_rs_seq_masked_fraction": 0.1,
                 }
             )
         if step % 5 == 0:
@@ -297,7 +306,9 @@ def test_plot_run_panels_read_metrics_the_package_logs():
     source = "".join(path.read_text() for path in (ROOT / "bapo_megatron").rglob("*.py"))
     for panel in plot_run.PANELS:
         for key in panel.keys:
-            if not key.startswith("eval/"):  # (eval/ names are made per evaluation set)
+            # eval/ names are made per evaluation set, rollout_corr/ ones from parts (their own test:
+            # tests/unit/test_rollout_correction.py)
+            if not key.startswith(("eval/", "rollout_corr/")):
                 assert f'"{key}"' in source, (panel.title, key)
 
 

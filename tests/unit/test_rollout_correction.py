@@ -407,3 +407,26 @@ def test_the_trainer_trains_tis_cap_as_token_truncation():
     from tests.dist.launch import run_workers
 
     run_workers(_trainer_worker, 1)
+
+
+def test_every_rollout_corr_key_a_plot_panel_names_is_written():
+    """tools/plot_run.py's rollout_corr/ panels read names these metrics have (they are built from a
+    prefix and suffixes, which the plot test's source search cannot see)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import plot_run
+
+    train, engine, mask = _batch("random_wide", 3)
+    same = torch.zeros_like(mask, dtype=torch.bool)
+    same[: mask.shape[0] // 2] = True
+    cfg = RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold="0.5_2.0", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold=2.0
+    )
+    seqs = Sequences.rows(mask.shape, mask.shape[0], mask.device)
+    fixed = apply_correction(train, train, engine, mask, seqs, cfg)
+    out = LossOutput(loss_sum=train.new_zeros(()), token_count=train.new_zeros(()))
+    corr_metrics.add_metrics(out, fixed, engine, mask, same_version=same)
+    written = set(corr_metrics.finish(reduce_metrics([out])))
+    wanted = {key for panel in plot_run.PANELS for key in panel.keys if key.startswith(corr_metrics.PREFIX)}
+    assert wanted and wanted <= written, sorted(wanted - written)
