@@ -28,12 +28,28 @@ def memory_lines(plan: RunPlan, gpu_bytes: int) -> list[str]:
     ]
     if m.reference:
         out.append(f"KL loss (algo.kl_coef): the reference model, {m.reference / GIB:.2f} GiB, counted in the peak")
+    if cfg.model.lora.enabled:
+        out.append(lora_line(plan))
     out.append(reach_line(plan, gpu_bytes))
     if spec.moe is not None:
         out += _moe_memory(plan)
     if cfg.rollout.replay is None and cfg.rollout.engines.kind == "sglang":
         out.append(_sglang_memory(plan, gpu_bytes))
     return out
+
+
+def lora_line(plan: RunPlan) -> str:
+    """The adapters' size (model.lora): all a LoRA run trains, keeps optimizer state for and exports."""
+    from bapo_megatron.models.lora import adapter_params
+    from bapo_megatron.trainer.memory.estimate import PARAM_BYTES
+
+    model, spec = plan.cfg.model, plan.spec
+    n = adapter_params(spec, model.lora, list(range(spec.num_layers)), 1)
+    mib = n * PARAM_BYTES[model.precision] / 2**20
+    return (
+        f"LoRA adapters (model.lora, rank {model.lora.rank}): {n:,} parameters, {mib:.1f} MiB in "
+        f"{model.precision}; the base is frozen: gradients and optimizer state above are the adapters' only"
+    )
 
 
 def reach_line(plan: RunPlan, gpu_bytes: int) -> str:

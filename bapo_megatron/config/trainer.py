@@ -7,6 +7,7 @@ from typing import Literal
 
 from bapo_megatron.algo.advantages import AdvantageConfig
 from bapo_megatron.algo.losses import PolicyLossConfig
+from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.errors import check
 
 
@@ -87,8 +88,15 @@ class ModelConfig:
     """On GPU, run the log-prob and entropy work of each chunk as kernels fused by torch.compile
     (op by op it took 37% of a Qwen2.5-1.5B step on an H100); false: op by op, as on the CPU."""
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        check(
+            not (self.lora.enabled and self.transformer_impl == "transformer_engine"),
+            "lora.rank",
+            self.lora.rank,
+            "LoRA is built on the local layer spec only so far; set transformer_impl='local'",
+        )
         check(self.logprob_memory_mb >= 1, "logprob_memory_mb", self.logprob_memory_mb, "must be >= 1")
         check(
             self.make_vocab_size_divisible_by >= 1,

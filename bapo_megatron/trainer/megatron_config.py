@@ -12,6 +12,7 @@ from bapo_megatron.config import ModelConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models import family_of
 from bapo_megatron.models.spec import ModelSpec, check_layout, padded_vocab_size
+from bapo_megatron.trainer.lora import apply_lora
 
 EXTRA_STATE = "_extra_state"
 """The key suffix of Transformer Engine modules' own state (fp8 scaling history) in state dicts."""
@@ -277,6 +278,7 @@ def build_gpt_model(
             param.allreduce = False
         if model.moe.freeze_router and name.endswith("mlp.router.weight"):
             param.requires_grad_(False)
+    apply_lora(gpt, spec, model.lora)  # adapters beside the base (model.lora.rank > 0), which is frozen
     return gpt
 
 

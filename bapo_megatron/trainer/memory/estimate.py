@@ -3,7 +3,8 @@
 No model is built: this runs at config time (the colocated SGLang servers' static memory, a
 dry run). Parameters are counted exactly per tensor- and expert-parallel rank of each pipeline
 stage (tests compare with Megatron's own model); the rest follows Megatron's storage:
-  - gradients: DDP's fp32 buffer (grad_reduce_in_fp32), one per trained parameter;
+  - gradients: DDP's fp32 buffer (grad_reduce_in_fp32), one per trained parameter (with LoRA, the
+    adapters alone: model.lora, models/lora.py counts them; the base keeps its parameters only);
   - Adam: exp_avg and exp_avg_sq in fp32, plus fp32 main parameters when the parameters are
     bf16 (fp8 keeps bf16 parameters); the distributed optimizer splits them over data parallel,
     the experts' over expert data parallel (the TP x DP / EP ranks of a stage holding the same
@@ -37,6 +38,7 @@ from fractions import Fraction
 
 from bapo_megatron.config import JobConfig, ModelConfig, ParallelConfig
 from bapo_megatron.models import family_of
+from bapo_megatron.models.lora import adapter_params
 from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.megatron_config import padded_vocab
 
@@ -348,13 +350,18 @@ def stage_memory(
         virtual=parallel.virtual_pipeline,
     )
     dense_trained = n.dense - (n.router if model.moe.freeze_router else 0)
-    experts_optimizer = n.experts * per_param // expert_shards
+    trained_experts = n.experts
+    layers = stage_layers(spec.num_layers, parallel.pipeline, stage, parallel.virtual_pipeline)
+    adapters = adapter_params(spec, model.lora, layers, parallel.tensor)
+    if adapters:  # LoRA: the base frozen, gradients and Adam state for the adapters alone
+        dense_trained, trained_experts = adapters, 0
+    experts_optimizer = trained_experts * per_param // expert_shards
     return MemoryEstimate(
-        params=n.total * width,
-        grads=(dense_trained + n.experts) * 4,
+        params=(n.total + adapters) * width,
+        grads=(dense_trained + trained_experts) * 4,
         optimizer=dense_trained * per_param // shards + experts_optimizer,
         activations=activation_bytes(spec, model, parallel, parallel.max_tokens_per_microbatch, stage),
-        experts=n.experts * (width + 4) + experts_optimizer,
+        experts=n.experts * width + trained_experts * 4 + experts_optimizer,
         reference=n.total * width if reference else 0,
     )
 

@@ -1,0 +1,58 @@
+"""model.lora: low-rank adapters trained beside a frozen base, as PEFT's LoraConfig describes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from bapo_megatron.errors import check
+
+ALL_LINEAR = "all-linear"
+"""target_modules' name for every linear projection a family adapts (PEFT's spelling)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Adapters y = W x + (alpha / rank) B A dropout(x) on the projections named by their Hugging Face
+    names; the base weights W are frozen (no gradient, no optimizer state). rank 0: no adapters, the
+    whole model is trained. The valid names are the model family's (models/lora.py), checked when
+    the model is built and by the dry run."""
+
+    rank: int = 0
+    """The adapters' rank r (PEFT's `r`); 0: off."""
+    alpha: float = 16.0
+    """The scale of the adapters' output is alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training (PEFT's `lora_dropout`)."""
+    target_modules: tuple[str, ...] = (ALL_LINEAR,)
+    """The adapted projections by their Hugging Face names (q_proj, k_proj, v_proj, o_proj, gate_proj,
+    up_proj, down_proj), or "all-linear": every projection of the family's attention and MLP."""
+    experts: bool = False
+    """Adapt the routed experts of a mixture-of-experts layer too (not built yet: refused when the
+    model is checked)."""
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """A's initialisation as PEFT's init_lora_weights does it: "kaiming" (True there: kaiming-uniform
+    with a = sqrt(5)) or "gaussian" (normal, std 1 / rank); B starts at zero either way, so the first
+    step starts from the base model's outputs."""
+
+    def __post_init__(self) -> None:
+        check(self.rank >= 0, "rank", self.rank, "must be >= 0 (0: no adapters)")
+        check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
+        check(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "must be in [0, 1)")
+        check(bool(self.target_modules), "target_modules", self.target_modules, "names no module")
+        check(
+            len(set(self.target_modules)) == len(self.target_modules),
+            "target_modules",
+            self.target_modules,
+            "names a module twice",
+        )
+        check(
+            ALL_LINEAR not in self.target_modules or len(self.target_modules) == 1,
+            "target_modules",
+            self.target_modules,
+            f"{ALL_LINEAR!r} already names every projection: give it alone",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0

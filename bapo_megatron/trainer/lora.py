@@ -1,0 +1,198 @@
+"""LoRA adapters beside Megatron's column- and row-parallel linear layers, the base frozen.
+
+    apply_lora(gpt, spec, model_cfg.lora)   # on a built GPTModel chunk (build_gpt_model does it)
+
+An adapter adds (alpha / r) B A dropout(x) to its base layer's output through a forward hook on the
+base, so the base's names, checkpoint keys and forward stay Megatron's. Which projections, their
+names and their TP split are models/lora.py's. The split makes a TP step the one-process step:
+
+- beside a column-parallel layer (q/k/v, gate/up): A whole on every rank, B split by rows as the base
+  weight is. The input is the whole sequence (sequence parallel: all-gathered, its gradient split
+  back, not reduced); h = A x is the same on every rank, and its gradient is all-reduced, each rank
+  holding B's rows for its part of the output: A's and x's gradients are then whole on every rank.
+- beside a row-parallel layer (o, down): A split by columns as the base weight is, B whole; the
+  partial A x of every rank is all-reduced, B's output is the whole one (scattered over the sequence
+  under sequence parallel, as the base's output is).
+
+Only the adapters require a gradient: Megatron's DDP makes gradient buffers, and its optimizer
+state, for those parameters alone.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+from bapo_megatron.config.lora import LoRAConfig
+from bapo_megatron.models.lora import SUFFIX, Slots, Target, check_targets, is_adapter, layer_targets, slots
+from bapo_megatron.models.lora import megatron_name as adapter_name
+from bapo_megatron.models.spec import ModelSpec
+
+
+class Adapter(torch.nn.Module):
+    """One projection's lora_A ([r, in]) and lora_B ([out, r]), as one TP rank holds them."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        super().__init__()
+        self.lora_A = torch.nn.Module()
+        self.lora_A.weight = torch.nn.Parameter(a)
+        self.lora_B = torch.nn.Module()
+        self.lora_B.weight = torch.nn.Parameter(b)
+
+
+class LinearAdapters(torch.nn.ModuleDict):
+    """The adapters of one Megatron linear layer by target name (several where the layer fuses
+    projections), added to its output by `hook`."""
+
+    def __init__(self, base: torch.nn.Module, targets: tuple[Target, ...], lora: LoRAConfig, layout: Slots | None):
+        super().__init__()
+        self.parallel = targets[0].parallel
+        self.layout = layout
+        self.scaling = lora.alpha / lora.rank  # PEFT's lora_alpha / r
+        self.rank = lora.rank
+        self.dropout = lora.dropout
+        self.tp_group = base.tp_group
+        self.sequence_parallel = base.sequence_parallel
+
+    def hook(self, module: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+        out, bias = output
+        return out + self.delta(args[0]).to(out.dtype), bias
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        return self._column(x) if self.parallel == "column" else self._row(x)
+
+    def _column(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, False, self.tp_group)
+        x = self._dropout(x, split=False)
+        names = list(self.keys())
+        h = F.linear(x, torch.cat([self[n].lora_A.weight for n in names]))  # one all-reduce for all targets
+        h = mappings.copy_to_tensor_model_parallel_region(h, self.tp_group)
+        by_name = dict(zip(names, h.split(self.rank, dim=-1), strict=True))
+        lead, groups = h.shape[:-1], self.layout.groups
+        pieces = []
+        for name, width in self.layout.parts:
+            if name in by_name:
+                y = F.linear(by_name[name], self[name].lora_B.weight) * self.scaling
+                pieces.append(y.view(*lead, groups, width))
+            else:
+                pieces.append(h.new_zeros(*lead, groups, width))
+        return torch.cat(pieces, dim=-1).reshape(*lead, -1)
+
+    def _row(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        (adapter,) = self.values()
+        h = F.linear(self._dropout(x, split=True), adapter.lora_A.weight)
+        h = mappings.reduce_from_tensor_model_parallel_region(h, self.tp_group)
+        y = F.linear(h, adapter.lora_B.weight) * self.scaling
+        if self.sequence_parallel:
+            y = mappings.scatter_to_sequence_parallel_region(y, self.tp_group)
+        return y
+
+    def _dropout(self, x: torch.Tensor, split: bool) -> torch.Tensor:
+        """Dropout on the adapters' input. A whole input takes the same mask on every TP rank (so A
+        and its gradient stay the same everywhere), a split one a mask of its own: from Megatron's
+        data-parallel (same on TP ranks) and model-parallel (one per TP rank) generators, which the
+        layers may already run inside a fork of (sequence parallel) and which activation recompute
+        restores. (On the CPU, where the shim makes them the CPU generator's states, Megatron warns
+        that the CPU state changed within the fork: it is the state it forked.)"""
+        if not self.training or self.dropout == 0:
+            return x
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork("model-parallel-rng" if split else "data-parallel-rng"):
+            return F.dropout(x, self.dropout)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Dist checkpoint entries: the split matrices sharded over TP as the base weight is, the
+        others replicated."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        matrix = "lora_B" if self.parallel == "column" else "lora_A"
+        axes = {f"{name}.{matrix}.weight": 0 if self.parallel == "column" else 1 for name in self}
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, tp_group=self.tp_group)
+
+
+def apply_lora(gpt: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig) -> None:
+    """Adapters on `gpt`'s layers (a GPTModel chunk: its global layer numbers), every other parameter
+    frozen; nothing with LoRA off."""
+    if not lora.enabled:
+        return
+    check_targets(spec, lora)
+    for layer in gpt.decoder.layers:
+        _adapt_layer(layer, spec, lora)
+    for name, param in gpt.named_parameters():
+        param.requires_grad_(is_adapter(name))
+    if getattr(gpt, "pre_process", False):
+        # Below the first adapter nothing requires a gradient: a recomputed (checkpointed) block of
+        # layers whose input does not require one would give its adapters none.
+        gpt.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+
+
+def _adapt_layer(layer: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig) -> None:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    index = layer.layer_number - 1
+    by_module: dict[str, list[Target]] = {}
+    for target in layer_targets(spec, lora, index):
+        by_module.setdefault(target.module, []).append(target)
+    for module, targets in by_module.items():
+        parent_name, _, base_name = module.rpartition(".")
+        parent = layer.get_submodule(parent_name)
+        base = getattr(parent, base_name)
+        kind = ColumnParallelLinear if targets[0].parallel == "column" else RowParallelLinear
+        if type(base) is not kind:
+            raise TypeError(f"layer {index}'s {module} is a {type(base).__name__}, not Megatron's {kind.__name__}")
+        tp, tp_rank = base.tp_group.size(), base.tp_group.rank()
+        layout = slots(spec, module, tp) if targets[0].parallel == "column" else None
+        adapters = LinearAdapters(base, tuple(targets), lora, layout)
+        weight = base.weight
+        for target in targets:
+            a, b = _initial(target, lora, index)
+            adapters[target.name] = Adapter(
+                _shard(a, target.split_dim("A"), tp, tp_rank).to(weight),
+                _shard(b, target.split_dim("B"), tp, tp_rank).to(weight),
+            )
+            _mark_split(adapters[target.name], target)
+        setattr(parent, base_name + SUFFIX, adapters)
+        base.register_forward_hook(adapters.hook)
+
+
+def _initial(target: Target, lora: LoRAConfig, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole (TP = 1) A and B as PEFT initialises them: the same on every rank and at every layout
+    (drawn from the run's seed and the adapter's name, not from RNG state the layout consumed)."""
+    seed = (torch.initial_seed() + zlib.crc32(adapter_name(layer, target, "A").encode())) % 2**63
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.empty(lora.rank, target.in_features)
+    if lora.init == "kaiming":
+        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+    else:
+        torch.nn.init.normal_(a, std=1 / lora.rank, generator=generator)
+    return a, torch.zeros(target.out_features, lora.rank)
+
+
+def _shard(whole: torch.Tensor, dim: int | None, tp: int, rank: int) -> torch.Tensor:
+    return whole if dim is None else whole.chunk(tp, dim=dim)[rank].contiguous()
+
+
+def _mark_split(adapter: Adapter, target: Target) -> None:
+    """Megatron's tensor-parallel attributes on the split matrix: the gradient norm counts it on every
+    TP rank, a whole one on the first only."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for matrix in ("A", "B"):
+        dim = target.split_dim(matrix)
+        if dim is not None:
+            set_tensor_model_parallel_attributes(getattr(adapter, f"lora_{matrix}").weight, True, dim, 1)
+
+
+def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The adapters of a chunk by their (chunk-local) names."""
+    return {name: p for name, p in model.named_parameters() if is_adapter(name)}
