@@ -46,8 +46,8 @@ def test_train_step_benchmark():
     rows = _table(
         "bench_train_step.py", "--shape", "tiny", "--precision", "fp32", "--seq", "32", "--prompts", "2", "--steps", "1"
     )
-    ((spec, precision, recipe, tokens, seconds, spread, per_s, tflops, mfu, memory),) = rows
-    assert float(tflops) >= 0 and float(memory) > 0
+    ((spec, precision, recipe, tokens, seconds, spread, per_s, tflops, mfu, memory, estimate),) = rows
+    assert float(tflops) >= 0 and float(memory) > 0 and float(estimate) > 0
     assert (spec, precision, recipe) == ("local", "fp32", "-")
     assert int(tokens) == 2 * 4 * 32 and float(seconds) > 0 and float(per_s) > 0
     low, high = map(float, spread.split("-"))
