@@ -153,7 +153,7 @@ def test_dry_run_memory_matches_the_hand_count(name):
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_the_recipe_is_the_authors_shape_for_the_users_files(name, tmp_path):
+def test_the_recipe_is_the_authors_shape_for_the_users_files(name, capsys, monkeypatch):
     """recipe.yaml: the authors' verl recipe (verl layout, DAPO reward, 8 updates a batch, AIME
     every 10 steps with avg@16) on the preset's layout; the user's files go in by overrides, and a
     run without them says which field to set."""
@@ -174,16 +174,19 @@ def test_the_recipe_is_the_authors_shape_for_the_users_files(name, tmp_path):
     preset = load_config(ROOT / "examples" / name / "config.yaml")
     assert cfg.parallel == dataclasses.replace(preset.parallel, max_tokens_per_microbatch=responses + 1024)
     assert cfg.model.moe == preset.model.moe
-    command = [sys.executable, "-m", "bapo_megatron.train", str(base), *files, "--dry-run"]
-    every = [*command, "eval.sets.aime25.path=/data/aime-2025.parquet", f"--world-size={PRESETS[name][0]}"]
-    done = subprocess.run(every, cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    from bapo_megatron.train import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    command = [str(base), *files, "--dry-run"]  # in this process: the CLI's own entry, as bapo-train calls it
+    main([*command, "eval.sets.aime25.path=/data/aime-2025.parquet", f"--world-size={PRESETS[name][0]}"])
+    capsys.readouterr()
     unset, world = load_config(base, files), PRESETS[name][0]
     fitted = fit_to_gpu(unset, model_spec(unset), world, 80 * GIB).cfg  # as the job starts: fitted, then checked
     with pytest.raises(ConfigError, match=r"eval.sets.aime25.path=None: is not set") as refused:
         validate(fitted, model_spec(unset), world)  # before any model
-    done = subprocess.run([*command, f"--world-size={world}"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr == f"error: {refused.value}\n"  # the dry run refuses it too
+    with pytest.raises(SystemExit) as exited:
+        main([*command, f"--world-size={world}"])
+    assert exited.value.code == 2 and capsys.readouterr().err == f"error: {refused.value}\n"  # the dry run too
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
