@@ -63,8 +63,11 @@ def plan_run(cfg: JobConfig, world_size: int, gpu_bytes: int | None, machine: bo
     over the GPU, a batch or sample the layout cannot take, inputs the job cannot read. machine=False
     leaves this machine's precision support unchecked (a dry run plans another machine)."""
     from bapo_megatron.preflight import model_spec, validate
+    from bapo_megatron.trainer.checkpoint import refuse_step_dir
     from bapo_megatron.trainer.memory.fit import fit_to_gpu
 
+    if cfg.checkpoint_path is not None:  # verl's trainer.resume_from_path names one step's directory
+        refuse_step_dir(cfg.checkpoint_path)
     spec = model_spec(cfg)
     fitted = fit_to_gpu(cfg, spec, world_size, gpu_bytes)
     validate(fitted.cfg, spec, world_size, machine=machine)

@@ -45,9 +45,14 @@ def planned_world(args: argparse.Namespace, cfg: JobConfig) -> PlannedWorld:
         return PlannedWorld(given, plan if plan is not None and plan.world_size == given else None)
     if plan is not None:
         how = "runs this config" if plan.default else f"runs it (CONFIG={args.config} sbatch {plan.name})"
+        engines = (  # as the script runs them with COLOCATE=1: its rollout nodes are not asked for
+            f"engines colocated on the {plan.train_nodes} trainer node(s), no rollout node"
+            if cfg.rollout.engines.colocate
+            else f"{plan.rollout_nodes} rollout node(s)"
+        )
         note = (
             f"no --world-size: planned for {plan.world_size} trainer processes, as {plan.name} {how}: "
-            f"{plan.train_nodes} trainer node(s) x {plan.gpus_per_node} GPUs, {plan.rollout_nodes} rollout node(s)"
+            f"{plan.train_nodes} trainer node(s) x {plan.gpus_per_node} GPUs, {engines}"
         )
         return PlannedWorld(plan.world_size, plan, (note,))
     p = cfg.parallel

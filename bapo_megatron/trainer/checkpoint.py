@@ -179,6 +179,22 @@ def run_record(directory: str | Path) -> dict | None:
     return record
 
 
+def refuse_step_dir(root: str | Path) -> None:
+    """ConfigError when checkpoint.dir is itself one dist checkpoint (it holds metadata.json), as verl's
+    trainer.resume_from_path names one step's directory: a run there finds no step directories in it,
+    starts over and saves its own steps inside it. Before anything loads (preflight.validate and
+    check_start: the dry run refuses what the run refuses)."""
+    root = Path(root)
+    if (root / "metadata.json").is_file():
+        raise ConfigError(
+            "checkpoint.dir",
+            str(root),
+            f"is one step's checkpoint directory (it holds metadata.json), not a directory of step directories: "
+            f"point checkpoint.dir at its parent {root.parent} to resume that run, or set model.mcore_path={root} "
+            "to start a new run from its weights",
+        )
+
+
 def step_of(directory: str | Path) -> int:
     """The driver step a step directory is named by (step_00000012: 12)."""
     return int(STEP_DIR.match(Path(directory).name).group(1))
@@ -371,6 +387,7 @@ class CheckpointManager:
             if path.exists() and not path.is_dir():
                 where = "is" if path == self.root else f"lies under {path}, which is"
                 raise ConfigError("checkpoint.dir", str(self.root), f"{where} a file, not a directory")
+        refuse_step_dir(self.root)
         pointer = self.root / LATEST
         if pointer.is_dir() and not pointer.is_symlink():
             raise BadInputError(
