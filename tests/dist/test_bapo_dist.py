@@ -72,8 +72,15 @@ def _loss_worker(rank: int, world: int) -> None:
     cfg = PolicyLossConfig(loss="bapo", bapo=BAPOConfig(target_rho=0.42, bound_scope="microbatch"))
 
     def batch(ranks):
-        ratio, adv, mask = _concat(ranks, seed=99)
-        logprobs = torch.zeros(len(ratio))  # only the ratio pi / mu matters
+        # a rank's tokens are one response, a row padded to the longest (masked): the single process
+        # holds the same responses, so the sequence-level metrics (rollout_corr/) compare too
+        rows = [_rank_tokens(r, seed=99) for r in ranks]
+        pad = max(TOKENS) - torch.tensor([len(x[0]) for x in rows]).unsqueeze(1)
+        ratio, adv, mask = (
+            torch.stack([torch.cat([x[i], torch.full((int(p),), fill)]) for x, p in zip(rows, pad, strict=True)])
+            for i, fill in enumerate((1.0, 0.0, 0.0))
+        )
+        logprobs = torch.zeros(ratio.shape)  # only the ratio pi / mu matters
         return PolicyBatch(logprobs=logprobs, old_logprobs=-ratio.log(), advantages=adv, mask=mask)
 
     local = policy_loss(batch([rank]), cfg, group=everyone)
