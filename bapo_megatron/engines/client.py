@@ -28,6 +28,33 @@ from bapo_megatron.common.protocol import Completion, MalformedResponse, Samplin
 from bapo_megatron.common.routes import RouteShape
 from bapo_megatron.models.spec import ModelSpec
 
+CHECKSUM_MISMATCH = "weight checksum mismatch"
+"""How an engine's refusal of an update whose tensors differ from their expected_checksums begins."""
+
+
+def tensor_checksum(tensor) -> str:
+    """A tensor's checksum as SGLang's expected_checksums has it (tp_worker's LoRA check): the sha256
+    of its bytes in its own dtype, so that trainer and engine agree bit for bit."""
+    import hashlib
+
+    import torch
+
+    data = tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def checksum_mismatch(expected: dict[str, str], tensors) -> str | None:
+    """The first tensor of `tensors` ((name, tensor) pairs) whose checksum is not `expected`'s, as the
+    line an engine refuses the update with; None when every expected one arrived intact."""
+    received = dict(tensors)
+    for name, want in expected.items():
+        if name not in received:
+            return f"{CHECKSUM_MISMATCH}: tensor {name} was expected but not received"
+        got = tensor_checksum(received[name])
+        if got != want:
+            return f"{CHECKSUM_MISMATCH}: tensor {name} arrived with sha256 {got[:16]}, sent {want[:16]}"
+    return None
+
 
 class EngineError(RuntimeError):
     """The engine refused a request (4xx) or answered it with a failure."""
@@ -283,24 +310,28 @@ class EngineClient:
         group_name: str = protocol.DEFAULT_GROUP,
         flattened: bool = False,
         flush_cache: bool = True,
+        expected_checksums: dict[str, str] | None = None,
     ) -> None:
         """Announce one bucket; the caller broadcasts it (one flattened uint8 tensor, or each tensor
         in this order) while this call waits. flush_cache: drop the engine's prefix cache after
-        loading (once per sync: with its last bucket)."""
-        await self._checked(
-            "/update_weights_from_distributed",
-            protocol.update_distributed_request(
-                names, dtypes, shapes, version, group_name, flush_cache, flattened=flattened
-            ),
+        loading (once per sync: with its last bucket). expected_checksums: {name: tensor_checksum}
+        the engine checks what it received against (embedded engines only: SGLang takes none here)."""
+        body = protocol.update_distributed_request(
+            names, dtypes, shapes, version, group_name, flush_cache, flattened=flattened
         )
+        await self._checked("/update_weights_from_distributed", _with_checksums(body, expected_checksums))
 
     async def update_weights_from_tensor(
-        self, serialized: list[str], version: str, flattened: bool = True, flush_cache: bool = True
+        self,
+        serialized: list[str],
+        version: str,
+        flattened: bool = True,
+        flush_cache: bool = True,
+        expected_checksums: dict[str, str] | None = None,
     ) -> None:
         """Colocated: tensor handles (common/ipc.py), one payload per engine TP rank."""
-        await self._checked(
-            "/update_weights_from_tensor", protocol.update_tensor_request(serialized, version, flattened, flush_cache)
-        )
+        body = protocol.update_tensor_request(serialized, version, flattened, flush_cache)
+        await self._checked("/update_weights_from_tensor", _with_checksums(body, expected_checksums))
 
     async def update_weights_from_disk(self, model_path: str, version: str) -> None:
         await self._checked("/update_weights_from_disk", protocol.update_disk_request(model_path, version))
@@ -309,3 +340,8 @@ class EngineClient:
         await self._checked(
             "/update_weight_version", {"new_version": version, "abort_all_requests": abort_all_requests}
         )
+
+
+def _with_checksums(body: dict, expected: dict[str, str] | None) -> dict:
+    """An update request with SGLang's expected_checksums field, when there are checksums to check."""
+    return body if expected is None else {**body, "expected_checksums": expected}

@@ -79,16 +79,19 @@ class EngineUpdates:
         self.released = False  # colocated engines' memory given back (after a batch, before a sync)
         self._busy: tuple[float, float] | None = None  # (time, the engines' busy seconds) at the last publish
 
-    def publish(self, buckets: Iterable, version: int) -> dict[str, float]:
+    def publish(self, buckets: Iterable, version: int, verify: bool = False) -> dict[str, float]:
         """Every bucket to every engine as weight version `version` (the rollout paused as its mode
         wants meanwhile); each engine's version is then checked. What still reads the weights these
-        replace (an evaluation) finishes first."""
+        replace (an evaluation) finishes first. verify: each engine checks every tensor it received
+        against the checksum sent with it (weights/sync.WeightsCorrupted when one differs)."""
         self.wait_readers()
         start = time.monotonic()
+        self.sender.verify = verify
         with self.loop.context(self.paused(version)):
             sent = self.send(buckets, version, self.flush)
         self.check(version)
         return {
+            **({"sync/verified": 1.0} if verify and sent else {}),  # (nothing sent: no engine took part)
             "time/weight_sync": time.monotonic() - start,
             "sync/bytes": float(sent),
             "engine/live": len(self.pool.live()),

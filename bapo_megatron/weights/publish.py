@@ -8,7 +8,9 @@ this rank's outlet (rank 0: the engines' weight-update group, weights/engine_upd
 holding a copy for a colocated engine, on any node: its holders; the others: nowhere), then checks what the
 engines serve: every rollout.sync.check_every versions a probe's log-probs from a serving engine
 against the trainer's, and for each engine that took the weights while it waited for them
-(restarted), the same probe from that engine before it serves again. The probe is rank 0's: every rank receives it
+(restarted), the same probe from that engine before it serves again. Every rollout.sync.verify
+versions the engines also check each tensor they receive against the checksum sent with it
+(weights/sync.py). The probe is rank 0's: every rank receives it
 and scores its copies, so that the outlet is the only thing that differs between ranks.
 """
 
@@ -34,8 +36,9 @@ from bapo_megatron.fsutil import atomic_directory, remove
 class Outlet(Protocol):
     """Where one rank's buckets go, and (rank 0) what the engines answer about them."""
 
-    def publish(self, buckets: Iterable, version: int) -> dict[str, float]:
-        """Consume the buckets (every one: the gathers are collectives); the publish's figures."""
+    def publish(self, buckets: Iterable, version: int, verify: bool = False) -> dict[str, float]:
+        """Consume the buckets (every one: the gathers are collectives); the publish's figures.
+        verify (rank 0): the engines check each tensor received against its checksum."""
 
     def probe(self, engine: int | None) -> Sample | None:
         """A fixed response with engine `engine`'s log-probs (None: a serving one); None on other ranks."""
@@ -54,7 +57,7 @@ class Gathering:
     def __init__(self, holders=None) -> None:
         self.holders = holders
 
-    def publish(self, buckets: Iterable, version: int) -> dict[str, float]:
+    def publish(self, buckets: Iterable, version: int, verify: bool = False) -> dict[str, float]:
         if self.holders is not None:
             self.holders.hold(buckets)
         else:
@@ -79,13 +82,33 @@ class WeightPublisher:
     def publish(self, version: int) -> dict[str, float]:
         """The trainer's weights out as version `version` and checked (every rank together):
         the outlet's figures, sync/probe_logprob_gap when a probe was due, sync/refit_probe_gap when
-        engines that came back were checked. RunStopped when an engine serves other weights."""
-        metrics = self.outlet.publish(self._buckets(), version)
-        if self.cfg.rollout.sync.check_every and version % self.cfg.rollout.sync.check_every == 0:
+        engines that came back were checked. RunStopped when an engine serves other weights
+        (WeightsCorrupted: one received other bytes than sent)."""
+        sync, embedded = self.cfg.rollout.sync, self.cfg.rollout.engines.kind == "embedded"
+        verify = _due(sync.verify_every(embedded), version)
+        metrics = self._verified_publish(version, verify and embedded)
+        if _due(sync.check_every, version) or (verify and not embedded):  # SGLang checks no checksums: the probe
             gap = self._gap(version, None)
             if gap is not None:
                 metrics["sync/probe_logprob_gap"] = gap
         metrics.update(self._refit_checks(version))
+        return metrics
+
+    def _verified_publish(self, version: int, verify: bool) -> dict[str, float]:
+        """The outlet's publish; with verify, the engines check what they received and a
+        WeightsCorrupted on rank 0 stops every rank with its line."""
+        from bapo_megatron.weights.sync import WeightsCorrupted
+
+        if not verify:
+            return self.outlet.publish(self._buckets(), version)
+        stopped, metrics = None, {}
+        try:
+            metrics = self.outlet.publish(self._buckets(), version, verify=True)
+        except WeightsCorrupted as err:
+            stopped = str(err)
+        stopped = broadcast(stopped)
+        if stopped is not None:
+            raise WeightsCorrupted(stopped)
         return metrics
 
     def _buckets(self):
@@ -194,6 +217,10 @@ def engine_model_dir(cfg: JobConfig, trainer) -> Path | None:
                 if (Path(cfg.model.hf_path) / name).is_file():
                     shutil.copy(Path(cfg.model.hf_path) / name, tmp / name)
     return target
+
+
+def _due(every: int, version: int) -> bool:
+    return bool(every) and version % every == 0
 
 
 def broadcast(obj=None):

@@ -16,6 +16,10 @@ alive until every engine has answered, by which time the engines have copied it.
 HandleHolders, each engine rank's payload is the own copy of the trainer rank on its GPU, on
 its node (engines on every node: each node's copy goes to its own engines).
 
+With `verify` set (rollout.sync.verify), each bucket's request carries the sha256 of every tensor
+as sent (SGLang's expected_checksums); an engine that received other bytes refuses the bucket
+before loading it, and the send stops the run (WeightsCorrupted) naming the tensor and the engine.
+
 Both run the whole sync inside one begin/end weight-update session (SGLang >= 0.5.21) and
 set the new weight version on every engine; a failed update still ends the session, and so
 does a begin that failed on another engine. The engines' caches (prefix KV of the old
@@ -36,9 +40,16 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from bapo_megatron.common import ipc, protocol, weight_group
-from bapo_megatron.engines.client import EngineClient, EngineError, EngineUnavailable
+from bapo_megatron.engines.client import (
+    CHECKSUM_MISMATCH,
+    EngineClient,
+    EngineError,
+    EngineUnavailable,
+    tensor_checksum,
+)
 from bapo_megatron.engines.launcher import free_port
 from bapo_megatron.engines.loop import EngineLoop
+from bapo_megatron.errors import RunStopped
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -71,6 +82,7 @@ class DistributedWeightSender:
         self.flatten = flatten  # one broadcast per bucket (load_format flattened_bucket), not one per tensor
         self.group = None
         self._joined_before = False
+        self.verify = False  # the next sends carry checksums the engines check (rollout.sync.verify)
 
     @property
     def world_size(self) -> int:
@@ -127,6 +139,11 @@ class DistributedWeightSender:
             with _session(self.clients, loop):
                 for bucket, last in _mark_last(stream):
                     sent += self._send_bucket(bucket, last, version, loop, flush_cache)
+        except WeightsCorrupted:
+            self._abandon(loop)
+            for _ in stream:
+                pass
+            raise
         except (RuntimeError, EngineUnavailable, EngineError, TimeoutError) as err:
             # An engine died during the update (its end of the broadcast closed, or it stopped
             # answering), or refused it: leave the group, so that the others' ends fail too instead
@@ -147,9 +164,17 @@ class DistributedWeightSender:
         names = [n for n, _ in bucket]
         dtypes = [protocol.dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
+        expected = checksums(bucket) if self.verify else None
         calls = (
             c.update_weights_from_distributed(
-                names, dtypes, shapes, version, self.group_name, self.flatten, flush_cache=last and flush_cache
+                names,
+                dtypes,
+                shapes,
+                version,
+                self.group_name,
+                self.flatten,
+                flush_cache=last and flush_cache,
+                **_checks(expected),
             )
             for c in self.clients
         )
@@ -162,7 +187,7 @@ class DistributedWeightSender:
             if refusal is not None:  # the engine left the group as it refused: its reason is the error
                 raise refusal from None
             raise
-        loop.wait(answers)
+        _corrupted_or_raise(lambda: loop.wait(answers), version)
         return _nbytes(bucket)
 
     def _abandon(self, loop: EngineLoop) -> None:
@@ -193,6 +218,37 @@ class WeightSendFailed(Exception):
 class WeightsRefused(WeightSendFailed):
     """An engine refused the update (4xx, with its reason): names, dtypes or shapes its model cannot
     take, or a group it no longer holds (restarted meanwhile)."""
+
+
+class WeightsCorrupted(RunStopped):
+    """An engine received other bytes than the trainer sent (rollout.sync.verify): the run stops
+    rather than train on what it would generate."""
+
+
+def checksums(bucket: Bucket) -> dict[str, str]:
+    """{name: sha256 of the tensor's bytes as sent}: what the engines check their received bucket against."""
+    return {name: tensor_checksum(t) for name, t in bucket}
+
+
+def _checks(expected: dict[str, str] | None) -> dict:
+    """The update call's checksum argument, when the send verifies (none otherwise)."""
+    return {} if expected is None else {"expected_checksums": expected}
+
+
+def _corrupted_or_raise(call, version: str):
+    """call(); an engine's checksum refusal as WeightsCorrupted, one line naming the engine and the tensor."""
+    try:
+        return call()
+    except EngineError as err:
+        text = str(err)
+        if CHECKSUM_MISMATCH not in text:
+            raise
+        detail = text[text.index(CHECKSUM_MISMATCH) :].split('"')[0]
+        engine = err.url.rsplit("/", 1)[0]
+        raise WeightsCorrupted(
+            f"rollout.sync.verify: engine {engine} did not receive the weights of version {version} as sent "
+            f"({detail}); stopping rather than train on what it generates"
+        ) from None
 
 
 def _refusal(answers, loop: EngineLoop, seconds: float = 5.0) -> EngineError | None:
@@ -307,33 +363,45 @@ class TensorWeightSender:
         if holders is not None and holders.flatten != flatten:
             raise ValueError(f"the holders make {'flattened' if holders.flatten else 'per-tensor'} payloads")
         self.clients, self.engine_tp, self.flatten, self.holders = clients, engine_tp, flatten, holders
+        self.verify = False  # the next sends carry checksums the engines check (rollout.sync.verify)
 
     def send(self, buckets: Iterable[Bucket], version: str, loop: EngineLoop, flush_cache: bool = True) -> int:
         """Every bucket to every engine; the engines' weight version becomes `version`. The buckets and
         their handles are made on this thread (the holders' collectives), the HTTP calls go on
         `loop`. Returns bytes sent."""
-        sent = 0
-        with _session(self.clients, loop):
-            for bucket, last in _mark_last(buckets):
-                # one pickle per receiving rank (a CUDA IPC reference each), kept valid until all answered
-                if self.holders is not None:
-                    held = self.holders.payloads(bucket)
-                else:
-                    held = ipc.serialized(_payload(bucket, self.flatten), self.engine_tp * len(self.clients))
-                with held as serialized:
-                    loop.run(
-                        _all(
-                            c.update_weights_from_tensor(
-                                serialized[i * self.engine_tp : (i + 1) * self.engine_tp],
-                                version,
-                                self.flatten,
-                                flush_cache=last and flush_cache,
-                            )
-                            for i, c in enumerate(self.clients)
-                        )
-                    )
-                sent += _nbytes(bucket)
+        sent, stream = 0, _mark_last(buckets)
+        try:
+            with _session(self.clients, loop):
+                for bucket, last in stream:
+                    sent += self._send_bucket(bucket, version, loop, last and flush_cache)
+        except WeightsCorrupted:
+            for bucket, _ in stream:  # the other ranks still gather (and hold) the rest with us
+                with self._held(bucket):
+                    pass
+            raise
         return sent
+
+    def _held(self, bucket: Bucket):
+        """One pickle per receiving rank (a CUDA IPC reference each), valid until the block ends."""
+        if self.holders is not None:
+            return self.holders.payloads(bucket)
+        return ipc.serialized(_payload(bucket, self.flatten), self.engine_tp * len(self.clients))
+
+    def _send_bucket(self, bucket: Bucket, version: str, loop: EngineLoop, flush_cache: bool) -> int:
+        expected = checksums(bucket) if self.verify else None
+        with self._held(bucket) as serialized:
+            calls = (
+                c.update_weights_from_tensor(
+                    serialized[i * self.engine_tp : (i + 1) * self.engine_tp],
+                    version,
+                    self.flatten,
+                    flush_cache=flush_cache,
+                    **_checks(expected),
+                )
+                for i, c in enumerate(self.clients)
+            )
+            _corrupted_or_raise(lambda: loop.run(_all(calls)), version)
+        return _nbytes(bucket)
 
 
 async def _all(calls) -> list:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from bapo_megatron.common import protocol
 from bapo_megatron.common.weight_group import join_requested, leave_group
+from bapo_megatron.engines.client import checksum_mismatch
 from bapo_megatron.engines.embedded.http import BAD_REQUEST, json_object, ok
 
 
@@ -82,6 +83,7 @@ class WeightUpdateEndpoints:
 
         async with self._model_lock:
             tensors = await asyncio.to_thread(receive)  # every broadcast is joined before anything is loaded
+            _verify(body, tensors)
             await self._on_engine(self.core.load_weights, tensors)
             refused = self._after_update(body)
         return ok(f"updated {len(tensors)} tensors", refused)
@@ -138,6 +140,7 @@ class WeightUpdateEndpoints:
             for p in tensors
         ):
             raise ValueError("the payload must be a list of (name, tensor) pairs")
+        _verify(body, tensors)
         async with self._model_lock:
             count = await self._on_engine(self.core.load_weights, tensors)
             refused = self._after_update(body)
@@ -179,3 +182,16 @@ class WeightUpdateEndpoints:
             if body.get("abort_all_requests", True):
                 self.core.abort(None)
         return ok(f"weight version {self.core.version}")
+
+
+def _verify(body: dict, tensors: list) -> None:
+    """An update's tensors as received against its expected_checksums (rollout.sync.verify), before
+    any is loaded: ValueError (400) naming the first that differs, so the model keeps its weights."""
+    expected = body.get("expected_checksums")
+    if expected is None:
+        return
+    if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+        raise ValueError("expected_checksums must map tensor names to sha256 hex strings")
+    mismatch = checksum_mismatch(expected, tensors)
+    if mismatch is not None:
+        raise ValueError(mismatch)
