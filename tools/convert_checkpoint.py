@@ -3,7 +3,10 @@
     python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp N --pp M --ep E --dtype float32]
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype DTYPE]
         (MCORE_DIR: a converted checkpoint, a run's step directory, or a run's checkpoint.dir: its latest
-        step; each carries its model's config.json and the run's tokenizer files, so no template is needed)
+        step; each carries its model's config.json and the run's tokenizer files, so no template is needed;
+        a LoRA run's: the adapters merged into the model)
+    python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --peft-adapter ADAPTER_DIR
+        (a LoRA run's adapters alone, as a PEFT adapter directory for the base model; with --out too: both)
     python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4]
 
 Conversions hold about one decoder layer beyond their inputs (hf-to-mcore: beyond the
@@ -25,6 +28,7 @@ from bapo_megatron.common.arguments import at_least_one
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.trainer.checkpoint import STEP_DIR, step_of, weights_dir
 from bapo_megatron.weights.convert import DTYPES, TEMPLATE_HELP, hf_to_mcore, mcore_to_hf, verify_conversion
+from bapo_megatron.weights.peft_export import write_peft_adapter
 
 
 def exported_from(mcore: str) -> str:
@@ -48,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     p.add_argument("--mcore", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the HF model (a LoRA run's: its adapters merged)")
+    p.add_argument("--peft-adapter", help="a LoRA run's adapters as a PEFT adapter directory here")
     p.add_argument("--hf-template", help=TEMPLATE_HELP)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype in the model's config.json")
     p = sub.add_parser("verify", help="compare logits of the two on random token ids")
@@ -64,8 +69,15 @@ def main(argv: list[str] | None = None) -> int:
             out = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.dtype, progress=show, ep=args.ep)
             print(f"wrote {out}")
         elif args.command == "mcore-to-hf":
+            if not (args.out or args.peft_adapter):
+                parser.error("mcore-to-hf: give --out, --peft-adapter, or both")
             source = exported_from(args.mcore)
-            print(f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, progress=show)} {source}")
+            if args.out:
+                print(
+                    f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, progress=show)} {source}"
+                )
+            if args.peft_adapter:
+                print(f"wrote {write_peft_adapter(args.mcore, args.peft_adapter)} {source}")
         else:
             result = verify_conversion(args.hf, args.mcore)
             ok = result["max_rel"] <= args.tolerance

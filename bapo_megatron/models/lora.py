@@ -10,12 +10,18 @@ PEFT's on the HF model. Megatron's name of an adapter is `<layer>.<module>_lora.
 
 How a TP rank holds an adapter follows its base layer: beside a column-parallel layer A is whole and
 B split by rows as the base weight is; beside a row-parallel one A is split by columns and B whole.
+merge_adapters folds whole adapters into their base weights, for whoever reads the model without
+LoRA (the engines' weight sync, the merged HF export).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 from bapo_megatron.config.lora import ALL_LINEAR, LoRAConfig
 from bapo_megatron.errors import ConfigError
@@ -170,3 +176,45 @@ def adapter_params(spec: ModelSpec, lora: LoRAConfig, layers: list[int], tp: int
         return 0
     check_targets(spec, lora)
     return sum(t.params(lora.rank, tp) for layer in layers for t in layer_targets(spec, lora, layer))
+
+
+def merge_adapters(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """Whole (TP = 1) Megatron tensors of decoder layers (global names, as megatron_name's) with each
+    adapter folded into its base weight, W + scaling B A, and the adapters left out: the model the
+    trainer computes, for a reader that knows no LoRA (an engine, transformers). A fused base (q/k/v,
+    gate/up) takes each adapter's B A in its target's rows, as the adapters' forward writes them."""
+    out = {name: t for name, t in tensors.items() if not is_adapter(name)}
+    by_base: dict[str, list[tuple[Target, str]]] = {}
+    for name in tensors:
+        match = _ADAPTER_A.fullmatch(name)
+        if match is None:
+            continue
+        layer, module, target = int(match["layer"]), match["module"], match["target"]
+        base = f"decoder.layers.{layer}.{module}.weight"
+        if base not in out:
+            raise ValueError(f"adapter {name} has no base weight {base} beside it")
+        by_base.setdefault(base, []).append((_targets_of(spec, layer)[target], name[: -len("A.weight")]))
+    for base, adapters in by_base.items():
+        weight = out[base]
+        # in float32: a bf16 base is rounded once, from the merged weight
+        deltas = {t.name: scaling * (_f32(tensors, p + "B") @ _f32(tensors, p + "A")) for t, p in adapters}
+        if adapters[0][0].parallel == "row":
+            (delta,) = deltas.values()
+        else:
+            layout = slots(spec, adapters[0][0].module, 1)
+            rows = []
+            for name, width in layout.parts:
+                part = deltas.get(name)
+                if part is None:  # a projection of the fused layer that is not adapted
+                    part = weight.new_zeros(layout.groups * width, weight.shape[1], dtype=torch.float32)
+                rows.append(part.view(layout.groups, width, -1))
+            delta = torch.cat(rows, dim=1).reshape(weight.shape)
+        out[base] = (weight.float() + delta).to(weight.dtype)
+    return out
+
+
+def _f32(tensors: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    return tensors[f"{prefix}.weight"].float()
+
+
+_ADAPTER_A = re.compile(rf"decoder\.layers\.(?P<layer>\d+)\.(?P<module>.+){SUFFIX}\.(?P<target>\w+)\.lora_A\.weight")

@@ -14,8 +14,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from bapo_megatron.common.processes import forked_children_die_with_this_process
+from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.errors import BadInputError, DiskFull, RunStopped
 from bapo_megatron.fsutil import publish, remove, temporary_sibling
+from bapo_megatron.models.lora import is_adapter
 from bapo_megatron.trainer import safe_load
 from bapo_megatron.trainer.integrity import (
     CHECKSUMS,
@@ -293,10 +295,11 @@ def _without_absent_extra_states(sharded, present: set[str]):
     return sharded
 
 
-def load_module_state(module: torch.nn.Module, state: dict, source: str | Path) -> None:
-    """load_state_dict where only TE's `_extra_state` may be absent from `state`."""
+def load_module_state(module: torch.nn.Module, state: dict, source: str | Path, base_only: bool = False) -> None:
+    """load_state_dict where only TE's `_extra_state` may be absent from `state` (and the LoRA
+    adapters, with `base_only`: they keep their values)."""
     result = module.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE) and not (base_only and is_adapter(k))]
     if missing or result.unexpected_keys:
         raise ValueError(
             f"checkpoint {source} does not fit the model: missing {missing[:3]}, "
@@ -330,10 +333,57 @@ def verify_on_all_ranks(directory: str | Path) -> None:
 
 
 def load_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> None:
+    """The model's weights from `directory`. A checkpoint without LoRA adapters (a base model's,
+    converted) leaves the model's adapters as they are (initialised as PEFT does: the base's outputs);
+    one with adapters (a LoRA run's) loads them too."""
     verify_on_all_ranks(directory)
-    loaded = load_sharded(model_sharded_state_dict(model_chunks), directory)
+    sharded = model_sharded_state_dict(model_chunks)
+    base_only = not any(is_adapter(key) for key in read_metadata(Path(directory)).state_dict_metadata)
+    if base_only:
+        sharded = _without_adapters(sharded)
+    elif not any(is_adapter(name) for chunk in model_chunks for name, _ in unwrap(chunk).named_parameters()):
+        raise ValueError(
+            f"checkpoint {directory} holds LoRA adapters and this model has none: set model.lora as the run "
+            "that saved it did, or start from its merged model (tools/convert_checkpoint.py mcore-to-hf)"
+        )
+    loaded = load_sharded(sharded, directory)
     for i, chunk in enumerate(model_chunks):
-        load_module_state(unwrap(chunk), loaded[f"chunk{i}"], directory)
+        load_module_state(unwrap(chunk), loaded[f"chunk{i}"], directory, base_only)
+
+
+def _without_adapters(sharded: dict) -> dict:
+    """`sharded` minus the LoRA adapters' entries."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+    for k, v in sharded.items():
+        if isinstance(v, dict):
+            out[k] = _without_adapters(v)
+        elif not (isinstance(v, ShardedTensor) and is_adapter(v.key)):
+            out[k] = v
+    return out
+
+
+def saved_lora(directory: str | Path) -> LoRAConfig | None:
+    """The LoRA adapters' config of the run that saved `directory`, None for a checkpoint without
+    adapters; ValueError for one with adapters that does not say how they were made."""
+    metadata = read_metadata(Path(directory)).state_dict_metadata
+    if not any(k.startswith("decoder.layers.") and is_adapter(k) for k in metadata):
+        return None
+    lora = saved_model_config(directory).get("lora")
+    if not isinstance(lora, dict):
+        raise ValueError(f"checkpoint {directory} holds LoRA adapters but its common.pt names no model.lora config")
+    return LoRAConfig(**{**lora, "target_modules": tuple(lora["target_modules"])})
+
+
+def saved_model_config(directory: str | Path) -> dict:
+    """The `model` section of the config of the run that saved `directory` (its common.pt's); empty
+    for a checkpoint that carries none (a converted one)."""
+    import yaml
+
+    config = safe_load.read_common(directory).get("common", {}).get("config") or ""
+    model = (yaml.safe_load(config) or {}).get("model")
+    return model if isinstance(model, dict) else {}
 
 
 def rng_states() -> dict:

@@ -196,3 +196,8 @@ def _mark_split(adapter: Adapter, target: Target) -> None:
 def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The adapters of a chunk by their (chunk-local) names."""
     return {name: p for name, p in model.named_parameters() if is_adapter(name)}
+
+
+def lora_scaling(module: torch.nn.Module) -> float | None:
+    """The adapters' alpha / rank in `module` (a layer or a model chunk); None: it has no adapters."""
+    return next((m.scaling for m in module.modules() if isinstance(m, LinearAdapters)), None)

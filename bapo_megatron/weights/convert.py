@@ -31,6 +31,7 @@ from bapo_megatron.common.hf_io import (
 from bapo_megatron.common.progress import byte_progress
 from bapo_megatron.common.safetensors_stream import StreamingWriter, plan_files
 from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.errors import inside
 from bapo_megatron.fsutil import atomic_directory
 from bapo_megatron.models.spec import ModelSpec, check_layout
@@ -73,13 +74,14 @@ def _megatron_world_of_one() -> None:
     init_model_parallel(ParallelConfig(), seed=0)
 
 
-def _model(spec: ModelSpec):
+def _model(spec: ModelSpec, lora: LoRAConfig | None = None):
     """A TP=1 model of `spec` on the CPU (or under a default-device context: meta), GPU or not; its
-    padded vocabulary is the one every TP dividing vocab_pad_tp uses."""
+    padded vocabulary is the one every TP dividing vocab_pad_tp uses; `lora`: with those adapters."""
     from bapo_megatron.trainer import megatron_config as mc
 
+    model = ModelConfig() if lora is None else ModelConfig(lora=lora, transformer_impl="local")
     return mc.build_gpt_model(
-        spec, ModelConfig(), ParallelConfig(), pre_process=True, post_process=True, initialize=False, cpu_init=True
+        spec, model, ParallelConfig(), pre_process=True, post_process=True, initialize=False, cpu_init=True
     ).eval()  # every weight is loaded right after
 
 
@@ -234,9 +236,9 @@ def verify_conversion(
 
     hf = HFCheckpoint(hf_dir)
     _megatron_world_of_one()
-    model = _model(hf.spec)
-    from bapo_megatron.trainer.dist_ckpt import load_model
+    from bapo_megatron.trainer.dist_ckpt import load_model, saved_lora
 
+    model = _model(hf.spec, saved_lora(weights_dir(mcore_dir)))  # a LoRA run's: the trainer's model, adapters on
     load_model([model], weights_dir(mcore_dir))  # a step, a run's checkpoint.dir or its run directory
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     reference = transformers.AutoModelForCausalLM.from_pretrained(

@@ -4,7 +4,8 @@ Every rank of a pipeline stage runs the generator (the tensor- and expert-parall
 collectives) and gets the same buckets: the stage's HF tensors, in the order the receiver
 can load them (embedding, layers in order, final norm and output layer), each exactly once
 per stage, a MoE layer's experts one tensor per expert under global expert numbers. The caller
-decides which rank sends them (e.g. tensor- and data-parallel rank 0 of every stage). Memory
+decides which rank sends them (e.g. tensor- and data-parallel rank 0 of every stage). LoRA
+adapters are merged into their base weights after the gathers (models/lora.py merge_adapters). Memory
 beyond the model: one layer's gathered tensors plus one bucket.
 """
 
@@ -15,8 +16,10 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.models.lora import merge_adapters
 from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.dist_ckpt import unwrap
+from bapo_megatron.trainer.lora import lora_scaling
 from bapo_megatron.trainer.parallel import ParallelInfo
 from bapo_megatron.weights.hf_load import expert_parts
 from bapo_megatron.weights.layout import layer_impl, megatron_layer_to_hf
@@ -96,6 +99,8 @@ def _stage_tensors(
     for layer in model.decoder.layers:
         index = layer.layer_number - 1  # global, 1-based in Megatron
         local = {f"decoder.layers.{index}.{name}": t for name, t in _layer_tensors(layer, info).items()}
+        if (scaling := lora_scaling(layer)) is not None:  # the engines serve the merged weights
+            local = merge_adapters(spec, local, scaling)
         yield from megatron_layer_to_hf(spec, index, local, impl or layer_impl(local))
     if model.post_process:
         yield "model.norm.weight", model.decoder.final_layernorm.weight.detach()

@@ -5,7 +5,8 @@ parameter (and for each half of the gated fc1, through its factory), which rows 
 the whole TP=1 tensor it holds; the layout maps (weights/layout.py) make that whole tensor from
 the memory-mapped HF files, one tensor at a time, and the rank copies its slice. Memory: about
 one (TP=1) tensor beyond the model. Every parameter of every local chunk must be covered, or it
-is an error naming it. The caller refreshes the optimizer's copies (load_hf_into_trainer does).
+is an error naming it; LoRA adapters (models/lora.py) are not the base's and keep their initial
+values. The caller refreshes the optimizer's copies (load_hf_into_trainer does).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from bapo_megatron.common.hf_io import HFCheckpoint
+from bapo_megatron.models.lora import is_adapter
 from bapo_megatron.models.recipes import grouped_experts
 from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.dist_ckpt import unwrap
@@ -84,13 +86,15 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], spec: ModelSpec, hf: HF
                 data = sh.data
                 param = data if data._base is None else data._base
                 name = names.get(id(param))
+                if name is not None and is_adapter(name):
+                    continue  # not the base's: it keeps its initial value (B zero: the base's outputs)
                 if name is None or name not in recipes:
                     raise ValueError(f"the model's {sh.key} has no Hugging Face source (layout map and model disagree)")
                 start, whole = tuple(sh.global_offset[sh.prepend_axis_num :]), sh.global_shape[sh.prepend_axis_num :]
                 data.copy_(recipe_region(recipes[name], hf, start, tuple(sh.local_shape), tuple(whole), sh.key))
                 covered[id(param)] += data.numel()
                 copied += data.numel() * data.element_size()
-        missing = [n for n, p in params.items() if covered[id(p)] != p.numel()]
+        missing = [n for n, p in params.items() if covered[id(p)] != p.numel() and not is_adapter(n)]
         if missing:
             raise ValueError(f"{hf.dir}: no weights were loaded into {missing[:3]}")
     return copied

@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 from bapo_megatron.models import family_of
+from bapo_megatron.models.lora import is_adapter
 from bapo_megatron.models.recipes import Fused, Parts, Recipe, Rows, norm_names, pad_vocab
 from bapo_megatron.models.spec import ModelSpec
 
@@ -91,7 +92,13 @@ def hf_to_megatron(
 
 
 def megatron_to_hf(spec: ModelSpec, mg: Mapping[str, torch.Tensor], impl: str = "local") -> dict[str, torch.Tensor]:
-    """A whole Megatron TP=1 state dict as HF names and shapes, vocabulary padding trimmed."""
+    """A whole Megatron TP=1 state dict as HF names and shapes, vocabulary padding trimmed; one with
+    LoRA adapters is refused (merge them first: models/lora.py merge_adapters), not exported without them."""
+    adapters = [name for name in mg if is_adapter(name)]
+    if adapters:
+        raise ValueError(
+            f"LoRA adapters {adapters[:2]} have no HF name of their own: merge them first (merge_adapters)"
+        )
     vocab = spec.vocab_size
     out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][:vocab]}
     for i in range(spec.num_layers):

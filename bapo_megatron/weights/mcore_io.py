@@ -51,9 +51,11 @@ from bapo_megatron.common.hf_io import (
 from bapo_megatron.common.safetensors_stream import TensorEntry
 from bapo_megatron.errors import BadInputError, inside
 from bapo_megatron.models import family_of
+from bapo_megatron.models.lora import is_adapter, merge_adapters
 from bapo_megatron.models.recipes import STORED_EXPERTS, expert_names
 from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, first_difference, spec_fields
 from bapo_megatron.trainer.checkpoint import HF_CONFIG, RUN_RECORD, run_record
+from bapo_megatron.trainer.dist_ckpt import saved_lora
 from bapo_megatron.trainer.integrity import verify_integrity
 from bapo_megatron.weights.layout import megatron_layer_to_hf
 from bapo_megatron.weights.stored_chunks import StoredChunks
@@ -148,6 +150,7 @@ class McoreCheckpoint:
             if hasattr(m, "size")
         }
         self._chunks = StoredChunks(self.dir, metadata)
+        self.lora = saved_lora(self.dir)  # a LoRA run's: its adapters are merged into the export
         self._check_model_shape()
         self._check()
         self.kept = self._kept()
@@ -300,6 +303,20 @@ class McoreCheckpoint:
         tensor = self._chunks.read(read.key, offsets, sizes, self.meta[read.key][1])
         return tensor.reshape(sizes[len(read.lead) :])
 
+    def adapters(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s LoRA adapters, whole, by Megatron's name (models/lora.py megatron_name)."""
+        out = {}
+        for key in (k for k in self.meta if k.startswith("decoder.layers.") and is_adapter(k)):
+            head, _, tail = key.removeprefix("decoder.layers.").partition(".")
+            suffix = tail if head.isdigit() else f"{head}.{tail}"  # a layer's own key, or the stacked one
+            if (read := self._stored(layer, suffix)).key in self.meta:
+                out[f"decoder.layers.{layer}.{suffix}"] = self._load(read)
+        return out
+
+    def _with_adapters(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s tensors as _layer_reads names them, and its LoRA adapters."""
+        return {**{name: self._load(read) for name, read in self._layer_reads(layer).items()}, **self.adapters(layer)}
+
     def hf_groups(self, on_disk: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """HF (name -> tensor) groups in loading order: the embedding; each layer (a MoE layer's dense
         part, then its experts one at a time); the final norm and untied lm_head. Vocabulary padding
@@ -322,6 +339,8 @@ class McoreCheckpoint:
         yield {"model.embed_tokens.weight": self._load(Read(EMBEDDING))[:vocab]}
         for i in range(self.spec.num_layers):
             stored = _LazyTensors(self._layer_reads(i), self._load)
+            if self.lora is not None:  # merged: the whole layer is read at once (a MoE layer: its experts too)
+                stored = merge_adapters(self.spec, self._with_adapters(i), self.lora.alpha / self.lora.rank)
             pairs = megatron_layer_to_hf(self.spec, i, stored, STORED_IMPL)
             for _, group in groupby(pairs, key=lambda pair: _expert_of(pair[0])):
                 yield dict(group)

@@ -1,0 +1,56 @@
+"""A LoRA run's adapters as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors),
+which peft.PeftModel.from_pretrained loads onto the Hugging Face base model (and SGLang and vLLM
+serve as a LoRA adapter). Names and shapes are models/lora.py's map: Megatron's adapter -> PEFT's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bapo_megatron.fsutil import atomic_directory
+from bapo_megatron.models.lora import PEFT_PREFIX, adapter_names, layer_targets
+from bapo_megatron.trainer.checkpoint import weights_dir
+from bapo_megatron.trainer.dist_ckpt import saved_model_config
+from bapo_megatron.weights.mcore_io import McoreCheckpoint
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+
+
+def write_peft_adapter(mcore_dir: str | Path, out: str | Path, base: str | None = None) -> Path:
+    """The adapters of `mcore_dir` (a LoRA run's step, or its checkpoint.dir: the step a resume would
+    load) as a PEFT adapter directory `out`; `base`: the base model it names (default: the run's
+    model.hf_path). ValueError for a checkpoint without adapters."""
+    from safetensors.torch import save_file
+
+    source = McoreCheckpoint(weights_dir(mcore_dir))
+    lora, spec = source.lora, source.spec
+    if lora is None:
+        raise ValueError(f"{source.dir}: holds no LoRA adapters (not a model.lora run's checkpoint)")
+    names = adapter_names(spec, lora)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for name, tensor in source.adapters(layer).items():
+            tensors[names[name]] = tensor.contiguous()
+    missing = sorted(names.values() - tensors.keys())
+    if missing:
+        raise ValueError(f"{source.dir}: lacks the adapters {missing[:3]} its model.lora config implies")
+    targets = sorted({t.name for i in range(spec.num_layers) for t in layer_targets(spec, lora, i)})
+    if spec.moe is not None:  # by full name: a routed expert's gate_proj is not adapted (model.lora.experts)
+        targets = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in names.values()})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base or saved_model_config(source.dir).get("hf_path"),
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+    }
+    with atomic_directory(out) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return Path(out)
