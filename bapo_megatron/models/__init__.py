@@ -11,7 +11,8 @@ from bapo_megatron.models.gpt_oss import GptOss
 from bapo_megatron.models.llama import Llama
 from bapo_megatron.models.qwen2 import Qwen2
 from bapo_megatron.models.qwen3 import Qwen3
-from bapo_megatron.models.qwen3_5 import Qwen3_5, Qwen3_5Moe
+from bapo_megatron.models.qwen3_5 import Qwen3_5
+from bapo_megatron.models.qwen3_5_moe import Qwen3_5Moe
 from bapo_megatron.models.qwen3_moe import Qwen3Moe
 from bapo_megatron.models.qwen3_next import Qwen3Next
 from bapo_megatron.models.spec import ModelSpec

@@ -13,7 +13,8 @@ import torch
 
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.family import REQUIRED, hook_topk_routers
-from bapo_megatron.models.qwen3_5 import IN_PROJ_PARTS, Qwen3_5Moe, gdn_widths
+from bapo_megatron.models.qwen3_5 import IN_PROJ_PARTS, gdn_widths
+from bapo_megatron.models.qwen3_5_moe import Qwen3_5Moe
 from bapo_megatron.models.recipes import Fused, Recipe
 from bapo_megatron.models.spec import ModelSpec
 
