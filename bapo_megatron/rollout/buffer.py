@@ -88,8 +88,10 @@ class Request:
     input_ids: list[int]
     max_new_tokens: int
     routes_from: int | None = None
-    """The first position whose routed experts to ask for (the sample holds the ones before); None:
-    routes are not recorded."""
+    """The first position whose routed experts to ask for; None: routes are not recorded. Always 0:
+    a continued sample's prefix runs again in the engine (under the weights of now, which may route
+    it otherwise than the weights that generated it), and its new tokens were computed over that
+    run, so the sample's routes become the latest answer's, every position (RolloutBuffer.record)."""
 
 
 COUNTERS = {"dropped_stale": 0, "resumed": 0, "groups_added": 0, "groups_done": 0, "set_aside": 0}
@@ -214,8 +216,8 @@ class RolloutBuffer:
             if s.step_rounds == 0 or s.round_tokens >= self.token_budget:
                 s.step_rounds, s.round_tokens = s.step_rounds + 1, 0
             left = self.max_new_tokens - len(s.response_ids)
-            held = self.routes.positions(s.routes) if self.routes else None
-            out.append(Request(s, s.prompt_ids + s.response_ids, min(left, self.token_budget - s.round_tokens), held))
+            routes_from = 0 if self.routes else None
+            out.append(Request(s, s.prompt_ids + s.response_ids, min(left, self.token_budget - s.round_tokens), routes_from))
         return out
 
     def record(self, request: Request, completion: Completion, version: int) -> None:
@@ -223,7 +225,7 @@ class RolloutBuffer:
         (numeric weight versions), else `version`: the oldest that may have sampled them (the one
         live when the request was sent). The completion is one its engine's client checked against
         the request (engines/client.py: no more tokens than asked, the routes of every position
-        run, decoded in `Completion.routes`)."""
+        run, decoded in `Completion.routes`, which replace the sample's: every position from 0)."""
         s = request.sample
         if s.finished:
             raise RuntimeError(f"{s.uid} is finished already: a duplicate completion")
@@ -234,8 +236,8 @@ class RolloutBuffer:
             self.counters["resumed"] += 1
         reported = completion.token_versions()
         versions = [int(v) if v is not None and str(v).lstrip("-").isdigit() else version for v in reported]
-        if routed:
-            s.routes += completion.routes
+        if routed and completion.routes:  # an answer that ran no position (aborted queued) keeps what is held
+            s.routes = completion.routes
         s.response_ids += completion.output_ids
         s.logprobs += completion.logprobs
         s.versions += versions

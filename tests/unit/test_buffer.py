@@ -217,9 +217,11 @@ def test_rewards_boxed_math_and_failures():
 
 def test_routes_are_recorded_across_a_resumption_and_kept_in_checkpoints():
     """A MoE sample keeps the routes of every position it ran, as its engine's client checked and
-    decoded them (Completion.routes; engines/client.py): a continuation asks from the first position
-    it lacks and appends; a completion without them keeps nothing; a reset forgets them; the
-    checkpoint state holds them (torch's weights-only loader reads it back)."""
+    decoded them (Completion.routes; engines/client.py): a continuation asks for every position again
+    and its answer's routes replace the held ones (the engine ran the prefix again, maybe under new
+    weights that route it otherwise, and computed the new tokens over that run); a completion without
+    them keeps nothing; a reset forgets them; the checkpoint state holds them (torch's weights-only
+    loader reads it back)."""
     import io
 
     import torch
@@ -231,8 +233,8 @@ def test_routes_are_recorded_across_a_resumption_and_kept_in_checkpoints():
     buffer = RolloutBuffer(samples_per_prompt=1, max_new_tokens=5, token_budget=3, max_staleness=5, routes=shape)
     buffer.add_group("p", [7, 8, 9])
 
-    def checked_routes(first: int, last: int) -> bytes:  # position t's experts: (t % 4, (t + 1) % 4) in each MoE layer
-        return shape.to_bytes(torch.tensor([[[t % 4, (t + 1) % 4]] * 2 for t in range(first, last)]))
+    def checked_routes(first: int, last: int, shift: int = 0) -> bytes:  # position t: (t % 4, (t + 1) % 4) shifted
+        return shape.to_bytes(torch.tensor([[[(t + shift) % 4, (t + shift + 1) % 4]] * 2 for t in range(first, last)]))
 
     req = buffer.begin_requests()[0]
     assert req.routes_from == 0
@@ -240,17 +242,21 @@ def test_routes_are_recorded_across_a_resumption_and_kept_in_checkpoints():
     done.routes = checked_routes(0, 5)  # 3 prompt + 3 output tokens: positions 0..4 ran
     buffer.record(req, done, 0)
     req = buffer.begin_requests()[0]
-    assert req.routes_from == 5 and req.input_ids == [7, 8, 9, 0, 1, 2]
+    assert req.routes_from == 0 and req.input_ids == [7, 8, 9, 0, 1, 2]
+    queued = _completion(0, "abort", "0")
+    queued.routes = b""  # aborted while queued: ran no position, the routes held stay
+    buffer.record(req, queued, 0)
+    assert shape.positions(req.sample.routes) == 5
     with pytest.raises(RuntimeError, match="p/0: a completion without the routes its request asked for"):
         buffer.record(req, _completion(2, "stop", "0", 3), 0)
     assert len(req.sample.response_ids) == 3  # nothing of it was kept
     done = _completion(2, "stop", "0", 3)
-    done.routes = checked_routes(5, 7)
+    done.routes = checked_routes(0, 7, shift=1)  # the prefix routed otherwise this time
     buffer.record(req, done, 0)
     sample = req.sample
     routes = shape.from_bytes(sample.routes)
     assert routes.dtype == torch.uint8 and routes.shape == (7, 2, 2)
-    assert routes[:, 0, 0].tolist() == [t % 4 for t in range(7)]
+    assert routes[:, 0, 0].tolist() == [(t + 1) % 4 for t in range(7)]  # the latest run's, every position
     held = io.BytesIO()
     torch.save(buffer.state_dict(), held)
     held.seek(0)
