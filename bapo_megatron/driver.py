@@ -40,6 +40,7 @@ from bapo_megatron.handoff import GiveUp, Ready, Refit
 from bapo_megatron.logger import StepRecords
 from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.rewards.workers import FailingRewards, RewardWorkers
+from bapo_megatron.rollout.adapters import ServedAdapter
 from bapo_megatron.rollout.buffer import GroupState, RolloutBuffer
 from bapo_megatron.rollout.evaluation import HeldOut, HeldOutRuns
 from bapo_megatron.rollout.inputs import RolloutInputs
@@ -69,7 +70,11 @@ class RolloutDriver:
         decode = self.inputs.decode
         self.records = StepRecords(self.run_dir, cfg.logging, decode if self.inputs.tokenizer is not None else None)
         slots = ro.engines.max_batch * max(1, len(ro.engines.urls) or ro.engines.servers)
-        held_out = HeldOut(self.inputs.eval_sets, cfg.eval, ro.sampling, cfg.seed, self.rewards, decode, slots)
+        # the LoRA adapter every request names (model.lora.sync adapter: the weight sync loads one a version)
+        self.adapters = ServedAdapter()
+        held_out = HeldOut(
+            self.inputs.eval_sets, cfg.eval, ro.sampling, cfg.seed, self.rewards, decode, slots, self.adapters
+        )
         self.evaluations = HeldOutRuns(held_out, self.loop, cfg.steps)
         self.progress = bars_on(cfg.logging.progress)
         self.strategy: Strategy | None = None
@@ -93,7 +98,14 @@ class RolloutDriver:
 
         self._start_engines(model_dir, colocated_fraction)
         self.updates = EngineUpdates(
-            self.cfg, self.engines, self.supervisor, self.prompts, self.strategy.paused, self.evaluations.wait, holders
+            self.cfg,
+            self.engines,
+            self.supervisor,
+            self.prompts,
+            self.strategy.paused,
+            self.evaluations.wait,
+            holders,
+            self.adapters,
         )
         self.loop.run(self.supervisor.start())
 
@@ -105,7 +117,8 @@ class RolloutDriver:
 
     def _start_engines(self, model_dir: str | Path, colocated_fraction: float | None) -> None:
         pool = self.engines.start(model_dir, colocated_fraction)
-        self.strategy = make_strategy(self.cfg, rollout_core(self.cfg, pool, self.buffer, self.inputs, self.rewards))
+        core = rollout_core(self.cfg, pool, self.buffer, self.inputs, self.rewards, self.adapters)
+        self.strategy = make_strategy(self.cfg, core)
         e = self.cfg.rollout.engines  # colocated engines share the trainer's GPUs: one that dies stops the run
         self.supervisor = Supervisor(pool, self.engines.servers, e.max_restarts, e.startup_timeout_s, not e.colocate)
 

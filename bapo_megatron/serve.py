@@ -43,7 +43,9 @@ def engine_server(cfg, index: int, run_dir: Path):
         from bapo_megatron.models.spec import ModelSpec
 
         routes = recorded_routes(cfg, ModelSpec.from_hf_dir(cfg.model.hf_path)) is not None
-        return sglang_servers(ro, cfg.model.hf_path, run_dir, seed=cfg.seed, routed_experts=routes)[0][index]
+        return sglang_servers(
+            ro, cfg.model.hf_path, run_dir, seed=cfg.seed, routed_experts=routes, lora=cfg.model.lora
+        )[0][index]
     from bapo_megatron.engines.launcher import embedded_servers
 
     # beyond loopback: the job's shared key, or a refusal

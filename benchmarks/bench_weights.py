@@ -1,6 +1,17 @@
-"""Weight movement: HF <-> Megatron conversion and the live export, against plain copies.
+"""Weight movement: HF <-> Megatron conversion and the live export, against plain copies; and one
+weight update with and without LoRA.
 
     python benchmarks/bench_weights.py --size-gb 2        # CPU; the TP=2 export runs 2 gloo processes
+    python benchmarks/bench_weights.py --lora             # the update with and without LoRA only
+
+--lora: the bytes and seconds of one weight update, the whole bf16 model against the rank-16,
+all-linear adapters (alpha 32) in bf16 (weights/lora_sync.adapter_update_bytes, the payload
+AdapterSync sends), once, to one engine rank. Qwen2.5-7B and Qwen2.5-32B are modelled from their
+shapes (examples/*/shape; bytes exact, seconds at --bandwidth-gbs, default 25 GB/s: one 200 Gb/s
+InfiniBand HDR link, NCCL or HTTP to engines on other nodes, the engines' own load time not
+counted); the tiny models are built and measured: the full export (the adapters merged, as an
+engine without LoRA gets it) against the adapters' (weights/export.py parts "model" and
+"adapters"), gathered, renamed, cast to bf16 and bucketed on this CPU, no transfer.
 
 Conversion is timed against a plain safetensors read + write of the same bytes on the same
 disk, fsync'd as both conversions are (a checkpoint renamed into place must be on disk);
@@ -23,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -131,22 +143,142 @@ def _tp_export_worker(rank: int, world: int, spec_dict: dict, out: str) -> None:
         Path(out).write_text(json.dumps({"live": live, "memcpy": memcpy, "bytes": exported}))
 
 
+LORA_RANK, LORA_ALPHA = 16, 32.0
+"""The adapters of the update rows: rank 16 on every linear projection (a common LoRA RL setting)."""
+MODELLED = ("qwen2.5-7b", "qwen2.5-32b")
+"""Shapes modelled from examples/<name>/shape (no weights here)."""
+MEASURED = ("qwen2", "qwen3", "qwen3_moe")
+"""Tiny models built and exported (models/spec.tiny_spec; the MoE's adapters on attention only)."""
+
+
+def full_update_bytes(spec: ModelSpec) -> int:
+    """The whole model in bf16, as the engines load it (every HF tensor once)."""
+    import math
+
+    from bapo_megatron.common.hf_io import expected_shapes
+
+    return sum(math.prod(shape) for shape in expected_shapes(spec).values()) * 2
+
+
+def modelled_update_rows(bandwidth: float) -> list[tuple]:
+    """(model, update, bytes, seconds, how) of the modelled shapes, bandwidth in bytes/s."""
+    from bapo_megatron.config.lora import LoRAConfig
+    from bapo_megatron.weights.lora_sync import adapter_update_bytes
+
+    lora, rows = LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA), []
+    how = f"modelled@{bandwidth / 1e9:g}GB/s"
+    for name in MODELLED:
+        spec = ModelSpec.from_hf_dir(Path(__file__).resolve().parents[1] / "examples" / name / "shape")
+        for update, nbytes in (
+            ("full", full_update_bytes(spec)),
+            (f"lora-r{LORA_RANK}", adapter_update_bytes(spec, lora)),
+        ):
+            rows.append((name, update, nbytes, nbytes / bandwidth, how))
+    return rows
+
+
+def measured_update_rows(repeat: int) -> list[tuple]:
+    """(model, update, bytes, seconds, how) of the tiny models' live exports on this CPU (median of
+    `repeat` after a warm-up), each export's bytes checked against the spec's count."""
+    from bapo_megatron.config import ModelConfig, ParallelConfig
+    from bapo_megatron.config.lora import LoRAConfig
+    from bapo_megatron.models.spec import tiny_spec
+    from bapo_megatron.trainer import megatron_config as mc
+    from bapo_megatron.trainer.parallel import init_model_parallel
+    from bapo_megatron.weights.lora_sync import adapter_update_bytes
+
+    info = init_model_parallel(ParallelConfig(), seed=0)
+    lora, rows = LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA), []
+    for arch in MEASURED:
+        spec, model = tiny_spec(arch), ModelConfig(lora=lora, transformer_impl="local")
+        chunk = mc.build_gpt_model(spec, model, ParallelConfig(), pre_process=True, post_process=True)
+        for part, want in (("model", full_update_bytes(spec)), ("adapters", adapter_update_bytes(spec, lora))):
+            export = partial(_exported_bytes, chunk, spec, info, part)
+            sent = export()  # and a warm-up
+            seconds = statistics.median(timed(export) for _ in range(repeat))
+            assert sent == want, (arch, part, sent, want)
+            rows.append(
+                (f"tiny-{arch}", "full" if part == "model" else f"lora-r{LORA_RANK}", sent, seconds, "measured")
+            )
+    return rows
+
+
+def _exported_bytes(chunk, spec: ModelSpec, info, part: str) -> int:
+    """The bytes of one live export of `part` of `chunk` in bf16 (every bucket made, none sent)."""
+    from bapo_megatron.weights.export import stream_hf_buckets
+
+    buckets = stream_hf_buckets([chunk], spec, info, dtype=torch.bfloat16, part=part)
+    return sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket)
+
+
+def lora_update_table(bandwidth: float, repeat: int) -> None:
+    """The update rows, each LoRA row beside its model's full update."""
+    from bapo_megatron.weights.convert import _megatron_world_of_one
+
+    _megatron_world_of_one()
+    rows = modelled_update_rows(bandwidth) + measured_update_rows(repeat)
+    print(
+        f"one weight update, whole bf16 model vs LoRA rank {LORA_RANK} all-linear adapters (bf16), one copy; "
+        f"modelled: {bandwidth / 1e9:g} GB/s link, engine load time not counted; measured: export on this CPU, "
+        "no transfer"
+    )
+    header = f"{'model':<16} {'update':<9} {'bytes':>15} {'MB':>10} {'seconds':>10} {'of full':>9}  how"
+    print(header)
+    print("-" * len(header))
+    full = {}
+    for model, update, nbytes, seconds, how in rows:
+        full.setdefault(model, nbytes)
+        share = f"{nbytes / full[model]:.4f}"
+        print(f"{model:<16} {update:<9} {nbytes:>15} {nbytes / 1e6:>10.3f} {seconds:>10.6f} {share:>9}  {how}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each copy and conversion (median reported)")
+    parser.add_argument("--lora", action="store_true", help="only the weight update with and without LoRA")
+    parser.add_argument("--bandwidth-gbs", type=float, default=25.0, help="--lora's modelled link, GB/s")
     args = parser.parse_args()
-    from safetensors.torch import load_file, save_file
+    if args.lora:
+        lora_update_table(args.bandwidth_gbs * 1e9, args.repeat)
+    else:
+        conversion_table(args)
 
+
+def conversion_table(args: argparse.Namespace) -> None:
+    """The conversions and live exports of a synthetic model of --size-gb, against plain copies."""
     from bapo_megatron.common.hf_io import hf_entries
     from bapo_megatron.trainer.parallel import init_model_parallel  # noqa: F401 (imported before timing)
-    from bapo_megatron.weights.convert import _megatron_world_of_one, hf_to_mcore, mcore_to_hf
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_weights_"))
     spec = synthetic_spec(args.size_gb)
     nbytes = write_synthetic_hf(spec, root / "hf")
     gb = nbytes / 1e9
+    rows = _conversion_rows(root, args.repeat)
+    layer_gb = sum(e.nbytes for e in hf_entries(spec, torch.float32) if e.name.startswith("model.layers.0.")) / 1e9
+    rows += _live_export_rows(spec, root, nbytes)
+    import dataclasses
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.dist.launch import run_workers
+
+    run_workers(_tp_export_worker, 2, dataclasses.asdict(spec), str(root / "tp2.json"))
+    tp2 = json.loads((root / "tp2.json").read_text())
+    print(
+        f"synthetic model: {spec.num_layers} layers, {gb:.2f} GB float32 (one layer {layer_gb:.3f} GB); "
+        f"scratch {root}; {torch.get_num_threads()} threads"
+    )
+    _print_conversions(rows, gb, tp2)
+    if args.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _conversion_rows(root: Path, repeat: int) -> list[tuple]:
+    """(label, seconds, baseline seconds, memory growth) of the plain copies and the conversions."""
+    from safetensors.torch import load_file, save_file
+
+    from bapo_megatron.weights.convert import _megatron_world_of_one, hf_to_mcore, mcore_to_hf
 
     def plain_copy():
         save_file(load_file(str(root / "hf" / "model.safetensors")), str(root / "plain.safetensors"))
@@ -157,10 +289,10 @@ def main() -> None:
             os.fsync(f.fileno())
 
     def repeated(fn, output: Path) -> tuple[float, float]:
-        """Median seconds and largest memory growth over --repeat runs, each starting with no output
+        """Median seconds and largest memory growth over `repeat` runs, each starting with no output
         and no dirty pages left by the runs before (os.sync), so none pays for another's writeback."""
         runs = []
-        for _ in range(args.repeat):
+        for _ in range(repeat):
             shutil.rmtree(output, ignore_errors=True) if output.is_dir() else output.unlink(missing_ok=True)
             os.sync()
             runs.append(timed_with_memory(fn))
@@ -185,8 +317,19 @@ def main() -> None:
         )
     finally:
         os.fsync = fsync
-    layer_gb = sum(e.nbytes for e in hf_entries(spec, torch.float32) if e.name.startswith("model.layers.0.")) / 1e9
+    return [
+        ("safetensors read+write", plain, None, plain_mem),
+        ("safetensors read+write, fsync'd", durable, None, None),
+        ("hf-to-mcore (fsync'd)", to_mcore, durable, to_mcore_mem),
+        ("mcore-to-hf (streamed, fsync'd)", to_hf, durable, to_hf_mem),
+        ("hf-to-mcore, fsync skipped", to_mcore_ns, plain, None),
+        ("mcore-to-hf, fsync skipped", to_hf_ns, plain, None),
+    ]
 
+
+def _live_export_rows(spec: ModelSpec, root: Path, nbytes: int) -> list[tuple]:
+    """The live export at TP=1 (as it is, and cast to bf16) against a memcpy of the weights, the
+    model loaded from root/mcore; its bytes checked against the HF file's `nbytes`."""
     from bapo_megatron.config import ModelConfig, ParallelConfig
     from bapo_megatron.trainer import megatron_config as mc
     from bapo_megatron.trainer.dist_ckpt import load_model
@@ -214,33 +357,20 @@ def main() -> None:
             pass
 
     live_bf16 = timed(export_bf16)
-    import dataclasses
+    assert exported == nbytes, (exported, nbytes)
+    return [
+        ("memcpy of the weights", memcpy, None, None),
+        ("live export, TP=1 (views)", live, memcpy, None),
+        ("live export, TP=1, to bf16", live_bf16, memcpy, None),
+    ]
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.dist.launch import run_workers
 
-    run_workers(_tp_export_worker, 2, dataclasses.asdict(spec), str(root / "tp2.json"))
-    tp2 = json.loads((root / "tp2.json").read_text())
-    print(
-        f"synthetic model: {spec.num_layers} layers, {gb:.2f} GB float32 (one layer {layer_gb:.3f} GB); "
-        f"scratch {root}; {torch.get_num_threads()} threads"
-    )
+def _print_conversions(rows: list[tuple], gb: float, tp2: dict) -> None:
     header = (
         f"{'operation':<34} {'seconds':>8} {'GB/s':>7} {'vs baseline':>12} {'peak extra GB':>14} {'of it anon':>11}"
     )
     print(header)
     print("-" * len(header))
-    rows = [
-        ("safetensors read+write", plain, None, plain_mem),
-        ("safetensors read+write, fsync'd", durable, None, None),
-        ("hf-to-mcore (fsync'd)", to_mcore, durable, to_mcore_mem),
-        ("mcore-to-hf (streamed, fsync'd)", to_hf, durable, to_hf_mem),
-        ("hf-to-mcore, fsync skipped", to_mcore_ns, plain, None),
-        ("mcore-to-hf, fsync skipped", to_hf_ns, plain, None),
-        ("memcpy of the weights", memcpy, None, None),
-        ("live export, TP=1 (views)", live, memcpy, None),
-        ("live export, TP=1, to bf16", live_bf16, memcpy, None),
-    ]
     for label, seconds, base, mem in rows:
         ratio = f"{base / seconds:>11.2f}x" if base else f"{'(baseline)':>12}"
         extra = f"{mem[0]:>14.2f} {mem[1]:>11.2f}" if mem is not None else ""
@@ -254,9 +384,6 @@ def main() -> None:
         f"{'live export, TP=2 (gloo gather)':<34} {tp2['live']:>8.2f} {tp_gb / tp2['live']:>7.2f} "
         f"{tp2['memcpy'] / tp2['live']:>11.2f}x"
     )
-    assert exported == nbytes, (exported, nbytes)
-    if args.dir is None:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

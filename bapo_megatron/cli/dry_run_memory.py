@@ -28,6 +28,8 @@ def memory_lines(plan: RunPlan, gpu_bytes: int) -> list[str]:
     ]
     if m.reference:
         out.append(f"KL loss (algo.kl_coef): the reference model, {m.reference / GIB:.2f} GiB, counted in the peak")
+    elif cfg.algo.kl_coef > 0 and cfg.model.lora.enabled:
+        out.append("KL loss (algo.kl_coef): reference: base with adapters off (no second copy of the weights)")
     if cfg.model.lora.enabled:
         out.append(lora_line(plan))
     out.append(reach_line(plan, gpu_bytes))
@@ -46,9 +48,15 @@ def lora_line(plan: RunPlan) -> str:
     model, spec = plan.cfg.model, plan.spec
     n = adapter_params(spec, model.lora, list(range(spec.num_layers)), 1)
     mib = n * PARAM_BYTES[model.precision] / 2**20
+    sync = (
+        f"each weight sync sends the adapters alone, {mib:.1f} MiB (the base once, and to an engine that "
+        "restarts: model.lora.sync=adapter)"
+        if model.lora.adapter_sync
+        else "each weight sync sends the whole model, the adapters merged (model.lora.sync=merged)"
+    )
     return (
         f"LoRA adapters (model.lora, rank {model.lora.rank}): {n:,} parameters, {mib:.1f} MiB in "
-        f"{model.precision}; the base is frozen: gradients and optimizer state above are the adapters' only"
+        f"{model.precision}; the base is frozen: gradients and optimizer state above are the adapters' only; {sync}"
     )
 
 

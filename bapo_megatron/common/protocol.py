@@ -36,6 +36,9 @@ ADMIN_ENDPOINTS = frozenset(
         "/release_memory_occupation",
         "/resume_memory_occupation",
         "/flush_cache",
+        "/load_lora_adapter",
+        "/load_lora_adapter_from_tensors",
+        "/unload_lora_adapter",
     }
 )
 FINISH_TYPES = ("stop", "length", "abort")

@@ -23,6 +23,11 @@ SGLANG_LAUNCHER_ARGS = {
     "dtype": "set from rollout.engines.dtype (auto: left to SGLang)",
     "enable-return-routed-experts": "set when the run asks for routes (algo.routing_replay)",
     "admin-api-key": "set from rollout.engines.admin_key_file or $BAPO_ADMIN_API_KEY",
+    "enable-lora": "set when model.lora.sync=adapter (the adapters sent every step)",
+    "max-lora-rank": "set from model.lora.rank (model.lora.sync=adapter)",
+    "lora-target-modules": "set from model.lora.target_modules (model.lora.sync=adapter)",
+    "max-loaded-loras": "set from rollout.max_staleness + 2 (model.lora.sync=adapter: the versions requests may name)",
+    "max-loras-per-batch": "set as max-loaded-loras (model.lora.sync=adapter)",
     "api-key": "never set: the rollout client sends only the admin key, so /generate would answer 401",
 }
 """SGLang options that engines/sglang_launcher.py derives from the config: never in sglang_args."""

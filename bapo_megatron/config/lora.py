@@ -34,6 +34,13 @@ class LoRAConfig:
     """A's initialisation as PEFT's init_lora_weights does it: "kaiming" (True there: kaiming-uniform
     with a = sqrt(5)) or "gaussian" (normal, std 1 / rank); B starts at zero either way, so the first
     step starts from the base model's outputs."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """What a weight sync sends the engines. "adapter": the adapters alone, every step (megabytes), as
+    a LoRA adapter each engine serves under a versioned name (SGLang's load_lora_adapter_from_tensors;
+    the SGLang servers the job starts are launched for it: engines/sglang_launcher.lora_args); the
+    base goes once, at the start and to an engine that restarts.
+    "merged": the whole model with the adapters folded into the base weights, every step, for engines
+    that cannot serve LoRA."""
 
     def __post_init__(self) -> None:
         check(self.rank >= 0, "rank", self.rank, "must be >= 0 (0: no adapters)")
@@ -52,7 +59,13 @@ class LoRAConfig:
             self.target_modules,
             f"{ALL_LINEAR!r} already names every projection: give it alone",
         )
+        check(self.sync in ("adapter", "merged"), "sync", self.sync, 'expected "adapter" or "merged"')
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Whether the engines are sent the adapters alone (LoRA on, sync "adapter")."""
+        return self.enabled and self.sync == "adapter"

@@ -142,7 +142,9 @@ class EngineClient:
         if self._closed:
             raise EngineUnavailable(f"{self.base_url}: the client is closed")
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            # aiohttp's default of 100 connections sent a 256-sample step in waves that prefilled and decoded apart
+            connector, timeout = aiohttp.TCPConnector(limit=512), aiohttp.ClientTimeout(total=self.timeout_s)
+            self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         return self._session
 
     def _headers(self, path: str) -> dict[str, str]:
@@ -183,11 +185,19 @@ class EngineClient:
 
     # -- generation -----------------------------------------------------------------------
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str, routes_from: int | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        routes_from: int | None = None,
+        lora_path: str | None = None,
     ) -> Completion:
-        """One /generate call; routes_from: also the routed experts of positions from there on.
+        """One /generate call; routes_from: also the routed experts of positions from there on;
+        lora_path: the name of a LoRA adapter loaded before, to generate under (None: the base model).
         BadAnswer when the answer fails the checks (the module says which)."""
         body = protocol.generate_request(input_ids, sampling, rid, routed_experts_start_len=routes_from)
+        if lora_path is not None:
+            body["lora_path"] = lora_path  # SGLang's field name, though it holds the adapter's name
         for attempt in range(self.retries + 1):
             try:
                 result = await self.request("/generate", body, retry=False)
@@ -340,6 +350,43 @@ class EngineClient:
         await self._checked(
             "/update_weight_version", {"new_version": version, "abort_all_requests": abort_all_requests}
         )
+
+    # -- LoRA adapters (SGLang's; the base weights stay as they are) -----------------------
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict,
+        serialized_named_tensors: list,
+        load_format: str | None = None,
+        expected_checksums: dict[str, str] | None = None,
+    ) -> None:
+        """Load a PEFT adapter as `lora_name`: config_dict is its adapter_config.json, the payloads its
+        tensors by PEFT's names (common/ipc.py, one per engine TP rank, as update_weights_from_tensor's;
+        load_format None or "flattened_bucket"), checked against expected_checksums {name:
+        tensor_checksum} before loading. Not retried (a load is not idempotent); EngineError when
+        refused: a name loaded already, a field or tensor that does not fit, a checksum mismatch."""
+        body = {
+            "lora_name": lora_name,
+            "config_dict": config_dict,
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+        }
+        await self._lora_update("/load_lora_adapter_from_tensors", _with_checksums(body, expected_checksums))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Load the PEFT adapter directory `lora_path` (on the engine's host) as `lora_name`."""
+        await self._lora_update("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unload adapter `lora_name`: requests naming it are refused at once; the call returns once the
+        requests still running under it have finished and it is freed (SGLang's order)."""
+        await self._lora_update("/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def _lora_update(self, path: str, body: dict) -> None:
+        result = await self.request(path, body, retry=False)
+        if not isinstance(result, dict) or result.get("success") is not True:
+            message = result.get("error_message") if isinstance(result, dict) else result
+            raise EngineError(self.base_url + path, 200, f"{message!s:.500}")
 
 
 def _with_checksums(body: dict, expected: dict[str, str] | None) -> dict:

@@ -180,6 +180,7 @@ class Engines:
                 colocated_fraction=colocated_fraction,
                 base_gpus=self.base_gpus,
                 routed_experts=recorded_routes(self.cfg, self.spec) is not None,
+                lora=self.cfg.model.lora,
             )
 
     def _servers_here(self, local_ranks: int) -> int:
@@ -355,7 +356,16 @@ def _start_node(cfg: JobConfig, spec: ModelSpec, mine: list[ColocatedServer], mo
     routes = recorded_routes(cfg, spec) is not None
     bases = [s.gpus[0] for s in mine]
     servers, _ = sglang_servers(
-        here, str(model_dir), cfg.run_path, "0", cfg.seed, fraction, bases, routed_experts=routes, first=first
+        here,
+        str(model_dir),
+        cfg.run_path,
+        "0",
+        cfg.seed,
+        fraction,
+        bases,
+        routed_experts=routes,
+        first=first,
+        lora=cfg.model.lora,
     )
     try:
         for server in servers:

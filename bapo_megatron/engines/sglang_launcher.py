@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from bapo_megatron.config import SGLANG_LAUNCHER_ARGS, RolloutConfig
+from bapo_megatron.config.lora import ALL_LINEAR, LoRAConfig
 from bapo_megatron.engines.launcher import ServerProcess, is_loopback
 
 KEY_ENV = "BAPO_ADMIN_API_KEY"
@@ -83,10 +84,12 @@ def server_args(
     base_gpu: int | None = None,
     *,
     routed_experts: bool = False,
+    lora: LoRAConfig | None = None,
 ) -> dict[str, Any]:
     """SGLang's options (its CLI names) for server `index`; base_gpu: its first GPU (None:
     index x tensor_parallel on a node of its own, as bapo-serve starts them); routed_experts:
-    /generate may return the experts a MoE model routed each position to (routing replay)."""
+    /generate may return the experts a MoE model routed each position to (routing replay); lora:
+    the run's model.lora, whose adapters the server is sent every step (lora_args)."""
     args: dict[str, Any] = {
         "model-path": model_path,
         "host": cfg.engines.host,
@@ -111,6 +114,8 @@ def server_args(
         args["enable-return-routed-experts"] = True
     if key is not None:
         args["admin-api-key"] = key
+    if lora is not None and lora.adapter_sync:
+        args.update(lora_args(cfg, lora))
     # the one list of the launcher's options is config.SGLANG_LAUNCHER_ARGS (the config refuses them
     # in sglang_args, --help-config shows them): an option set here and not there is a bug
     unlisted = set(args) - set(SGLANG_LAUNCHER_ARGS)
@@ -118,6 +123,23 @@ def server_args(
     # validated by the config; None: SGLang's default (its --config merger would pass the string "None")
     args.update({k.replace("_", "-"): v for k, v in cfg.engines.sglang_args.items() if v is not None})
     return args
+
+
+def lora_args(cfg: RolloutConfig, lora: LoRAConfig) -> dict[str, Any]:
+    """What a server needs to serve the adapters model.lora.sync=adapter sends it: LoRA on, their rank
+    and target modules, and room for every version a request may still name (a request kept inside
+    the engine across updates samples with the adapter it began with, for up to max_staleness
+    versions: weights/lora_sync.py unloads an adapter once no request names it), all in one batch.
+    (Not --lora-strict-loading: SGLang 0.5.23's --config reader refuses its BooleanOptionalAction;
+    the names sent are PEFT's for the family, checked against SGLang's loader in the tests.)"""
+    versions = cfg.max_staleness + 2
+    return {
+        "enable-lora": True,
+        "max-lora-rank": lora.rank,
+        "lora-target-modules": ["all"] if lora.target_modules == (ALL_LINEAR,) else list(lora.target_modules),
+        "max-loaded-loras": versions,
+        "max-loras-per-batch": versions,
+    }
 
 
 def _gpus_per_node() -> int:
@@ -176,10 +198,12 @@ def sglang_servers(
     *,
     routed_experts: bool = False,
     first: int = 0,
+    lora: LoRAConfig | None = None,
 ) -> tuple[list[ServerProcess], str | None]:
     """Not yet started server processes (one per rollout.engines.servers) and the admin key they use;
     base_gpus: each one's first GPU (gpu_placement; None: as bapo-serve places them);
-    routed_experts: see server_args; first: the first one's index (a node's colocated servers: engines/fleet.py)."""
+    routed_experts, lora: see server_args; first: the first one's index (a node's colocated servers:
+    engines/fleet.py)."""
     key = admin_key(cfg, run_dir)
     run_dir = Path(run_dir)
     servers = []
@@ -189,7 +213,16 @@ def sglang_servers(
         with os.fdopen(fd, "w") as f:
             base = None if base_gpus is None else base_gpus[i - first]
             args = server_args(
-                cfg, model_path, i, key, weight_version, seed, colocated_fraction, base, routed_experts=routed_experts
+                cfg,
+                model_path,
+                i,
+                key,
+                weight_version,
+                seed,
+                colocated_fraction,
+                base,
+                routed_experts=routed_experts,
+                lora=lora,
             )
             yaml.safe_dump(args, f)
         host = "127.0.0.1" if cfg.engines.host in ("0.0.0.0", "::") else cfg.engines.host
@@ -214,10 +247,19 @@ def start_sglang(
     base_gpus: list[int] | None = None,
     *,
     routed_experts: bool = False,
+    lora: LoRAConfig | None = None,
 ) -> tuple[list[ServerProcess], str | None]:
     """Start every server and wait until each generates; on any failure all are stopped."""
     servers, key = launch_sglang(
-        cfg, model_path, run_dir, weight_version, seed, colocated_fraction, base_gpus, routed_experts=routed_experts
+        cfg,
+        model_path,
+        run_dir,
+        weight_version,
+        seed,
+        colocated_fraction,
+        base_gpus,
+        routed_experts=routed_experts,
+        lora=lora,
     )
     wait_sglang(servers, key, timeout_s)
     return servers, key
@@ -233,6 +275,7 @@ def launch_sglang(
     base_gpus: list[int] | None = None,
     *,
     routed_experts: bool = False,
+    lora: LoRAConfig | None = None,
 ) -> tuple[list[ServerProcess], str | None]:
     """Start every server, not waiting for them (`wait_sglang`); on a failure to start, all are stopped."""
     try:
@@ -243,7 +286,15 @@ def launch_sglang(
             "(CUDA only; use rollout.engines.kind=embedded on CPU)"
         ) from None
     servers, key = sglang_servers(
-        cfg, model_path, run_dir, weight_version, seed, colocated_fraction, base_gpus, routed_experts=routed_experts
+        cfg,
+        model_path,
+        run_dir,
+        weight_version,
+        seed,
+        colocated_fraction,
+        base_gpus,
+        routed_experts=routed_experts,
+        lora=lora,
     )
     try:
         for s in servers:

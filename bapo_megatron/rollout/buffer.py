@@ -217,7 +217,9 @@ class RolloutBuffer:
                 s.step_rounds, s.round_tokens = s.step_rounds + 1, 0
             left = self.max_new_tokens - len(s.response_ids)
             routes_from = 0 if self.routes else None
-            out.append(Request(s, s.prompt_ids + s.response_ids, min(left, self.token_budget - s.round_tokens), routes_from))
+            out.append(
+                Request(s, s.prompt_ids + s.response_ids, min(left, self.token_budget - s.round_tokens), routes_from)
+            )
         return out
 
     def record(self, request: Request, completion: Completion, version: int) -> None:

@@ -32,6 +32,7 @@ from bapo_megatron.engines.client import EngineError, EngineUnavailable
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.errors import RunStopped
 from bapo_megatron.rewards.workers import RewardWorkers
+from bapo_megatron.rollout.adapters import ServedAdapter
 from bapo_megatron.rollout.buffer import Request, RolloutBuffer, SampleState
 
 PromptFn = Callable[[], tuple[str, list[int], dict[str, Any]]]
@@ -63,8 +64,12 @@ class RolloutCore:
         sampling: SamplingParams,
         decode: Callable[[list[int]], str] | None = None,
         deterministic_seed: int | None = None,
+        adapters: ServedAdapter | None = None,
     ) -> None:
+        """adapters: the LoRA adapter each request names and its tokens' version (model.lora.sync
+        adapter; rollout/adapters.py); None: none, the engines' weights and versions alone."""
         self.pool, self.buffer, self.prompts, self.reward = pool, buffer, prompts, reward
+        self.adapters = adapters or ServedAdapter()
         self.sampling, self.decode = sampling, decode or (lambda ids: "")
         self.deterministic_seed = deterministic_seed
         self.running: dict[asyncio.Task, Flight] = {}
@@ -225,8 +230,11 @@ class RolloutCore:
                     raise asyncio.CancelledError(f"{flight.rid} was cut and its engine died")
                 flight.engine = await self.pool.pick(prefer=self._home.get(uid) if req.sample.response_ids else None)
                 try:
-                    with self.pool.holding(flight.engine) as client:
-                        completion = await client.generate(req.input_ids, sampling, flight.rid, req.routes_from)
+                    with self.pool.holding(flight.engine) as client, self.adapters.named() as adapter:
+                        completion = await client.generate(
+                            req.input_ids, sampling, flight.rid, req.routes_from, **adapter.request
+                        )
+                    completion = adapter.stamp(completion)  # its tokens: the version of the adapter it named
                     self._home[uid] = flight.engine
                     self._count_failure(uid, completion)
                     return completion

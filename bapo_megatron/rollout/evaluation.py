@@ -30,6 +30,7 @@ from bapo_megatron.engines.client import EngineUnavailable
 from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.rewards.workers import RewardWorkers
+from bapo_megatron.rollout.adapters import ServedAdapter
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,13 @@ class HeldOut:
         reward: RewardWorkers,
         decode: Callable[[list[int]], str],
         slots: int,
+        adapters: ServedAdapter | None = None,
     ) -> None:
+        """adapters: the LoRA adapter the answers come from (model.lora.sync adapter; None: none)."""
         self.sets = [s for s in sets if s.items]
         self.cfg, self.sampling, self.seed = cfg, sampling, seed
         self.reward, self.decode, self.slots = reward, decode, slots
+        self.adapters = adapters or ServedAdapter()
 
     def due(self, step: int, last: int) -> bool:
         """Whether step `step` is evaluated: the start (0), every eval.interval steps, the last."""
@@ -90,9 +94,9 @@ class HeldOut:
                 while True:
                     engine = await pool.pick(prefer=i % len(pool))
                     try:
-                        with pool.holding(engine) as client:
+                        with pool.holding(engine) as client, self.adapters.named() as adapter:
                             request = f"eval-{k}-{i}-{j}-{secrets.token_hex(4)}"
-                            done = await client.generate(list(ids), sampling, request)
+                            done = await client.generate(list(ids), sampling, request, **adapter.request)
                         break
                     except EngineUnavailable as err:  # a wrong answer too: retired, counted toward the run's stop
                         pool.failed(engine, err)

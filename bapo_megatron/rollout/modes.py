@@ -12,6 +12,7 @@ from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.config import JobConfig
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.rewards.workers import RewardWorkers
+from bapo_megatron.rollout.adapters import ServedAdapter
 from bapo_megatron.rollout.buffer import RolloutBuffer
 from bapo_megatron.rollout.core import RolloutCore
 from bapo_megatron.rollout.filtering import DropEqualRewards, KeepAll
@@ -20,10 +21,16 @@ from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, Determinis
 
 
 def rollout_core(
-    cfg: JobConfig, pool: EnginePool, buffer: RolloutBuffer, inputs: RolloutInputs, rewards: RewardWorkers
+    cfg: JobConfig,
+    pool: EnginePool,
+    buffer: RolloutBuffer,
+    inputs: RolloutInputs,
+    rewards: RewardWorkers,
+    adapters: ServedAdapter | None = None,
 ) -> RolloutCore:
     """Generation on the engines of `pool` into `buffer`: the training prompts in order, sampled with
-    rollout.sampling, scored by `rewards` (seeded by the job's seed with rollout.deterministic)."""
+    rollout.sampling, scored by `rewards` (seeded by the job's seed with rollout.deterministic), each
+    request naming the LoRA adapter `adapters` serves (model.lora.sync adapter)."""
     ro, s = cfg.rollout, cfg.rollout.sampling
     return RolloutCore(
         pool,
@@ -33,6 +40,7 @@ def rollout_core(
         SamplingParams(s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
         decode=inputs.decode,
         deterministic_seed=cfg.seed if ro.deterministic else None,
+        adapters=adapters,
     )
 
 

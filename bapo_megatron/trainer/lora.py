@@ -7,9 +7,10 @@ base, so the base's names, checkpoint keys and forward stay Megatron's. Which pr
 names and their TP split are models/lora.py's. The split makes a TP step the one-process step:
 
 - beside a column-parallel layer (q/k/v, gate/up): A whole on every rank, B split by rows as the base
-  weight is. The input is the whole sequence (sequence parallel: all-gathered, its gradient split
-  back, not reduced); h = A x is the same on every rank, and its gradient is all-reduced, each rank
-  holding B's rows for its part of the output: A's and x's gradients are then whole on every rank.
+  weight is. h = A x is the same on every rank, and its gradient is all-reduced, each rank holding
+  B's rows for its part of the output: A's and x's gradients are then whole on every rank. Under
+  sequence parallel A runs on the rank's share of the sequence and h (rank r, not the hidden width)
+  is gathered; its gradient is reduce-scattered, and A's gradient summed over TP by Megatron.
 - beside a row-parallel layer (o, down): A split by columns as the base weight is, B whole; the
   partial A x of every rank is all-reduced, B's output is the whole one (scattered over the sequence
   under sequence parallel, as the base's output is).
@@ -20,8 +21,10 @@ state, for those parameters alone.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +59,12 @@ class LinearAdapters(torch.nn.ModuleDict):
         self.dropout = lora.dropout
         self.tp_group = base.tp_group
         self.sequence_parallel = base.sequence_parallel
+        self.active = True
+        """Whether the adapters add their delta (adapters_off: the base alone)."""
 
     def hook(self, module: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+        if not self.active:
+            return output
         out, bias = output
         return out + self.delta(args[0]).to(out.dtype), bias
 
@@ -67,12 +74,18 @@ class LinearAdapters(torch.nn.ModuleDict):
     def _column(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, False, self.tp_group)
-        x = self._dropout(x, split=False)
         names = list(self.keys())
-        h = F.linear(x, torch.cat([self[n].lora_A.weight for n in names]))  # one all-reduce for all targets
-        h = mappings.copy_to_tensor_model_parallel_region(h, self.tp_group)
+        a = torch.cat([self[n].lora_A.weight for n in names])  # one collective for all targets
+        if self.sequence_parallel:
+            # A on this rank's share of the sequence, then the rank-r h gathered (r / hidden of the
+            # traffic and memory of gathering x): h's gradient comes back summed over the ranks' B
+            # rows and split (reduce-scatter), A's, a share of the sequence's, is summed over TP by
+            # Megatron as a sequence-parallel norm's is (the attribute set in _mark_split)
+            h = F.linear(self._dropout(x, split=True), a)
+            h = mappings.gather_from_sequence_parallel_region(h, True, self.tp_group)
+        else:
+            h = F.linear(self._dropout(x, split=False), a)
+            h = mappings.copy_to_tensor_model_parallel_region(h, self.tp_group)
         by_name = dict(zip(names, h.split(self.rank, dim=-1), strict=True))
         lead, groups = h.shape[:-1], self.layout.groups
         pieces = []
@@ -160,7 +173,7 @@ def _adapt_layer(layer: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig) -> N
                 _shard(a, target.split_dim("A"), tp, tp_rank).to(weight),
                 _shard(b, target.split_dim("B"), tp, tp_rank).to(weight),
             )
-            _mark_split(adapters[target.name], target)
+            _mark_split(adapters[target.name], target, base.sequence_parallel)
         setattr(parent, base_name + SUFFIX, adapters)
         base.register_forward_hook(adapters.hook)
 
@@ -182,15 +195,34 @@ def _shard(whole: torch.Tensor, dim: int | None, tp: int, rank: int) -> torch.Te
     return whole if dim is None else whole.chunk(tp, dim=dim)[rank].contiguous()
 
 
-def _mark_split(adapter: Adapter, target: Target) -> None:
+def _mark_split(adapter: Adapter, target: Target, sequence_parallel: bool) -> None:
     """Megatron's tensor-parallel attributes on the split matrix: the gradient norm counts it on every
-    TP rank, a whole one on the first only."""
+    TP rank, a whole one on the first only; under sequence parallel a column adapter's A is marked as
+    Megatron marks a norm's weight there, so its gradient is summed over TP."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     for matrix in ("A", "B"):
         dim = target.split_dim(matrix)
         if dim is not None:
             set_tensor_model_parallel_attributes(getattr(adapter, f"lora_{matrix}").weight, True, dim, 1)
+    if target.parallel == "column" and sequence_parallel:
+        adapter.lora_A.weight.sequence_parallel = True  # each rank's gradient is its sequence share's
+
+
+@contextlib.contextmanager
+def adapters_off(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """The base model alone inside the block: every adapter of `chunks` adds nothing (a LoRA run's KL
+    reference, NeMo-RL's and verl's: the base is the starting policy, so no second copy is kept).
+    Nothing changes the parameters: the same forward as a model built without adapters. (A pipeline
+    stage may hold none: a MoE model's MLP-only targets on a stage of sparse layers.)"""
+    adapters = [m for chunk in chunks for m in chunk.modules() if isinstance(m, LinearAdapters)]
+    for m in adapters:
+        m.active = False
+    try:
+        yield
+    finally:
+        for m in adapters:
+            m.active = True
 
 
 def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

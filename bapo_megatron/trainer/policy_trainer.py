@@ -8,7 +8,8 @@ One optimizer step on a list of samples:
      tables summed, ONE all-reduce over data x context parallel on the last stage (one more
      for the step's mean importance weight under batch normalisation), and pi_prox for the
      correction; with a KL loss (algo.kl_coef > 0), one more through
-     the frozen reference model (trainer/reference.py) for pi_ref;
+     the frozen reference model (trainer/reference.py), or under LoRA the policy's own chunks
+     with the adapters off, for pi_ref;
   3. the training pass through get_forward_backward_func: forward_step on every stage,
      the loss on the last, (loss_sum, token_count) so that finalize_model_grads divides
      by the step's global token count;
@@ -38,6 +39,7 @@ from bapo_megatron.errors import NonFiniteInputError
 from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer import megatron_config as mc
 from bapo_megatron.trainer.logprobs import vocab_parallel_logprobs
+from bapo_megatron.trainer.lora import adapters_off
 from bapo_megatron.trainer.microbatch import MicroBatch
 from bapo_megatron.trainer.packing import microbatch_layout
 from bapo_megatron.trainer.parallel import ParallelInfo
@@ -105,7 +107,9 @@ class PolicyTrainer:
         if spec.moe is not None:
             self.routers = Routers(self.model, spec, info, cfg.parallel.sequence_parallel, self.device)
         self.reference = self.reference_routers = None
-        if cfg.algo.kl_coef > 0:  # weights copied in by hold_reference, or loaded with a checkpoint
+        # a frozen copy, its weights copied in by hold_reference or loaded with a checkpoint; under LoRA
+        # the base with the adapters off is the starting policy, so no copy (trainer/reference.py)
+        if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled:
             self.reference = ReferenceModel(self._build_chunks(initialize=False))
             if spec.moe is not None:  # the engine's routes replayed there too, as in the policy's passes
                 sp = cfg.parallel.sequence_parallel
@@ -143,7 +147,8 @@ class PolicyTrainer:
     def hold_reference(self) -> None:
         """The reference model of the KL loss (algo.kl_coef > 0) := the policy's weights now: called
         once the starting weights are loaded (job.py). A resume does not call it: the checkpoint
-        holds the reference of the run's start (trainer/checkpoint.py)."""
+        holds the reference of the run's start (trainer/checkpoint.py). Nothing to hold under LoRA:
+        the frozen base is the reference."""
         if self.reference is not None:
             self.reference.copy_from(self.model)
 
@@ -249,10 +254,16 @@ class PolicyTrainer:
         return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), {}
 
     def _reference_pass(self, step: StepState, mbs: list[MicroBatch]) -> None:
-        """Every micro-batch's log pi_ref (on the last stage, which alone computes the loss)."""
-        assert self.reference.ready, "hold_reference() (or a checkpoint's load) gives the reference its weights"
+        """Every micro-batch's log pi_ref (on the last stage, which alone computes the loss): through
+        the frozen copy, or under LoRA through the policy with its adapters off."""
+        loss = partial(self._reference_loss, step)
         with torch.no_grad():
-            self._run(mbs, partial(self._reference_loss, step), forward_only=True, label="reference", reference=True)
+            if self.reference is None:
+                with adapters_off(self.model):
+                    self._run(mbs, loss, forward_only=True, label="reference")
+                return
+            assert self.reference.ready, "hold_reference() (or a checkpoint's load) gives the reference its weights"
+            self._run(mbs, loss, forward_only=True, label="reference", reference=True)
 
     def _policy_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
         sft = self.cfg.algo.loss == "sft"
@@ -340,7 +351,7 @@ class PolicyTrainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if self.reference is not None:
+        if self.cfg.algo.kl_coef > 0:
             self._reference_pass(step, mbs)
         step.bounds = self._step_bounds(step, mbs) if self._needs_prepass() else None
         if self.routers is not None:

@@ -4,19 +4,25 @@ Every rank of a pipeline stage runs the generator (the tensor- and expert-parall
 collectives) and gets the same buckets: the stage's HF tensors, in the order the receiver
 can load them (embedding, layers in order, final norm and output layer), each exactly once
 per stage, a MoE layer's experts one tensor per expert under global expert numbers. The caller
-decides which rank sends them (e.g. tensor- and data-parallel rank 0 of every stage). LoRA
-adapters are merged into their base weights after the gathers (models/lora.py merge_adapters). Memory
+decides which rank sends them (e.g. tensor- and data-parallel rank 0 of every stage). Memory
 beyond the model: one layer's gathered tensors plus one bucket.
+
+A LoRA model is exported as one of three `Part`s: "model", the adapters merged into their base
+weights after the gathers (models/lora.py merge_adapters), what an engine without LoRA serves;
+"base", the base weights alone, adapters left out; "adapters", the adapters alone, gathered whole
+under PEFT's names (models/lora.py peft_name), the base not touched (weights/lora_sync.py sends them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from bapo_megatron.models.lora import merge_adapters
+from bapo_megatron.config.lora import LoRAConfig
+from bapo_megatron.models.lora import adapter_names, is_adapter, merge_adapters
 from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.dist_ckpt import unwrap
 from bapo_megatron.trainer.lora import lora_scaling
@@ -25,6 +31,7 @@ from bapo_megatron.weights.hf_load import expert_parts
 from bapo_megatron.weights.layout import layer_impl, megatron_layer_to_hf
 
 Bucket = list[tuple[str, torch.Tensor]]
+Part = Literal["model", "base", "adapters"]
 
 
 def gather_tensor_parallel(param: torch.Tensor, info: ParallelInfo, gated: bool = False) -> torch.Tensor:
@@ -68,14 +75,27 @@ def gather_expert_parallel(layer: torch.nn.Module, local: dict[str, torch.Tensor
     return out
 
 
-def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torch.Tensor]:
+def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo, adapters: bool = True) -> dict[str, torch.Tensor]:
+    """The layer's tensors gathered whole (experts by global number); adapters: LoRA's too."""
     local = {
         name: p.detach()
         if _is_expert(name)
         else gather_tensor_parallel(p, info, gated=name.endswith("linear_fc1.weight"))  # a shared expert's too
         for name, p in [*layer.named_parameters(), *_saved_buffers(layer)]
+        if adapters or not is_adapter(name)
     }
     return gather_expert_parallel(layer, local, info) if hasattr(layer.mlp, "local_expert_indices") else local
+
+
+def _layer_adapters(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torch.Tensor]:
+    """The layer's adapters, each gathered whole (a routed expert has none: model.lora.experts)."""
+    return {name: gather_tensor_parallel(p, info) for name, p in layer.named_parameters() if is_adapter(name)}
+
+
+def peft_names(spec: ModelSpec) -> dict[str, str]:
+    """Megatron's name -> PEFT's of every adapter matrix a LoRA model of `spec` can hold (names do not
+    depend on the rank: the map of an all-linear config covers every config's adapters)."""
+    return adapter_names(spec, LoRAConfig(rank=1))
 
 
 def _saved_buffers(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -90,16 +110,20 @@ def _is_expert(name: str) -> bool:
 
 
 def _stage_tensors(
-    chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo, impl: str | None
+    chunk: torch.nn.Module, spec: ModelSpec, info: ParallelInfo, impl: str | None, part: Part = "model"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     model = unwrap(chunk)
+    if part == "adapters":
+        yield from _stage_adapters(model, spec, info)
+        return
     if model.pre_process:
         embedding = gather_tensor_parallel(model.embedding.word_embeddings.weight, info)
         yield "model.embed_tokens.weight", embedding[: spec.vocab_size]
     for layer in model.decoder.layers:
         index = layer.layer_number - 1  # global, 1-based in Megatron
-        local = {f"decoder.layers.{index}.{name}": t for name, t in _layer_tensors(layer, info).items()}
-        if (scaling := lora_scaling(layer)) is not None:  # the engines serve the merged weights
+        tensors = _layer_tensors(layer, info, adapters=part == "model")
+        local = {f"decoder.layers.{index}.{name}": t for name, t in tensors.items()}
+        if part == "model" and (scaling := lora_scaling(layer)) is not None:  # an engine without LoRA: merged
             local = merge_adapters(spec, local, scaling)
         yield from megatron_layer_to_hf(spec, index, local, impl or layer_impl(local))
     if model.post_process:
@@ -109,6 +133,14 @@ def _stage_tensors(
             yield "lm_head.weight", output[: spec.vocab_size]
 
 
+def _stage_adapters(model: torch.nn.Module, spec: ModelSpec, info: ParallelInfo) -> Iterator[tuple[str, torch.Tensor]]:
+    names = peft_names(spec)
+    for layer in model.decoder.layers:
+        index = layer.layer_number - 1
+        for name, tensor in _layer_adapters(layer, info).items():
+            yield names[f"decoder.layers.{index}.{name}"], tensor
+
+
 def stream_hf_buckets(
     model_chunks: list[torch.nn.Module],
     spec: ModelSpec,
@@ -116,10 +148,12 @@ def stream_hf_buckets(
     bucket_bytes: int = 512 << 20,
     impl: str | None = None,
     dtype: torch.dtype | None = None,
+    part: Part = "model",
 ) -> Iterator[Bucket]:
     """This stage's HF (name, tensor) pairs, grouped into buckets of at most bucket_bytes (see `buckets`);
-    impl: the layer spec ("transformer_engine" or "local"; None: read from each layer's parameters)."""
-    named = (pair for chunk in model_chunks for pair in _stage_tensors(chunk, spec, info, impl))
+    impl: the layer spec ("transformer_engine" or "local"; None: read from each layer's parameters);
+    part: what of a LoRA model (the module says)."""
+    named = (pair for chunk in model_chunks for pair in _stage_tensors(chunk, spec, info, impl, part))
     return buckets(named, bucket_bytes, dtype)
 
 

@@ -17,19 +17,20 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from bapo_megatron.weights.export import Bucket, stream_hf_buckets
+from bapo_megatron.weights.export import Bucket, Part, stream_hf_buckets
 
 
-def hf_buckets_to_rank0(trainer, bucket_bytes: int) -> Iterator[Bucket]:
-    """On global rank 0: every HF bucket of the model, stage by stage. On the ranks that help (data-
-    parallel rank 0 of every stage): nothing is yielded; iterate it to the end all the same."""
+def hf_buckets_to_rank0(trainer, bucket_bytes: int, part: Part = "model") -> Iterator[Bucket]:
+    """On global rank 0: every HF bucket of the model (of a LoRA model: `part`, weights/export.py),
+    stage by stage. On the ranks that help (data-parallel rank 0 of every stage): nothing is
+    yielded; iterate it to the end all the same."""
     info = trainer.info
     if info.dp_rank != 0:
         if info.ep_size > 1:
-            for _ in stream_hf_buckets(trainer.model, trainer.spec, info, bucket_bytes):
+            for _ in stream_hf_buckets(trainer.model, trainer.spec, info, bucket_bytes, part=part):
                 pass  # this rank's part of the expert-parallel gathers
         return
-    local = stream_hf_buckets(trainer.model, trainer.spec, info, bucket_bytes)
+    local = stream_hf_buckets(trainer.model, trainer.spec, info, bucket_bytes, part=part)
     stage_leaders = dist.get_process_group_ranks(info.pp_group) if info.pp_size > 1 else [0]
     me = dist.get_rank()
     if me == 0:

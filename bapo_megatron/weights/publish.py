@@ -12,6 +12,13 @@ against the trainer's, and for each engine that took the weights while it waited
 versions the engines also check each tensor they receive against the checksum sent with it
 (weights/sync.py). The probe is rank 0's: every rank receives it
 and scores its copies, so that the outlet is the only thing that differs between ranks.
+
+With LoRA adapter sync (model.lora.sync adapter) a publish makes the adapters' buckets alone (gathered
+over TP and PP as the model's are, under PEFT's names) and, when rank 0's outlet says the engines
+need it (the run's first publish, an engine back from a death), the base's first; the outlet loads
+the adapter on the engines under its version's name (weights/lora_sync.py) and the probe runs with
+it on. rollout.sync.verify then sends the adapter's checksums to SGLang too (it checks them for
+adapters), the base's to embedded engines only.
 """
 
 from __future__ import annotations
@@ -49,6 +56,14 @@ class Outlet(Protocol):
     def revive(self, engines: list[int]) -> None:
         """These engines passed the checks: they serve again (rank 0)."""
 
+    def needs_base(self) -> bool:
+        """(LoRA adapter sync, rank 0) Whether the engines need the base before the adapter."""
+
+    def publish_adapter(
+        self, base: Iterable | None, adapter: Iterable, version: int, verify: bool = False
+    ) -> dict[str, float]:
+        """(LoRA adapter sync) Consume the base's buckets (None: none go) then the adapter's, as `publish`."""
+
 
 class Gathering:
     """A rank other than 0: its part of the gathers; with holders, its own copy for the engine on
@@ -74,6 +89,18 @@ class Gathering:
     def revive(self, engines: list[int]) -> None:
         pass
 
+    def needs_base(self) -> bool:
+        return False  # (rank 0 decides)
+
+    def publish_adapter(
+        self, base: Iterable | None, adapter: Iterable, version: int, verify: bool = False
+    ) -> dict[str, float]:
+        if base is not None:
+            self.publish(base, version)
+        for _ in adapter:  # this rank's part of the adapters' gathers
+            pass
+        return {}
+
 
 class WeightPublisher:
     def __init__(self, cfg: JobConfig, trainer, outlet: Outlet, holders=None) -> None:
@@ -86,7 +113,11 @@ class WeightPublisher:
         (WeightsCorrupted: one received other bytes than sent)."""
         sync, embedded = self.cfg.rollout.sync, self.cfg.rollout.engines.kind == "embedded"
         verify = _due(sync.verify_every(embedded), version)
-        metrics = self._verified_publish(version, verify and embedded)
+        if self.cfg.model.lora.adapter_sync:  # SGLang checks an adapter's checksums too
+            metrics = self._verified(lambda: self._adapter_publish(version, verify), verify)
+        else:
+            checked = verify and embedded
+            metrics = self._verified(lambda: self.outlet.publish(self._buckets(), version, checked), checked)
         if _due(sync.check_every, version) or (verify and not embedded):  # SGLang checks no checksums: the probe
             gap = self._gap(version, None)
             if gap is not None:
@@ -94,16 +125,16 @@ class WeightPublisher:
         metrics.update(self._refit_checks(version))
         return metrics
 
-    def _verified_publish(self, version: int, verify: bool) -> dict[str, float]:
-        """The outlet's publish; with verify, the engines check what they received and a
-        WeightsCorrupted on rank 0 stops every rank with its line."""
+    def _verified(self, publish, verify: bool) -> dict[str, float]:
+        """publish(), the outlet's publish (verifying when `verify`); with verify, a WeightsCorrupted
+        on rank 0 (an engine received other bytes than sent) stops every rank with its line."""
         from bapo_megatron.weights.sync import WeightsCorrupted
 
         if not verify:
-            return self.outlet.publish(self._buckets(), version)
+            return publish()
         stopped, metrics = None, {}
         try:
-            metrics = self.outlet.publish(self._buckets(), version, verify=True)
+            metrics = publish()
         except WeightsCorrupted as err:
             stopped = str(err)
         stopped = broadcast(stopped)
@@ -111,19 +142,28 @@ class WeightPublisher:
             raise WeightsCorrupted(stopped)
         return metrics
 
-    def _buckets(self):
-        """The model's HF buckets as this rank makes them: on rank 0 the whole model (every
-        data-parallel rank 0 helping gather it); with holders, every rank its own copy (a rank that
-        holds none still joins its tensor- and expert-parallel groups' gathers, which may hold
-        ranks that do, on any node)."""
+    def _adapter_publish(self, version: int, verify: bool) -> dict[str, float]:
+        """LoRA adapter sync: the base first when rank 0's outlet needs it, then the adapters (rank 0's
+        copy, gathered over TP and PP, serves every engine rank: they are small)."""
+        from bapo_megatron.weights.gather import hf_buckets_to_rank0
+
+        base = self._buckets("base") if broadcast(self.outlet.needs_base()) else None
+        adapter = hf_buckets_to_rank0(self.trainer, self.cfg.rollout.sync.bucket_mb << 20, part="adapters")
+        return self.outlet.publish_adapter(base, adapter, version, verify)
+
+    def _buckets(self, part: str = "model"):
+        """The model's HF buckets as this rank makes them (of a LoRA model: `part`, weights/export.py):
+        on rank 0 the whole model (every data-parallel rank 0 helping gather it); with holders, every
+        rank its own copy (a rank that holds none still joins its tensor- and expert-parallel groups'
+        gathers, which may hold ranks that do, on any node)."""
         from bapo_megatron.weights.export import stream_hf_buckets
         from bapo_megatron.weights.gather import hf_buckets_to_rank0
 
         size = self.cfg.rollout.sync.bucket_mb << 20
         if self.holders is None:
-            return hf_buckets_to_rank0(self.trainer, size)
+            return hf_buckets_to_rank0(self.trainer, size, part=part)
         trainer = self.trainer
-        return stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size)
+        return stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size, part=part)
 
     def _refit_checks(self, version: int) -> dict[str, float]:
         """Engines that took the weights in this publish while they waited for them serve again once
@@ -203,7 +243,8 @@ def engine_model_dir(cfg: JobConfig, trainer) -> Path | None:
 
     if cfg.model.hf_path and any(Path(cfg.model.hf_path).glob("*.safetensors")):
         return Path(cfg.model.hf_path) if dist.get_rank() == 0 else None
-    tensors = {name: t.cpu() for bucket in hf_buckets_to_rank0(trainer, 512 << 20) for name, t in bucket}
+    part = "base" if cfg.model.lora.adapter_sync else "model"  # (the adapters go by themselves)
+    tensors = {name: t.cpu() for bucket in hf_buckets_to_rank0(trainer, 512 << 20, part) for name, t in bucket}
     if dist.get_rank() != 0:
         return None
     target = cfg.run_path / "engine_model"

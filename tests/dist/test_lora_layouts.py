@@ -4,7 +4,8 @@ parallel) and PP 2 against one process.
 One launch of two processes (gloo, CPU). At TP 1 each process checks, for a tiny Qwen2 (q, v and
 down projections: the fused q/k/v output touched in its q and v rows only) and a tiny Qwen3 (q/k
 norms, every projection): fresh adapters leave the logits bit for bit the base's (B starts at zero,
-as PEFT's), and with the same random adapters in both, PEFT's logits and A and B gradients. Then
+as PEFT's), and with the same random adapters in both, PEFT's logits and A and B gradients (and with
+the adapters off, trainer/lora.adapters_off, the base's logits bit for bit). Then
 the Qwen3 model (tied embeddings) takes one Adam step at TP 1 (the two processes as data parallel
 ranks with the same batch: one process's step), TP 2 with sequence parallel, and PP 2 with full
 activation recompute (the frozen embedding's output must carry a gradient into it), through
@@ -147,7 +148,7 @@ def _peft_model(hf_dir: Path, spec, lora, whole: dict[str, torch.Tensor]):
 
 def _check_against_peft(hf_dir: Path, cfg, arch: str) -> None:
     from bapo_megatron.models.lora import adapter_names
-    from bapo_megatron.trainer.lora import adapter_parameters, apply_lora
+    from bapo_megatron.trainer.lora import adapter_parameters, adapters_off, apply_lora
 
     spec, lora = _spec(arch), _lora(PARITY[arch])
     gpt = _base(hf_dir, cfg).eval()
@@ -166,6 +167,8 @@ def _check_against_peft(hf_dir: Path, cfg, arch: str) -> None:
     ours = gpt(ids, positions, attention_mask=None)[..., : spec.vocab_size]
     theirs = peft_model(input_ids=ids).logits
     assert (ours - base[..., : spec.vocab_size]).abs().max() > 1e-3, "the adapters change the logits"
+    with torch.no_grad(), adapters_off([gpt]):  # a LoRA run's KL reference: the base, bit for bit
+        assert torch.equal(gpt(ids, positions, attention_mask=None), base), f"{arch}: adapters off is not the base"
     gap = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     assert gap <= 1e-5, f"{arch}: logits differ from PEFT's by {gap:.2e}"
     (ours * weights).sum().backward()

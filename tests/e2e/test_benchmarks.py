@@ -126,6 +126,29 @@ def test_weights_benchmark(tmp_path):
     assert any(n.startswith("hf-to-mcore") for n in names) and any(n.startswith("live export, TP=2") for n in names)
 
 
+def test_weights_benchmark_with_and_without_lora():
+    """One weight update: the whole bf16 model against the rank-16 all-linear adapters, the 7B and 32B
+    shapes modelled (bytes by hand here, seconds at the stated 25 GB/s), the tiny models measured (the
+    script checks each export's bytes against the spec)."""
+    from bapo_megatron.models.spec import ModelSpec
+    from bapo_megatron.trainer.memory.estimate import stage_params
+
+    rows = _table("bench_weights.py", "--lora", "--repeat", "1")
+    models = ["qwen2.5-7b", "qwen2.5-32b", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3_moe"]
+    assert [(r[0], r[1]) for r in rows] == [(m, u) for m in models for u in ("full", "lora-r16")]
+    for name, (full, lora) in zip(models, zip(rows[::2], rows[1::2], strict=True), strict=True):
+        assert 0 < int(lora[2]) < int(full[2]) and float(lora[4]) < float(full[4]), (full, lora)
+        if name.startswith("tiny-"):
+            assert full[6] == lora[6] == "measured" and float(lora[4]) > 0
+            continue
+        spec = ModelSpec.from_hf_dir(ROOT / "examples" / name / "shape")
+        d, kv, ffn = spec.hidden_size, spec.num_kv_heads * spec.head_dim, spec.ffn_hidden_size
+        q_o, k_v, mlp = 2 * (d + spec.num_heads * spec.head_dim), 2 * (d + kv), 3 * (d + ffn)
+        assert int(full[2]) == 2 * stage_params(spec, spec.vocab_size, 1, 1, 0)  # every parameter in bf16
+        assert int(lora[2]) == 2 * 16 * (q_o + k_v + mlp) * spec.num_layers  # r x (in + out), 7 projections
+        assert full[6] == "modelled@25GB/s" and float(full[4]) == pytest.approx(int(full[2]) / 25e9, rel=1e-5)
+
+
 def test_data_benchmark(tmp_path):
     """Start-up to the first batch for verl-layout data, parquet and jsonl (the 1M-record figure
     comes from here)."""

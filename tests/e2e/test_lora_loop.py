@@ -1,6 +1,8 @@
-"""A LoRA run through the whole loop (model.lora.rank=4, the embedded engine, synchronous): the
-engine is sent the merged weights (W + alpha / r B A) and serves what the trainer computes (the
-probe within 1e-5 after every sync); the checkpoint holds the base as it was loaded and Adam's
+"""A LoRA run through the whole loop (model.lora.rank=4, the embedded engine, synchronous, partial
+rollout continued across versions): after the base at the start, every sync sends the engine the
+adapters alone (model.lora.sync adapter: their bytes, far fewer than the model's, checksummed), which
+it serves under each version's name with what the trainer computes (the probe, with the adapter on,
+within 1e-5 after every sync); the checkpoint holds the base as it was loaded and Adam's
 state for the adapters only; mcore-to-hf writes the merged model, whose logits transformers gives
 as the trainer does (`verify`), and --peft-adapter the adapters that peft loads onto the base with
 the same logits."""
@@ -12,8 +14,10 @@ import pytest
 import torch
 
 from bapo_megatron.common.hf_io import HFCheckpoint
+from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.models.lora import is_adapter
 from bapo_megatron.trainer.safe_load import read_metadata
+from bapo_megatron.weights.lora_sync import adapter_update_bytes
 from bapo_megatron.weights.mcore_io import McoreCheckpoint
 from tests.online import MODEL, ROOT, args, metrics, train, write_task
 
@@ -29,7 +33,7 @@ def _convert(*argv: str) -> str:
     return done.stdout
 
 
-def test_lora_run_serves_the_merged_weights_and_exports_merged_and_peft(hf_model, tmp_path):
+def test_lora_run_sends_the_adapters_alone_and_exports_merged_and_peft(hf_model, tmp_path):
     import peft
     import transformers
 
@@ -39,11 +43,16 @@ def test_lora_run_serves_the_merged_weights_and_exports_merged_and_peft(hf_model
     steps = metrics(run)
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["sync/probe_logprob_gap"] <= 1e-5 for m in steps), [m["sync/probe_logprob_gap"] for m in steps]
+    base = HFCheckpoint(task / "m")
+    adapters = adapter_update_bytes(base.spec, LoRAConfig(rank=4), torch.float32)
+    model = sum(base[name].numel() * base[name].element_size() for name in base.files)
+    assert all(m["sync/bytes"] == m["sync/adapter_bytes"] == adapters for m in steps), [m["sync/bytes"] for m in steps]
+    assert all(m["sync/verified"] == 1.0 for m in steps) and adapters * 10 < model
 
     step = run / "ckpt" / "step_00000002"
     adam = [k for k in read_metadata(step).state_dict_metadata if k.startswith("optimizer.state.")]
     assert adam and all(is_adapter(k) for k in adam), [k for k in adam if not is_adapter(k)][:3]
-    stored, base = McoreCheckpoint(step), HFCheckpoint(task / "m")
+    stored = McoreCheckpoint(step)
     assert stored.lora is not None and stored.lora.rank == 4
     stored.lora = None  # its base weights as stored, adapters left out: those loaded at the start
     for group in stored.hf_groups():

@@ -340,3 +340,128 @@ def test_exported_expert_names_are_what_sglangs_qwen3_moe_loader_maps(wheel):
         assert (expert_id, shard) == (int(expert), shards[part]), name
     routers = [n for n in exported if n.endswith(".mlp.gate.weight")]
     assert [int(n.split(".")[2]) for n in routers] == list(spec.moe.sparse_layers)
+
+
+# -- LoRA adapters -----------------------------------------------------------------------------
+def _field_annotations(source: str) -> dict[str, dict[str, tuple[ast.expr, bool]]]:
+    """Every class's fields as (annotation, has a default), its bases' (in the same file) included."""
+    tree = ast.parse(source)
+    own, bases = {}, {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            own[node.name] = {
+                s.target.id: (s.annotation, s.value is not None)
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+
+    def collect(name: str) -> dict:
+        out = {}
+        for base in bases.get(name, ()):
+            out |= collect(base)
+        return out | own.get(name, {})
+
+    return {name: collect(name) for name in own}
+
+
+def _conforms(value, annotation: ast.expr) -> bool:
+    """Whether a JSON value is what SGLang's HTTP schema takes for `annotation` (bytes: base64 text)."""
+    import base64
+    import binascii
+
+    if isinstance(annotation, ast.Name):
+        if annotation.id == "bytes":
+            try:
+                return isinstance(value, str) and base64.b64decode(value, validate=True) is not None
+            except binascii.Error:
+                return False
+        if annotation.id == "Any":
+            return True
+        kinds = {"str": str, "bool": bool, "int": int, "float": (int, float)}
+        return isinstance(value, kinds[annotation.id]) and (annotation.id == "bool" or not isinstance(value, bool))
+    head, args = annotation.value.id, annotation.slice
+    args = list(args.elts) if isinstance(args, ast.Tuple) else [args]
+    if head == "Optional":
+        return value is None or _conforms(value, args[0])
+    if head == "Union":
+        return any(_conforms(value, a) for a in args)
+    if head == "Annotated":
+        return _conforms(value, args[0])
+    if head == "List":
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if head == "Dict":
+        return isinstance(value, dict) and all(
+            _conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items()
+        )
+    raise AssertionError(f"no rule for {ast.unparse(annotation)}")
+
+
+def test_lora_requests_and_answers_are_sglangs(wheel):
+    """What the client sends to load and unload adapters and to generate under one, checked against
+    SGLang's request classes field by field (only fields they define, every required one, each value
+    of its field's type); the embedded engine answers with LoRAUpdateOutput's fields, refusing with
+    SGLang's messages, and checks expected_checksums as SGLang's tp_worker does (extras refused too)."""
+    import asyncio
+    import json
+
+    import torch
+
+    from bapo_megatron.common import ipc
+    from bapo_megatron.engines.client import EngineClient
+    from bapo_megatron.engines.embedded.lora_endpoints import AdapterNames, answer
+
+    sent = []
+
+    class Recording(EngineClient):
+        async def request(self, path, body=None, method="POST", retry=True, raw=False):
+            sent.append((path, body))
+            if path == "/generate":
+                return protocol.generate_response("r", [5], [-0.1], {"type": "length", "length": 1}, 3, "1", [])
+            return {"success": True, "error_message": None, "loaded_adapters": {}}
+
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_rslora": False}
+    tensors = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.ones(4, 8))]
+
+    async def run():
+        client = Recording("http://engine")
+        with ipc.serialized(ipc.flattened_bucket(tensors)) as flat, ipc.serialized(tensors) as named:
+            await client.load_lora_adapter_from_tensors("v3", config, flat, protocol.FLATTENED, {tensors[0][0]: "ab"})
+            await client.load_lora_adapter_from_tensors("v4", config, named)
+        await client.load_lora_adapter("v5", "/adapters/v5")
+        await client.unload_lora_adapter("v3")
+        await client.generate([1, 2, 3], SamplingParams(max_new_tokens=1), "r", lora_path="v4")
+
+    asyncio.run(run())
+    io_source = _source(wheel, "managers/io_struct.py")
+    classes = _field_annotations(io_source)
+    wanted = {
+        "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+        "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+        "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+        "/generate": "GenerateReqInput",
+    }
+    assert {path for path, _ in sent} == set(wanted)
+    for path, body in sent:
+        fields = classes[wanted[path]]
+        assert set(body) <= set(fields), f"{path}: {sorted(set(body) - set(fields))} not SGLang's"
+        required = {name for name, (_, default) in fields.items() if not default}
+        assert required <= set(body), f"{path}: lacks {sorted(required - set(body))}"
+        for name, value in body.items():
+            if path != "/generate" or name == "lora_path":
+                assert _conforms(value, fields[name][0]), (
+                    f"{path}: {name}={value!r:.80} is no {ast.unparse(fields[name][0])}"
+                )
+    assert sent[-1][1]["lora_path"] == "v4"
+    reply = json.loads(answer(AdapterNames(), "refused").text)
+    assert set(reply) == set(classes["LoRAUpdateOutput"]) and reply["success"] is False
+    server = _source(wheel, "entrypoints/http_server.py")
+    assert server.count("status_code = HTTPStatus.OK if result.success else HTTPStatus.BAD_REQUEST") >= 3
+    manager = _source(wheel, "lora/lora_manager.py")
+    assert 'f"Failed to load LoRA adapter {lora_ref.lora_name} because it is already loaded"' in manager
+    tokenizer = _source(wheel, "managers/tokenizer_control_mixin.py")
+    assert "has an incomplete unload. " in tokenizer and "Retry the unload before loading it again." in tokenizer
+    unregister, wait = (tokenizer.index(s) for s in ("lora_registry.unregister(", "lora_registry.wait_for_unload("))
+    assert unregister < wait  # the name goes first, then the unload waits for the requests under it
+    worker = _source(wheel, "managers/tp_worker.py")
+    assert "extra = [n for n in tensors if n not in exp]" in worker and "if mismatch or missing or extra:" in worker

@@ -108,7 +108,7 @@ def test_memory_counts_gradients_and_adam_for_the_adapters_only():
         assert got.params == base.params + 4 * n
         assert got.grads == 4 * n < base.grads
         assert got.optimizer == 8 * n // 2  # Adam's two fp32 moments, split over 2 data-parallel ranks
-        assert got.activations == base.activations
+        assert got.activations > base.activations  # the adapters' own: tests/unit/test_memory_lora.py
 
 
 def test_peft_init_leaves_step_zero_at_the_base():

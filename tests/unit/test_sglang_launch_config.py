@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
+from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.engines.sglang_launcher import server_args, sglang_servers
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.spec import tiny_spec
@@ -60,7 +61,11 @@ def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse,
     bad.write_text(yaml.safe_dump({"model-path": "/m", "max-running-requests": "None"}))
     refused = tmp_path / "deprecated.yaml"
     refused.write_text(yaml.safe_dump({"model-path": "/m", "disable-cuda-graph": True}))
-    out = sglang_parse(tmp_path / "sglang_0.yaml", tmp_path / "sglang_1.yaml", bad, refused)
+    adapters = LoRAConfig(rank=8, target_modules=("q_proj", "v_proj"))  # model.lora.sync=adapter's options
+    (tmp_path / "lora").mkdir()
+    sglang_servers(cfg, "/models/qwen", tmp_path / "lora", "7", 3, fraction, lora=adapters)
+    configs = [tmp_path / "sglang_0.yaml", tmp_path / "sglang_1.yaml", bad, refused, tmp_path / "lora/sglang_0.yaml"]
+    out = sglang_parse(*configs)
     for index, result in enumerate(out["configs"][:2]):
         assert "error" not in result, result["error"]
         assert "None" not in result["argv"]
@@ -75,6 +80,15 @@ def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse,
     assert "invalid" in out["configs"][2]["error"] and "None" in out["configs"][2]["error"]
     assert "Unsupported config option 'disable_cuda_graph'" in out["configs"][3]["error"]
     assert [s.url for s in servers] == ["http://10.0.0.5:30000", "http://10.0.0.5:30001"]
+    assert "error" not in out["configs"][4], out["configs"][4]["error"]
+    lora = {
+        k: v
+        for k, v in server_args(cfg, "/models/qwen", 0, None, "7", 3, fraction, lora=adapters).items()
+        if "lora" in k
+    }
+    assert lora["enable-lora"] is True and lora["lora-target-modules"] == ["q_proj", "v_proj"]
+    for name, value in lora.items():
+        assert out["configs"][4]["args"][name.replace("-", "_")] == value, name
 
 
 def test_sglangs_deprecated_options_are_refused_at_config_time(sglang_parse):
@@ -118,7 +132,7 @@ def test_the_launcher_sets_exactly_the_options_the_config_lists():
             "rollout.engines.dtype=float32",
         ],
     ).rollout
-    args = server_args(cfg, "/models/m", 0, "k" * 32, routed_experts=True)
+    args = server_args(cfg, "/models/m", 0, "k" * 32, routed_experts=True, lora=LoRAConfig(rank=4))
     assert set(args) - {"attention-backend"} == set(SGLANG_LAUNCHER_ARGS) - {"api-key"}
     plain = server_args(load_config(None, ["rollout.engines.kind=sglang"]).rollout, "/models/m", 0, None)
     assert "dtype" not in plain and "enable-return-routed-experts" not in plain  # auto: SGLang's own default

@@ -5,7 +5,8 @@ weights.py loads the model and checks and loads weight updates; request_queue.py
 requests; decode.py runs the model over them (a slotted KV cache, slots.py, batched decoding
 and prefills), sampling as sampling.py does; prefixes.py keeps the caches of requests cut short
 (emptied whenever the weights change); memory.py releases and resumes memory; routing.py records
-a mixture-of-experts model's routes. EngineCore builds them and answers for them together.
+a mixture-of-experts model's routes; lora.py keeps LoRA adapters and adds them in the forwards, each
+request under its own. EngineCore builds them and answers for them together.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from bapo_megatron.engines.embedded.decode import DecodeLoop
+from bapo_megatron.engines.embedded.lora import Adapter
 from bapo_megatron.engines.embedded.memory import MemoryOccupation
 from bapo_megatron.engines.embedded.prefixes import PrefixStore
 from bapo_megatron.engines.embedded.request_queue import EngineRequest, RequestQueue
@@ -170,3 +172,18 @@ class EngineCore:
         count = self.weights.load(tensors)
         self.prefixes.clear()  # computed with the old weights
         return count
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+    def load_adapter(
+        self, name: str, config_dict: object, tensors: Iterable[tuple[str, torch.Tensor]], source: str
+    ) -> Adapter:
+        """Check a PEFT adapter (its adapter_config.json and tensors) in full against the served model,
+        then make it resident; ValueError naming the first field or tensor that does not fit. The base
+        weights stay as they are. Not concurrently with step()."""
+        adapter = self.loop.adapters.build(name, config_dict, tensors, source)
+        self.loop.adapters.add(adapter)
+        return adapter
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        """Free a resident adapter that no request runs under any more. Not concurrently with step()."""
+        self.loop.adapters.remove(adapter_id)

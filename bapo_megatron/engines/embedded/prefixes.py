@@ -21,6 +21,7 @@ class _Prefix:
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [kv_heads, n, head_dim]
     routes: torch.Tensor | None  # [n, moe_layers, top_k] (a MoE model)
+    lora_id: str | None = None  # the LoRA adapter it was computed under (None: the base model)
 
 
 def _prefix_key(request: EngineRequest) -> tuple[int, ...]:
@@ -33,6 +34,7 @@ class PrefixStore:
 
     def __init__(self) -> None:
         self._stored: collections.OrderedDict[tuple[int, ...], _Prefix] = collections.OrderedDict()
+        self._positions = 0  # the stored keys' lengths summed (kept, not summed per store: O(n) each)
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:
         return iter(self._stored)
@@ -43,6 +45,7 @@ class PrefixStore:
     def clear(self) -> None:
         """Forget every stored prefix (the weights changed, or the memory was released)."""
         self._stored.clear()
+        self._positions = 0
 
     def keep(self, request: EngineRequest, kv: SlotKV, slot: int, with_routes: bool) -> None:
         """Store the positions `request` has cached in `slot` (and its routes, `with_routes`)."""
@@ -50,20 +53,25 @@ class PrefixStore:
         layers = [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in kv.layers()]
         routes = torch.cat(request.routes) if with_routes else None
         assert routes is None or len(routes) == length, "routes of every cached position"
-        self._stored[_prefix_key(request)] = _Prefix(layers, routes)
+        key = _prefix_key(request)
+        if self._stored.pop(key, None) is not None:
+            self._positions -= len(key)
+        self._stored[key] = _Prefix(layers, routes, request.lora_id)
+        self._positions += len(key)
         # at most as many positions as the slots hold: the store never more than doubles the cache
         limit = kv.slots * kv.capacity
-        stored = sum(len(key) for key in self._stored)
-        while stored > limit:
-            key, _ = self._stored.popitem(last=False)  # the oldest first
-            stored -= len(key)
+        while self._positions > limit:
+            dropped, _ = self._stored.popitem(last=False)  # the oldest first
+            self._positions -= len(dropped)
 
     def resume(self, request: EngineRequest, kv: SlotKV, slot: int) -> bool:
         """Put the request's stored prefix (all but its last token), if any, into `slot` and take it
         out of the store, with its routes; False when none is stored."""
-        cached = self._stored.pop(_prefix_key(request), None)
-        if cached is None:
+        cached = self._stored.get(_prefix_key(request))
+        if cached is None or cached.lora_id != request.lora_id:  # computed under another adapter
             return False
+        del self._stored[_prefix_key(request)]
+        self._positions -= len(_prefix_key(request))
         # the cache may have been given back while idle (shrink): room for this prefix first
         kv.reserve([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in cached.layers], request.length)
         kv.put(slot, cached.layers, request.length - 1)

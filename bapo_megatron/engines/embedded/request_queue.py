@@ -28,6 +28,8 @@ class EngineRequest:
     generator: torch.Generator | None = None
     routes: list[torch.Tensor] = field(default_factory=list)
     """A MoE model's routes of the positions run so far, [0, n) in order: [positions, moe_layers, top_k] chunks."""
+    lora_id: str | None = None
+    """The LoRA adapter it runs under (lora.py's Adapter.id; None: the base model)."""
 
     @property
     def length(self) -> int:

@@ -8,7 +8,9 @@ Same payloads as SGLang 0.5.23 (common/protocol.py): /generate with logprobs,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed
 (gloo; the trainer is rank 0), /update_weights_from_tensor (shared-memory handles from a
 process on the same host, common/ipc.py), /update_weights_from_disk (safetensors only),
-/update_weight_version, /release_memory_occupation and /resume_memory_occupation (the KV
+/update_weight_version, /load_lora_adapter, /load_lora_adapter_from_tensors and
+/unload_lora_adapter (PEFT adapters; a /generate request names one as lora_path,
+lora_endpoints.py), /release_memory_occupation and /resume_memory_occupation (the KV
 cache and the weights' memory freed while a colocated trainer runs; released weights lose
 their values, as under SGLang's memory saver, and generation is refused until they are
 loaded again). A mixture-of-experts model (Qwen3-MoE) returns its routed experts when a
@@ -34,6 +36,7 @@ import uuid
 from bapo_megatron.common import protocol
 from bapo_megatron.engines.embedded.core import EngineCore
 from bapo_megatron.engines.embedded.http import guarded, json_object, request_timeout_key
+from bapo_megatron.engines.embedded.lora_endpoints import AdapterNames, LoRAEndpoints
 from bapo_megatron.engines.embedded.request_queue import EngineRequest
 from bapo_megatron.engines.embedded.weight_updates import WeightUpdateEndpoints
 
@@ -59,7 +62,7 @@ def authorized(path: str, header: str | None, api_key: str | None, admin_key: st
     return api_key is None or bearer(api_key)
 
 
-class EmbeddedServer(WeightUpdateEndpoints):
+class EmbeddedServer(WeightUpdateEndpoints, LoRAEndpoints):
     """The HTTP front of an EngineCore. Everything that computes with the model's tensors (steps,
     weight loads) runs on one dedicated thread, `engine_thread`, one call at a time: torch's
     OpenMP pool is per OS thread, and a second thread computing (even now and then) leaves two
@@ -84,6 +87,8 @@ class EmbeddedServer(WeightUpdateEndpoints):
         self.paused: str | None = None  # the pause mode while paused
         self.session_open = False
         self.groups: dict[str, object] = {}
+        self.loras = AdapterNames()  # the LoRA adapters requests can name
+        self._lora_lock = asyncio.Lock()  # loads and unloads one at a time, as SGLang's lora_update_lock
         self._wake = asyncio.Event()
         self._model_lock = asyncio.Lock()
         self._loop_task: asyncio.Task | None = None
@@ -122,6 +127,9 @@ class EmbeddedServer(WeightUpdateEndpoints):
             "/update_weights_from_tensor": self.update_from_tensor,
             "/update_weights_from_disk": self.update_from_disk,
             "/update_weight_version": self.set_version,
+            "/load_lora_adapter": self.load_lora_adapter,
+            "/load_lora_adapter_from_tensors": self.load_lora_adapter_from_tensors,
+            "/unload_lora_adapter": self.unload_lora_adapter,
             "/release_memory_occupation": self.release_memory,
             "/resume_memory_occupation": self.resume_memory,
         }
@@ -215,9 +223,14 @@ class EmbeddedServer(WeightUpdateEndpoints):
         done: asyncio.Future = loop.create_future()
 
         def finished(r: EngineRequest) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
+            loop.call_soon_threadsafe(lambda: self.loras.release(r.lora_id) or done.done() or done.set_result(r))
 
-        self.core.add(EngineRequest(rid, ids, sampling, on_finish=finished))  # joins at the next step
+        lora_id = self.loras.acquire(body.get("lora_path"))  # in use until it finishes: an unload waits
+        try:
+            self.core.add(EngineRequest(rid, ids, sampling, on_finish=finished, lora_id=lora_id))  # joins at a step
+        except BaseException:
+            self.loras.release(lora_id)
+            raise
         self._poke()
         try:
             r = await done

@@ -45,6 +45,28 @@ class SlotKV:
             k[slot, :, :length] = src_k[:, :length]
             v[slot, :, :length] = src_v[:, :length]
 
+    def put_rows(
+        self, first: int, layers: list[tuple[torch.Tensor, torch.Tensor]], rows: list[int], length: int
+    ) -> None:
+        """Slots first, first + 1, ... take rows `rows` of per-layer (keys, values) [batch, kv_heads,
+        >= length, head_dim], positions [0, length): one copy per layer for a whole prefill."""
+        if not rows:
+            return
+        end = first + len(rows)
+        picked = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else torch.tensor(rows)
+        for (k, v), (src_k, src_v) in zip(self.layers(), layers, strict=True):
+            k[first:end, :, :length] = src_k[picked, :, :length]
+            v[first:end, :, :length] = src_v[picked, :, :length]
+
+    def move_slots(self, sources: list[int], targets: list[int], length: int) -> None:
+        """Each slot sources[i]'s first `length` positions into slot targets[i]: one copy per layer."""
+        if not sources:
+            return
+        source, target = torch.tensor(sources), torch.tensor(targets)
+        for k, v in self.layers():
+            k[target, :, :length] = k[source, :, :length]
+            v[target, :, :length] = v[source, :, :length]
+
     def move(self, source: int, target: int) -> None:
         """The whole slot (whatever it has cached) from source to target."""
         for k, v in self.layers():

@@ -110,41 +110,14 @@ class WeightUpdateEndpoints:
         return names, torch_dtypes, shapes, layout
 
     async def update_from_tensor(self, request):
-        import pickle
-
-        from bapo_megatron.common import ipc
-
         body = await json_object(request)
         self._need_session()
-        payloads = body["serialized_named_tensors"]
-        if not isinstance(payloads, list) or len(payloads) != 1:
-            raise ValueError(
-                f"serialized_named_tensors: the embedded engine is one rank and takes one payload, "
-                f"got {len(payloads) if isinstance(payloads, list) else type(payloads).__name__}"
-            )
-        load_format = body.get("load_format")
-        if load_format not in (None, protocol.FLATTENED):
-            raise ValueError(f"load_format {load_format!r}: expected none or {protocol.FLATTENED!r}")
-        try:  # whatever the bytes are, a payload that does not decode is the client's error (400)
-            payload = ipc.loads(payloads[0])  # restricted: tensor rebuilds and plain data only
-            if load_format == protocol.FLATTENED:
-                if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
-                    raise ValueError("a flattened_bucket payload is a dict of flattened_tensor and metadata")
-                tensors = ipc.unflatten(payload)
-            else:
-                tensors = payload
-        except (pickle.UnpicklingError, EOFError, OSError, RuntimeError, *BAD_REQUEST) as err:
-            raise ValueError(f"serialized_named_tensors[0] does not decode: {type(err).__name__}: {err}") from None
-        if not isinstance(tensors, list) or not all(
-            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
-            for p in tensors
-        ):
-            raise ValueError("the payload must be a list of (name, tensor) pairs")
+        tensors = decode_payload(body)
         _verify(body, tensors)
         async with self._model_lock:
             count = await self._on_engine(self.core.load_weights, tensors)
             refused = self._after_update(body)
-        del payload, tensors  # the shared memory is released once the last view of it goes
+        del tensors  # the shared memory is released once the last view of it goes
         return ok(f"updated {count} tensors", refused)
 
     async def update_from_disk(self, request):
@@ -195,3 +168,38 @@ def _verify(body: dict, tensors: list) -> None:
     mismatch = checksum_mismatch(expected, tensors)
     if mismatch is not None:
         raise ValueError(mismatch)
+
+
+def decode_payload(body: dict) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a tensor request's one payload (serialized_named_tensors, in its
+    load_format: none or flattened_bucket), as update_weights_from_tensor and
+    load_lora_adapter_from_tensors send them; ValueError (400) for a payload that does not decode."""
+    import pickle
+
+    from bapo_megatron.common import ipc
+
+    payloads = body["serialized_named_tensors"]
+    if not isinstance(payloads, list) or len(payloads) != 1:
+        raise ValueError(
+            f"serialized_named_tensors: the embedded engine is one rank and takes one payload, "
+            f"got {len(payloads) if isinstance(payloads, list) else type(payloads).__name__}"
+        )
+    load_format = body.get("load_format")
+    if load_format not in (None, protocol.FLATTENED):
+        raise ValueError(f"load_format {load_format!r}: expected none or {protocol.FLATTENED!r}")
+    try:  # whatever the bytes are, a payload that does not decode is the client's error (400)
+        payload = ipc.loads(payloads[0])  # restricted: tensor rebuilds and plain data only
+        if load_format == protocol.FLATTENED:
+            if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
+                raise ValueError("a flattened_bucket payload is a dict of flattened_tensor and metadata")
+            tensors = ipc.unflatten(payload)
+        else:
+            tensors = payload
+    except (pickle.UnpicklingError, EOFError, OSError, RuntimeError, *BAD_REQUEST) as err:
+        raise ValueError(f"serialized_named_tensors[0] does not decode: {type(err).__name__}: {err}") from None
+    if not isinstance(tensors, list) or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+        for p in tensors
+    ):
+        raise ValueError("the payload must be a list of (name, tensor) pairs")
+    return tensors

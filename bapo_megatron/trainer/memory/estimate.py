@@ -12,7 +12,9 @@ stage (tests compare with Megatron's own model); the rest follows Megatron's sto
   - activations (an estimate): what one micro-batch keeps for backward per layer (inputs of the
     norms and linears, q/k/v and the normalised q/k, the attention output, the MLP's gate/up and
     SwiGLU output, flash attention's softmax statistics aside), in the parameters' dtype, divided
-    by TP where the tensor is split (and the rest too under sequence parallel); the first stage of
+    by TP where the tensor is split (and the rest too under sequence parallel), and with LoRA what
+    its adapters keep (trainer/memory/adapters.py: the rank-r intermediates, and under sequence
+    parallel the inputs gathered for the q/k/v and gate/up adapters); the first stage of
     a 1F1B pipeline holds PP micro-batches at once; plus the last stage's logits and their
     gradient, and the log-prob temporaries (model.logprob_memory_mb);
   - activations with the local implementation (model.transformer_impl "local", the CPU's: no
@@ -41,6 +43,7 @@ from bapo_megatron.models import family_of
 from bapo_megatron.models.lora import adapter_params
 from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.megatron_config import padded_vocab
+from bapo_megatron.trainer.memory.adapters import adapter_token_bytes
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
@@ -57,7 +60,8 @@ class MemoryEstimate:
     experts: int = 0
     """Of the resident bytes: the experts' parameters, gradients and optimizer state."""
     reference: int = 0
-    """The KL loss's frozen reference model (algo.kl_coef > 0): the stage's parameters once more."""
+    """The KL loss's frozen reference model (algo.kl_coef > 0): the stage's parameters once more; 0
+    under LoRA, whose reference is the base with the adapters off (trainer/reference.py)."""
 
     @property
     def resident(self) -> int:
@@ -147,7 +151,8 @@ def stage_params(spec: ModelSpec, vocab: int, tp: int, pp: int, stage: int, **la
 
 def layer_activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, layer: int) -> int:
     """What layer `layer` keeps for backward per token of a micro-batch, on one rank: its attention's
-    (the family's answer, Family.attention_memory), the MLP's, two norm inputs and two residuals."""
+    (the family's answer, Family.attention_memory), the MLP's, two norm inputs and two residuals, and
+    its LoRA adapters'."""
     d, tp, family = spec.hidden_size, parallel.tensor, family_of(spec)
     experts, width = family.routed(spec, layer), PARAM_BYTES[model.precision]
     attention = family.attention_memory(spec, layer, local=False, selective=parallel.recompute == "selective")
@@ -158,7 +163,7 @@ def layer_activation_bytes(spec: ModelSpec, model: ModelConfig, parallel: Parall
     per_token += 4 * attention.fp32 // tp
     if experts:  # at TP > 1 always under sequence parallel: each rank routes its share of the tokens
         per_token += moe_token_bytes(spec, model) // tp
-    return per_token
+    return per_token + adapter_token_bytes(spec, model.lora, parallel, layer, width, local=False)
 
 
 def moe_token_bytes(spec: ModelSpec, model: ModelConfig) -> int:
@@ -225,7 +230,8 @@ def local_layer_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelCon
       - the attention's, as its family counts it (Family.attention_memory: grouped-query attention's
         q, k and v after rope, the context and the q/k norms; a gate; multi-latent attention's
         latents; Gated DeltaNet's per-token tensors) and its rotary cos and sin, whole on every rank;
-      - a dense MLP: gate and up, silu(gate), up + glu_linear_offset (a copy), their product."""
+      - a dense MLP: gate and up, silu(gate), up + glu_linear_offset (a copy), their product;
+      - LoRA's adapters (trainer/memory/adapters.py)."""
     d, tp, family = spec.hidden_size, parallel.tensor, family_of(spec)
     attention = family.attention_memory(spec, layer, local=True, selective=parallel.recompute == "selective")
     experts = family.routed(spec, layer)
@@ -236,7 +242,8 @@ def local_layer_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelCon
     per_token = PARAM_BYTES[model.precision] * (split // tp + unsplit + attention.rotary) + 4 * attention.fp32 // tp
     if experts:
         per_token += local_moe_token_bytes(spec, model) // tp
-    return per_token
+    width = PARAM_BYTES[model.precision]
+    return per_token + adapter_token_bytes(spec, model.lora, parallel, layer, width, local=True)
 
 
 def softmax_attention(spec: ModelSpec, layer: int) -> bool:
@@ -318,7 +325,8 @@ def trainer_memory(
     reference: bool = False,
 ) -> MemoryEstimate:
     """The estimate for the most loaded pipeline stage, with micro-batches of
-    parallel.max_tokens_per_microbatch tokens; `reference`: a KL loss's reference model counted."""
+    parallel.max_tokens_per_microbatch tokens; `reference`: a KL loss's reference model counted
+    (none under LoRA: the base with the adapters off)."""
     stages = range(parallel.pipeline)
     estimates = (
         stage_memory(spec, model, parallel, data_parallel, s, distributed_optimizer, reference) for s in stages
@@ -362,7 +370,7 @@ def stage_memory(
         optimizer=dense_trained * per_param // shards + experts_optimizer,
         activations=activation_bytes(spec, model, parallel, parallel.max_tokens_per_microbatch, stage),
         experts=n.experts * width + trained_experts * 4 + experts_optimizer,
-        reference=n.total * width if reference else 0,
+        reference=n.total * width if reference and not model.lora.enabled else 0,
     )
 
 
