@@ -124,13 +124,17 @@ class LinearAdapters(torch.nn.ModuleDict):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Dist checkpoint entries: the split matrices sharded over TP as the base weight is, the
-        others replicated."""
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+        others replicated; each data-parallel rank's a replica of its own (the first writes), as
+        Megatron's layers mark theirs from the metadata's dp_cp_group."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
         matrix = "lora_B" if self.parallel == "column" else "lora_A"
         axes = {f"{name}.{matrix}.weight": 0 if self.parallel == "column" else 1 for name in self}
         state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, tp_group=self.tp_group)
+        dp_cp = ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, axes, sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp
+        )
 
 
 def apply_lora(gpt: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig) -> None:

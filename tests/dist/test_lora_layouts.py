@@ -252,7 +252,10 @@ def _step(
 
 
 def _check_checkpoint_shards(gpt, spec, lora) -> None:
-    """Each adapter's dist-checkpoint entry describes the whole (TP 1) matrix, this rank holding its part."""
+    """Each adapter's dist-checkpoint entry describes the whole (TP 1) matrix, this rank holding its
+    part, as a replica of this data-parallel rank's (two DP ranks both claiming the main replica made
+    a LoRA run at DP 2 fail its first save: "Invalid access pattern")."""
+    from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -267,6 +270,7 @@ def _check_checkpoint_shards(gpt, spec, lora) -> None:
         whole = _whole_shape(spec, lora, names[id(sh.data)])
         assert tuple(sh.global_shape[sh.prepend_axis_num :]) == whole, (sh.key, sh.global_shape, whole)
         assert tuple(sh.local_shape) == tuple(sh.data.shape)
+        assert sh.replica_id[-1] == ps.get_data_parallel_rank(with_context_parallel=True), (sh.key, sh.replica_id)
 
 
 def _part(param: torch.Tensor, tp: int, rank: int):
