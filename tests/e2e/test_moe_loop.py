@@ -1,6 +1,7 @@
-"""A tiny Qwen3-MoE through the whole loop: HF weights in, training at EP=2 under torchrun with the
-engine's routes replayed, the weight sync every step, and the final checkpoint converted to a HF
-directory that transformers loads.
+"""A tiny Qwen3-MoE with LoRA through the whole loop: HF weights in, adapters trained at EP=2 (data
+parallel 2 for them) under torchrun with the engine's routes replayed, the adapters alone sent to the
+engine every step (model.lora.sync=adapter), and the final checkpoint converted to a HF directory
+that transformers loads (the adapters merged; the experts and routers, not adapted, as they came).
 
 The embedded engine and the trainer run the same fp32 weights: after every sync the engine's
 log-probs are the trainer's (the probe and the first update's mismatch within 1e-5, partial
@@ -29,11 +30,12 @@ def task(tmp_path_factory):
     return write_task(root / "task", 64, root / "moe")
 
 
-def test_qwen3_moe_trains_at_ep2_with_replayed_routes_and_exports_to_hf(task, tmp_path):
+def test_qwen3_moe_lora_trains_at_ep2_with_replayed_routes_and_exports_to_hf(task, tmp_path):
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
     extra = ("parallel.expert=2", "algo.routing_replay=true", "rollout.mode=sync", "rollout.sync.check_every=1")
+    extra += ("model.lora.rank=8", "model.lora.alpha=16")
     train(args(task, run, 2, *extra), launcher=torchrun(2))
     steps = metrics(run)
     assert [m["step"] for m in steps] == [1, 2]
@@ -42,6 +44,7 @@ def test_qwen3_moe_trains_at_ep2_with_replayed_routes_and_exports_to_hf(task, tm
         assert m["rollout/logprob_mismatch_same_version"] <= 1e-5, m  # sync: every token is this version's
         assert m["moe/router_disagreement"] <= 0.01 and m["moe/routed_samples_share"] == 1.0, m
         assert 1.0 <= m["moe/load_max"] < 4.0, m
+        assert m["sync/bytes"] == m["sync/adapter_bytes"] > 0, m  # the adapters alone, every step
     no_engine_left(tmp_path)
 
     out = tmp_path / "hf"
@@ -54,4 +57,5 @@ def test_qwen3_moe_trains_at_ep2_with_replayed_routes_and_exports_to_hf(task, tm
     trained, initial = exported.state_dict(), start.state_dict()
     assert set(trained) == set(initial)
     moved = [k for k in trained if not torch.equal(trained[k], initial[k])]
-    assert any("experts" in k for k in moved) and any("mlp.gate" in k for k in moved)
+    assert any("self_attn.q_proj" in k for k in moved), moved  # the adapters, merged
+    assert not any("experts" in k or "mlp.gate.weight" in k or "norm" in k for k in moved), moved
