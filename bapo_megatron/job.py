@@ -267,12 +267,26 @@ class Job:
             raise
         return job
 
+    def _load_starting_weights(self, starting_weights: bool) -> tuple[str, str | None]:
+        """The run's starting weights into the trainer: model.mcore_path's, else model.hf_path's where
+        it has weights, else the seed's initialisation left as built; (that field, its path)."""
+        from bapo_megatron.trainer.checkpoint import weights_dir
+        from bapo_megatron.weights.hf_load import load_hf_into_trainer
+
+        model = self.cfg.model
+        if model.mcore_path:
+            self.trainer.load_weights(weights_dir(model.mcore_path))
+            return "model.mcore_path", model.mcore_path
+        if starting_weights:
+            load_hf_into_trainer(self.trainer, model.hf_path)
+            return "model.hf_path", model.hf_path
+        return "seed", None
+
     def _build(self, spec, starting_weights: bool) -> None:
         """The process group, the trainer, its state (resumed or starting), the log, the source."""
-        from bapo_megatron.trainer.checkpoint import weights_dir
+        from bapo_megatron.trainer.base_identity import identify_base
         from bapo_megatron.trainer.parallel import init_distributed, init_model_parallel
         from bapo_megatron.trainer.policy_trainer import PolicyTrainer
-        from bapo_megatron.weights.hf_load import load_hf_into_trainer
 
         cfg = self.cfg
         self.source.prepare()  # (rank 0 of a generating run: the engines start up beside the trainer)
@@ -283,13 +297,14 @@ class Job:
 
             activate_cpu_shim()
         self.trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
+        lora = cfg.model.lora.enabled
+        if lora:  # the base the adapters train on: loaded and identified on resume too, refused if another
+            identify_base(self.trainer, *self._load_starting_weights(starting_weights), self.resume_from)
         start = self.checkpointer.resume(self.trainer) if cfg.checkpoint.resume else None
         self.resumed, self.step = start is not None, start or 0
         self.ending.step = self.step
-        if not self.resumed and cfg.model.mcore_path:
-            self.trainer.load_weights(weights_dir(cfg.model.mcore_path))
-        elif not self.resumed and starting_weights:
-            load_hf_into_trainer(self.trainer, cfg.model.hf_path)
+        if not self.resumed and not lora:
+            self._load_starting_weights(starting_weights)
         if not self.resumed:  # the KL loss's reference: the starting weights (a resume loads the run's own)
             self.trainer.hold_reference()
         if self.rank == 0:

@@ -12,6 +12,9 @@
 #   trainer: 32 processes, TP 8 x PP 2 x DP 2
 #   activation recompute: auto chose full: 8 of the 32 layers of each pipeline stage run again in the backward pass, about +8% step compute; the least whose estimated peak, 71.6 GiB, fits ...
 #   engines: 4 sglang server(s), TP 4 each, on rollout nodes as slurm/bapo_32b.sh places them: 2 node(s) x 2 server(s) ...
+# LoRA on two nodes (examples/qwen2.5-32b/lora.yaml, the base frozen, adapters trained: one trainer
+# node, one rollout node; the preset's README has its dry run):
+#   TRAIN_NODES=1 CONFIG=examples/qwen2.5-32b/lora.yaml MODEL_DIR=... DATA=... sbatch --nodes=2 slurm/bapo_32b.sh
 # Near the time limit Slurm sends USR1: the trainer saves at the step boundary, the job requeues
 # itself and resumes from the checkpoint. When the run is done, the checkpoint goes to HF format.
 #

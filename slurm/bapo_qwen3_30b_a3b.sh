@@ -19,6 +19,10 @@
 #   $ bapo-train examples/qwen3-30b-a3b/config.yaml parallel.recompute=auto --dry-run --world-size 16
 #   trainer: 16 processes, TP 4 x PP 1 x EP 8 x DP 4
 #   activation recompute: auto chose full: 4 of the 48 layers of each pipeline stage run again in the backward pass, about +3% step compute ...
+# LoRA on two nodes (examples/qwen3-30b-a3b/lora.yaml, the base frozen, attention adapters trained:
+# one trainer node, one rollout node; the preset's README has its dry run):
+#   TRAIN_NODES=1 CONFIG=examples/qwen3-30b-a3b/lora.yaml MODEL_DIR=... DATA=... sbatch --nodes=2 \
+#     slurm/bapo_qwen3_30b_a3b.sh
 # Near the time limit Slurm sends USR1: the trainer saves at the step boundary, the job requeues
 # itself and resumes from the checkpoint. When the run is done, the checkpoint goes to HF format.
 #

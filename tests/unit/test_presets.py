@@ -309,3 +309,65 @@ def test_the_2026_presets_fit_their_responses_on_80_gib(name, layers):
     assert (fitted.recompute, fitted.recompute_layers) == (("full", layers) if layers else ("none", None))
     dp = world // (cfg.parallel.tensor * cfg.parallel.pipeline)
     assert peak_bytes(cfg, spec, fitted, dp) <= usable_bytes(80 * GIB)
+
+
+LORA_PRESETS = {"qwen2.5-32b": 8, "qwen3-30b-a3b": 8}
+"""name: the world of its lora.yaml (one trainer node; the Slurm script's TRAIN_NODES=1 --nodes=2)."""
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _adapters_by_hand(name: str, tp: int) -> tuple[int, int]:
+    """(the adapters' parameters, those one TP rank holds): r x (in + out) a projection; beside a
+    column-parallel layer B is split over TP, beside a row-parallel one A."""
+    cfg = load_config(ROOT / "examples" / name / "lora.yaml")
+    hf, r, targets = _shape(name), cfg.model.lora.rank, cfg.model.lora.target_modules
+    d, heads, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    head, inter = hf.get("head_dim", d // heads), hf["intermediate_size"]
+    attention = [(d, heads * head), (d, kv * head), (d, kv * head), (heads * head, d)]
+    shapes = dict(zip(PROJECTIONS, attention, strict=False))
+    if "num_experts" not in hf:  # a MoE model's MLPs are routed experts: not adapted (refused today)
+        shapes |= {"gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)}
+    chosen = shapes if targets == ("all-linear",) else {t: shapes[t] for t in targets}
+    whole = sum(r * (i + o) for i, o in chosen.values())
+    local = sum(r * i // tp + o * r if t in ROW_PARALLEL else r * i + o * r // tp for t, (i, o) in chosen.items())
+    return hf["num_hidden_layers"] * whole, hf["num_hidden_layers"] * local
+
+
+@pytest.mark.parametrize("name", sorted(LORA_PRESETS))
+def test_the_lora_presets_fit_fewer_nodes_and_their_adapters_are_the_hand_count(name, capsys, monkeypatch):
+    """lora.yaml: the dry run on one 8-GPU trainer node (config.yaml needs four) prints the adapters'
+    size and counts gradients and Adam state for them alone, as worked out by hand; the peak fits."""
+    from bapo_megatron.train import main
+
+    cfg, world = load_config(ROOT / "examples" / name / "lora.yaml"), LORA_PRESETS[name]
+    assert world < PRESETS[name][0] and cfg.model.lora.enabled and cfg.rollout.engines.servers * 4 == world
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    main([f"examples/{name}/lora.yaml", "--dry-run", f"--world-size={world}"])
+    out = capsys.readouterr().out
+    assert f"trainer: {world} processes" in out
+    whole, local = _adapters_by_hand(name, cfg.parallel.tensor)
+    said = re.search(r"LoRA adapters \(model.lora, rank (\d+)\): ([\d,]+) parameters, ([\d.]+) MiB in bf16", out)
+    assert int(said.group(1)) == cfg.model.lora.rank and int(said.group(2).replace(",", "")) == whole
+    assert float(said.group(3)) == pytest.approx(whole * 2 / 2**20, abs=0.05)
+    line = next(line for line in out.splitlines() if line.startswith("trainer, distributed optimizer:"))
+    got = {k: float(v) for k, v in re.findall(r"(gradients|optimizer|peak) ([\d.]+) GiB", line)}
+    dp = world // (cfg.parallel.tensor * cfg.parallel.pipeline)
+    assert got["gradients"] == pytest.approx(local * 4 / GIB, abs=0.01), line  # fp32, the adapters' only
+    assert got["optimizer"] == pytest.approx(local * 12 / dp / GIB, abs=0.01), line  # main copy + 2 moments
+    assert got["peak"] <= 73  # 80 GiB less the reserve
+
+
+@pytest.mark.parametrize("name", sorted(LORA_PRESETS))
+def test_a_lora_preset_is_its_preset_with_lora_and_its_layout(name):
+    """The paper's settings stay config.yaml's: only LoRA, its learning rate, the local layers it is
+    built on, the layout and the engines of two nodes change."""
+    from bapo_megatron.config import to_dict
+
+    folder = ROOT / "examples" / name
+    preset, lora = to_dict(load_config(folder / "config.yaml")), to_dict(load_config(folder / "lora.yaml"))
+    assert lora["optimizer"].pop("lr") == pytest.approx(10 * preset["optimizer"].pop("lr"))
+    for config in (preset, lora):
+        del config["name"], config["parallel"], config["model"]["lora"], config["rollout"]["engines"]["servers"]
+        del config["model"]["transformer_impl"], config["model"]["moe"]["grouped_gemm"]
+    assert lora == preset
