@@ -19,6 +19,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def wheel():
+    """SGLang 0.5.23's wheel (tests/sglang_wheel.py: downloaded once into the cache), opened; the test
+    skips, saying why, where the registry cannot be reached."""
+    import zipfile
+
+    from tests.sglang_wheel import WheelUnavailable, wheel_path
+
+    try:
+        return zipfile.ZipFile(wheel_path())
+    except WheelUnavailable as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
 def hf_model(tmp_path_factory):
     """hf_model(name, case=None): tests/helpers.make_hf_model's random HF directory (weights, tokenizer),
     built once a session and shared: read it, copy it to change it."""

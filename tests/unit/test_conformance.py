@@ -9,23 +9,12 @@ Skipped, with the reason, when the registry cannot be reached.
 
 import ast
 import re
-import zipfile
-
-import pytest
 
 from bapo_megatron.common import protocol
 from bapo_megatron.common.protocol import SamplingParams
 from tests.helpers import SGLANG_LAUNCH as LAUNCH
-from tests.sglang_wheel import ROOT, VERSION, WheelUnavailable, wheel_path
+from tests.sglang_wheel import ROOT, VERSION
 from tests.sglang_wheel import source as _source
-
-
-@pytest.fixture(scope="module")
-def wheel() -> zipfile.ZipFile:
-    try:
-        return zipfile.ZipFile(wheel_path())
-    except WheelUnavailable as err:
-        pytest.skip(str(err))
 
 
 def _fields(source: str) -> dict[str, set[str]]:

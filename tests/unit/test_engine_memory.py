@@ -5,7 +5,6 @@ run's SGLang line saying both."""
 
 import re
 import types
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,16 +20,6 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 @pytest.fixture(scope="module")
 def qwen27b() -> ModelSpec:
     return ModelSpec.from_hf_dir(EXAMPLES / "qwen3.5-27b" / "shape")
-
-
-@pytest.fixture(scope="module")
-def wheel():
-    from tests.sglang_wheel import WheelUnavailable, wheel_path
-
-    try:
-        return zipfile.ZipFile(wheel_path())
-    except WheelUnavailable as err:
-        pytest.skip(str(err))
 
 
 def test_a_hybrid_caches_keys_and_values_in_its_full_attention_layers_only(qwen27b):

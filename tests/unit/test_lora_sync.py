@@ -11,7 +11,6 @@ import contextlib
 import io
 import pickle
 import types
-import zipfile
 
 import pytest
 import torch
@@ -191,16 +190,6 @@ def test_the_update_is_the_adapters_bytes_far_below_the_models():
 
 
 # -- the payload against SGLang's receiving code ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def wheel():
-    from tests.sglang_wheel import WheelUnavailable, wheel_path
-
-    try:
-        return zipfile.ZipFile(wheel_path())
-    except WheelUnavailable as err:
-        pytest.skip(str(err))
 
 
 def _sglang_receiver(wheel, rank: int):

@@ -23,18 +23,10 @@ import pytest
 import torch
 
 from tests.dist.launch import run_workers
-from tests.sglang_wheel import WheelUnavailable, load_defs, source, wheel_path
+from tests.sglang_wheel import load_defs, source
 
 CASE = ("qwen2", 2, False)
 LORA = ("model.lora.rank=4", "model.lora.alpha=8")
-
-
-@pytest.fixture(scope="module")
-def wheel():
-    try:
-        return zipfile.ZipFile(wheel_path())
-    except WheelUnavailable as err:
-        pytest.skip(str(err))
 
 
 def _export_worker(rank: int, world: int, hf_dir: str, out: str) -> None:

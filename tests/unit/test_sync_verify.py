@@ -11,7 +11,6 @@ import ast
 import asyncio
 import json
 import types
-import zipfile
 
 import pytest
 import torch
@@ -20,16 +19,7 @@ from bapo_megatron.config.rollout import WeightSyncConfig
 from bapo_megatron.engines.client import CHECKSUM_MISMATCH, EngineError, checksum_mismatch, tensor_checksum
 from bapo_megatron.errors import ConfigError, RunStopped
 from bapo_megatron.weights.sync import TensorWeightSender, WeightsCorrupted, checksums
-from tests.sglang_wheel import WheelUnavailable, wheel_path
 from tests.sglang_wheel import source as _source
-
-
-@pytest.fixture(scope="module")
-def wheel() -> zipfile.ZipFile:
-    try:
-        return zipfile.ZipFile(wheel_path())
-    except WheelUnavailable as err:
-        pytest.skip(str(err))
 
 
 @pytest.mark.parametrize(
