@@ -65,9 +65,11 @@ class _CudaToCpu(TorchFunctionMode):
     """Every CUDA placement (device= arguments, .cuda(), .to('cuda')) becomes the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
+        # runs on every torch call of a step (thousands): no copy of kwargs unless one changes
+        if not kwargs:
+            kwargs = {}
+        elif _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to:

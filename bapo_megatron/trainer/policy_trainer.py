@@ -7,7 +7,8 @@ One optimizer step on a list of samples:
      forward-only pass at the parameters of the start of the step: per-micro-batch BAPO
      tables summed, ONE all-reduce over data x context parallel on the last stage (one more
      for the step's mean importance weight under batch normalisation), and pi_prox for the
-     correction; with a KL loss (algo.kl_coef > 0), one more through
+     correction (with one micro-batch a rank, taken from the training pass's own forward
+     instead: _folds_prepass); with a KL loss (algo.kl_coef > 0), one more through
      the frozen reference model (trainer/reference.py), or under LoRA the policy's own chunks
      with the adapters off, for pi_ref;
   3. the training pass through get_forward_backward_func: forward_step on every stage,
@@ -63,6 +64,8 @@ class StepState:
     """Each micro-batch's (sum, count) of the importance weights' mean (rollout_is_batch_normalize)."""
     is_scale: torch.Tensor | None = None
     """The step's mean importance weight over every rank, the batch normalisation's divisor."""
+    folded: bool = False
+    """The prepass's figures come from the training forward (PolicyTrainer._folds_prepass)."""
 
 
 @dataclass
@@ -234,19 +237,23 @@ class PolicyTrainer:
         return Sequences.packed(mb.cu_seqlens, len(mb.sample_index), mb.loss_mask.shape[1])
 
     def _stats_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
-        """Forward-only pass: keep pi_prox and this micro-batch's part of the BAPO table, searched
-        over the tokens that train with their correction weights (before batch normalisation, a
-        common factor that leaves the positive share as it is)."""
+        """Forward-only pass: keep pi_prox and this micro-batch's part of the BAPO table."""
         logp, _ = self._logprobs(mb, logits, step.temperature)
-        mb.prox_logprobs = logp = logp.detach()
+        table = self._stats(step, mb, logp.detach())
+        return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), table
+
+    def _stats(self, step: StepState, mb: MicroBatch, logp: torch.Tensor) -> torch.Tensor:
+        """mb's pi_prox (`logp`, detached) and its part of the BAPO table, searched over the tokens
+        that train with their correction weights (before batch normalisation, a common factor that
+        leaves the positive share as it is)."""
+        mb.prox_logprobs = logp
         corr, seqs = self.cfg.algo.correction, self._sequences(mb)
         fixed = apply_correction(logp, logp, mb.old_logprobs, mb.loss_mask, seqs, corr, logp.new_ones(()))
         weights = fixed.mask if fixed.is_weight is None else fixed.mask * fixed.is_weight
         if corr.rollout_is_batch_normalize:
             level = "token" if corr.rollout_is == "token" else "sequence"
             step.is_parts.append(batch_mean_parts(fixed.correction, mb.loss_mask, seqs, level))
-        table = self.search.table(importance_ratio(logp, mb.old_logprobs), mb.advantages, weights)
-        return logits.new_zeros(()), torch.tensor(mb.num_tokens, dtype=torch.int), table
+        return self.search.table(importance_ratio(logp, mb.old_logprobs), mb.advantages, weights)
 
     def _reference_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
         """The reference pass's: keep log pi_ref."""
@@ -268,6 +275,8 @@ class PolicyTrainer:
     def _policy_loss(self, step: StepState, mb: MicroBatch, logits: torch.Tensor):
         sft = self.cfg.algo.loss == "sft"
         logp, entropy, *top = self._logprobs(mb, logits, step.temperature, with_top=sft)
+        if step.folded:  # the prepass's figures from this very forward (_folds_prepass)
+            step.bounds = self._settle(step, [self._stats(step, mb, logp.detach())])
         batch = PolicyBatch(
             logprobs=logp,
             old_logprobs=mb.old_logprobs,
@@ -317,11 +326,24 @@ class PolicyTrainer:
         bapo_step = algo.loss == "bapo" and algo.bapo.bound_scope == "step"
         return algo.loss != "sft" and (bapo_step or corr.needs_prox or corr.rollout_is_batch_normalize)
 
+    def _folds_prepass(self, mbs: list[MicroBatch]) -> bool:
+        """Whether the prepass can ride on the training pass: with one micro-batch a rank (every rank
+        has as many), the training forward runs at the start-of-step parameters too and computes the
+        same log-probs, and no micro-batch's loss comes before the step's search has every table.
+        With several, the first micro-batch's loss and backward run before the last's forward, so
+        the step's bounds need the separate pass. MoE routing and virtual stages keep it (their
+        passes carry state of their own)."""
+        return len(mbs) == 1 and self.routers is None and len(self.model) == 1
+
     def _step_bounds(self, step: StepState, mbs: list[MicroBatch]) -> ClipBounds | None:
         """BAPO's bounds over the whole step, at the start-of-step parameters (None: not searched
         here), and the step's mean importance weight where batch normalisation needs it."""
         with torch.no_grad():
             tables = self._run(mbs, partial(self._stats_loss, step), forward_only=True, label="bounds")
+        return self._settle(step, tables)
+
+    def _settle(self, step: StepState, tables: list[torch.Tensor]) -> ClipBounds | None:
+        """The step's bounds and mean importance weight from every micro-batch's prepass figures."""
         if not self.info.is_last_stage:
             return None  # only the last stage computes the loss
         if step.is_parts:
@@ -353,7 +375,9 @@ class PolicyTrainer:
         self.optimizer.zero_grad()
         if self.cfg.algo.kl_coef > 0:
             self._reference_pass(step, mbs)
-        step.bounds = self._step_bounds(step, mbs) if self._needs_prepass() else None
+        if self._needs_prepass():
+            step.folded = self._folds_prepass(mbs)
+            step.bounds = None if step.folded else self._step_bounds(step, mbs)
         if self.routers is not None:
             self.routers.counting = True  # the update's routing decisions make the step's router figures
         try:

@@ -138,7 +138,9 @@ def _worker(rank: int, world: int, pipeline: int, overrides: list[str]) -> None:
         mbs, _ = trainer.microbatches(batch)
         trainer.train_step(batch)  # the first step's one-off work (grids on the device, buffers)
         scheduled, step = _count_reads(trainer, batch)
-        assert not scheduled, f"host reads inside the schedule ({len(mbs)} micro-batches): {dict(scheduled)}"
+        # one micro-batch a rank: the prepass rides on the training forward, its one search read with it
+        folded = {"algo/bapo.py:select": 1} if len(mbs) == 1 and "algo/bapo.py:select" in step else {}
+        assert dict(scheduled) == folded, f"host reads inside the schedule ({len(mbs)} micro-batches): {scheduled}"
         counts[len(mbs)] = step
     (one, few), (many, per_step) = sorted(counts.items())
     assert one == 1 and many >= 4, counts.keys()

@@ -53,10 +53,30 @@ class RequestQueue:
         self.waiting: list[EngineRequest] = []
         self.running: list[EngineRequest] = []
         self._count = 0
+        self._ids: dict[str, EngineRequest] = {}
+        """Every added request by id, pruned lazily: the engine's thread moves requests between the
+        lists (and drops finished ones) without telling the queue, so an entry is trusted only after
+        checking that its request is still in a list."""
+        self._prune_at = 64
+
+    def _in_flight(self, rid: str) -> bool:
+        """Whether a request with id `rid` is arrived, waiting or running (a set look-up, not a scan
+        of every request in flight per arrival, which made a burst quadratic)."""
+        known = self._ids.get(rid)
+        if known is None:
+            return False
+        # requests enter the lists only through add, which keeps the newest of an id here
+        return any(r is known for requests in (self.incoming, self.waiting, self.running) for r in requests)
+
+    def _prune(self) -> None:
+        """Forget the ids of requests that left once they outnumber the ones in flight (amortised O(1))."""
+        if len(self._ids) >= self._prune_at:
+            self._ids = {r.rid: r for requests in (self.incoming, self.waiting, self.running) for r in requests}
+            self._prune_at = 2 * len(self._ids) + 64
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request; safe to call from another thread while a step runs."""
-        if any(r.rid == request.rid for r in [*self.incoming, *self.waiting, *self.running]):
+        if self._in_flight(request.rid):
             raise ValueError(f"request id {request.rid!r} is already in flight")
         vocab = self.vocab_size
         if not request.input_ids or any(not 0 <= t < vocab for t in request.input_ids):
@@ -64,6 +84,8 @@ class RequestQueue:
         seed = request.sampling.sampling_seed
         self._count += 1
         request.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self._count if seed is None else seed)
+        self._prune()
+        self._ids[request.rid] = request
         self.incoming.append(request)
 
     def admit(self) -> None:
