@@ -100,7 +100,8 @@ def test_family_trains_at_ep2_with_replayed_routes_async_or_partial_and_exports_
     hf = json.loads((task["model"] / "config.json").read_text())
     most = hf.get("n_routed_experts", hf.get("num_experts")) / hf["num_experts_per_tok"]  # every token in one expert
     for m in steps:
-        assert m["rollout/logprob_mismatch_same_version"] <= 1e-5, m
+        same = m.get("rollout/logprob_mismatch_same_version")  # None: every token a version old (async)
+        assert same is None or same <= 1e-5, m
         assert m["moe/routed_samples_share"] == 1.0 and "moe/router_disagreement" in m, m
         assert 1.0 <= m["moe/load_max"] <= most + 1e-6, m
         assert m["rollout/engine_failures"] == 0 and m["rollout/token_staleness_max"] <= 1, m
