@@ -37,6 +37,8 @@ PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's name in the transformers model (PeftModel.base_model.model)."""
 SUFFIX = "_lora"
 """A Megatron adapter module's name: its base module's name and this."""
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+"""A PEFT adapter directory's two files (what peft, transformers, SGLang and vLLM load)."""
 
 
 @dataclass(frozen=True)
@@ -218,3 +220,25 @@ def _f32(tensors: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor:
 
 
 _ADAPTER_A = re.compile(rf"decoder\.layers\.(?P<layer>\d+)\.(?P<module>.+){SUFFIX}\.(?P<target>\w+)\.lora_A\.weight")
+
+
+def peft_config(spec: ModelSpec, lora: LoRAConfig, base: str | None) -> dict:
+    """The adapters' PEFT adapter_config.json (what peft, SGLang and the embedded engine read), naming
+    `base`: target_modules by projection name, or by full module name where a mixture-of-experts
+    model has routed experts of the same name that are not adapted (model.lora.experts)."""
+    names = adapter_names(spec, lora)
+    targets = sorted({t.name for i in range(spec.num_layers) for t in layer_targets(spec, lora, i)})
+    if spec.moe is not None:
+        targets = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in names.values()})
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+    }

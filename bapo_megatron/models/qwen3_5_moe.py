@@ -64,29 +64,12 @@ class Qwen3_5Moe(RoutedExperts, Qwen3_5):
 
     def tiny(self) -> ModelSpec:
         """Qwen3.5's tiny hybrid with 4 experts of 32, top-2, and a gated shared expert of 32 in every layer."""
-        moe = MoESpec(
-            num_experts=4,
-            top_k=2,
-            ffn_hidden_size=32,
-            norm_topk_prob=True,
-            sparse_layers=(0, 1, 2, 3),
-            shared_ffn_hidden_size=32,
-            shared_gate=True,
-        )
-        return dataclasses.replace(super().tiny(), architecture=self.name, moe=moe)
+        return dataclasses.replace(super().tiny(), architecture=self.name, moe=_small_moe(4, 32))
 
     def task_model(self, vocab_size: int, max_positions: int) -> ModelSpec:
         """The hybrid task model with 8 experts of 128, top-2, and a gated shared expert of 128."""
-        moe = MoESpec(
-            num_experts=8,
-            top_k=2,
-            ffn_hidden_size=128,
-            norm_topk_prob=True,
-            sparse_layers=(0, 1, 2, 3),
-            shared_ffn_hidden_size=128,
-            shared_gate=True,
-        )
-        return dataclasses.replace(super().task_model(vocab_size, max_positions), architecture=self.name, moe=moe)
+        dense = super().task_model(vocab_size, max_positions)
+        return dataclasses.replace(dense, architecture=self.name, moe=_small_moe(8, 128))
 
     def layer_spec(self, spec: ModelSpec, te: bool, config: Any = None, vp_stage: int | None = None) -> Any:
         return Qwen3_5.layer_spec(self, spec, te, config, vp_stage)
@@ -95,3 +78,17 @@ class Qwen3_5Moe(RoutedExperts, Qwen3_5):
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 
         return hook_topk_routers(model, record, Qwen3_5MoeTopKRouter)
+
+
+def _small_moe(experts: int, width: int) -> MoESpec:
+    """The tiny and task models' experts: `experts` of `width` in each of the 4 layers, top-2
+    renormalised, and a gated shared expert of `width`."""
+    return MoESpec(
+        num_experts=experts,
+        top_k=2,
+        ffn_hidden_size=width,
+        norm_topk_prob=True,
+        sparse_layers=(0, 1, 2, 3),
+        shared_ffn_hidden_size=width,
+        shared_gate=True,
+    )

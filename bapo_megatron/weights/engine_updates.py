@@ -319,7 +319,8 @@ def _adapter_sync(cfg: JobConfig, engines: Engines, adapters):
     lora = cfg.model.lora
     if not lora.adapter_sync:
         return None
-    from bapo_megatron.weights.lora_sync import AdapterSync, peft_config
+    from bapo_megatron.models.lora import peft_config
+    from bapo_megatron.weights.lora_sync import AdapterSync
 
     if adapters is None:
         raise ValueError("LoRA adapter sync needs the rollout's ServedAdapter (adapters)")

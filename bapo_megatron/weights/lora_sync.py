@@ -1,7 +1,7 @@
 """Adapter-only weight updates (model.lora.sync: adapter): every step the engines get the LoRA adapters
 alone, as a PEFT adapter under a versioned name, not the model.
 
-    sync = AdapterSync(clients, peft_config(spec, lora, base), served, engine_tp, by_value)
+    sync = AdapterSync(clients, peft_config(spec, lora, base), served, engine_tp, by_value)  # models/lora.py
     sent, gone = sync.load(buckets, version, members, loop, verify)   # `version`'s adapter on each member
     sync.unload_unused(members, loop)                                 # older ones no request names
 
@@ -38,34 +38,12 @@ from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.engines.client import CHECKSUM_MISMATCH, EngineClient, EngineError, EngineUnavailable
 from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.errors import RunStopped
-from bapo_megatron.models.lora import PEFT_PREFIX, adapter_names, adapter_params, layer_targets
+from bapo_megatron.models.lora import adapter_params
 from bapo_megatron.models.spec import ModelSpec
 
 Named = list[tuple[str, torch.Tensor]]
 SGLANG_MISMATCH = "adapter sync MISMATCH"
 """How SGLang 0.5.23's refusal of an adapter whose tensors differ from expected_checksums reads."""
-
-
-def peft_config(spec: ModelSpec, lora: LoRAConfig, base: str | None) -> dict:
-    """The adapters' PEFT adapter_config.json (what peft, SGLang and the embedded engine read):
-    target_modules by projection name, or by full module name where a mixture-of-experts model has
-    routed experts of the same name that are not adapted."""
-    names = adapter_names(spec, lora)
-    targets = sorted({t.name for i in range(spec.num_layers) for t in layer_targets(spec, lora, i)})
-    if spec.moe is not None:
-        targets = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in names.values()})
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": targets,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-    }
 
 
 def adapter_update_bytes(spec: ModelSpec, lora: LoRAConfig, dtype: torch.dtype = torch.bfloat16) -> int:

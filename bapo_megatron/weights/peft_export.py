@@ -8,13 +8,10 @@ import json
 from pathlib import Path
 
 from bapo_megatron.fsutil import atomic_directory
-from bapo_megatron.models.lora import PEFT_PREFIX, adapter_names, layer_targets
+from bapo_megatron.models.lora import PEFT_CONFIG, PEFT_WEIGHTS, adapter_names, peft_config
 from bapo_megatron.trainer.checkpoint import weights_dir
 from bapo_megatron.trainer.dist_ckpt import saved_model_config
 from bapo_megatron.weights.mcore_io import McoreCheckpoint
-
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
 
 
 def write_peft_adapter(mcore_dir: str | Path, out: str | Path, base: str | None = None) -> Path:
@@ -35,22 +32,8 @@ def write_peft_adapter(mcore_dir: str | Path, out: str | Path, base: str | None 
     missing = sorted(names.values() - tensors.keys())
     if missing:
         raise ValueError(f"{source.dir}: lacks the adapters {missing[:3]} its model.lora config implies")
-    targets = sorted({t.name for i in range(spec.num_layers) for t in layer_targets(spec, lora, i)})
-    if spec.moe is not None:  # by full name: a routed expert's gate_proj is not adapted (model.lora.experts)
-        targets = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in names.values()})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base or saved_model_config(source.dir).get("hf_path"),
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": targets,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-    }
+    config = peft_config(spec, lora, base or saved_model_config(source.dir).get("hf_path"))
     with atomic_directory(out) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
+        (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return Path(out)

@@ -22,9 +22,10 @@ from bapo_megatron.engines.client import CHECKSUM_MISMATCH, EngineError, EngineU
 from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.errors import RunStopped
+from bapo_megatron.models.lora import peft_config
 from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.rollout.adapters import ServedAdapter
-from bapo_megatron.weights.lora_sync import SGLANG_MISMATCH, AdapterSync, adapter_update_bytes, payloads, peft_config
+from bapo_megatron.weights.lora_sync import SGLANG_MISMATCH, AdapterSync, adapter_update_bytes, payloads
 from bapo_megatron.weights.sync import WeightsCorrupted
 from tests.dist.launch import run_workers
 

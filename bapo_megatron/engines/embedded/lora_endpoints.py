@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from bapo_megatron.engines.client import CHECKSUM_MISMATCH, checksum_mismatch
+from bapo_megatron.engines.client import CHECKSUM_MISMATCH
 from bapo_megatron.engines.embedded.http import BAD_REQUEST, json_object
 from bapo_megatron.engines.embedded.lora import TENSOR_SOURCE, Adapter
-from bapo_megatron.engines.embedded.weight_updates import decode_payload
+from bapo_megatron.engines.embedded.weight_updates import decode_payload, verify_checksums
+from bapo_megatron.models.lora import PEFT_CONFIG, PEFT_WEIGHTS
 
-PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 """What a PEFT adapter directory holds (the pickled adapter_model.bin is never read: it could run code)."""
 CONFIG_LIMIT = 1 << 20  # an adapter_config.json is a few kB
 
@@ -164,15 +164,10 @@ class LoRAEndpoints:
 
 def _verify(expected: object, tensors: list[tuple[str, torch.Tensor]]) -> None:
     """The tensors as received against expected_checksums, as SGLang's tp_worker checks an adapter:
-    every expected one intact and none besides; ValueError naming the first that is not."""
-    if expected is None:
-        return
-    if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
-        raise ValueError("expected_checksums must map tensor names to sha256 hex strings")
-    mismatch = checksum_mismatch(expected, tensors)
-    if mismatch is not None:
-        raise ValueError(mismatch)
-    extra = [name for name, _ in tensors if name not in expected]
+    every expected one intact (weight_updates.verify_checksums) and none besides; ValueError naming
+    the first that is not."""
+    verify_checksums(expected, tensors)
+    extra = [name for name, _ in tensors if expected is not None and name not in expected]
     if extra:
         raise ValueError(f"{CHECKSUM_MISMATCH}: tensor {extra[0]} was received but not expected ({len(extra)} such)")
 

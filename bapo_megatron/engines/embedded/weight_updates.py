@@ -83,7 +83,7 @@ class WeightUpdateEndpoints:
 
         async with self._model_lock:
             tensors = await asyncio.to_thread(receive)  # every broadcast is joined before anything is loaded
-            _verify(body, tensors)
+            verify_checksums(body.get("expected_checksums"), tensors)
             await self._on_engine(self.core.load_weights, tensors)
             refused = self._after_update(body)
         return ok(f"updated {len(tensors)} tensors", refused)
@@ -113,7 +113,7 @@ class WeightUpdateEndpoints:
         body = await json_object(request)
         self._need_session()
         tensors = decode_payload(body)
-        _verify(body, tensors)
+        verify_checksums(body.get("expected_checksums"), tensors)
         async with self._model_lock:
             count = await self._on_engine(self.core.load_weights, tensors)
             refused = self._after_update(body)
@@ -157,10 +157,10 @@ class WeightUpdateEndpoints:
         return ok(f"weight version {self.core.version}")
 
 
-def _verify(body: dict, tensors: list) -> None:
-    """An update's tensors as received against its expected_checksums (rollout.sync.verify), before
-    any is loaded: ValueError (400) naming the first that differs, so the model keeps its weights."""
-    expected = body.get("expected_checksums")
+def verify_checksums(expected: object, tensors: list) -> None:
+    """Tensors as received against a request's expected_checksums (rollout.sync.verify; None: not
+    asked), before any is loaded: ValueError (400) naming the first that differs, so the model keeps
+    its weights."""
     if expected is None:
         return
     if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
