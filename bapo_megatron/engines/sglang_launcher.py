@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,25 +74,29 @@ def mem_fraction(cfg: RolloutConfig, colocated_fraction: float | None = None) ->
     return SEPARATE_MEM_FRACTION
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What every server of one launch is started with beyond the rollout config."""
+
+    model_path: str
+    weight_version: str = "0"
+    seed: int = 0
+    """Server i's random seed is seed + i."""
+    colocated_fraction: float | None = None
+    """mem_fraction_static colocated, from the trainer's estimate (`mem_fraction`)."""
+    routed_experts: bool = False
+    """/generate may return the experts a MoE model routed each position to (routing replay)."""
+    lora: LoRAConfig | None = None
+    """The run's model.lora, whose adapters the servers are sent every step (`lora_args`)."""
+
+
 def server_args(
-    cfg: RolloutConfig,
-    model_path: str,
-    index: int,
-    key: str | None,
-    weight_version: str = "0",
-    seed: int = 0,
-    colocated_fraction: float | None = None,
-    base_gpu: int | None = None,
-    *,
-    routed_experts: bool = False,
-    lora: LoRAConfig | None = None,
+    cfg: RolloutConfig, launch: Launch, index: int, key: str | None, base_gpu: int | None = None
 ) -> dict[str, Any]:
     """SGLang's options (its CLI names) for server `index`; base_gpu: its first GPU (None:
-    index x tensor_parallel on a node of its own, as bapo-serve starts them); routed_experts:
-    /generate may return the experts a MoE model routed each position to (routing replay); lora:
-    the run's model.lora, whose adapters the server is sent every step (lora_args)."""
+    index x tensor_parallel on a node of its own, as bapo-serve starts them)."""
     args: dict[str, Any] = {
-        "model-path": model_path,
+        "model-path": launch.model_path,
         "host": cfg.engines.host,
         "port": cfg.engines.first_port + index,
         "tp-size": cfg.engines.tensor_parallel,
@@ -99,9 +104,9 @@ def server_args(
         "base-gpu-id": (index * cfg.engines.tensor_parallel) % max(1, _gpus_per_node())
         if base_gpu is None
         else base_gpu,
-        "mem-fraction-static": mem_fraction(cfg, colocated_fraction),
-        "weight-version": weight_version,
-        "random-seed": seed + index,
+        "mem-fraction-static": mem_fraction(cfg, launch.colocated_fraction),
+        "weight-version": launch.weight_version,
+        "random-seed": launch.seed + index,
         "skip-tokenizer-init": True,  # we send and read token ids
     }
     if cfg.engines.colocate:
@@ -110,12 +115,12 @@ def server_args(
         args["enable-deterministic-inference"] = True
     if cfg.engines.dtype != "auto":
         args["dtype"] = cfg.engines.dtype
-    if routed_experts:
+    if launch.routed_experts:
         args["enable-return-routed-experts"] = True
     if key is not None:
         args["admin-api-key"] = key
-    if lora is not None and lora.adapter_sync:
-        args.update(lora_args(cfg, lora))
+    if launch.lora is not None and launch.lora.adapter_sync:
+        args.update(lora_args(cfg, launch.lora))
     # the one list of the launcher's options is config.SGLANG_LAUNCHER_ARGS (the config refuses them
     # in sglang_args, --help-config shows them): an option set here and not there is a bug
     unlisted = set(args) - set(SGLANG_LAUNCHER_ARGS)
@@ -188,22 +193,11 @@ def check_installed() -> None:
 
 
 def sglang_servers(
-    cfg: RolloutConfig,
-    model_path: str,
-    run_dir: str | Path,
-    weight_version: str = "0",
-    seed: int = 0,
-    colocated_fraction: float | None = None,
-    base_gpus: list[int] | None = None,
-    *,
-    routed_experts: bool = False,
-    first: int = 0,
-    lora: LoRAConfig | None = None,
+    cfg: RolloutConfig, launch: Launch, run_dir: str | Path, base_gpus: list[int] | None = None, first: int = 0
 ) -> tuple[list[ServerProcess], str | None]:
     """Not yet started server processes (one per rollout.engines.servers) and the admin key they use;
-    base_gpus: each one's first GPU (gpu_placement; None: as bapo-serve places them);
-    routed_experts, lora: see server_args; first: the first one's index (a node's colocated servers:
-    engines/fleet.py)."""
+    base_gpus: each one's first GPU (gpu_placement; None: as bapo-serve places them); first: the
+    first one's index (a node's colocated servers: engines/fleet.py)."""
     key = admin_key(cfg, run_dir)
     run_dir = Path(run_dir)
     servers = []
@@ -212,18 +206,7 @@ def sglang_servers(
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             base = None if base_gpus is None else base_gpus[i - first]
-            args = server_args(
-                cfg,
-                model_path,
-                i,
-                key,
-                weight_version,
-                seed,
-                colocated_fraction,
-                base,
-                routed_experts=routed_experts,
-                lora=lora,
-            )
+            args = server_args(cfg, launch, i, key, base)
             yaml.safe_dump(args, f)
         host = "127.0.0.1" if cfg.engines.host in ("0.0.0.0", "::") else cfg.engines.host
         servers.append(
@@ -238,44 +221,19 @@ def sglang_servers(
 
 def start_sglang(
     cfg: RolloutConfig,
-    model_path: str,
+    launch: Launch,
     run_dir: str | Path,
     timeout_s: float = 900.0,
-    weight_version: str = "0",
-    seed: int = 0,
-    colocated_fraction: float | None = None,
     base_gpus: list[int] | None = None,
-    *,
-    routed_experts: bool = False,
-    lora: LoRAConfig | None = None,
 ) -> tuple[list[ServerProcess], str | None]:
     """Start every server and wait until each generates; on any failure all are stopped."""
-    servers, key = launch_sglang(
-        cfg,
-        model_path,
-        run_dir,
-        weight_version,
-        seed,
-        colocated_fraction,
-        base_gpus,
-        routed_experts=routed_experts,
-        lora=lora,
-    )
+    servers, key = launch_sglang(cfg, launch, run_dir, base_gpus)
     wait_sglang(servers, key, timeout_s)
     return servers, key
 
 
 def launch_sglang(
-    cfg: RolloutConfig,
-    model_path: str,
-    run_dir: str | Path,
-    weight_version: str = "0",
-    seed: int = 0,
-    colocated_fraction: float | None = None,
-    base_gpus: list[int] | None = None,
-    *,
-    routed_experts: bool = False,
-    lora: LoRAConfig | None = None,
+    cfg: RolloutConfig, launch: Launch, run_dir: str | Path, base_gpus: list[int] | None = None
 ) -> tuple[list[ServerProcess], str | None]:
     """Start every server, not waiting for them (`wait_sglang`); on a failure to start, all are stopped."""
     try:
@@ -285,17 +243,7 @@ def launch_sglang(
             "rollout.engines.kind=sglang needs SGLang 0.5.23: pip install -e '.[sglang]' "
             "(CUDA only; use rollout.engines.kind=embedded on CPU)"
         ) from None
-    servers, key = sglang_servers(
-        cfg,
-        model_path,
-        run_dir,
-        weight_version,
-        seed,
-        colocated_fraction,
-        base_gpus,
-        routed_experts=routed_experts,
-        lora=lora,
-    )
+    servers, key = sglang_servers(cfg, launch, run_dir, base_gpus)
     try:
         for s in servers:
             s.start()

@@ -70,7 +70,7 @@ def models(tmp_path_factory):
 def server(models, tmp_path_factory):
     from bapo_megatron.config import load_config
     from bapo_megatron.engines.launcher import free_port
-    from bapo_megatron.engines.sglang_launcher import start_sglang
+    from bapo_megatron.engines.sglang_launcher import Launch, start_sglang
 
     root, _ = models
     cfg = load_config(
@@ -83,9 +83,7 @@ def server(models, tmp_path_factory):
             "rollout.engines.sglang_args={disable-decode-cuda-graph: true, disable-prefill-cuda-graph: true}",
         ],
     ).rollout
-    servers, key = start_sglang(
-        cfg, str(root / BASE), tmp_path_factory.mktemp("sglang-run"), timeout_s=600, weight_version="0"
-    )
+    servers, key = start_sglang(cfg, Launch(str(root / BASE)), tmp_path_factory.mktemp("sglang-run"), timeout_s=600)
     yield servers[0], key
     servers[0].stop()
 

@@ -117,7 +117,7 @@ def test_endpoints_exist_and_control_ones_are_admin_protected(wheel):
 
 def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
     from bapo_megatron.config import SGLANG_LAUNCHER_ARGS, load_config
-    from bapo_megatron.engines.sglang_launcher import server_args, sglang_servers
+    from bapo_megatron.engines.sglang_launcher import Launch, server_args, sglang_servers
 
     fields = set()
     for name in wheel.namelist():
@@ -125,13 +125,14 @@ def test_launcher_options_are_sglang_server_args(wheel, tmp_path):
             for cls_fields in _fields(wheel.read(name).decode()).values():
                 fields |= cls_fields
     cfg = load_config(None, LAUNCH).rollout  # the config's documented examples of further options included
-    args = server_args(cfg, "/models/qwen", 1, "k" * 32, colocated_fraction=0.5)
+    launch = Launch("/models/qwen", colocated_fraction=0.5)
+    args = server_args(cfg, launch, 1, "k" * 32)
     unknown = {k for k in [*args, *SGLANG_LAUNCHER_ARGS] if k.replace("-", "_") not in fields}
     assert not unknown, f"SGLang {VERSION} has no server options {sorted(unknown)}"
     assert args["attention-backend"] == "fa3" and args["disable-decode-cuda-graph"] is True
     assert args["port"] == 30001 and args["enable-memory-saver"] and args["dp-size"] == 1
     assert args["enable-deterministic-inference"] is True  # rollout.deterministic: batch-invariant kernels
-    servers, key = sglang_servers(cfg, "/models/qwen", tmp_path, colocated_fraction=0.5)  # a key is generated
+    servers, key = sglang_servers(cfg, launch, tmp_path)  # a key is generated
     assert key and (tmp_path / "admin_api_key").read_text().strip() == key
     assert (tmp_path / "admin_api_key").stat().st_mode & 0o777 == 0o600
     config = tmp_path / "sglang_0.yaml"

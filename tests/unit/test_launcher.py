@@ -93,7 +93,7 @@ def _sglang_cfg(**overrides):
 def test_start_sglang_without_sglang_starts_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
     with pytest.raises(RuntimeError, match=r"needs SGLang 0.5.23: pip install -e '.\[sglang\]'"):
-        sglang_launcher.start_sglang(_sglang_cfg(), "/models/qwen", tmp_path)
+        sglang_launcher.start_sglang(_sglang_cfg(), sglang_launcher.Launch("/models/qwen"), tmp_path)
     assert list(tmp_path.iterdir()) == []  # no config files, no processes
 
 
@@ -107,7 +107,7 @@ def test_start_sglang_stops_every_server_when_one_fails(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(sglang_launcher, "sglang_servers", lambda *a, **k: ([good, dead], None))
     with pytest.raises(EngineStartError, match="exited with code 1") as err:
-        sglang_launcher.start_sglang(_sglang_cfg(), "/models/qwen", tmp_path, timeout_s=30)
+        sglang_launcher.start_sglang(_sglang_cfg(), sglang_launcher.Launch("/models/qwen"), tmp_path, timeout_s=30)
     assert "CUDA error: out of memory" in str(err.value)
     assert good.process.poll() is not None  # the healthy server was stopped too
 

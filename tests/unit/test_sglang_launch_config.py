@@ -18,7 +18,7 @@ import yaml
 
 from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
 from bapo_megatron.config.lora import LoRAConfig
-from bapo_megatron.engines.sglang_launcher import server_args, sglang_servers
+from bapo_megatron.engines.sglang_launcher import Launch, server_args, sglang_servers
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.trainer.memory.estimate import rollout_mem_fraction
@@ -54,23 +54,23 @@ def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse,
     job = load_config(None, LAUNCH)
     cfg = job.rollout
     fraction = rollout_mem_fraction(job, tiny_spec(), 80 << 30, data_parallel=2)
-    servers, key = sglang_servers(
-        cfg, "/models/qwen", tmp_path, weight_version="7", seed=3, colocated_fraction=fraction, routed_experts=True
-    )
+    launch = Launch("/models/qwen", weight_version="7", seed=3, colocated_fraction=fraction, routed_experts=True)
+    servers, key = sglang_servers(cfg, launch, tmp_path)
     bad = tmp_path / "none.yaml"  # what the launcher used to write for a None
     bad.write_text(yaml.safe_dump({"model-path": "/m", "max-running-requests": "None"}))
     refused = tmp_path / "deprecated.yaml"
     refused.write_text(yaml.safe_dump({"model-path": "/m", "disable-cuda-graph": True}))
     adapters = LoRAConfig(rank=8, target_modules=("q_proj", "v_proj"))  # model.lora.sync=adapter's options
     (tmp_path / "lora").mkdir()
-    sglang_servers(cfg, "/models/qwen", tmp_path / "lora", "7", 3, fraction, lora=adapters)
+    with_lora = Launch("/models/qwen", "7", 3, fraction, lora=adapters)
+    sglang_servers(cfg, with_lora, tmp_path / "lora")
     configs = [tmp_path / "sglang_0.yaml", tmp_path / "sglang_1.yaml", bad, refused, tmp_path / "lora/sglang_0.yaml"]
     out = sglang_parse(*configs)
     for index, result in enumerate(out["configs"][:2]):
         assert "error" not in result, result["error"]
         assert "None" not in result["argv"]
         parsed = result["args"]
-        launched = server_args(cfg, "/models/qwen", index, key, "7", 3, fraction, routed_experts=True)
+        launched = server_args(cfg, launch, index, key)
         assert launched["dtype"] == "bfloat16" and launched["enable-return-routed-experts"] is True
         for name, value in launched.items():
             assert parsed[name.replace("-", "_")] == value, (name, parsed[name.replace("-", "_")], value)
@@ -81,11 +81,7 @@ def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse,
     assert "Unsupported config option 'disable_cuda_graph'" in out["configs"][3]["error"]
     assert [s.url for s in servers] == ["http://10.0.0.5:30000", "http://10.0.0.5:30001"]
     assert "error" not in out["configs"][4], out["configs"][4]["error"]
-    lora = {
-        k: v
-        for k, v in server_args(cfg, "/models/qwen", 0, None, "7", 3, fraction, lora=adapters).items()
-        if "lora" in k
-    }
+    lora = {k: v for k, v in server_args(cfg, with_lora, 0, None).items() if "lora" in k}
     assert lora["enable-lora"] is True and lora["lora-target-modules"] == ["q_proj", "v_proj"]
     for name, value in lora.items():
         assert out["configs"][4]["args"][name.replace("-", "_")] == value, name
@@ -132,9 +128,9 @@ def test_the_launcher_sets_exactly_the_options_the_config_lists():
             "rollout.engines.dtype=float32",
         ],
     ).rollout
-    args = server_args(cfg, "/models/m", 0, "k" * 32, routed_experts=True, lora=LoRAConfig(rank=4))
+    args = server_args(cfg, Launch("/models/m", routed_experts=True, lora=LoRAConfig(rank=4)), 0, "k" * 32)
     assert set(args) - {"attention-backend"} == set(SGLANG_LAUNCHER_ARGS) - {"api-key"}
-    plain = server_args(load_config(None, ["rollout.engines.kind=sglang"]).rollout, "/models/m", 0, None)
+    plain = server_args(load_config(None, ["rollout.engines.kind=sglang"]).rollout, Launch("/models/m"), 0, None)
     assert "dtype" not in plain and "enable-return-routed-experts" not in plain  # auto: SGLang's own default
 
 
@@ -169,6 +165,6 @@ def test_each_server_config_names_its_placed_gpu(tmp_path):
     cfg = load_config(
         None, ["rollout.engines.kind=sglang", "rollout.engines.servers=2", "rollout.engines.tensor_parallel=2"]
     ).rollout
-    servers, _ = sglang_servers(cfg, "/models/m", tmp_path, base_gpus=[4, 6])
+    servers, _ = sglang_servers(cfg, Launch("/models/m"), tmp_path, base_gpus=[4, 6])
     assert [yaml.safe_load((tmp_path / f"sglang_{i}.yaml").read_text())["base-gpu-id"] for i in range(2)] == [4, 6]
     assert len(servers) == 2
