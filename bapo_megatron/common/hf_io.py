@@ -24,6 +24,13 @@ from bapo_megatron.common.safetensors_stream import SAFETENSORS_DTYPES, Streamin
 from bapo_megatron.errors import BadInputError, inside
 from bapo_megatron.models import family_of
 from bapo_megatron.models.on_disk import TEXT_LAYOUT, DiskLayout, KeptTensors
+from bapo_megatron.models.quantized import (
+    Quantization,
+    QuantizedRelease,
+    fp8_dequantize,
+    fp8_scale_name,
+    read_quantization,
+)
 from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, refuse_remote_code
 
 INDEX = "model.safetensors.index.json"
@@ -130,6 +137,41 @@ class KeptSource:
             writer.write(name, self[name])
         writer.close()
 
+    def dequantized(self, quant: Quantization, source: Path) -> KeptSource:
+        """The kept tensors as an unquantized export writes them: fp8 weights (of `quant`'s blocks)
+        dequantized to bfloat16, their scales dropped; ValueError naming `source` and the tensor for
+        a quantized one that cannot be (mxfp4, a weight without its scale)."""
+        return _DequantizedKept(self._handles, quant, source)
+
+
+class _DequantizedKept(KeptSource):
+    def __init__(self, handles: dict[str, Any], quant: Quantization, source: Path) -> None:
+        super().__init__(handles)
+        self.quant, self._scales = quant, {}
+        names = set(self._handles)
+        for entry in super().entries():
+            scale = fp8_scale_name(entry.name)
+            if entry.dtype == torch.uint8 or (entry.dtype == torch.float8_e4m3fn and scale not in names):
+                raise ValueError(
+                    f"{source}: kept tensor {entry.name} is quantized; an unquantized export cannot write it"
+                )
+            if entry.dtype == torch.float8_e4m3fn:
+                self._scales[entry.name] = scale
+
+    def entries(self) -> list[TensorEntry]:
+        scales = set(self._scales.values())
+        return [
+            TensorEntry(e.name, e.shape, torch.bfloat16) if e.name in self._scales else e
+            for e in super().entries()
+            if e.name not in scales
+        ]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._scales:
+            return super().__getitem__(name)
+        weight, scale = super().__getitem__(name), super().__getitem__(self._scales[name])
+        return fp8_dequantize(weight, scale, self.quant.block).bfloat16()
+
 
 TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 """safetensors dtypes a kept tensor may have (copied bitwise, never cast)."""
@@ -193,9 +235,13 @@ class HFCheckpoint:
         on_disk, paths = self._shard_map()
         self._handles = {file: _open(paths[file]) for file in sorted(set(on_disk.values()))}
         kept = family.kept_tensors(self.spec, self.config)
+        self._stored = {disk: file for disk, file in on_disk.items() if disk not in kept}
+        self.release = self._release(paths)
         self.files: dict[str, str] = {}
         """Canonical name -> shard file, for the text model's tensors."""
         kept_handles, self._unaccounted = {}, []
+        if self.release is not None:  # the quantized tensors by their unquantized names, the kept as stored
+            on_disk = {**self._logical(), **{disk: file for disk, file in on_disk.items() if disk in kept}}
         for disk, file in on_disk.items():
             name = None if disk in kept else self.layout.canonical_name(disk)
             if disk in kept:
@@ -208,6 +254,29 @@ class HFCheckpoint:
         self.kept = KeptSource(kept_handles)
         self._check_shapes()
         _check_none_missing(kept, list(kept_handles), self.dir, self.spec)
+
+    def _release(self, paths: dict[str, Path]) -> QuantizedRelease | None:
+        """A quantized release's stored tensors (its kept ones aside, carried as stored), checked by
+        name and file: every quantized weight with its scale (models/quantized.py)."""
+        quant = read_quantization(self.config)
+        if quant is None:
+            return None
+        headers = {}
+        for disk, file in self._stored.items():
+            tensor = self._handles[file].get_slice(disk)
+            headers[disk] = (tensor.get_dtype(), tuple(tensor.get_shape()))
+        return QuantizedRelease(quant, headers, lambda disk: paths[self._stored[disk]])
+
+    def _logical(self) -> dict[str, str]:
+        """A quantized release's tensors by their unquantized names on disk -> the file of their data."""
+        return {name: self._stored[stored.parts[0]] for name, stored in self.release.tensors.items()}
+
+    def _header(self, disk: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype) of the text model's tensor `disk` as read (dequantized)."""
+        if self.release is not None:
+            return self.release.tensors[disk].shape, self.release.dtypes[disk]
+        tensor = self._handles[self._stored[disk]].get_slice(disk)
+        return tuple(tensor.get_shape()), tensor.get_dtype()
 
     def _shard_map(self) -> tuple[dict[str, str], dict[str, Path]]:
         """Tensor name on disk -> shard file name, and each shard's path (inside the directory)."""
@@ -240,13 +309,12 @@ class HFCheckpoint:
         if missing:
             raise ValueError(f"{self.dir}: {len(missing)} tensors missing, e.g. {missing[0]}")
         for name, shape in expected.items():
-            tensor = self._handles[self.files[name]].get_slice(disk(name))
-            got = tuple(tensor.get_shape())
+            got, dtype = self._header(disk(name))
             if got != shape:
                 raise ValueError(f"{self.dir}: {disk(name)} has shape {got}, config.json implies {shape}")
-            if tensor.get_dtype() not in FLOAT_DTYPES:
+            if dtype not in FLOAT_DTYPES:
                 raise ValueError(
-                    f"{self.dir}: {disk(name)} is stored as {tensor.get_dtype()}; weights must be floating point "
+                    f"{self.dir}: {disk(name)} is stored as {dtype}; weights must be floating point "
                     f"({', '.join(sorted(FLOAT_DTYPES))})"
                 )
         # rotary inverse frequencies: a buffer older exports saved, recomputed from rope_theta
@@ -263,7 +331,15 @@ class HFCheckpoint:
             )
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._handles[self.files[name]].get_tensor(self.layout.disk_name(name))
+        """Tensor `name` (canonical) as stored, or dequantized (float32; mxfp4 in bfloat16, exact)
+        from a quantized release: the caller casts it to the trainer's dtype."""
+        disk = self.layout.disk_name(name)
+        if self.release is not None:
+            return self.release.read(disk, self._get_stored)
+        return self._handles[self.files[name]].get_tensor(disk)
+
+    def _get_stored(self, disk: str) -> torch.Tensor:
+        return self._handles[self._stored[disk]].get_tensor(disk)
 
     def __contains__(self, name: str) -> bool:
         return name in self.files

@@ -9,8 +9,9 @@ Checkpoints carry num_nextn_predict_layers multi-token-prediction layers after t
 builds none either). Kimi-K2's config.json names model_type kimi_k2 with DeepseekV3ForCausalLM's code:
 the hub's DeepSeek-style configs name their own code (auto_map), which is refused by name; with it
 removed (and Kimi's model_type set to deepseek_v3) transformers' own classes load them.
-DeepSeek-V3's and Kimi-K2's releases are fp8 with block scales (quantization_config), refused by
-name: a bf16 conversion of them is read.
+DeepSeek-V3's and Kimi-K2's releases are fp8 with 128 x 128 block scales (quantization_config;
+V3.1's ue8m0 scales too): read dequantized, their multi-token-prediction layers carried as stored,
+exported in fp8 again (models/quantized.py).
 """
 
 from __future__ import annotations

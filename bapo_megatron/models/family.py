@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.models.features import YarnSpec
 from bapo_megatron.models.on_disk import TEXT_LAYOUT, DiskLayout, KeptTensors
+from bapo_megatron.models.quantized import read_quantization
 from bapo_megatron.models.recipes import Recipe
 from bapo_megatron.models.spec import ModelSpec
 
@@ -57,18 +58,16 @@ class Family(ABC):
     required: ClassVar[tuple[str, ...]] = REQUIRED
     """The config.json keys it cannot read without (transformers' config class has no default)."""
     dequantized: ClassVar[str] = "convert the checkpoint to bf16 first"
-    """How to get an unquantized copy of a release whose config.json has a quantization_config."""
+    """How to get an unquantized copy of a release whose quantization_config is not read
+    (models/quantized.py reads fp8 block scales and mxfp4)."""
 
     # -- config.json <-> ModelSpec
     def read(self, hf: dict, source: str | Path = "config.json") -> ModelSpec:
         """The spec of a config.json mapping read from `source` (its text model's part, in the family's
         disk layout); ConfigError naming a feature not mapped."""
-        quantized = hf.get("quantization_config")  # the whole config.json's: a multimodal one states it on top
-        if quantized:
-            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-            raise ConfigError(
-                "quantization_config.quant_method", method, f"quantized weights are not mapped: {self.dequantized}"
-            )
+        # the whole config.json's (a multimodal one states it on top): fp8 block scales and mxfp4 are
+        # dequantized on load (models/quantized.py), any other scheme refused by name
+        read_quantization(hf, self.dequantized)
         text = self.disk_layout(hf).text_part(hf, source)
         if text.get("model_type") != self.name:  # transformers builds the class of model_type, not of architectures
             arch = next(a for a in hf.get("architectures") or () if a in self.architectures)

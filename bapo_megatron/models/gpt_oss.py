@@ -19,8 +19,8 @@ at EP 1) and not summing its gradient over TP twice; on the local spec, sliding-
 mask the packed row's samples apart too (Megatron's window replaces the mask it is given) and sink
 logits marked as split over TP. Replaying routes, the router's own choice counts its bias
 (trainer/routing.py).
-Released checkpoints keep the experts in MXFP4 (quantization_config quant_method mxfp4); they are
-refused by name: a bf16 copy is read.
+Released checkpoints keep the experts in MXFP4 (quantization_config quant_method mxfp4): read
+dequantized (exactly, in bfloat16) and exported in MXFP4 again (models/quantized.py).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class GptOss(RoutedExperts, Decoder):
     name = "gpt_oss"
     architectures = ("GptOssForCausalLM",)
     dequantized = (
-        "its releases keep the experts in MXFP4; use a bf16 copy (transformers: "
+        "its MXFP4 releases are read; for another scheme use a bf16 copy (transformers: "
         "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained)"
     )
 

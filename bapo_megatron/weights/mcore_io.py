@@ -52,6 +52,7 @@ from bapo_megatron.common.safetensors_stream import TensorEntry
 from bapo_megatron.errors import BadInputError, inside
 from bapo_megatron.models import family_of
 from bapo_megatron.models.lora import is_adapter, merge_adapters
+from bapo_megatron.models.quantized import QUANTIZATION, read_quantization
 from bapo_megatron.models.recipes import STORED_EXPERTS, expert_names
 from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, first_difference, spec_fields
 from bapo_megatron.trainer.checkpoint import HF_CONFIG, RUN_RECORD, run_record
@@ -128,10 +129,12 @@ class McoreCheckpoint:
     Reads the storage under Megatron's torch_dist format (torch DCP) through StoredChunks:
     memory-mapped, one slice at a time, no process group needed. Everything a conversion will
     read is checked against the model's config before anything is read: each tensor there, its
-    shape (a MoE layer's expert count), and its stored chunks covering every slice asked for.
+    shape (a MoE layer's expert count), and its stored chunks covering every slice asked for. A
+    quantized release's model (hf_config.json's quantization_config) is exported quantized as it came
+    (models/quantized.py); `dequantized`: in the export's dtype, without its quantization_config.
     """
 
-    def __init__(self, directory: str | Path, template: str | Path | None = None) -> None:
+    def __init__(self, directory: str | Path, template: str | Path | None = None, dequantized: bool = False) -> None:
         self.dir = Path(directory)
         if not (self.dir / "metadata.json").is_file():
             raise ValueError(
@@ -141,6 +144,10 @@ class McoreCheckpoint:
         self.config, self.source = read_hf_config(self.dir, Path(template) if template else None)
         self.spec = ModelSpec.from_hf_config(self.config, self.source)
         self.layout = family_of(self.spec).disk_layout(self.config)
+        # a quantized release's export is quantized as it was (models/quantized.py), or `dequantized`
+        self.quantization = released = read_quantization(self.config)
+        if dequantized:
+            self.quantization, self.config = None, {k: v for k, v in self.config.items() if k != QUANTIZATION}
         self._check_records()
         # files present, whole, and as written; .metadata read without running code
         metadata = verify_integrity(self.dir)
@@ -151,9 +158,13 @@ class McoreCheckpoint:
         }
         self._chunks = StoredChunks(self.dir, metadata)
         self.lora = saved_lora(self.dir)  # a LoRA run's: its adapters are merged into the export
-        self._check_model_shape()
-        self._check()
+        self.holds_base = EMBEDDING in self.meta  # False: a LoRA run's adapters alone (weights/lora_merge.py)
+        if self.holds_base:
+            self._check_model_shape()
+            self._check()
         self.kept = self._kept()
+        if dequantized and released is not None:
+            self.kept = self.kept.dequantized(released, self.dir / KEPT_FILE)
 
     def _kept(self) -> KeptSource:
         """The tensors the checkpoint carries for its HF export (checksummed with it, each one its family
@@ -325,14 +336,18 @@ class McoreCheckpoint:
         if not on_disk:
             yield from self._text_groups()
             return
+        quantize = self.quantization.quantize if self.quantization is not None else lambda n, t: {n: t}
         for group in self._text_groups():
-            yield {self.layout.disk_name(name): tensor for name, tensor in group.items()}
+            yield {k: v for n, t in group.items() for k, v in quantize(self.layout.disk_name(n), t).items()}
         for entry in self.kept.entries():
             yield {entry.name: self.kept[entry.name]}
 
     def hf_entries(self, dtype: torch.dtype) -> list[TensorEntry]:
         """What hf_groups(on_disk=True) yields, the text model's tensors in `dtype`, the kept in their own."""
-        return hf_entries(self.spec, dtype, self.layout) + self.kept.entries()
+        text = hf_entries(self.spec, dtype, self.layout)
+        if self.quantization is not None:
+            text = [TensorEntry(*e) for e in self.quantization.entries([(e.name, e.shape, e.dtype) for e in text])]
+        return text + self.kept.entries()
 
     def _text_groups(self) -> Iterator[dict[str, torch.Tensor]]:
         vocab = self.spec.vocab_size

@@ -19,6 +19,9 @@ need it (the run's first publish, an engine back from a death), the base's first
 the adapter on the engines under its version's name (weights/lora_sync.py) and the probe runs with
 it on. rollout.sync.verify then sends the adapter's checksums to SGLang too (it checks them for
 adapters), the base's to embedded engines only.
+
+SGLang engines started from a quantized release (fp8 with block scales, MXFP4 experts) get the
+release's layout, quantized anew from the trainer's weights (`engine_quantization`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +41,7 @@ from bapo_megatron.common.hf_io import TOKENIZER_FILES
 from bapo_megatron.config import JobConfig
 from bapo_megatron.errors import ConfigError, RunStopped
 from bapo_megatron.fsutil import atomic_directory, remove
+from bapo_megatron.models.quantized import Quantization, read_quantization
 
 
 class Outlet(Protocol):
@@ -105,6 +109,7 @@ class Gathering:
 class WeightPublisher:
     def __init__(self, cfg: JobConfig, trainer, outlet: Outlet, holders=None) -> None:
         self.cfg, self.trainer, self.outlet, self.holders = cfg, trainer, outlet, holders
+        self.quantization = engine_quantization(cfg)
 
     def publish(self, version: int) -> dict[str, float]:
         """The trainer's weights out as version `version` and checked (every rank together):
@@ -161,9 +166,13 @@ class WeightPublisher:
 
         size = self.cfg.rollout.sync.bucket_mb << 20
         if self.holders is None:
-            return hf_buckets_to_rank0(self.trainer, size, part=part)
-        trainer = self.trainer
-        return stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size, part=part)
+            made = hf_buckets_to_rank0(self.trainer, size, part=part)
+        else:
+            trainer = self.trainer
+            made = stream_hf_buckets(trainer.model, trainer.spec, trainer.info, size, part=part)
+        if self.quantization is None or part == "adapters":
+            return made
+        return quantized_buckets(made, self.quantization)
 
     def _refit_checks(self, version: int) -> dict[str, float]:
         """Engines that took the weights in this publish while they waited for them serve again once
@@ -196,6 +205,7 @@ class WeightPublisher:
                 f"weight sync check: the engines' log-probs of the probe differ from the trainer's by {gap:.3g} "
                 f"(> rollout.sync.check_max_gap={sync.check_max_gap}) after the sync of version "
                 f"{version}: the engines are not serving the trainer's weights; stopping rather than training on them"
+                + _quantized_note(self.quantization)
             )
         return gap
 
@@ -258,6 +268,34 @@ def engine_model_dir(cfg: JobConfig, trainer) -> Path | None:
                 if (Path(cfg.model.hf_path) / name).is_file():
                     shutil.copy(Path(cfg.model.hf_path) / name, tmp / name)
     return target
+
+
+def engine_quantization(cfg: JobConfig) -> Quantization | None:
+    """How SGLang engines hold the weights they serve: as the quantized release they start from
+    (model.hf_path's quantization_config), whose fp8 or MXFP4 parameters SGLang's loader fills with
+    what it is sent as it is: the sync sends the release's layout (codes and scales, made anew from
+    the trainer's weights). None for embedded engines (transformers dequantizes a release when it
+    loads it) and for models stored unquantized."""
+    if cfg.rollout.engines.kind != "sglang" or not cfg.model.hf_path:
+        return None
+    config = Path(cfg.model.hf_path) / "config.json"
+    return read_quantization(json.loads(config.read_text())) if config.is_file() else None
+
+
+def quantized_buckets(buckets: Iterable, quantization: Quantization) -> Iterator[list]:
+    """The buckets with each weight the release stores quantized replaced by what it stores (fp8
+    codes and their block scales, MXFP4 blocks and scales); the rest as they are."""
+    for bucket in buckets:
+        yield [pair for name, tensor in bucket for pair in quantization.quantize(name, tensor).items()]
+
+
+def _quantized_note(quantization: Quantization | None) -> str:
+    if quantization is None:
+        return ""
+    return (
+        f" (the engines serve the release's {quantization.method} weights, whose log-probs differ from the "
+        "trainer's by the quantization error: raise rollout.sync.check_max_gap above it)"
+    )
 
 
 def _due(every: int, version: int) -> bool:

@@ -3,7 +3,7 @@ routes (sinks, sliding windows, YaRN unrounded and rounded, the clamped SwiGLU, 
 conversion both ways, TP 2 with sequence parallel, PP 2 and EP 2 equal to one process after a BAPO
 step; the export's names through SGLang's gpt_oss loader (its fused-expert mapping); a packed row's
 samples kept apart by the sliding-window layers; gpt-oss-20b's config.json read into its shape, what
-is not mapped (the MXFP4 release among it) refused by name."""
+is not mapped refused by name (the MXFP4 release is read: tests/unit/test_quantized_releases.py)."""
 
 import dataclasses
 import re
@@ -178,7 +178,7 @@ def test_gpt_oss_20b_config_is_read_as_its_shape():
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        (MXFP4, "quantization_config"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config.quant_method"),
         ({"swiglu_alpha": 1.5}, "swiglu_alpha"),
         ({"attention_bias": False}, "attention_bias"),
         ({"layer_types": ["chunked_attention", "full_attention"] * 12}, "layer_types"),
@@ -192,9 +192,10 @@ def test_what_is_not_mapped_is_refused_by_name(change, field):
         ModelSpec.from_hf_config(GPT_OSS_20B | change)
 
 
-def test_the_mxfp4_refusal_says_how_to_get_bf16_weights():
-    with pytest.raises(ConfigError, match="mxfp4.*bf16 copy"):
-        ModelSpec.from_hf_config(GPT_OSS_20B | MXFP4)
+def test_the_mxfp4_release_is_read_and_another_scheme_refused_saying_how_to_get_bf16_weights():
+    assert ModelSpec.from_hf_config(GPT_OSS_20B | MXFP4) == ModelSpec.from_hf_config(GPT_OSS_20B)
+    with pytest.raises(ConfigError, match="MXFP4 releases are read.*bf16 copy"):
+        ModelSpec.from_hf_config(GPT_OSS_20B | {"quantization_config": {"quant_method": "awq"}})
 
 
 def test_experts_map_both_ways_with_gate_and_up_interleaved():

@@ -233,7 +233,7 @@ def test_qwen3_5_27b_config_is_read_as_its_shape():
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
         ({"linear_num_value_heads": 24}, "linear_num_value_heads"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.quant_method='fp8'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method='awq'"),
     ],
 )
 def test_what_is_not_mapped_is_refused_by_name(change, field):
@@ -241,13 +241,16 @@ def test_what_is_not_mapped_is_refused_by_name(change, field):
         ModelSpec.from_hf_config(QWEN3_5_27B | change)
 
 
-def test_quantized_releases_are_refused_by_name():
-    """Qwen3.5-MoE's and Qwen3-Next's quantized releases (fp8 block scales), and the multimodal layout's
-    quantization_config, which sits at the top level beside text_config."""
-    fp8 = {"quantization_config": {"quant_method": "fp8"}}
+def test_quantized_releases_are_read_and_other_schemes_refused_by_name():
+    """Qwen3.5-MoE's and Qwen3-Next's fp8 releases (block scales: models/quantized.py) are read, other
+    schemes refused by name, the multimodal layout's too, whose quantization_config sits at the top
+    level beside text_config."""
+    fp8 = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    awq = {"quantization_config": {"quant_method": "awq"}}
     for name in ("qwen3_5_moe_text", "qwen3_next"):
-        with pytest.raises(ConfigError, match="quantization_config.quant_method='fp8'"):
-            ModelSpec.from_hf_config(family_of(name).to_hf(tiny_spec(name)) | fp8)
+        assert ModelSpec.from_hf_config(family_of(name).to_hf(tiny_spec(name)) | fp8) == tiny_spec(name)
+        with pytest.raises(ConfigError, match="quantization_config.quant_method='awq'"):
+            ModelSpec.from_hf_config(family_of(name).to_hf(tiny_spec(name)) | awq)
     text = {k: v for k, v in QWEN3_5_27B.items() if k != "architectures"}
     multimodal = {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
@@ -256,8 +259,9 @@ def test_quantized_releases_are_refused_by_name():
         "tie_word_embeddings": False,
     }
     assert ModelSpec.from_hf_config(multimodal).num_layers == 64
-    with pytest.raises(ConfigError, match="quantization_config.quant_method='fp8'"):
-        ModelSpec.from_hf_config(multimodal | fp8)
+    assert ModelSpec.from_hf_config(multimodal | fp8) == ModelSpec.from_hf_config(multimodal)
+    with pytest.raises(ConfigError, match="quantization_config.quant_method='awq'"):
+        ModelSpec.from_hf_config(multimodal | awq)
 
 
 def test_the_dry_run_refuses_transformer_engine_as_the_run_does(tmp_path):
