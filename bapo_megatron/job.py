@@ -299,7 +299,9 @@ class Job:
         self.trainer = PolicyTrainer(spec, cfg, init_model_parallel(cfg.parallel, cfg.seed))
         lora = cfg.model.lora.enabled
         if lora:  # the base the adapters train on: loaded and identified on resume too, refused if another
-            identify_base(self.trainer, *self._load_starting_weights(starting_weights), self.resume_from)
+            base = identify_base(self.trainer, *self._load_starting_weights(starting_weights), self.resume_from)
+            if self.checkpointer.manager is not None:  # a base with a source is loaded from it: not saved again
+                self.checkpointer.manager.without_base = base.path is not None
         start = self.checkpointer.resume(self.trainer) if cfg.checkpoint.resume else None
         self.resumed, self.step = start is not None, start or 0
         self.ending.step = self.step

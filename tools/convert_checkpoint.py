@@ -4,10 +4,12 @@
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype DTYPE]
         (MCORE_DIR: a converted checkpoint, a run's step directory, or a run's checkpoint.dir: its latest
         step; each carries its model's config.json and the run's tokenizer files, so no template is needed;
-        a LoRA run's: the adapters merged into the model)
+        a LoRA run's: the adapters merged into the model. A LoRA run's checkpoint holds the adapters alone
+        and names its base in lora_base.json: they are merged onto that base, or onto --base PATH (a HF
+        directory or dist checkpoint), which must have the recorded base's weights (its fingerprint))
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --peft-adapter ADAPTER_DIR
         (a LoRA run's adapters alone, as a PEFT adapter directory for the base model; with --out too: both)
-    python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4]
+    python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4 --base PATH]
 
 Conversions hold about one decoder layer beyond their inputs (hf-to-mcore: beyond the
 model it writes) and show a progress bar in bytes/s on stderr (--no-progress: none).
@@ -29,6 +31,11 @@ from bapo_megatron.errors import ConfigError
 from bapo_megatron.trainer.checkpoint import STEP_DIR, step_of, weights_dir
 from bapo_megatron.weights.convert import DTYPES, TEMPLATE_HELP, hf_to_mcore, mcore_to_hf, verify_conversion
 from bapo_megatron.weights.peft_export import write_peft_adapter
+
+BASE_HELP = (
+    "a LoRA run's checkpoint of the adapters alone: the base to merge them onto (default: the path its "
+    "lora_base.json records), checked to have the weights they were trained on"
+)
 
 
 def exported_from(mcore: str) -> str:
@@ -56,10 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peft-adapter", help="a LoRA run's adapters as a PEFT adapter directory here")
     p.add_argument("--hf-template", help=TEMPLATE_HELP)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype in the model's config.json")
+    p.add_argument("--base", help=BASE_HELP)
+    p.add_argument(
+        "--dequantized", action="store_true", help="a quantized release's model (fp8, mxfp4) unquantized in --dtype"
+    )
     p = sub.add_parser("verify", help="compare logits of the two on random token ids")
     p.add_argument("--hf", required=True)
     p.add_argument("--mcore", required=True)
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest relative logit difference allowed")
+    p.add_argument("--base", help=BASE_HELP)
     for p in sub.choices.values():
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -73,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("mcore-to-hf: give --out, --peft-adapter, or both")
             source = exported_from(args.mcore)
             if args.out:
-                print(
-                    f"wrote {mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, progress=show)} {source}"
-                )
+                kw = {"progress": show, "base": args.base, "dequantized": args.dequantized}
+                out = mcore_to_hf(args.mcore, args.out, args.hf_template, args.dtype, **kw)
+                print(f"wrote {out} {source}")
             if args.peft_adapter:
                 print(f"wrote {write_peft_adapter(args.mcore, args.peft_adapter)} {source}")
         else:
-            result = verify_conversion(args.hf, args.mcore)
+            result = verify_conversion(args.hf, args.mcore, base=args.base)
             ok = result["max_rel"] <= args.tolerance
             print(
                 f"max abs diff {result['max_abs']:.3e}  max rel diff {result['max_rel']:.3e}  "

@@ -4,7 +4,8 @@
     print(dry_run(cfg, 8, 80 * GIB))       # the resolved config, layout, rollout, data and memory
 
 The world it plans for: --world-size, else $WORLD_SIZE (a launcher's), else the Slurm script that
-runs the config (cli/slurm.py), else the smallest the layout needs. The memory figures come from
+runs the config (cli/slurm.py: on the nodes the config's own sbatch command states, where it gives
+one), else the smallest the layout needs. The memory figures come from
 trainer/memory/ (exact parameter counts, the rest estimated) and need neither a GPU nor Megatron.
 """
 
@@ -45,6 +46,8 @@ def planned_world(args: argparse.Namespace, cfg: JobConfig) -> PlannedWorld:
         return PlannedWorld(given, plan if plan is not None and plan.world_size == given else None)
     if plan is not None:
         how = "runs this config" if plan.default else f"runs it (CONFIG={args.config} sbatch {plan.name})"
+        if plan.stated is not None:  # the preset's own command, on other nodes than the script's default
+            how = f"runs it as its comments say ({plan.stated})"
         engines = (  # as the script runs them with COLOCATE=1: its rollout nodes are not asked for
             f"engines colocated on the {plan.train_nodes} trainer node(s), no rollout node"
             if cfg.rollout.engines.colocate

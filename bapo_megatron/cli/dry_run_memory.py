@@ -54,9 +54,13 @@ def lora_line(plan: RunPlan) -> str:
         if model.lora.adapter_sync
         else "each weight sync sends the whole model, the adapters merged (model.lora.sync=merged)"
     )
+    main = 0 if model.precision == "fp32" else 4  # the optimizer's fp32 copy of lower-precision weights
+    saved = n * (PARAM_BYTES[model.precision] + main + 8) / 2**20  # + Adam's two fp32 moments
     return (
         f"LoRA adapters (model.lora, rank {model.lora.rank}): {n:,} parameters, {mib:.1f} MiB in "
-        f"{model.precision}; the base is frozen: gradients and optimizer state above are the adapters' only; {sync}"
+        f"{model.precision}; the base is frozen: gradients and optimizer state above are the adapters' only; {sync}; "
+        f"each checkpoint holds the adapters and their optimizer state, {saved:,.1f} MiB, and names the base "
+        "(lora_base.json) without a copy of it"
     )
 
 

@@ -7,14 +7,17 @@
 The scripts are looked for beside the config, not beside the installed package (a non-editable
 install has no slurm/): in the slurm/ folder of the nearest directory above the config that has
 one (the checkout the config belongs to), then in $BAPO_HOME/slurm, the checkout the scripts
-themselves source common.sh from.
+themselves source common.sh from. A preset meant for another node count than its script's default
+says so in the command its comments give (`TRAIN_NODES=1 CONFIG=<it> ... sbatch --nodes=2 slurm/X.sh`,
+as examples/qwen2.5-32b/lora.yaml does): that command's nodes are the plan's (stated_plan).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SLURM_CONFIG = re.compile(r"^CONFIG=\$\{CONFIG:-(\S+?)\}", re.M)
@@ -36,6 +39,8 @@ class SlurmPlan:
     engines_per_node: int
     nodes: int
     gpus_per_node: int
+    stated: str | None = None
+    """The command in the config's comments whose nodes these are (stated_plan), None: the script's own."""
 
     @property
     def world_size(self) -> int:
@@ -116,5 +121,60 @@ def find_slurm_plan(config: Path) -> SlurmSearch:
     for folder in folders:
         plans = read_plans(folder, config)
         if plans:
-            return SlurmSearch(config, folders, max(plans, key=lambda plan: plan.default))
+            return SlurmSearch(config, folders, stated_plan(config, max(plans, key=lambda plan: plan.default)))
     return SlurmSearch(config, folders, None)
+
+
+NODE_VARIABLES = {"TRAIN_NODES": "train_nodes", "ENGINES_PER_NODE": "engines_per_node"}
+"""The environment variables of a script's bapo_gpu_job line (slurm/common.sh: the environment wins)."""
+
+
+def stated_plan(config: Path, plan: SlurmPlan) -> SlurmPlan:
+    """`plan` with the nodes the config's own comments run it on: the first commented command that runs
+    plan's script with CONFIG=config (`TRAIN_NODES=1 CONFIG=... sbatch --nodes=2 slurm/bapo_32b.sh`,
+    continued over lines with a backslash) gives its TRAIN_NODES, ENGINES_PER_NODE and --nodes (each
+    where given); `plan` as it is when there is none or it states the script's own nodes."""
+    text = config.read_text() if config.is_file() else ""  # (a config yet to be written states nothing)
+    for words in _commented_commands(text):
+        if "sbatch" not in words:
+            continue
+        at = words.index("sbatch")
+        env = dict(w.split("=", 1) for w in words[:at] if re.fullmatch(r"[A-Z_]+=\S*", w))
+        options = words[at + 1 :]
+        script = next((w for w in options if w.endswith(".sh")), None)
+        where = plan.script.parent.parent  # the checkout whose paths CONFIG names (common.sh runs there)
+        if script is None or Path(script).name != plan.script.name or "CONFIG" not in env:
+            continue
+        if (where / env["CONFIG"]).resolve() != config:
+            continue
+        numbers = {field: int(env[name]) for name, field in NODE_VARIABLES.items() if env.get(name, "").isdigit()}
+        nodes = next((w.split("=", 1)[1] for w in options if w.startswith("--nodes=")), None)
+        if nodes is not None and nodes.isdigit():
+            numbers["nodes"] = int(nodes)
+        if all(getattr(plan, field) == n for field, n in numbers.items()):
+            return plan  # the script's own nodes: said as before
+        stated = replace(plan, **numbers, stated=" ".join(words))
+        if stated.nodes >= stated.train_nodes >= 1:
+            return stated
+    return plan
+
+
+def _commented_commands(text: str) -> list[list[str]]:
+    """The words of each command in the comment lines of a YAML file, a line ending in a backslash
+    continued on the next comment line; lines that are no shell words left out."""
+    commands, pending = [], ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped.startswith("#"):
+            pending = ""
+            continue
+        body = pending + stripped.lstrip("#").strip()
+        if body.endswith("\\"):
+            pending = body[:-1] + " "
+            continue
+        pending = ""
+        try:
+            commands.append(shlex.split(body))
+        except ValueError:  # prose with an unmatched quote: not a command
+            continue
+    return commands

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,10 +69,17 @@ class BaseIdentity:
         return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
 
 
-def fingerprint(model_chunks: list[torch.nn.Module], vocab_size: int) -> tuple[str, int]:
+Window = Callable[[object, int], torch.Tensor]
+"""(a base ShardedTensor, the offset of its part in the window) -> the float32 values of that part of
+its window, read from elsewhere than the tensor (whose data may be on the meta device)."""
+
+
+def fingerprint(model_chunks: list[torch.nn.Module], vocab_size: int, window: Window | None = None) -> tuple[str, int]:
     """(COVERS of the chunks' base weights, how many tensors: a layer's or an expert's each), the
-    same on every rank: gathered on rank 0 and its digest broadcast, when a group is initialised."""
-    mine = _local_parts(model_chunks, vocab_size)
+    same on every rank: gathered on rank 0 and its digest broadcast, when a group is initialised.
+    `window`: where each window's values come from (a base on disk, for a model built on the meta
+    device: weights/lora_merge.py), instead of the chunks' own tensors."""
+    mine = _local_parts(model_chunks, vocab_size, window)
     everyone, result = [mine], [None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size() if is_rank0() else None
@@ -101,7 +109,7 @@ def _digest(everyone: list[tuple[dict, list]]) -> tuple[str, int]:
     return digest.hexdigest(), len(rows)
 
 
-def _local_parts(model_chunks: list[torch.nn.Module], vocab_size: int) -> tuple[dict, list]:
+def _local_parts(model_chunks: list[torch.nn.Module], vocab_size: int, window: Window | None) -> tuple[dict, list]:
     """This rank's part: {key: whole shape} of the base tensors it holds the main copy of, and
     (key, index on the stacking axes, offset, float32 values) of the part of each window it holds.
     Megatron stacks a tensor of every layer (and expert) under one key, on prepended axes: each
@@ -120,13 +128,13 @@ def _local_parts(model_chunks: list[torch.nn.Module], vocab_size: int) -> tuple[
             if t.key in VOCAB_KEYS:
                 shape[0] = vocab_size
             shapes[t.key] = shape
-            piece = _window_part(t)
+            piece = _window_part(t, window)
             if piece is not None:
                 pieces.append((t.key, *piece))
     return shapes, pieces
 
 
-def _window_part(t) -> tuple[tuple[int, ...], int, torch.Tensor] | None:
+def _window_part(t, window: Window | None) -> tuple[tuple[int, ...], int, torch.Tensor] | None:
     """(index on the stacking axes, offset in the window, values) of the part of its tensor's window
     [0, ..., 0, :WINDOW] that this shard holds; None: none of it."""
     pre, offsets = t.prepend_axis_num, t.global_offset
@@ -136,6 +144,8 @@ def _window_part(t) -> tuple[tuple[int, ...], int, torch.Tensor] | None:
     first = inner[-1]
     if first >= WINDOW:
         return None
+    if window is not None:
+        return tuple(offsets[:pre]), first, window(t, first)
     row = t.data[(0,) * (t.data.dim() - 1)]
     return tuple(offsets[:pre]), first, row[: WINDOW - first].detach().float().cpu().clone()
 

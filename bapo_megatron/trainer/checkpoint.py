@@ -15,7 +15,11 @@ the tensors its family keeps untrained (hf_kept.safetensors: a vision tower, MTP
 export writes back untouched: streamed from their source at a run's first save, hard-linked from the
 previous step's copy at the next ones (CarriedFile).
 A run with a KL loss stores its reference model too (trainer/reference.py: the run's starting
-weights, which a resumed run measures its KL to again).
+weights, which a resumed run measures its KL to again). A LoRA run whose base has a source (model.hf_path
+or model.mcore_path) saves the adapters, their optimizer state and the rest without the frozen base
+(CheckpointManager.without_base: 65 GB a save at 32B otherwise), its lora_base.json naming the base, which
+every start loads from that source and checks (trainer/base_identity.py); a checkpoint with the base
+beside the adapters (a seed start's, or one written before) loads as well.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer import safe_load
 from bapo_megatron.trainer.dist_ckpt import (
     ExtraFile,
+    adapters_only,
     barrier,
+    holds_base,
     is_rank0,
     load_module_state,
     load_sharded,
@@ -216,12 +222,18 @@ class CheckpointManager:
         self.config_yaml = config_yaml
         self.record = record  # written to each step directory as run.json
         self.extras: dict[str, Stateful] = {}
+        self.without_base = False
+        """Whether the checkpoints leave the model's frozen base out (a LoRA run whose base job.py
+        loads from its source at every start, lora_base.json naming it): the adapters, their optimizer
+        state and the rest alone. Loading follows what a checkpoint holds, either way."""
 
     def register(self, name: str, obj: Stateful) -> None:
         self.extras[name] = obj
 
-    def _sharded(self, trainer, is_loading: bool, with_rng: bool) -> dict:
+    def _sharded(self, trainer, is_loading: bool, with_rng: bool, with_base: bool = True) -> dict:
         model_sd = model_sharded_state_dict(trainer.model)
+        if not with_base:  # (the optimizer holds the adapters alone: its state maps onto these)
+            model_sd = adapters_only(model_sd)
         sharded = {
             "model": model_sd,
             "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -245,7 +257,7 @@ class CheckpointManager:
             if self._iteration_of(directory) != iteration:
                 raise FileExistsError(f"checkpoint {directory} exists and is not a complete step {iteration}")
         else:
-            sharded = self._sharded(trainer, is_loading=False, with_rng=True)
+            sharded = self._sharded(trainer, is_loading=False, with_rng=True, with_base=not self.without_base)
             sharded["common"] = {
                 "step": trainer.step,
                 "iteration": iteration,
@@ -424,9 +436,14 @@ class CheckpointManager:
                 "starting weights): resume with algo.kl_coef=0, or start a new run from it (model.mcore_path)",
             )
         same_world = common["world_size"] == dist.get_world_size()
-        loaded = load_sharded(self._sharded(trainer, is_loading=True, with_rng=same_world), directory)
+        with_base = holds_base(model_sharded_state_dict(trainer.model), directory)  # (adapters alone: base as loaded)
+        if not with_base and not trainer.cfg.model.lora.enabled:
+            raise ConfigError(
+                "model.lora.rank", 0, f"checkpoint {directory} holds LoRA adapters alone: resume it with its model.lora"
+            )
+        loaded = load_sharded(self._sharded(trainer, True, with_rng=same_world, with_base=with_base), directory)
         for i, chunk in enumerate(trainer.model):
-            load_module_state(unwrap(chunk), loaded["model"][f"chunk{i}"], directory)
+            load_module_state(unwrap(chunk), loaded["model"][f"chunk{i}"], directory, adapters_only=not with_base)
         if trainer.reference is not None:
             trainer.reference.load(loaded["reference"], directory)
         trainer.optimizer.load_state_dict(loaded["optimizer"])

@@ -295,11 +295,14 @@ def _without_absent_extra_states(sharded, present: set[str]):
     return sharded
 
 
-def load_module_state(module: torch.nn.Module, state: dict, source: str | Path, base_only: bool = False) -> None:
+def load_module_state(
+    module: torch.nn.Module, state: dict, source: str | Path, base_only: bool = False, adapters_only: bool = False
+) -> None:
     """load_state_dict where only TE's `_extra_state` may be absent from `state` (and the LoRA
-    adapters, with `base_only`: they keep their values)."""
+    adapters, with `base_only`, or the base, with `adapters_only`: they keep their values)."""
     result = module.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE) and not (base_only and is_adapter(k))]
+    left = (lambda k: is_adapter(k)) if base_only else (lambda k: not is_adapter(k)) if adapters_only else None
+    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE) and not (left and left(k))]
     if missing or result.unexpected_keys:
         raise ValueError(
             f"checkpoint {source} does not fit the model: missing {missing[:3]}, "
@@ -332,12 +335,25 @@ def verify_on_all_ranks(directory: str | Path) -> None:
         raise CorruptCheckpointError(found[0])
 
 
-def load_model(model_chunks: list[torch.nn.Module], directory: str | Path) -> None:
+def load_model(model_chunks: list[torch.nn.Module], directory: str | Path, onto_base: bool = False) -> None:
     """The model's weights from `directory`. A checkpoint without LoRA adapters (a base model's,
     converted) leaves the model's adapters as they are (initialised as PEFT does: the base's outputs);
-    one with adapters (a LoRA run's) loads them too."""
+    one with adapters (a LoRA run's) loads them too; one with the adapters alone loads them `onto_base`
+    (the model's base loaded from its source first), and is refused otherwise (it is no model's weights
+    without its base)."""
     verify_on_all_ranks(directory)
     sharded = model_sharded_state_dict(model_chunks)
+    if not holds_base(sharded, directory) and onto_base:
+        loaded = load_sharded(adapters_only(sharded), directory)
+        for i, chunk in enumerate(model_chunks):
+            load_module_state(unwrap(chunk), loaded[f"chunk{i}"], directory, adapters_only=True)
+        return
+    if not holds_base(sharded, directory):
+        raise ValueError(
+            f"checkpoint {directory} holds LoRA adapters alone, without the base they were trained on "
+            "(its lora_base.json names it): start from the merged model (tools/convert_checkpoint.py "
+            "mcore-to-hf), or resume the run that saved it"
+        )
     base_only = not any(is_adapter(key) for key in read_metadata(Path(directory)).state_dict_metadata)
     if base_only:
         sharded = _without_adapters(sharded)
@@ -355,13 +371,36 @@ def _without_adapters(sharded: dict) -> dict:
     """`sharded` minus the LoRA adapters' entries."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    out = {}
-    for k, v in sharded.items():
-        if isinstance(v, dict):
-            out[k] = _without_adapters(v)
-        elif not (isinstance(v, ShardedTensor) and is_adapter(v.key)):
-            out[k] = v
-    return out
+    return _kept(sharded, lambda v: not (isinstance(v, ShardedTensor) and is_adapter(v.key)))
+
+
+def adapters_only(sharded: dict) -> dict:
+    """A model's `sharded` state dict (model_sharded_state_dict's) with its LoRA adapters' tensors and
+    the modules' small objects (TE's `_extra_state`) alone: the frozen base's tensors left out (a LoRA
+    run whose base is loaded from its source at every start saves no copy of it: 65 GB a save at 32B)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    def keep(v) -> bool:
+        return isinstance(v, ShardedObject) or (isinstance(v, ShardedTensor) and is_adapter(v.key))
+
+    return _kept(sharded, keep)
+
+
+def _kept(sharded: dict, keep) -> dict:
+    """`sharded` with the leaves (tensors, factories, objects) `keep` says yes to, nested dicts kept."""
+    nested = {k: _kept(v, keep) for k, v in sharded.items() if isinstance(v, dict)}
+    return {k: nested.get(k, v) for k, v in sharded.items() if k in nested or keep(v)}
+
+
+def holds_base(sharded: dict, directory: str | Path) -> bool:
+    """Whether the checkpoint at `directory` holds the base tensors of the model whose `sharded` state
+    dict is given (False: a LoRA run's checkpoint of the adapters alone). Loading then asks for
+    adapters_only(sharded); a checkpoint holding part of the base is load_sharded's to refuse."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    base = _requested_keys(_kept(_without_adapters(sharded), lambda v: not isinstance(v, ShardedObject)))
+    present = set(read_metadata(Path(directory)).state_dict_metadata)
+    return not base or bool(base & present)
 
 
 def saved_lora(directory: str | Path) -> LoRAConfig | None:

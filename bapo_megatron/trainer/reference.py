@@ -13,8 +13,9 @@ a step (PolicyTrainer._reference_pass).
 Under LoRA (model.lora) none of this is built: the base is frozen and the adapters start at zero
 (B = 0), so the base with the adapters off (trainer/lora.adapters_off) is the starting policy at
 every step, as NeMo-RL and verl take it. The reference pass runs the policy's own chunks inside
-adapters_off: no second copy of the weights, nothing more in the checkpoint (which holds the base,
-unchanged by training, beside the adapters), and the memory estimate counts no reference.
+adapters_off: no second copy of the weights, nothing more in the checkpoint (which holds the adapters
+alone, the base loaded from its source at every start: trainer/checkpoint.py), and the memory estimate
+counts no reference.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from bapo_megatron.trainer.checkpoint import model_files, weights_dir
 from bapo_megatron.trainer.megatron_config import EXTRA_STATE
 from bapo_megatron.weights import sglang_shards
 from bapo_megatron.weights.layout import megatron_recipes, recipe_region
+from bapo_megatron.weights.lora_merge import MergedModel, merged_onto_base
 from bapo_megatron.weights.mcore_io import McoreCheckpoint, streaming_save_strategy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -146,11 +147,15 @@ def mcore_to_hf(
     sglang_tp: int | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: bool = True,
+    base: str | Path | None = None,
+    dequantized: bool = False,
 ) -> Path:
     """mcore_dir (a converted checkpoint, a run's step directory, or a run's checkpoint.dir: the step
     a resume would load) as safetensors shards (<= max_shard_bytes), index, config.json and the
     tokenizer files (the template's, else those the checkpoint carries); with sglang_tp, per-rank
-    files for SGLang's sharded_state loader instead (dense models).
+    files for SGLang's sharded_state loader instead (dense models). A LoRA run's checkpoint of the
+    adapters alone is merged onto its base (weights/lora_merge.py): the one its lora_base.json
+    records, or `base`, checked to have the recorded base's weights.
 
     Streams: one decoder layer (a MoE layer's dense part, then each expert) is read from the
     checkpoint, renamed, written to its place in the output files and dropped before the next is
@@ -162,10 +167,12 @@ def mcore_to_hf(
         raise ValueError(f"--hf-template {template}: no such directory")
     if Path(out).exists():
         raise FileExistsError(f"{out} exists already; refusing to overwrite it")
-    source = McoreCheckpoint(weights_dir(mcore_dir), template)  # memory-mapped; no process group needed
+    # a quantized release's model is written quantized as it came, or `dequantized` (models/quantized.py)
+    source = McoreCheckpoint(weights_dir(mcore_dir), template, dequantized)  # memory-mapped; no process group
+    tensors = _with_base(source, base)
     tokenizer = template if template is not None else _carried_tokenizer(source.dir)
     dtype = dtype or config_dtype(source.config)
-    layout, split = _output_layout(source, DTYPES[dtype], sglang_tp, max_shard_bytes)
+    layout, split = _output_layout(tensors, DTYPES[dtype], sglang_tp, max_shard_bytes)
     from bapo_megatron.trainer.dist_ckpt import SPACE_MARGIN, check_free_space
 
     with atomic_directory(out) as tmp:
@@ -174,7 +181,7 @@ def mcore_to_hf(
         with byte_progress(sum(w.total_bytes for w in writers), "mcore-to-hf", progress) as bar:
             for w in writers:
                 w.progress = bar
-            for group in source.hf_groups(on_disk=sglang_tp is None):
+            for group in tensors.hf_groups(on_disk=sglang_tp is None):
                 for writer, tensors in zip(writers, split(group), strict=True):
                     for name, tensor in tensors.items():
                         writer.write(name, tensor)
@@ -186,7 +193,30 @@ def mcore_to_hf(
     return Path(out)
 
 
-def _output_layout(source: McoreCheckpoint, torch_dtype: torch.dtype, sglang_tp: int | None, max_shard_bytes: int):
+def _with_base(source: McoreCheckpoint, base: str | Path | None) -> McoreCheckpoint | MergedModel:
+    """What the export reads: `source`, or for a LoRA checkpoint of the adapters alone, them merged
+    onto their base (`base`, else lora_base.json's), checked to be the base they were trained on."""
+    if source.holds_base:
+        _no_base_given(source.dir, base)
+        return source
+    return merged_onto_base(source, lambda: _meta_model(source.spec, source.lora), base)
+
+
+def _no_base_given(directory: Path, base: str | Path | None) -> None:
+    if base is not None:  # (never silently ignored: the user meant another base)
+        raise ValueError(f"--base {base}: {directory} holds its model's base itself (give no --base)")
+
+
+def _meta_model(spec: ModelSpec, lora: LoRAConfig | None):
+    """The TP=1 model of `spec` built on the meta device (no memory): its keys, shards and shapes."""
+    _megatron_world_of_one()
+    with torch.device("meta"):
+        return _model(spec, lora)
+
+
+def _output_layout(
+    source: McoreCheckpoint | MergedModel, torch_dtype: torch.dtype, sglang_tp: int | None, max_shard_bytes: int
+):
     """(the writers of the output files in a directory, a group of HF tensors -> each writer's part):
     HF shards in the layout the model came in (its kept tensors too), or with sglang_tp each SGLang
     rank's files (the text model's tensors only)."""
@@ -228,18 +258,25 @@ def _carried_tokenizer(directory: Path) -> Path:
 
 
 def verify_conversion(
-    hf_dir: str | Path, mcore_dir: str | Path, seed: int = 0, batch: int = 2, seq: int = 32
+    hf_dir: str | Path,
+    mcore_dir: str | Path,
+    seed: int = 0,
+    batch: int = 2,
+    seq: int = 32,
+    base: str | Path | None = None,
 ) -> dict[str, float]:
     """Logits of the HF model (transformers, on the CPU) and the Megatron checkpoint (on the GPU
-    where there is one, in float32 without TF32) on random token ids."""
+    where there is one, in float32 without TF32) on random token ids; a LoRA checkpoint of the
+    adapters alone on its base (lora_base.json's, or `base`, checked as mcore_to_hf checks it)."""
     import transformers
 
     hf = HFCheckpoint(hf_dir)
     _megatron_world_of_one()
-    from bapo_megatron.trainer.dist_ckpt import load_model, saved_lora
+    from bapo_megatron.trainer.dist_ckpt import saved_lora
 
-    model = _model(hf.spec, saved_lora(weights_dir(mcore_dir)))  # a LoRA run's: the trainer's model, adapters on
-    load_model([model], weights_dir(mcore_dir))  # a step, a run's checkpoint.dir or its run directory
+    directory = weights_dir(mcore_dir)  # a step, a run's checkpoint.dir or its run directory
+    model = _model(hf.spec, saved_lora(directory))  # a LoRA run's: the trainer's model, adapters on
+    _load_weights(model, directory, base)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(hf_dir), dtype=torch.float32, trust_remote_code=False
@@ -258,3 +295,22 @@ def verify_conversion(
         torch.backends.cuda.matmul.allow_tf32 = tf32
     diff = (ours - theirs).abs().max().item()
     return {"max_abs": diff, "max_rel": diff / max(theirs.abs().max().item(), 1e-12)}
+
+
+def _load_weights(model, directory: Path, base: str | Path | None) -> None:
+    """`directory`'s weights into `model` (TP 1); a LoRA checkpoint of the adapters alone onto its base."""
+    from bapo_megatron.trainer import megatron_config as mc
+    from bapo_megatron.trainer.dist_ckpt import holds_base, load_model, model_sharded_state_dict
+    from bapo_megatron.weights.hf_load import load_hf_weights
+
+    if holds_base(model_sharded_state_dict([model]), directory):
+        _no_base_given(directory, base)
+        load_model([model], directory)
+        return
+    merged = _with_base(McoreCheckpoint(directory), base)
+    if merged.base.hf is not None:
+        vocab = mc.padded_vocab(merged.spec, ModelConfig(), ParallelConfig())
+        load_hf_weights([model], merged.spec, merged.base.hf, vocab)
+    else:
+        load_model([model], merged.base.mcore.dir)
+    load_model([model], directory, onto_base=True)

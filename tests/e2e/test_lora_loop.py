@@ -2,10 +2,10 @@
 rollout continued across versions): after the base at the start, every sync sends the engine the
 adapters alone (model.lora.sync adapter: their bytes, far fewer than the model's, checksummed), which
 it serves under each version's name with what the trainer computes (the probe, with the adapter on,
-within 1e-5 after every sync); the checkpoint holds the base as it was loaded and Adam's
-state for the adapters only; mcore-to-hf writes the merged model, whose logits transformers gives
-as the trainer does (`verify`), and --peft-adapter the adapters that peft loads onto the base with
-the same logits."""
+within 1e-5 after every sync); the checkpoint holds the adapters and their Adam state alone, and
+names the base (lora_base.json); mcore-to-hf merges them onto that base, whose logits transformers
+gives as the trainer does (`verify`), and --peft-adapter writes the adapters that peft loads onto the
+base with the same logits."""
 
 import subprocess
 import sys
@@ -16,6 +16,7 @@ import torch
 from bapo_megatron.common.hf_io import HFCheckpoint
 from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.models.lora import is_adapter
+from bapo_megatron.trainer.base_identity import recorded_base
 from bapo_megatron.trainer.safe_load import read_metadata
 from bapo_megatron.weights.lora_sync import adapter_update_bytes
 from bapo_megatron.weights.mcore_io import McoreCheckpoint
@@ -39,7 +40,8 @@ def test_lora_run_sends_the_adapters_alone_and_exports_merged_and_peft(hf_model,
 
     task = write_task(tmp_path / "task", 16, hf_model(*MODEL))
     run = tmp_path / "run"
-    train(args(task, run, 2, "rollout.mode=sync", "rollout.sync.check_every=1", "model.lora.rank=4"))
+    lora = ("rollout.mode=sync", "rollout.sync.check_every=1", "model.lora.rank=4")
+    train(args(task, run, 2, *lora))
     steps = metrics(run)
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["sync/probe_logprob_gap"] <= 1e-5 for m in steps), [m["sync/probe_logprob_gap"] for m in steps]
@@ -50,14 +52,14 @@ def test_lora_run_sends_the_adapters_alone_and_exports_merged_and_peft(hf_model,
     assert all(m["sync/verified"] == 1.0 for m in steps) and adapters * 10 < model
 
     step = run / "ckpt" / "step_00000002"
-    adam = [k for k in read_metadata(step).state_dict_metadata if k.startswith("optimizer.state.")]
+    saved = {k: m for k, m in read_metadata(step).state_dict_metadata.items() if hasattr(m, "size")}  # tensors
+    adam = [k for k in saved if k.startswith("optimizer.state.")]
     assert adam and all(is_adapter(k) for k in adam), [k for k in adam if not is_adapter(k)][:3]
+    model = [k for k in saved if not k.startswith("optimizer.")]
+    assert model and all(is_adapter(k) for k in model), [k for k in model if not is_adapter(k)][:3]  # no base
+    assert recorded_base(step).path == str((task / "m").resolve())  # the base: from model.hf_path at every start
     stored = McoreCheckpoint(step)
-    assert stored.lora is not None and stored.lora.rank == 4
-    stored.lora = None  # its base weights as stored, adapters left out: those loaded at the start
-    for group in stored.hf_groups():
-        for name, tensor in group.items():
-            assert torch.equal(tensor, base[name]), name
+    assert stored.lora is not None and stored.lora.rank == 4 and not stored.holds_base
 
     _convert(
         "mcore-to-hf",
@@ -84,3 +86,7 @@ def test_lora_run_sends_the_adapters_alone_and_exports_merged_and_peft(hf_model,
         )
         ours = with_adapter.eval()(ids).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+    train(args(task, run, 3, *lora))  # resumed: the base from model.hf_path, adapters and Adam state from step 2
+    resumed = metrics(run)
+    assert [m["step"] for m in resumed] == [1, 2, 3] and resumed[-1]["sync/probe_logprob_gap"] <= 1e-5

@@ -121,25 +121,36 @@ def _loader_worker(rank: int, world: int, hf_dir: str, tmp: str) -> None:
 
 def _resumes_exactly(trainer, state, tmp: str) -> None:
     """A LoRA step saved and resumed: the adapters and their Adam state as they were (the next step
-    the same to the bit), the base unchanged by training."""
+    the same to the bit), the base unchanged by training. Saved the way a run with a base from a
+    source saves (the adapters alone: no base tensor in the checkpoint), and the way checkpoints were
+    written before (the base beside them), which still resume."""
     from bapo_megatron.config.run import CheckpointConfig
     from bapo_megatron.trainer.checkpoint import CheckpointManager
+    from bapo_megatron.trainer.safe_load import read_metadata
     from tests.helpers import make_batch
 
     lora = ("model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=1e-2", "parallel.max_tokens_per_microbatch=48")
-    first = trainer(*lora)
-    start = state(first)
-    first.train_step(make_batch(0))
-    manager = CheckpointManager(CheckpointConfig(dir=f"{tmp}/run"))
-    saved = manager.save(first)
-    first.train_step(make_batch(1))
-    resumed = trainer(*lora)
-    manager.load(resumed, saved)
-    resumed.train_step(make_batch(1))
-    ours, theirs = state(resumed), state(first)
-    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
-    moved = {k for k in ours if not torch.equal(ours[k], start[k])}
-    assert moved == {k for k in ours if is_adapter(k)}  # every adapter trained (B from zero), no base weight
+    for without_base in (True, False):
+        first = trainer(*lora)
+        start = state(first)
+        first.train_step(make_batch(0))
+        manager = CheckpointManager(CheckpointConfig(dir=f"{tmp}/run-{without_base}"))
+        manager.without_base = without_base
+        saved = manager.save(first)
+        stored = {  # the model's tensors (its modules' small objects, TE's _extra_state, are kept either way)
+            k for k, m in read_metadata(saved).state_dict_metadata.items() if hasattr(m, "size") and "." in k
+        }
+        stored = {k for k in stored if not k.startswith("optimizer.")}
+        assert stored and all(is_adapter(k) for k in stored) == without_base, sorted(stored)[:3]
+        first.train_step(make_batch(1))
+        resumed = trainer(*lora)  # its base: the seed's, as the first's (a run loads it from its source)
+        CheckpointManager(CheckpointConfig(dir=f"{tmp}/run-{without_base}")).load(resumed, saved)
+        resumed.train_step(make_batch(1))
+        ours, theirs = state(resumed), state(first)
+        differ = [k for k in ours if not torch.equal(ours[k], theirs[k])]
+        assert not differ, (without_base, differ[:3])
+        moved = {k for k in ours if not torch.equal(ours[k], start[k])}
+        assert moved == {k for k in ours if is_adapter(k)}  # every adapter trained (B from zero), no base weight
 
 
 def test_a_lora_trainer_loads_the_base_around_its_adapters(hf_model, tmp_path):

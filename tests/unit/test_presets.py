@@ -337,19 +337,26 @@ def _adapters_by_hand(name: str, tp: int) -> tuple[int, int]:
 @pytest.mark.parametrize("name", sorted(LORA_PRESETS))
 def test_the_lora_presets_fit_fewer_nodes_and_their_adapters_are_the_hand_count(name, capsys, monkeypatch):
     """lora.yaml: the dry run on one 8-GPU trainer node (config.yaml needs four) prints the adapters'
-    size and counts gradients and Adam state for them alone, as worked out by hand; the peak fits."""
+    size and counts gradients and Adam state for them alone, as worked out by hand; the peak fits.
+    Without --world-size it plans the nodes the preset's own sbatch command states (its script's
+    default is config.yaml's four trainer nodes): one trainer node, the engines on one rollout node."""
     from bapo_megatron.train import main
 
     cfg, world = load_config(ROOT / "examples" / name / "lora.yaml"), LORA_PRESETS[name]
     assert world < PRESETS[name][0] and cfg.model.lora.enabled and cfg.rollout.engines.servers * 4 == world
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    main([f"examples/{name}/lora.yaml", "--dry-run", f"--world-size={world}"])
+    main([f"examples/{name}/lora.yaml", "--dry-run"])
     out = capsys.readouterr().out
     assert f"trainer: {world} processes" in out
+    assert f"planned for {world} trainer processes" in out and "--nodes=2" in out
+    assert "1 trainer node(s) x 8 GPUs, 1 rollout node(s)" in out and "1 node(s) x 2 server(s)" in out
     whole, local = _adapters_by_hand(name, cfg.parallel.tensor)
     said = re.search(r"LoRA adapters \(model.lora, rank (\d+)\): ([\d,]+) parameters, ([\d.]+) MiB in bf16", out)
     assert int(said.group(1)) == cfg.model.lora.rank and int(said.group(2).replace(",", "")) == whole
     assert float(said.group(3)) == pytest.approx(whole * 2 / 2**20, abs=0.05)
+    saved = re.search(r"each checkpoint holds the adapters and their optimizer state, ([\d,.]+) MiB", out)
+    bf16, main, moments = 2, 4, 8  # a bf16 adapter, its fp32 main copy, Adam's two fp32 moments: no base
+    assert float(saved.group(1).replace(",", "")) == pytest.approx(whole * (bf16 + main + moments) / 2**20, abs=0.05)
     line = next(line for line in out.splitlines() if line.startswith("trainer, distributed optimizer:"))
     got = {k: float(v) for k, v in re.findall(r"(gradients|optimizer|peak) ([\d.]+) GiB", line)}
     dp = world // (cfg.parallel.tensor * cfg.parallel.pipeline)
