@@ -150,7 +150,8 @@ class PolicyBatch:
     logprobs == top_logprobs exactly where the given token is the greedy choice (sft reports
     sft/token_acc and sft/answer_acc from it)."""
     first_update: bool = True
-    """Report rollout/logprob_mismatch (this is the first update on a fresh rollout batch)."""
+    """The first update on a fresh rollout batch: the one whose weights are the ones that sampled
+    (its own version's tokens), where the train-rollout log-prob gap is measured (rollout_corr_metrics)."""
     sequences: Sequences | None = None
     """Which response each token belongs to, for sequence-level correction and metrics; default:
     each row of a 2-D batch is one."""
@@ -245,9 +246,6 @@ def _output(
     out.add_mean("bapo/clipfrac_high", (w * ((a > 0) & (r > c_high))).sum(), count)
     if batch.entropy is not None:
         out.add_mean("policy/entropy", torch.where(tokens.counted, w * batch.entropy.detach(), 0.0).sum(), count)
-    if batch.first_update:
-        diff = torch.where(tokens.counted, (tokens.logprobs.detach() - batch.old_logprobs).abs(), 0.0)
-        out.add_mean("rollout/logprob_mismatch", (w * diff).sum(), count)
     # The parts of two shares measured alike for every method (the paper's Fig. 4), as means over
     # the counted tokens, so that they add up over micro-batches, ranks and updates (a mini-batch
     # whose groups all carry no advantage adds 0 to each, where a ratio of its own would be 0/0):
@@ -496,5 +494,7 @@ def policy_loss(
     for name, (value, count) in metrics.items():
         out.add_mean(name, value, count)
     if fixed is not None:
-        corr_metrics.add_metrics(out, fixed, batch.old_logprobs, batch.mask, batch.same_version, batch.is_scale)
+        corr_metrics.add_metrics(
+            out, fixed, batch.old_logprobs, batch.mask, batch.same_version, batch.is_scale, batch.first_update
+        )
     return out

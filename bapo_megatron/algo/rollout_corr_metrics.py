@@ -23,43 +23,65 @@ from bapo_megatron.algo.rollout_correction import (
     Rejection,
     RolloutCorrectionConfig,
     Sequences,
-    seq_means,
 )
 
 PREFIX = "rollout_corr/"
 HIDDEN = PREFIX + "_"
 """Parts of derived metrics: reduced with the rest, replaced by their metric in finish()."""
+ABS_DIFF = PREFIX + "train_rollout_logprob_abs_diff"
+"""Miles' and slime's train-rollout log-prob gap, the mean |log pi - log mu|; ABS_DIFF +
+"_same_version" is the train-inference mismatch proper (the gate logging.checks bounds)."""
+MISMATCH_METRICS = (ABS_DIFF, ABS_DIFF + "_same_version", ABS_DIFF + "_older", PREFIX + "log_ppl_abs_diff")
+"""The absolute train-rollout log-prob differences a step reports (a bound in log-prob units fits them)."""
 
 
 class _Adder:
     """Adds one micro-batch's metric parts under PREFIX: token means over m, sequence means over
-    the sequences given (`over`: a [count] 0/1 selection of them)."""
+    the sequences given (`over`: a [count] 0/1 selection of them). What several metrics share (the
+    counted tokens, each sequence's token count, each selection's count) is computed once: on a
+    CPU step of the demo's size the metrics' cost is the number of tensor operations."""
 
     def __init__(self, out: LossOutput, m: torch.Tensor, seqs: Sequences) -> None:
         self.out, self.m, self.seqs = out, m, seqs
+        self.counted = m > 0
         self.n_tok = m.sum()
+        self.seq_tokens = seqs.sum(m)
+        """Each sequence's counted tokens."""
+        self._selections: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def seq_means(self, values: torch.Tensor) -> torch.Tensor:
+        """rollout_correction.seq_means(values, m, seqs), the token counts summed once."""
+        return self.seqs.sum(values * self.m) / (self.seq_tokens + EPS)
+
+    def _selection(self, over: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(over > 0, over.sum()), once per selection tensor (the same few are passed many times)."""
+        held = self._selections.get(id(over))
+        if held is None or held[0] is not over:
+            held = self._selections[id(over)] = (over, over > 0, over.sum())
+        return held[1], held[2]
 
     def token_mean(self, name: str, values: torch.Tensor) -> None:
-        self.out.add_mean(PREFIX + name, torch.where(self.m > 0, values, 0.0).sum(), self.n_tok)
+        self.out.add_mean(PREFIX + name, torch.where(self.counted, values, 0.0).sum(), self.n_tok)
 
     def seq_mean(self, name: str, values: torch.Tensor, over: torch.Tensor | None = None) -> None:
         if over is None:
             self.out.add_mean(PREFIX + name, values.sum(), values.new_full((), values.numel()))
         else:
-            self.out.add_mean(PREFIX + name, (values * over).sum(), over.sum())
+            self.out.add_mean(PREFIX + name, (values * over).sum(), self._selection(over)[1])
 
     def extremes(self, name: str, values: torch.Tensor, over: torch.Tensor, which=("max", "min")) -> None:
         """Maximum and minimum of `values` where `over` (neutral where nothing is)."""
         if values.numel() == 0:
             return
+        where = self.counted if over is self.m else self._selection(over)[0]
         if "max" in which:
-            self.out.add_max(PREFIX + name + "_max", torch.where(over > 0, values, -math.inf).max())
+            self.out.add_max(PREFIX + name + "_max", torch.where(where, values, -math.inf).max())
         if "min" in which:
-            self.out.add_min(PREFIX + name + "_min", torch.where(over > 0, values, math.inf).min())
+            self.out.add_min(PREFIX + name + "_min", torch.where(where, values, math.inf).min())
 
     def deviation(self, name: str, values: torch.Tensor, over: torch.Tensor) -> None:
         if values.numel():
-            self.out.add_max(PREFIX + name, torch.where(over > 0, values, -math.inf).max())
+            self.out.add_max(PREFIX + name, torch.where(self._selection(over)[0], values, -math.inf).max())
 
     def std_parts(self, name: str, values: torch.Tensor) -> None:
         """A token std: its two moments, finished as sqrt(E[x^2] - E[x]^2)."""
@@ -78,7 +100,7 @@ def offpolicy_metrics(out: LossOutput, logprobs, old, mask, seqs: Sequences) -> 
     lp = torch.where(m > 0, logprobs.detach().to(m), 0.0)
     mu = torch.where(m > 0, old.to(m), 0.0)
     add = _Adder(out, m, seqs)
-    train, roll = seq_means(lp, m, seqs), seq_means(mu, m, seqs)
+    train, roll = add.seq_means(lp), add.seq_means(mu)
     add.seq_mean("training_ppl", torch.exp(-train))
     add.seq_mean("training_log_ppl", -train)
     add.token_mean("kl", mu - lp)
@@ -116,12 +138,12 @@ def is_metrics(out: LossOutput, c: Correction, mask, seqs: Sequences, cfg: Rollo
         add.extremes("rollout_is", torch.exp(log.clamp(max=SAFETY_BOUND)), every, which=("max",))
         add.extremes("rollout_is", torch.exp(log), every, which=("min",))
     add.std_parts("rollout_is", w.clamp(0.0, upper))
-    seq_w = seq_means(w, m, seqs)
+    seq_w = add.seq_means(w)
     add.seq_mean("rollout_is_seq_mean", seq_w)
     add.seq_std_parts("rollout_is_seq_std", seq_w, every)
     add.extremes("rollout_is_seq", seq_w, every)
     add.deviation("rollout_is_seq_max_deviation", (seq_w - 1.0).abs(), every)
-    raw_seq = seq_means(raw, m, seqs)
+    raw_seq = add.seq_means(raw)
     add.seq_mean("rollout_is_seq_fraction_high", (raw_seq > upper).to(m))
     add.seq_mean("rollout_is_seq_fraction_low", (raw_seq < low).to(m))
     if lower is not None:
@@ -132,7 +154,7 @@ def rs_metrics(out: LossOutput, rejections: list[Rejection], mask, seqs: Sequenc
     """verl's compute_rs_metrics for each rule, its masked fractions, and the overall ones."""
     m = (mask != 0).to(torch.float64)
     add = _Adder(out, m, seqs)
-    valid = (seqs.sum(m) > 0).to(m)
+    valid = (add.seq_tokens > 0).to(m)
     keep = torch.ones_like(m)
     for rej in rejections:
         _rule_metrics(add, rej, m, seqs, valid)
@@ -147,7 +169,7 @@ def _rule_metrics(add: _Adder, rej: Rejection, m, seqs: Sequences, valid: torch.
     rule, stat = rej.rule, rej.stat.to(m)
     name = f"rollout_rs_{rule.option}"
     lower, upper = rule.metric_bounds()
-    seq_values = (seq_means(stat, m, seqs) if rej.per_seq is None else rej.per_seq).to(m)
+    seq_values = (add.seq_means(stat) if rej.per_seq is None else rej.per_seq).to(m)
     add.token_mean(f"{name}_mean", stat)
     if rule.level == "sequence":
         add.extremes(name, seq_values, valid)
@@ -185,15 +207,21 @@ def staleness_metrics(out: LossOutput, logprobs, old, mask, same: torch.Tensor |
         if suffix:  # a split of no tokens (no older one in a synchronous run) reports nothing
             out.add_sum(f"{HIDDEN}tokens:{suffix}", n)
         out.add_mean(f"{PREFIX}token_mult_prob_error{suffix}", torch.where(where, torch.exp(gap), 0.0).sum(), n)
-        out.add_mean(f"{PREFIX}train_rollout_logprob_abs_diff{suffix}", torch.where(where, gap, 0.0).sum(), n)
+        out.add_mean(f"{ABS_DIFF}{suffix}", torch.where(where, gap, 0.0).sum(), n)
 
 
-def add_metrics(out: LossOutput, fixed: Corrected, old, mask, same_version=None, is_scale=None) -> None:
+def add_metrics(
+    out: LossOutput, fixed: Corrected, old, mask, same_version=None, is_scale=None, first_update: bool = True
+) -> None:
     """Every rollout_corr/ metric of one micro-batch, over the tokens given, rejected ones included
-    (verl measures before it rejects)."""
+    (verl measures before it rejects). The staleness metrics only on the first update of a rollout
+    batch: later updates measure weights that moved since the engine sampled (training drift, not
+    the engine's gap), as Miles, slime and NeMo-RL measure them once per step before training. The
+    rest describe the weights and masks each update applies, as verl's bypass mode does."""
     cfg, c, seqs, measured = fixed.cfg, fixed.correction, fixed.sequences, fixed.measured
     offpolicy_metrics(out, measured, old, mask, seqs)
-    staleness_metrics(out, measured, old, mask, same_version)
+    if first_update:
+        staleness_metrics(out, measured, old, mask, same_version)
     if cfg.rollout_is is not None:
         is_metrics(out, c, mask, seqs, cfg)
         if cfg.rollout_is_batch_normalize:

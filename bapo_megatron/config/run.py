@@ -7,7 +7,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bapo_megatron.errors import check
+from bapo_megatron.algo.rollout_corr_metrics import ABS_DIFF, MISMATCH_METRICS
+from bapo_megatron.errors import ConfigError, check
+
+RENAMED_METRICS = {
+    "rollout/logprob_mismatch": ABS_DIFF,
+    "rollout/logprob_mismatch_same_version": ABS_DIFF + "_same_version",
+}
+"""Metrics earlier versions reported and the name of the same figure now (a config carried from an
+older run that bounds one is told, not left bounding a metric no step reports)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,9 +36,12 @@ class RunChecksConfig:
     max_logprob_mismatch: float | None = None
     """The largest train-rollout absolute log-prob difference (each of mismatch_metrics) a step may
     report; None: not checked. fp32 engine and trainer: ~1e-6; a bf16 engine: ~1e-2."""
-    mismatch_metrics: tuple[str, ...] = ("rollout/logprob_mismatch_same_version",)
-    """The metrics max_logprob_mismatch bounds (e.g. rollout/logprob_mismatch, which an asynchronous
-    or partial rollout raises with older tokens, or rollout_corr/train_rollout_logprob_abs_diff)."""
+    mismatch_metrics: tuple[str, ...] = (ABS_DIFF + "_same_version",)
+    """The metrics max_logprob_mismatch bounds, of rollout_corr_metrics.MISMATCH_METRICS: by default
+    the tokens the step's own version sampled (the train-inference mismatch proper);
+    rollout_corr/train_rollout_logprob_abs_diff counts older ones too, which an asynchronous or
+    partial rollout raises. Checked where max_logprob_mismatch is set (RENAMED_METRICS' names get
+    their new one)."""
     logprob_range: bool = True
     """Log-probs lie in (-inf, 0]: each of log_ppl_metrics (a mean of -log p over a step's
     sequences: no metric reports single log-probs) is finite and >= 0 (within kl_tolerance)."""
@@ -56,10 +67,22 @@ class RunChecksConfig:
             ok = math.isfinite(self.max_logprob_mismatch) and self.max_logprob_mismatch >= 0
             check(ok, "max_logprob_mismatch", self.max_logprob_mismatch, "must be >= 0 (None: not checked)")
             check(bool(self.mismatch_metrics), "mismatch_metrics", self.mismatch_metrics, "names no metric to bound")
+            _check_mismatch_metrics(self.mismatch_metrics)
         for name, names in (("mismatch_metrics", self.mismatch_metrics), ("log_ppl_metrics", self.log_ppl_metrics)):
-            check(all("/" in n for n in names), name, names, "metric names have a slash (rollout/logprob_mismatch)")
+            check(all("/" in n for n in names), name, names, f"metric names have a slash ({ABS_DIFF})")
         low, high = self.entropy_min, self.entropy_max
         check(low is None or high is None or low <= high, "entropy_max", high, f"is below entropy_min={low}")
+
+
+def _check_mismatch_metrics(names: tuple[str, ...]) -> None:
+    """ConfigError unless each name is one of MISMATCH_METRICS, the log-prob differences the loss
+    reports (a name no step reports would never be checked); an earlier version's name is told its
+    new one."""
+    for name in names:
+        if name in RENAMED_METRICS:
+            raise ConfigError("mismatch_metrics", names, f"{name} is now called {RENAMED_METRICS[name]}")
+        known = ", ".join(MISMATCH_METRICS)
+        check(name in MISMATCH_METRICS, "mismatch_metrics", names, f"{name} is none of the bounded metrics: {known}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -299,12 +299,6 @@ class PolicyTrainer:
             # finish the schedule with the starting bounds so no pipeline peer waits, then skip.
             self._invalid(step, err)
             out = policy_loss(batch, self.cfg.algo, bounds=self._start_bounds())
-        if step.first_update and step.version is not None:
-            # the train-inference mismatch proper: tokens these very weights sampled (async mixes older ones in)
-            same = (mb.versions == step.version) & (mb.loss_mask > 0)
-            gap = ((logp.detach() - mb.old_logprobs).abs() * same).sum()
-            out.add_mean("rollout/logprob_mismatch_same_version", gap, same.sum())
-            out.add_mean("rollout/same_version_share", same.sum(), (mb.loss_mask > 0).sum())
         # The schedule gets a tensor of its own: with pipeline stages it frees what it backpropagates
         # through (deallocate_pipeline_outputs: .data made an uninitialised [1]), and the non-finite
         # check reads out.loss_sum afterwards
@@ -438,8 +432,6 @@ class PolicyTrainer:
         metrics: dict[str, float] = {}
         if self.info.is_last_stage:
             metrics = corr_metrics.finish(reduce_metrics(outputs, group=self.info.dp_cp_group))
-            if metrics.get("rollout/same_version_share", 1.0) == 0.0:  # no token of this version: no figure
-                metrics.pop("rollout/logprob_mismatch_same_version")
         metrics.update(adv_metrics)
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])

@@ -10,8 +10,8 @@ versions stale (rollout.mode async, max_staleness 2), BAPO as the loss. Both arm
 engine's routes (rollout.record_routes), so both measure how often the trainer's routers would
 choose other experts than the engine did (moe/router_disagreement); the "on" arm replays the
 engine's routes in training (algo.routing_replay). Per run: the mean over steps of the log-prob
-mismatch on tokens the very weights sampled (rollout/logprob_mismatch_same_version: the
-train-inference mismatch proper), of the mismatch over all tokens (staleness included), of the
+mismatch on tokens the very weights sampled (rollout_corr/train_rollout_logprob_abs_diff_same_version:
+the train-inference mismatch proper), of the mismatch over all tokens (staleness included), of the
 router disagreement and of BAPO's positive share of the loss; and the final held-out greedy
 accuracy. Asynchronous at staleness 2, every token after the first step is 2 versions old: the
 mismatch and disagreement there mix the policy's own change with the engine's numerics. The first
@@ -50,11 +50,11 @@ REGIME = [
     "algo.updates_per_batch=1",
 ]
 FIRST_STEP = {  # record key: the metric at the first step, whose tokens the starting weights sampled
-    "first_mismatch": "rollout/logprob_mismatch_same_version",
+    "first_mismatch": "rollout_corr/train_rollout_logprob_abs_diff_same_version",
     "first_disagreement": "moe/router_disagreement",
 }
 PER_RUN = {  # record key: the metric whose mean over the run's steps it is (where reported)
-    "mismatch_all": "rollout/logprob_mismatch",
+    "mismatch_all": "rollout_corr/train_rollout_logprob_abs_diff",
     "router_disagreement": "moe/router_disagreement",
     "positive_loss_share": "policy/positive_loss_share",
     "load_max": "moe/load_max",

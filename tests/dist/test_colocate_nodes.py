@@ -42,7 +42,7 @@ def test_two_nodes_each_start_their_engine_and_feed_it_the_weights(tmp_path, hf_
     got = metrics(run)
     assert [m["step"] for m in got] == [1]
     for m in got:  # both engines served every version (checked after each sync) and the trainer's weights
-        assert m["sync/probe_logprob_gap"] <= 1e-5 and m["rollout/logprob_mismatch"] <= 1e-5, m
+        assert m["sync/probe_logprob_gap"] <= 1e-5 and m["rollout_corr/train_rollout_logprob_abs_diff"] <= 1e-5, m
     no_engine_left(run)
 
 

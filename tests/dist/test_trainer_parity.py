@@ -40,7 +40,7 @@ COMPARED = (
     "train/grad_norm",
     "policy/entropy",
     "policy/ratio_mean",
-    "rollout/logprob_mismatch",
+    "rollout_corr/train_rollout_logprob_abs_diff",
 )
 
 

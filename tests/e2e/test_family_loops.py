@@ -94,13 +94,13 @@ def test_family_trains_at_ep2_with_replayed_routes_async_or_partial_and_exports_
     steps = metrics(run)
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
     first = steps[0]
-    assert first["rollout/logprob_mismatch_same_version"] <= 1e-5, first
+    assert first["rollout_corr/train_rollout_logprob_abs_diff_same_version"] <= 1e-5, first
     assert first["moe/router_disagreement"] <= 0.01, first
     assert steps[1]["sync/probe_logprob_gap"] <= 1e-5, steps[1]
     hf = json.loads((task["model"] / "config.json").read_text())
     most = hf.get("n_routed_experts", hf.get("num_experts")) / hf["num_experts_per_tok"]  # every token in one expert
     for m in steps:
-        same = m.get("rollout/logprob_mismatch_same_version")  # None: every token a version old (async)
+        same = m.get("rollout_corr/train_rollout_logprob_abs_diff_same_version")  # None: all tokens older (async)
         assert same is None or same <= 1e-5, m
         assert m["moe/routed_samples_share"] == 1.0 and "moe/router_disagreement" in m, m
         assert 1.0 <= m["moe/load_max"] <= most + 1e-6, m

@@ -40,8 +40,8 @@ def test_qwen3_moe_lora_trains_at_ep2_with_replayed_routes_and_exports_to_hf(tas
     steps = metrics(run)
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
-        assert m["sync/probe_logprob_gap"] <= 1e-5 and m["rollout/logprob_mismatch"] <= 1e-5, m
-        assert m["rollout/logprob_mismatch_same_version"] <= 1e-5, m  # sync: every token is this version's
+        assert m["sync/probe_logprob_gap"] <= 1e-5 and m["rollout_corr/train_rollout_logprob_abs_diff"] <= 1e-5, m
+        assert m["rollout_corr/train_rollout_logprob_abs_diff_same_version"] <= 1e-5, m  # sync: all this version's
         assert m["moe/router_disagreement"] <= 0.01 and m["moe/routed_samples_share"] == 1.0, m
         assert 1.0 <= m["moe/load_max"] < 4.0, m
         assert m["sync/bytes"] == m["sync/adapter_bytes"] > 0, m  # the adapters alone, every step

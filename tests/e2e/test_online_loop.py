@@ -52,7 +52,7 @@ def test_online_run_syncs_every_step_and_resumes(task, tmp_path):
     assert [m["step"] for m in first] == [1, 2, 3]
     for m in first:
         assert m["rollout/token_staleness_max"] == 0  # oversample 1: every group finishes in its step
-        assert m["rollout/logprob_mismatch"] <= 1e-5, m  # the engines serve exactly the trainer's weights
+        assert m["rollout_corr/train_rollout_logprob_abs_diff"] <= 1e-5, m  # engines hold the trainer's weights
         assert m["sync/probe_logprob_gap"] <= 1e-5
         assert m["sync/bytes"] > 0 and m["time/weight_sync"] > 0
         assert m["rollout/rounds"] >= 2  # partial rollout cut the 16-token responses at the budget of 8
@@ -257,7 +257,7 @@ def test_parallel_trainers_sync_their_engines_and_match_one_process(task, tmp_pa
     ours, theirs = metrics(parallel), metrics(single)
     assert [m["step"] for m in ours] == [1, 2]
     for m in ours:
-        assert m["sync/probe_logprob_gap"] <= 1e-5 and m["rollout/logprob_mismatch"] <= 1e-5, m
+        assert m["sync/probe_logprob_gap"] <= 1e-5 and m["rollout_corr/train_rollout_logprob_abs_diff"] <= 1e-5, m
     keys = ("loss/pg", "train/grad_norm", "bapo/clip_low", "bapo/clip_high", "bapo/rho", "rollout/reward_mean")
     for key in keys:
         assert math.isclose(ours[0][key], theirs[0][key], rel_tol=1e-5, abs_tol=1e-6), (
@@ -305,7 +305,7 @@ def test_colocated_engines_take_the_weights_by_handle_between_releases(task, tmp
     got = metrics(run)
     assert [m["step"] for m in got] == [1, 2]
     for m in got:
-        assert m["sync/probe_logprob_gap"] <= 1e-5 and m["rollout/logprob_mismatch"] <= 1e-5, m
+        assert m["sync/probe_logprob_gap"] <= 1e-5 and m["rollout_corr/train_rollout_logprob_abs_diff"] <= 1e-5, m
     # (each sync resumed the engine's memory: an engine refuses to resume memory it did not release,
     # so the run's success shows the release after each rollout happened)
     no_engine_left(run)

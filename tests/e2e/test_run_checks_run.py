@@ -27,7 +27,7 @@ def test_a_failed_check_stops_an_async_run_with_one_line_and_status_json(tmp_pat
         "rollout.oversample=2",
         "algo.kl_coef=0.05",
         "checkpoint.interval=1",
-        "logging.checks.mismatch_metrics=[rollout/logprob_mismatch]",
+        "logging.checks.mismatch_metrics=[rollout_corr/train_rollout_logprob_abs_diff]",
         "logging.checks.max_logprob_mismatch=0",
     )
     proc = start(args(task, run, 6, *extra))
@@ -35,7 +35,9 @@ def test_a_failed_check_stops_an_async_run_with_one_line_and_status_json(tmp_pat
     last = out.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
     said = re.fullmatch(
-        r"error: check max_logprob_mismatch failed at step (\d+): rollout/logprob_mismatch=(\S+), max 0 .*", last
+        r"error: check max_logprob_mismatch failed at step (\d+): "
+        r"rollout_corr/train_rollout_logprob_abs_diff=(\S+), max 0 .*",
+        last,
     )
     assert said, last
     step, value = int(said[1]), float(said[2])
@@ -43,7 +45,7 @@ def test_a_failed_check_stops_an_async_run_with_one_line_and_status_json(tmp_pat
     assert status == {"state": "failed", "reason": "error", "step": step, "steps": 6, "signal": None, "error": last[7:]}
     got = metrics(run)
     assert [m["step"] for m in got] == list(range(1, step + 1))  # the failing step's line is written
-    assert got[-1]["rollout/logprob_mismatch"] == pytest.approx(value, rel=1e-5) and value > 0
+    assert got[-1]["rollout_corr/train_rollout_logprob_abs_diff"] == pytest.approx(value, rel=1e-5) and value > 0
     assert abs(got[0]["loss/kl"]) <= 1e-6, got[0]  # the reference is the policy step 1 measured
     saved = sorted(p.name for p in (run / "ckpt").glob("step_*"))
     assert saved == [f"step_{s:08d}" for s in range(1, step)][-2:], saved  # the failing step is not saved

@@ -1,8 +1,8 @@
 """`python -m bapo_megatron.train` starts from model.hf_path's weights.
 
 The replayed batch's behaviour log-probs are transformers' own for the HF model, so the trainer's
-first-update log-prob mismatch (rollout/logprob_mismatch) is ~0 exactly when it trains from those
-weights; from a directory with the config but no weights it warns and starts from random ones
+first-update log-prob mismatch (rollout_corr/train_rollout_logprob_abs_diff) is ~0 exactly when
+it trains from those weights; from a directory with the config but no weights it warns and starts from random ones
 (the mismatch is then large).
 """
 
@@ -70,7 +70,7 @@ def _first_mismatch(tmp_path: Path, hf: Path, run: str) -> tuple[float, str]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = json.loads((tmp_path / (run + ".jsonl")).read_text().splitlines()[0])
-    return first["rollout/logprob_mismatch"], proc.stderr
+    return first["rollout_corr/train_rollout_logprob_abs_diff"], proc.stderr
 
 
 def test_training_starts_from_the_hf_weights(tmp_path):

@@ -107,7 +107,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     for a, b in zip(full, resumed, strict=True):
         for key in ("loss/pg", "train/grad_norm", "bapo/clip_low", "bapo/clip_high", "bapo/rho", "train/lr"):
             assert a[key] == b[key], (a["step"], key)
-    assert all("rollout/logprob_mismatch" in r for r in full)  # (of each batch's first update)
+    assert all("rollout_corr/train_rollout_logprob_abs_diff" in r for r in full)  # (of each batch's first update)
     # keep_last=1: only the newest checkpoint stays, and latest names it.
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["latest", "step_00000004"]
     run_workers(_final_weights_equal, 1, str(tmp_path))

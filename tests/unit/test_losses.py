@@ -172,7 +172,7 @@ def test_metrics_have_the_spec_names_and_values():
         "policy/entropy",
         "policy/ratio_mean",
         "policy/ratio_max",
-        "rollout/logprob_mismatch",
+        "rollout_corr/train_rollout_logprob_abs_diff",
         "loss/pg",
     }
     assert spec <= set(m)
@@ -184,7 +184,7 @@ def test_metrics_have_the_spec_names_and_values():
     assert m["policy/entropy"] == pytest.approx(batch.entropy[counted].mean().item())
     assert m["bapo/clipfrac_high"] == pytest.approx(((adv > 0) & (ratio > 1.2)).double().mean().item())
     assert m["bapo/clipfrac_low"] == pytest.approx(((adv < 0) & (ratio < 0.8)).double().mean().item())
-    assert m["rollout/logprob_mismatch"] == pytest.approx(ratio.log().abs().mean().item())
+    assert m["rollout_corr/train_rollout_logprob_abs_diff"] == pytest.approx(ratio.log().abs().mean().item())
     assert m["loss/pg"] == pytest.approx((out.loss_sum / out.token_count).item())
     pos = torch.where(adv > 0, adv * ratio.clamp(max=1.2), 0).sum()
     neg = torch.where(adv < 0, -adv * ratio.clamp(min=0.8), 0).sum()

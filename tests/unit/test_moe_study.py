@@ -20,8 +20,8 @@ def _write_run(path: Path, disagreement: list[float], acc: float) -> Path:
                 "step": step,
                 "policy/entropy": 1.0,
                 "moe/router_disagreement": d,
-                "rollout/logprob_mismatch": 0.02,
-                "rollout/logprob_mismatch_same_version": 0.01,
+                "rollout_corr/train_rollout_logprob_abs_diff": 0.02,
+                "rollout_corr/train_rollout_logprob_abs_diff_same_version": 0.01,
                 "policy/positive_loss_share": 0.4,
                 "moe/load_max": 1.5,
             }

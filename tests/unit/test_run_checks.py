@@ -23,8 +23,8 @@ def good_steps() -> list[dict[str, float]]:
             "train/step": float(step),
             "train/skipped": 0.0,
             "train/grad_norm": 0.5,
-            "rollout/logprob_mismatch": 2e-3,  # older tokens (async): not bounded by default
-            "rollout/logprob_mismatch_same_version": 8e-7,
+            "rollout_corr/train_rollout_logprob_abs_diff": 2e-3,  # older tokens (async): not bounded by default
+            "rollout_corr/train_rollout_logprob_abs_diff_same_version": 8e-7,
             "rollout_corr/training_log_ppl": 5.1,
             "rollout_corr/rollout_log_ppl": 5.1,
             "policy/entropy": 5.3,
@@ -49,7 +49,7 @@ BROKEN = [
     ("no_nan", 2, "rollout/reward_mean", math.nan, "must be a number"),
     ("kl_zero_at_first_step", 1, "loss/kl", 3e-4, "must be 0 within 1e-06"),
     ("kl_zero_at_first_step", 1, "loss/kl", -2e-6, "must be 0 within 1e-06"),
-    ("max_logprob_mismatch", 3, "rollout/logprob_mismatch_same_version", 0.02, "max 1e-05"),
+    ("max_logprob_mismatch", 3, "rollout_corr/train_rollout_logprob_abs_diff_same_version", 0.02, "max 1e-05"),
     ("logprob_range", 2, "rollout_corr/training_log_ppl", -0.01, "must be finite and >= 0"),
     ("logprob_range", 2, "rollout_corr/rollout_log_ppl", math.inf, "must be finite and >= 0"),
     ("entropy_min", 3, "policy/entropy", -1e-3, "min 0"),
@@ -74,7 +74,7 @@ def test_each_check_fires_with_one_line_naming_the_check_step_metric_value_and_b
 def test_checks_are_off_by_default_and_each_can_be_turned_off():
     steps = good_steps()
     steps[0].update({"loss/kl": 1.0, "rollout/reward_mean": math.nan, "policy/entropy": -1.0})
-    steps[0]["rollout/logprob_mismatch_same_version"] = 1.0
+    steps[0]["rollout_corr/train_rollout_logprob_abs_diff_same_version"] = 1.0
     steps[0]["rollout_corr/training_log_ppl"] = -1.0
     run(RunChecksConfig(), steps)
     off = replace(ON, kl_zero_at_first_step=False, no_nan=False, max_logprob_mismatch=None, logprob_range=False)
@@ -82,14 +82,14 @@ def test_checks_are_off_by_default_and_each_can_be_turned_off():
 
 
 def test_the_mismatch_bound_gates_the_metrics_it_is_given():
-    """rollout/logprob_mismatch (older tokens too) and the rollout_corr/ set are gated when named."""
+    """rollout_corr/train_rollout_logprob_abs_diff (older tokens too) and its splits are gated when named."""
     steps = good_steps()
     run(ON, steps)  # the async run's 2e-3 on every token is not the same-version figure
-    with pytest.raises(CheckFailed, match="rollout/logprob_mismatch=0.002, max 1e-05"):
-        run(replace(ON, mismatch_metrics=("rollout/logprob_mismatch",)), steps)
-    steps[1]["rollout_corr/train_rollout_logprob_abs_diff"] = 0.3
-    with pytest.raises(CheckFailed, match="at step 2: rollout_corr/train_rollout_logprob_abs_diff=0.3"):
+    with pytest.raises(CheckFailed, match="rollout_corr/train_rollout_logprob_abs_diff=0.002, max 1e-05"):
         run(replace(ON, mismatch_metrics=("rollout_corr/train_rollout_logprob_abs_diff",)), steps)
+    steps[1]["rollout_corr/train_rollout_logprob_abs_diff_older"] = 0.3
+    with pytest.raises(CheckFailed, match="at step 2: rollout_corr/train_rollout_logprob_abs_diff_older=0.3"):
+        run(replace(ON, mismatch_metrics=("rollout_corr/train_rollout_logprob_abs_diff_older",)), steps)
 
 
 def test_the_kl_is_held_to_zero_only_where_the_reference_is_the_policy_measured():
@@ -146,12 +146,12 @@ def test_the_checks_are_set_from_the_command_line_and_bad_bounds_are_refused():
         [
             "logging.checks.enabled=true",
             "logging.checks.max_logprob_mismatch=1e-5",
-            "logging.checks.mismatch_metrics=[rollout/logprob_mismatch,rollout_corr/train_rollout_logprob_abs_diff]",
+            "logging.checks.mismatch_metrics=[rollout_corr/log_ppl_abs_diff,rollout_corr/train_rollout_logprob_abs_diff]",
             "logging.checks.entropy_max=6",
         ],
     ).logging.checks
     assert cfg.enabled and cfg.max_logprob_mismatch == 1e-5 and cfg.entropy_max == 6.0
-    assert cfg.mismatch_metrics == ("rollout/logprob_mismatch", "rollout_corr/train_rollout_logprob_abs_diff")
+    assert cfg.mismatch_metrics == ("rollout_corr/log_ppl_abs_diff", "rollout_corr/train_rollout_logprob_abs_diff")
     for bad, field in (
         ({"max_logprob_mismatch": -1.0}, "max_logprob_mismatch"),
         ({"kl_tolerance": math.nan}, "kl_tolerance"),
