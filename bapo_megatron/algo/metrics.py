@@ -51,24 +51,22 @@ def reduce_metrics(outputs: Iterable[LossOutput], group: dist.ProcessGroup | Non
     max_names = sorted({name for out in outputs for name in out.maxes})
     min_names = sorted({name for out in outputs for name in out.mins})
     device = outputs[0].loss_sum.device
-    # sums ride in the means' table (denominator 0, never divided); mins in the maxes', negated
-    sums = torch.zeros(len(mean_names) + len(sum_names), 2, dtype=torch.float64, device=device)
-    maxes = torch.full((len(max_names) + len(min_names),), float("-inf"), dtype=torch.float64, device=device)
+    # sums ride in the means' table (denominator 0, never divided); mins in the maxes', negated;
+    # each output's values stacked once (a metric it lacks adds 0 / -inf), then reduced over outputs
+    f64 = torch.float64
+    zero = torch.zeros((), dtype=f64, device=device)
+    low = torch.full((), float("-inf"), dtype=f64, device=device)
+    tables, extremes = [], []
     for out in outputs:
-        for i, name in enumerate(mean_names):
-            if name in out.means:
-                num, den = out.means[name]
-                sums[i, 0] += num.to(sums)
-                sums[i, 1] += den.to(sums)
-        for i, name in enumerate(sum_names, start=len(mean_names)):
-            if name in out.sums:
-                sums[i, 0] += out.sums[name].to(sums)
-        for i, name in enumerate(max_names):
-            if name in out.maxes:
-                maxes[i] = torch.maximum(maxes[i], out.maxes[name].to(maxes))
-        for i, name in enumerate(min_names, start=len(max_names)):
-            if name in out.mins:
-                maxes[i] = torch.maximum(maxes[i], -out.mins[name].to(maxes))
+        nums = [out.means[n][0] if n in out.means else zero for n in mean_names]
+        nums += [out.sums.get(n, zero) for n in sum_names]
+        dens = [out.means[n][1] if n in out.means else zero for n in mean_names] + [zero] * len(sum_names)
+        tables.append(torch.stack([torch.stack([v.to(f64) for v in nums]), torch.stack([v.to(f64) for v in dens])], 1))
+        ends = [out.maxes[n].to(f64) if n in out.maxes else low for n in max_names]
+        ends += [-out.mins[n].to(f64) if n in out.mins else low for n in min_names]
+        extremes.append(torch.stack(ends) if ends else low.new_empty(0))
+    sums = torch.stack(tables).sum(0) if mean_names or sum_names else zero.new_zeros(0, 2)
+    maxes = torch.stack(extremes).amax(0)
     if group is not None:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         if max_names or min_names:
