@@ -15,8 +15,8 @@ ALL_LINEAR = "all-linear"
 class LoRAConfig:
     """Adapters y = W x + (alpha / rank) B A dropout(x) on the projections named by their Hugging Face
     names; the base weights W are frozen (no gradient, no optimizer state). rank 0: no adapters, the
-    whole model is trained. The valid names are the model family's (models/lora.py), checked when
-    the model is built and by the dry run."""
+    whole model is trained. The valid names are the model family's (Family.lora_targets in its
+    module under models/), checked when the model is built and by the dry run."""
 
     rank: int = 0
     """The adapters' rank r (PEFT's `r`); 0: off."""
@@ -25,11 +25,15 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on an adapter's input while training (PEFT's `lora_dropout`)."""
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
-    """The adapted projections by their Hugging Face names (q_proj, k_proj, v_proj, o_proj, gate_proj,
-    up_proj, down_proj), or "all-linear": every projection of the family's attention and MLP."""
+    """The adapted projections by their Hugging Face names, the family's (its module in models/ says
+    which: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj for the standard decoder and
+    a dense or shared-expert MLP; Qwen3.5's delta-rule layers add in_proj_qkv, in_proj_z, in_proj_b,
+    in_proj_a, out_proj), or "all-linear": every projection the family adapts that the weight sync
+    can send (under sync "adapter" those SGLang serves: not Qwen3.5's four delta-rule input
+    projections, which "merged" trains; naming one under "adapter" is refused)."""
     experts: bool = False
-    """Adapt the routed experts of a mixture-of-experts layer too (not built yet: refused when the
-    model is checked)."""
+    """Adapt the routed experts of a mixture-of-experts layer too (not built yet: refused by name
+    with the model's family when the model is checked)."""
     init: Literal["kaiming", "gaussian"] = "kaiming"
     """A's initialisation as PEFT's init_lora_weights does it: "kaiming" (True there: kaiming-uniform
     with a = sqrt(5)) or "gaussian" (normal, std 1 / rank); B starts at zero either way, so the first

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from bapo_megatron.errors import BadInputError, ConfigError
 from bapo_megatron.models.features import YarnSpec
+from bapo_megatron.models.lora_targets import Layout, Target
 from bapo_megatron.models.on_disk import TEXT_LAYOUT, DiskLayout, KeptTensors
 from bapo_megatron.models.quantized import read_quantization
 from bapo_megatron.models.recipes import Recipe
@@ -267,6 +268,17 @@ class Family(ABC):
         each request alone over a cache of its own and rebuilds a continued request's state from
         its tokens."""
         return True
+
+    # -- LoRA (models/lora.py asks)
+    def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target] | None:
+        """The projections of layer `layer` LoRA can adapt, by HF name, each with its Megatron module
+        and TP split; None: LoRA is not built for the family (refused by name). Default: None."""
+        return None
+
+    def lora_layout(self, spec: ModelSpec, layer: int, module: str) -> Layout:
+        """Where each target's rows are in the output of the fused column-parallel `module` of layer
+        `layer` that lora_targets names (the whole layer's; Layout.rank: a TP rank's)."""
+        raise NotImplementedError(f"{self.name} has no LoRA targets")
 
 
 # -- answers shared by the families

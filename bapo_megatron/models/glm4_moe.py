@@ -18,6 +18,7 @@ from typing import Any
 from bapo_megatron.errors import ConfigError, check
 from bapo_megatron.models.decoder import Decoder
 from bapo_megatron.models.family import common_fields, common_hf, hook_topk_routers, tiny_fields
+from bapo_megatron.models.lora_targets import Layout, Target, attention_targets, decoder_layout
 from bapo_megatron.models.moe import RoutedExperts, grouped_moe_hf, read_grouped_moe, tiny_grouped_moe
 from bapo_megatron.models.on_disk import KeptTensors, extra_layers
 from bapo_megatron.models.spec import ModelSpec
@@ -86,6 +87,16 @@ class Glm4Moe(RoutedExperts, Decoder):
         return dataclasses.replace(spec, qkv_bias=True, rotary_fraction=0.5, moe=moe)
 
     # -- the embedded engine
+    # -- LoRA
+    def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:
+        """The decoder's q/k/v/o (their biases stay the base's). Not the MLPs: peft 0.21 on transformers
+        5 reads gate_proj / up_proj / down_proj of this model as its fused routed experts' parameters
+        (transformers_weight_conversion), so a dense or shared MLP adapter would not load there."""
+        return attention_targets(spec, spec.num_heads * spec.head_dim)
+
+    def lora_layout(self, spec: ModelSpec, layer: int, module: str) -> Layout:
+        return decoder_layout(spec, layer, module)
+
     def hook_routes(self, model: Any, record: Callable[[int, Any], None]) -> tuple[int, ...]:
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 

@@ -37,6 +37,7 @@ from bapo_megatron.models.decoder import Decoder
 from bapo_megatron.models.family import common_fields, common_hf, read_yarn, rope_parameters, rope_theta, tiny_fields
 from bapo_megatron.models.features import MoESpec, SlidingWindowSpec, YarnSpec
 from bapo_megatron.models.gpt_oss_layers import gpt_oss_config, gpt_oss_layer
+from bapo_megatron.models.lora_targets import Layout, Target, attention_targets, decoder_layout
 from bapo_megatron.models.moe import RoutedExperts
 from bapo_megatron.models.recipes import Fused, Recipe, Rows, expert_names, grouped_experts
 from bapo_megatron.models.spec import ModelSpec
@@ -292,6 +293,14 @@ class GptOss(RoutedExperts, Decoder):
         """None: the local spec's windows keep the packed row's mask (WindowedAttention), Transformer
         Engine's THD attention applies each window within a sample's cu_seqlens."""
         return None
+
+    # -- LoRA
+    def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:
+        """The attention's q/k/v/o (their biases and the sinks stay the base's); the experts: not built."""
+        return attention_targets(spec, spec.num_heads * spec.head_dim)
+
+    def lora_layout(self, spec: ModelSpec, layer: int, module: str) -> Layout:
+        return decoder_layout(spec, layer, module)
 
     # -- SGLang (models/gpt_oss.py)
     def check_sglang_tp(self, spec: ModelSpec, tp: int) -> None:

@@ -1,38 +1,37 @@
-"""Which projections of a family LoRA adapts, and the one map of adapter names: Megatron's and PEFT's.
+"""The one map of LoRA adapter names, Megatron's and PEFT's, over the targets each family gives.
 
-A target is a Hugging Face projection (q_proj, ..., down_proj). Megatron fuses some of them into one
-linear layer: q/k/v into `linear_qkv` (rows interleaved per query group, models/recipes.py) and
-gate/up into `linear_fc1` ([gate; up]); each target keeps an adapter of its own whose B writes only
-its rows of the fused output (a q_proj adapter leaves k and v as they are), so an adapter is exactly
-PEFT's on the HF model. Megatron's name of an adapter is `<layer>.<module>_lora.<target>.lora_A.weight`
-(its module's sibling, so that the base's names and checkpoint keys stay as they are); PEFT's is
+A target is a Hugging Face projection (q_proj, ..., down_proj; Qwen3.5's in_proj_qkv, ...): which a
+layer has, and which Megatron linear layer computes it, is its family's answer (Family.lora_targets,
+Family.lora_layout; the types in models/lora_targets.py); a family that gives none is refused by name.
+Megatron fuses some projections into one linear layer: q/k/v into `linear_qkv` (rows interleaved per
+query group, models/recipes.py), gate/up into `linear_fc1` ([gate; up]), Qwen3.5's delta-rule inputs
+into `in_proj`; each target keeps an adapter of its own whose B writes only its rows of the fused
+output (a q_proj adapter leaves k and v as they are), so an adapter is exactly PEFT's on the HF
+model. Megatron's name of an adapter is `<layer>.<module>_lora.<target>.lora_A.weight` (its module's
+sibling, so that the base's names and checkpoint keys stay as they are); PEFT's is
 `base_model.model.model.layers.<i>.<HF module>.lora_A.weight`, as adapter_model.safetensors holds it.
 
 How a TP rank holds an adapter follows its base layer: beside a column-parallel layer A is whole and
-B split by rows as the base weight is; beside a row-parallel one A is split by columns and B whole.
-merge_adapters folds whole adapters into their base weights, for whoever reads the model without
-LoRA (the engines' weight sync, the merged HF export).
+B split by rows as the base weight is (whole where the base splits the target's rows part by part);
+beside a row-parallel one A is split by columns and B whole. merge_adapters folds whole adapters
+into their base weights, for whoever reads the model without LoRA (the engines' weight sync, the
+merged HF export).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from bapo_megatron.config.lora import ALL_LINEAR, LoRAConfig
 from bapo_megatron.errors import ConfigError
+from bapo_megatron.models import family_of
+from bapo_megatron.models.lora_targets import Slots, Target
 from bapo_megatron.models.spec import ModelSpec
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe")
-"""The families whose layers are the shared decoder's (models/decoder.py): standard attention and,
-where a layer has no routed experts, a gated MLP. Another family's attention (latent, linear,
-with sinks) is not adapted yet."""
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's name in the transformers model (PeftModel.base_model.model)."""
 SUFFIX = "_lora"
@@ -41,90 +40,40 @@ PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 """A PEFT adapter directory's two files (what peft, transformers, SGLang and vLLM load)."""
 
 
-@dataclass(frozen=True)
-class Target:
-    """One adapted HF projection of a layer, and where it lives in Megatron's layer."""
-
-    name: str
-    """The HF projection: "q_proj"."""
-    hf_module: str
-    """Its module within an HF layer: "self_attn.q_proj"."""
-    module: str
-    """The Megatron linear layer within a layer that computes it: "self_attention.linear_qkv"."""
-    parallel: Literal["column", "row"]
-    """How Megatron splits the base layer over TP (and so the adapter: B rows, or A columns)."""
-    in_features: int
-    out_features: int
-    """The whole (TP = 1) projection's shape, as HF's weight [out, in]."""
-
-    def split_dim(self, matrix: Literal["A", "B"]) -> int | None:
-        """The dimension of lora_A / lora_B ([rank, in] / [out, rank]) split over TP; None: whole."""
-        if self.parallel == "column":
-            return 0 if matrix == "B" else None
-        return 1 if matrix == "A" else None
-
-    def params(self, rank: int, tp: int) -> int:
-        """The adapter's parameters on one TP rank."""
-        a, b = rank * self.in_features, self.out_features * rank
-        return a + b // tp if self.parallel == "column" else a // tp + b
-
-
-@dataclass(frozen=True)
-class Slots:
-    """How one TP rank's output of a fused column-parallel layer is laid out: `groups` repeats of the
-    parts, each part `width` features wide (q/k/v: a query group's q heads, its k head, its v head)."""
-
-    groups: int
-    parts: tuple[tuple[str, int], ...]
-    """(target name, width) in the order the fused output holds them."""
-
-
 def _targets_of(spec: ModelSpec, layer: int) -> dict[str, Target]:
-    """Every projection of layer `layer` LoRA can adapt, by HF name."""
-    d, hd = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
-    qkv = "self_attention.linear_qkv"
-    out = {
-        "q_proj": Target("q_proj", "self_attn.q_proj", qkv, "column", d, q),
-        "k_proj": Target("k_proj", "self_attn.k_proj", qkv, "column", d, kv),
-        "v_proj": Target("v_proj", "self_attn.v_proj", qkv, "column", d, kv),
-        "o_proj": Target("o_proj", "self_attn.o_proj", "self_attention.linear_proj", "row", q, d),
-    }
-    if spec.moe is None or not spec.moe.is_sparse(layer):
-        width = spec.ffn_hidden_size
-        out["gate_proj"] = Target("gate_proj", "mlp.gate_proj", "mlp.linear_fc1", "column", d, width)
-        out["up_proj"] = Target("up_proj", "mlp.up_proj", "mlp.linear_fc1", "column", d, width)
-        out["down_proj"] = Target("down_proj", "mlp.down_proj", "mlp.linear_fc2", "row", width, d)
-    return out
+    """Every projection of layer `layer` LoRA can adapt, by HF name (the family's answer)."""
+    return family_of(spec).lora_targets(spec, layer) or {}
 
 
 def check_targets(spec: ModelSpec, lora: LoRAConfig) -> None:
     """ConfigError (naming model.lora's field and the valid names) unless `lora` can adapt `spec`."""
-    if spec.architecture not in FAMILIES:
-        raise ConfigError(
-            "model.lora.rank", lora.rank, f"LoRA is built for the families {list(FAMILIES)}, not {spec.architecture!r}"
-        )
+    family = family_of(spec)
+    if family.lora_targets(spec, 0) is None:
+        raise ConfigError("model.lora.rank", lora.rank, f"LoRA is not built for the family {spec.architecture!r} yet")
     if lora.experts:
         raise ConfigError(
             "model.lora.experts",
             lora.experts,
-            "LoRA on a mixture-of-experts layer's routed experts is not built yet; leave it false "
-            "(attention and dense MLPs are adapted)",
+            f"LoRA on the routed experts of {spec.architecture} is not built yet; leave it false "
+            "(attention, dense MLPs and shared experts are adapted)",
         )
-    valid = (ALL_LINEAR, *ATTENTION, *MLP)
+    every = {name: t for i in range(spec.num_layers) for name, t in _targets_of(spec, i).items()}
+    valid = (ALL_LINEAR, *every)
     unknown = [t for t in lora.target_modules if t not in valid]
     if unknown:
-        raise ConfigError(
-            "model.lora.target_modules", unknown, f"not a projection of {spec.architecture}; valid: {list(valid)}"
-        )
-    layers = range(spec.num_layers)
-    nowhere = [t for t in lora.target_modules if t in MLP and not any(t in _targets_of(spec, i) for i in layers)]
-    if nowhere:
+        routed = " (a routed layer's experts: model.lora.experts, not built yet)" if spec.moe is not None else ""
         raise ConfigError(
             "model.lora.target_modules",
-            nowhere,
-            f"every layer of this {spec.architecture} routes its MLP to experts (model.lora.experts is not "
-            f"built yet); valid: {[ALL_LINEAR, *ATTENTION]}",
+            unknown,
+            f"not a projection of {spec.architecture}{routed}; valid: {list(valid)}",
+        )
+    unserved = [t for t in lora.target_modules if t in every and not every[t].served]
+    if unserved and lora.adapter_sync:
+        raise ConfigError(
+            "model.lora.target_modules",
+            unserved,
+            f"SGLang 0.5.23 serves no adapter of {spec.architecture}'s {unserved} from PEFT's tensors: "
+            "train them with model.lora.sync=merged, or leave them out",
         )
 
 
@@ -132,18 +81,25 @@ def layer_targets(spec: ModelSpec, lora: LoRAConfig, layer: int) -> tuple[Target
     """The adapted projections of 0-based layer `layer`, in the family's order (a MoE layer's MLP is
     its experts': not adapted, unless a dense layer has one)."""
     available = _targets_of(spec, layer)
-    wanted = available if ALL_LINEAR in lora.target_modules else lora.target_modules
-    return tuple(t for name, t in available.items() if name in wanted)
+    if ALL_LINEAR in lora.target_modules:
+        return tuple(t for t in available.values() if t.served or not lora.adapter_sync)
+    return tuple(t for name, t in available.items() if name in lora.target_modules)
 
 
-def slots(spec: ModelSpec, module: str, tp: int) -> Slots:
-    """The layout of one TP rank's output of the column-parallel `module` (of layer_targets)."""
-    if module == "self_attention.linear_qkv":
-        hd, per_group = spec.head_dim, spec.num_heads // spec.num_kv_heads
-        return Slots(spec.num_kv_heads // tp, (("q_proj", per_group * hd), ("k_proj", hd), ("v_proj", hd)))
-    assert module == "mlp.linear_fc1", module
-    width = spec.ffn_hidden_size // tp
-    return Slots(1, (("gate_proj", width), ("up_proj", width)))
+def slots(spec: ModelSpec, layer: int, module: str, tp: int) -> Slots:
+    """The layout of one TP rank's output of the column-parallel `module` of layer `layer` (of layer_targets)."""
+    return family_of(spec).lora_layout(spec, layer, module).rank(tp)
+
+
+def megatron_rows(y: torch.Tensor, layout: Slots, name: str) -> torch.Tensor:
+    """Target `name`'s output (last dim: `layout.groups` groups of its HF rows) in the order Megatron's
+    fused layer holds its rows (a paired part's a heads, then its b heads)."""
+    head = dict(layout.paired).get(name)
+    if head is None:
+        return y
+    lead = y.shape[:-1]
+    pairs = y.reshape(*lead, layout.groups, -1, 2, head)
+    return pairs.transpose(-3, -2).reshape(*lead, -1)
 
 
 def megatron_name(layer: int, target: Target, matrix: Literal["A", "B"]) -> str:
@@ -193,26 +149,39 @@ def merge_adapters(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], scaling
             continue
         layer, module, target = int(match["layer"]), match["module"], match["target"]
         base = f"decoder.layers.{layer}.{module}.weight"
-        if base not in out:
+        if base not in out and not _stored_parts(out, base):
             raise ValueError(f"adapter {name} has no base weight {base} beside it")
         by_base.setdefault(base, []).append((_targets_of(spec, layer)[target], name[: -len("A.weight")]))
     for base, adapters in by_base.items():
-        weight = out[base]
+        parts = _stored_parts(out, base)
+        weight = out[base] if base in out else torch.cat([out.pop(p) for p in parts])
         # in float32: a bf16 base is rounded once, from the merged weight
         deltas = {t.name: scaling * (_f32(tensors, p + "B") @ _f32(tensors, p + "A")) for t, p in adapters}
         if adapters[0][0].parallel == "row":
             (delta,) = deltas.values()
         else:
-            layout = slots(spec, adapters[0][0].module, 1)
+            layer = int(base.split(".")[2])
+            layout = slots(spec, layer, adapters[0][0].module, 1)
             rows = []
             for name, width in layout.parts:
                 part = deltas.get(name)
                 if part is None:  # a projection of the fused layer that is not adapted
                     part = weight.new_zeros(layout.groups * width, weight.shape[1], dtype=torch.float32)
-                rows.append(part.view(layout.groups, width, -1))
+                part = megatron_rows(part.T, layout, name).T  # rows as Megatron's fused layer holds them
+                rows.append(part.reshape(layout.groups, width, -1))
             delta = torch.cat(rows, dim=1).reshape(weight.shape)
-        out[base] = (weight.float() + delta).to(weight.dtype)
+        merged = (weight.float() + delta).to(weight.dtype)
+        if base in out:
+            out[base] = merged
+        else:  # back into the parts it was read as
+            out |= dict(zip(parts, merged.split([tensors[p].shape[0] for p in parts]), strict=True))
     return out
+
+
+def _stored_parts(tensors: Mapping[str, torch.Tensor], base: str) -> list[str]:
+    """The keys of a base weight a dist checkpoint stores part by part (Gated DeltaNet's in_proj:
+    `in_proj.weight.query`, ...), in the order its family's stored shapes give them (the rows' order)."""
+    return [k for k in tensors if k.startswith(base + ".") and not is_adapter(k)]
 
 
 def _f32(tensors: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bapo_megatron.models.decoder import Decoder
 from bapo_megatron.models.family import common_hf, tiny_fields
+from bapo_megatron.models.lora_targets import Layout, Target, decoder_layout, decoder_targets
 from bapo_megatron.models.spec import ModelSpec
 
 
@@ -17,3 +18,9 @@ class Qwen2(Decoder):
 
     def tiny(self) -> ModelSpec:
         return ModelSpec(**tiny_fields(self.name), qkv_bias=True, qk_norm=False)
+
+    def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:
+        return decoder_targets(spec, layer)
+
+    def lora_layout(self, spec: ModelSpec, layer: int, module: str) -> Layout:
+        return decoder_layout(spec, layer, module)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from bapo_megatron.models.decoder import Decoder
 from bapo_megatron.models.family import common_hf, refuse_biases, tiny_fields
+from bapo_megatron.models.lora_targets import Layout, Target, decoder_layout, decoder_targets
 from bapo_megatron.models.spec import ModelSpec
 
 
@@ -23,3 +24,9 @@ class Qwen3(Decoder):
 
     def tiny(self) -> ModelSpec:
         return ModelSpec(**tiny_fields(self.name), qkv_bias=False, qk_norm=True)
+
+    def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:
+        return decoder_targets(spec, layer)
+
+    def lora_layout(self, spec: ModelSpec, layer: int, module: str) -> Layout:
+        return decoder_layout(spec, layer, module)

@@ -26,6 +26,7 @@ import torch
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.family import AttentionMemory, common_hf, tiny_fields
 from bapo_megatron.models.features import LinearAttentionSpec
+from bapo_megatron.models.lora_targets import Layout, Target, attention_targets, decoder_layout, mlp_targets
 from bapo_megatron.models.on_disk import MULTIMODAL_LAYOUT, TEXT_LAYOUT, DiskLayout, KeptTensors
 from bapo_megatron.models.qwen3 import Qwen3
 from bapo_megatron.models.recipes import Fused, Parts, Recipe, Rows
@@ -371,6 +372,41 @@ class Qwen3_5(Qwen3):
     def cache_by_position(self, spec: ModelSpec) -> bool:
         """The delta rule's recurrent and convolution states hold every position at once."""
         return False
+
+    # -- LoRA
+    def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:
+        """Full attention's q/k/v/o (q_proj twice as wide: queries and output gates), or the delta
+        rule's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a and out_proj; then the MLP (a routed
+        layer's shared expert). SGLang 0.5.23 serves none of the four input projections from PEFT's
+        tensors (its Qwen3.5 takes in_proj_q/k/v/z or a fused in_proj_qkvz, never in_proj_b/a):
+        `served` False, trained with model.lora.sync=merged only."""
+        mlp = mlp_targets(spec, layer, "shared_expert")  # Qwen3.5-MoE's HF name
+        if not self._linear(spec, layer):
+            return attention_targets(spec, 2 * spec.num_heads * spec.head_dim) | mlp
+        d, (qk, v, heads) = spec.hidden_size, gdn_widths(spec)
+        p, module = "linear_attn.", GDN + "in_proj"
+        qkv = Target("in_proj_qkv", p + "in_proj_qkv", module, "column", d, 2 * qk + v, (qk, qk, v), served=False)
+        inputs = {
+            "in_proj_qkv": qkv,
+            "in_proj_z": Target("in_proj_z", p + "in_proj_z", module, "column", d, v, served=False),
+            "in_proj_b": Target("in_proj_b", p + "in_proj_b", module, "column", d, heads, served=False),
+            "in_proj_a": Target("in_proj_a", p + "in_proj_a", module, "column", d, heads, served=False),
+        }
+        out = Target("out_proj", p + "out_proj", GDN + "out_proj", "row", v, d)
+        return inputs | {"out_proj": out} | mlp
+
+    def lora_layout(self, spec: ModelSpec, layer: int, module: str) -> Layout:
+        """The gated linear_qkv: per query group its q heads and their gates (HF: each head's [q; gate]),
+        its k and v heads; in_proj: [q; k; v], z, beta, alpha, each part split over TP."""
+        if module == GDN + "in_proj":
+            qk, v, heads = gdn_widths(spec)
+            parts = (("in_proj_qkv", 2 * qk + v), ("in_proj_z", v), ("in_proj_b", heads), ("in_proj_a", heads))
+            return Layout(1, parts, "widths")
+        if module != QKV.rstrip("."):
+            return decoder_layout(spec, layer, module)
+        hd, per_group = spec.head_dim, spec.num_heads // spec.num_kv_heads
+        parts = (("q_proj", 2 * per_group * hd), ("k_proj", hd), ("v_proj", hd))
+        return Layout(spec.num_kv_heads, parts, "groups", paired=(("q_proj", hd),))
 
     # -- SGLang
     def check_sglang_tp(self, spec: ModelSpec, tp: int) -> None:

@@ -29,6 +29,10 @@ class Qwen3Next(Qwen3_5Moe):
     architectures = ("Qwen3NextForCausalLM",)
     required = REQUIRED  # its dense layers' width (mlp_only_layers, decoder_sparse_step)
 
+    def lora_targets(self, spec: ModelSpec, layer: int) -> None:
+        """Not built: its per-key-head in_proj_qkvz / in_proj_ba are no parts of Megatron's in_proj."""
+        return None
+
     def _sparse_layers(self, hf: dict) -> tuple[int, ...]:
         """Layer i has experts unless it is in mlp_only_layers or (i + 1) is not a multiple of
         decoder_sparse_step (transformers' rule); the others are dense."""

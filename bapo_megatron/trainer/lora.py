@@ -11,6 +11,9 @@ names and their TP split are models/lora.py's. The split makes a TP step the one
   B's rows for its part of the output: A's and x's gradients are then whole on every rank. Under
   sequence parallel A runs on the rank's share of the sequence and h (rank r, not the hidden width)
   is gathered; its gradient is reduce-scattered, and A's gradient summed over TP by Megatron.
+- where the base splits a target's rows part by part (Qwen3.5's in_proj_qkv: query, key and value
+  each split over TP), no slice of B is a rank's: B is whole on every rank, which takes its parts'
+  rows; B's gradient, each rank's for its rows, is summed over TP in the backward.
 - beside a row-parallel layer (o, down): A split by columns as the base weight is, B whole; the
   partial A x of every rank is all-reduced, B's output is the whole one (scattered over the sequence
   under sequence parallel, as the base's output is).
@@ -30,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from bapo_megatron.config.lora import LoRAConfig
-from bapo_megatron.models.lora import SUFFIX, Slots, Target, check_targets, is_adapter, layer_targets, slots
+from bapo_megatron.models.lora import SUFFIX, check_targets, is_adapter, layer_targets, megatron_rows, slots
 from bapo_megatron.models.lora import megatron_name as adapter_name
+from bapo_megatron.models.lora_targets import Slots, Target
 from bapo_megatron.models.spec import ModelSpec
 
 
@@ -54,6 +58,7 @@ class LinearAdapters(torch.nn.ModuleDict):
         super().__init__()
         self.parallel = targets[0].parallel
         self.layout = layout
+        self.targets = {t.name: t for t in targets}
         self.scaling = lora.alpha / lora.rank  # PEFT's lora_alpha / r
         self.rank = lora.rank
         self.dropout = lora.dropout
@@ -91,11 +96,24 @@ class LinearAdapters(torch.nn.ModuleDict):
         pieces = []
         for name, width in self.layout.parts:
             if name in by_name:
-                y = F.linear(by_name[name], self[name].lora_B.weight) * self.scaling
-                pieces.append(y.view(*lead, groups, width))
+                y = F.linear(by_name[name], self._rank_rows(name)) * self.scaling
+                pieces.append(megatron_rows(y, self.layout, name).view(*lead, groups, width))
             else:
                 pieces.append(h.new_zeros(*lead, groups, width))
         return torch.cat(pieces, dim=-1).reshape(*lead, -1)
+
+    def _rank_rows(self, name: str) -> torch.Tensor:
+        """This TP rank's rows of target `name`'s B: B itself where B is split, else (B whole, its
+        output split part by part: Target.parts) each part's share, B's gradient summed over TP."""
+        from megatron.core.tensor_parallel import mappings
+
+        b, parts = self[name].lora_B.weight, self.targets[name].parts
+        if not parts:
+            return b
+        tp, rank = self.tp_group.size(), self.tp_group.rank()
+        b = mappings.copy_to_tensor_model_parallel_region(b, self.tp_group)  # each rank's rows' gradient
+        pieces = b.split(list(parts))
+        return torch.cat([p.chunk(tp)[rank] for p in pieces])
 
     def _row(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
@@ -128,8 +146,12 @@ class LinearAdapters(torch.nn.ModuleDict):
         Megatron's layers mark theirs from the metadata's dp_cp_group."""
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
-        matrix = "lora_B" if self.parallel == "column" else "lora_A"
-        axes = {f"{name}.{matrix}.weight": 0 if self.parallel == "column" else 1 for name in self}
+        axes = {
+            f"{name}.lora_{m}.weight": dim
+            for name, target in self.targets.items()
+            for m in ("A", "B")
+            if (dim := target.split_dim(m)) is not None
+        }
         state = self.state_dict(prefix="", keep_vars=True)
         dp_cp = ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]
         return make_sharded_tensors_for_checkpoint(
@@ -168,7 +190,7 @@ def _adapt_layer(layer: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig) -> N
         if type(base) is not kind:
             raise TypeError(f"layer {index}'s {module} is a {type(base).__name__}, not Megatron's {kind.__name__}")
         tp, tp_rank = base.tp_group.size(), base.tp_group.rank()
-        layout = slots(spec, module, tp) if targets[0].parallel == "column" else None
+        layout = slots(spec, index, module, tp) if targets[0].parallel == "column" else None
         adapters = LinearAdapters(base, tuple(targets), lora, layout)
         weight = base.weight
         for target in targets:

@@ -95,7 +95,7 @@ def _layer_adapters(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, tor
 def peft_names(spec: ModelSpec) -> dict[str, str]:
     """Megatron's name -> PEFT's of every adapter matrix a LoRA model of `spec` can hold (names do not
     depend on the rank: the map of an all-linear config covers every config's adapters)."""
-    return adapter_names(spec, LoRAConfig(rank=1))
+    return adapter_names(spec, LoRAConfig(rank=1, sync="merged"))  # merged: every target, served or not
 
 
 def _saved_buffers(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,153 @@
+"""LoRA on the families beyond the standard decoder, against PEFT's LoRA on the transformers model and
+across layouts: Qwen3.5 (gated full attention: q_proj's rows are each head's query and output gate,
+which Megatron's linear_qkv holds apart; Gated DeltaNet: in_proj_qkv / in_proj_z / in_proj_b /
+in_proj_a fused in Megatron's in_proj, each part split over TP on its own, and out_proj) and
+Qwen3.5-MoE (the shared expert's projections beside the routed experts); GLM-4.5's and gpt-oss's attention
+(q/k/v with biases; gpt-oss's sinks and sliding windows beside them).
+
+One launch of two processes (gloo, CPU). At TP 1 each process checks both families: fresh adapters
+leave the logits bit for bit the base's, and with the same random adapters PEFT's logits and A and B
+gradients agree (1e-5). Then the Qwen3.5 model takes one Adam step at TP 1 (the two processes as data
+parallel ranks) and at TP 2 with sequence parallel through Megatron's DDP, optimizer and schedule:
+the loss, the adapters' gradients and updated values agree within 1e-5.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from tests.dist.launch import run_workers
+from tests.dist.test_lora_layouts import (
+    MICRO_BATCHES,
+    SEQ,
+    _base,
+    _close,
+    _forward_step,
+    _global,
+    _part,
+    _peft_model,
+    _random_adapters,
+    _set_adapters,
+    _setup,
+    _tokens,
+)
+
+RANK, ALPHA = 4, 8.0
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+DELTA_RULE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "glm4_moe", "gpt_oss")
+
+
+def _spec(arch: str):
+    from bapo_megatron.models.spec import tiny_spec
+
+    return dataclasses.replace(tiny_spec(arch), tie_embeddings=False)
+
+
+def _lora(arch: str = "qwen3_5_text"):
+    """Every projection of the family (the delta rule's input projections are trained with sync
+    merged only; GLM-4.5's and gpt-oss's attention alone is adapted)."""
+    from bapo_megatron.config.lora import LoRAConfig
+
+    targets = ATTENTION if arch in ("glm4_moe", "gpt_oss") else ATTENTION + DELTA_RULE + MLP
+    return LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets, sync="merged")
+
+
+def _check_against_peft(hf_dir: Path, arch: str) -> None:
+    from bapo_megatron.models.lora import adapter_names
+    from bapo_megatron.trainer.lora import adapter_parameters, apply_lora
+
+    cfg = _setup(1, 1)
+    spec, lora = _spec(arch), _lora(arch)
+    gpt = _base(hf_dir, cfg).eval()
+    ids = _tokens(spec)[:, :SEQ]
+    positions = torch.arange(SEQ).expand_as(ids)
+    with torch.no_grad():
+        base = gpt(ids, positions, attention_mask=None)
+    apply_lora(gpt, spec, lora)
+    names = adapter_names(spec, lora)
+    assert {_global(gpt, n) for n in adapter_parameters(gpt)} == set(names)
+    with torch.no_grad():
+        assert torch.equal(gpt(ids, positions, attention_mask=None), base), f"{arch}: fresh adapters moved the logits"
+    whole = _random_adapters(spec, lora)
+    _set_adapters(gpt, whole)
+    peft_model, peft_params = _peft_model(hf_dir, spec, lora, whole)
+    weights = torch.randn(*ids.shape, spec.vocab_size, generator=torch.Generator().manual_seed(5))
+    ours = gpt(ids, positions, attention_mask=None)[..., : spec.vocab_size]
+    theirs = peft_model(input_ids=ids).logits
+    assert (ours - base[..., : spec.vocab_size]).abs().max() > 1e-3, "the adapters change the logits"
+    gap = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    assert gap <= 1e-5, f"{arch}: logits differ from PEFT's by {gap:.2e}"
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    for name, param in adapter_parameters(gpt).items():
+        want = peft_params[names[_global(gpt, name)].replace(".weight", ".default.weight")].grad
+        gap = (torch.linalg.norm(param.grad - want) / torch.linalg.norm(want)).item()
+        assert gap <= 1e-5, f"{arch} {name}: gradient differs from PEFT's by {gap:.2e}"
+
+
+def _step(hf_dir: Path, arch: str, whole: dict[str, torch.Tensor], tp: int) -> dict:
+    """One Adam step of the adapters at TP `tp`: the loss, each adapter's gradient and updated value."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from bapo_megatron.trainer import megatron_config as mc
+    from bapo_megatron.trainer.lora import adapter_parameters, apply_lora
+
+    cfg = _setup(tp, 1)
+    spec = _spec(arch)
+    gpt = _base(hf_dir, cfg)
+    apply_lora(gpt, spec, _lora())
+    _set_adapters(gpt, whole)
+    ddp = DistributedDataParallel(config=gpt.config, ddp_config=mc.ddp_config(cfg.model), module=gpt)
+    optimizer = get_megatron_optimizer(mc.optimizer_config(cfg.optimizer, cfg.model), [ddp])
+    gpt.config.finalize_model_grads_func = finalize_model_grads
+    gpt.config.grad_scale_func = optimizer.scale_loss
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(_tokens(spec, seed=1).split(1)),
+        model=ddp,
+        num_microbatches=MICRO_BATCHES,
+        seq_length=SEQ,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    adapters = adapter_parameters(gpt)
+    grads = {_global(gpt, n): p.main_grad.clone() for n, p in adapters.items()}
+    assert optimizer.step()[0], "the step was taken"
+    rank = ps.get_tensor_model_parallel_rank()
+    return {
+        "loss": sum(r["loss"] for r in reports).item(),
+        "grads": grads,
+        "values": {_global(gpt, n): p.detach().clone() for n, p in adapters.items()},
+        "part": {_global(gpt, n): _part(p, tp, rank) for n, p in adapters.items()},
+    }
+
+
+def _worker(rank: int, world: int, root: str) -> None:
+    for arch in FAMILIES:
+        _check_against_peft(Path(root) / arch, arch)
+    arch = "qwen3_5_text"
+    whole = _random_adapters(_spec(arch), _lora())
+    want = _step(Path(root) / arch, arch, whole, 1)
+    got = _step(Path(root) / arch, arch, whole, 2)
+    assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got["loss"], want["loss"])
+    for key, part in got["part"].items():
+        for what in ("grads", "values"):
+            gap = _close(got[what][key], part(want[what][key]))
+            assert gap <= 1e-5, f"tp2 {key}: {what} differ from one process's by {gap:.2e}"
+
+
+def test_qwen3_5_lora_against_peft_and_tp2(tmp_path):
+    from tests.families import random_hf_model, save_hf_model
+
+    for seed, arch in enumerate(FAMILIES):
+        spec = _spec(arch)
+        save_hf_model(random_hf_model(spec, seed), spec, tmp_path / arch)
+    run_workers(_worker, 2, str(tmp_path))
