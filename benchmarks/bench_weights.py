@@ -43,10 +43,16 @@ from bapo_megatron.models.spec import ModelSpec
 
 
 def synthetic_spec(size_gb: float) -> ModelSpec:
-    """A Llama-like shape with about size_gb of float32 weights."""
-    d, ffn, vocab = 2048, 5632, 32000
-    per_layer = 4 * (2 * d * d + 2 * d * 512 + 3 * d * ffn)  # bytes: q, o, k, v, gate, up, down
-    layers = max(1, round((size_gb * 1e9 - 2 * vocab * d * 4) / per_layer))
+    """A Llama-like shape with about size_gb of float32 weights: hidden 2048, or, where its
+    embeddings and two layers would not fit in size_gb, every width and the vocabulary halved
+    until they do (at most 16 times; a 0.02 GB test model is then 20 MB, not 0.7)."""
+    for scale in (1, 2, 4, 8, 16):
+        d, ffn, vocab, head_dim = 2048 // scale, 5632 // scale, 32000 // scale, 128 // scale
+        embeddings = 2 * vocab * d * 4
+        per_layer = 4 * (2 * d * d + 2 * d * 4 * head_dim + 3 * d * ffn)  # bytes: q, o, k, v, gate, up, down
+        if embeddings + 2 * per_layer <= size_gb * 1e9:
+            break
+    layers = max(1, round((size_gb * 1e9 - embeddings) / per_layer))
     return ModelSpec(
         architecture="llama",
         vocab_size=vocab,
@@ -55,7 +61,7 @@ def synthetic_spec(size_gb: float) -> ModelSpec:
         num_heads=16,
         num_kv_heads=4,
         ffn_hidden_size=ffn,
-        head_dim=128,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         rope_theta=500000.0,
         rms_norm_eps=1e-5,

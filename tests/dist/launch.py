@@ -2,12 +2,16 @@
 
 By default the workers see no GPU and join over gloo, also on a GPU machine: the dist tier
 tests the parallel paths on CPU, and N ranks of NCCL on one GPU would not even start. tests/gpu
-asks for device="cuda": one GPU per rank (round robin) and NCCL, as in a real job."""
+asks for device="cuda": one GPU per rank (round robin) and NCCL, as in a real job. CPU workers are
+forked from a server that imported torch and Megatron once (multiprocessing's forkserver), each given
+the caller's environment and import path as a spawned one would have them: a spawned worker's own
+imports took longer than most workers' work."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 
@@ -37,7 +41,14 @@ COLLECTIVES = (
 )
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, device: str) -> None:
+def _entry(
+    rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, device: str, parent: tuple | None = None
+) -> None:
+    if parent is not None:  # forked from the server: the caller's environment and import path, as spawn gives
+        environ, path = parent
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = path
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # as torchrun sets them
     backend = "gloo"
@@ -59,7 +70,26 @@ def run_workers(fn: Callable, world_size: int, *args, device: str = "cpu") -> No
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}")
     with tempfile.TemporaryDirectory() as tmp, _children_env(CUDA_VISIBLE_DEVICES="" if device == "cpu" else None):
-        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "init"), fn, args, device), nprocs=world_size, join=True)
+        entry_args = (world_size, os.path.join(tmp, "init"), fn, args, device)
+        if device == "cpu":  # forked from a server that imported torch and Megatron once, not spawned
+            _start_server()
+            entry_args += ((dict(os.environ), list(sys.path)),)
+        method = "forkserver" if device == "cpu" else "spawn"
+        mp.start_processes(_entry, args=entry_args, nprocs=world_size, join=True, start_method=method)
+
+
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "bapo_megatron.trainer.policy_trainer", __name__]
+"""Imported once by the fork server (a worker's start-up otherwise: ~2 s of CPU each, hundreds a suite)."""
+
+
+def _start_server() -> None:
+    """The fork server of the CPU workers, started (once a process) with CUDA hidden: it and every
+    worker forked from it see no GPU; tests/gpu's workers are spawned."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
 
 
 @contextlib.contextmanager

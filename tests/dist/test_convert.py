@@ -24,27 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
-def _convert_all(rank: int, world: int, root: str) -> None:
+def _convert_all(rank: int, world: int, root: str, jobs: tuple[tuple, ...]) -> None:
+    """Every case both ways, then `jobs` (_layouts_logprobs') on the converted checkpoints."""
     import convert_checkpoint as cli
 
-    root = Path(root)
     for name in CASES:
-        assert cli.main(["hf-to-mcore", "--hf", str(root / name), "--out", str(root / f"{name}-mcore")]) == 0
-        assert cli.main(["verify", "--hf", str(root / name), "--mcore", str(root / f"{name}-mcore")]) == 0
-        assert (
-            cli.main(
-                [
-                    "mcore-to-hf",
-                    "--mcore",
-                    str(root / f"{name}-mcore"),
-                    "--out",
-                    str(root / f"{name}-back"),
-                    "--hf-template",
-                    str(root / name),
-                ]  # no --dtype: the model's own (float32), so the round trip is lossless by default
-            )
-            == 0
-        )
+        root_dir = Path(root) / name
+        assert cli.main(["hf-to-mcore", "--hf", str(root_dir), "--out", f"{root_dir}-mcore"]) == 0
+        assert cli.main(["verify", "--hf", str(root_dir), "--mcore", f"{root_dir}-mcore"]) == 0
+        # no --dtype: the model's own (float32), so the round trip is lossless by default
+        back = ["mcore-to-hf", "--mcore", f"{root_dir}-mcore", "--out", f"{root_dir}-back", "--hf-template"]
+        assert cli.main([*back, str(root_dir)]) == 0
+    _layouts_logprobs(rank, world, root, jobs)
 
 
 def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
@@ -85,9 +76,17 @@ def _save_both_ways(rank: int, world: int, root: str, name: str) -> None:
     save_model([model], root / f"{name}-megatron-writer")
 
 
-def _layout_logprobs(
-    rank: int, world: int, root: str, name: str, tp: int, pp: int, source: str = "mcore", vpp: int | None = None
-) -> None:
+def _layouts_logprobs(rank: int, world: int, root: str, jobs: tuple[tuple, ...]) -> None:
+    """_layout_logprobs of each (name, tp, pp, source, vpp) in `jobs` in turn, Megatron's groups made
+    anew for each: the layouts of one world size share a launch."""
+    from bapo_megatron.trainer.parallel import destroy_model_parallel
+
+    for name, tp, pp, source, vpp in jobs:
+        destroy_model_parallel()
+        _layout_logprobs(root, name, tp, pp, source, vpp)
+
+
+def _layout_logprobs(root: str, name: str, tp: int, pp: int, source: str, vpp: int | None) -> None:
     from bapo_megatron.common.batch import RolloutBatch, Sample
     from bapo_megatron.config import load_config
     from bapo_megatron.models.spec import ModelSpec
@@ -150,7 +149,16 @@ def test_convert_round_trip_and_every_layout(tmp_path):
     import transformers
 
     models = {name: make_hf_model(tmp_path, name) for name in CASES}
-    run_workers(_convert_all, 1, str(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(250, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
+    (tmp_path / "tokens.json").write_text(json.dumps(tokens))
+    name = "qwen2-gqa2"
+    worlds: dict[int, list[tuple]] = {}
+    for tp, pp in LAYOUTS:
+        worlds.setdefault(tp * pp, []).append((name, tp, pp, "mcore", None))
+    run_workers(_convert_all, 1, str(tmp_path), tuple(worlds.pop(1)))  # TP=PP=1 in the converting process
+    for world, jobs in worlds.items():
+        run_workers(_layouts_logprobs, world, str(tmp_path), tuple(jobs))
     for name, original in models.items():
         back = tmp_path / f"{name}-back"
         assert (back / "tokenizer.json").is_file()
@@ -160,9 +168,6 @@ def test_convert_round_trip_and_every_layout(tmp_path):
             assert torch.equal(tensor, theirs[key]), (name, key)
         assert not list(tmp_path.glob(f".{name}-back.*.tmp"))  # no temporary left behind
 
-    g = torch.Generator().manual_seed(1)
-    tokens = [torch.randint(250, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
-    (tmp_path / "tokens.json").write_text(json.dumps(tokens))
     name = "qwen2-gqa2"
     with torch.no_grad():
         want = {
@@ -172,7 +177,6 @@ def test_convert_round_trip_and_every_layout(tmp_path):
             for i, t in enumerate(tokens)
         }
     for tp, pp in LAYOUTS:
-        run_workers(_layout_logprobs, tp * pp, str(tmp_path), name, tp, pp)
         got = json.loads((tmp_path / f"logp-{name}-tp{tp}pp{pp}vpp{None}-mcore.json").read_text())
         for i, expected in want.items():
             torch.testing.assert_close(torch.tensor(got[str(i)]), expected, rtol=1e-4, atol=1e-5)
@@ -184,8 +188,16 @@ def test_hf_weights_load_straight_into_every_layout(tmp_path):
     g = torch.Generator().manual_seed(2)
     tokens = [torch.randint(250, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
     (tmp_path / "tokens.json").write_text(json.dumps(tokens))
-    for name, layouts in (("qwen2-gqa2", [(2, 2, None), (1, 2, 2)]), ("llama-gqa4-tied", [(1, 2, None)])):
-        model = make_hf_model(tmp_path, name)
+    cases = {"qwen2-gqa2": [(2, 2, None), (1, 2, 2)], "llama-gqa4-tied": [(1, 2, None)]}
+    models = {name: make_hf_model(tmp_path, name) for name in cases}
+    worlds: dict[int, list[tuple]] = {}
+    for name, layouts in cases.items():
+        for tp, pp, vpp in layouts:
+            worlds.setdefault(tp * pp, []).append((name, tp, pp, "hf", vpp))
+    for world, jobs in worlds.items():  # the layouts of one world size in one launch
+        run_workers(_layouts_logprobs, world, str(tmp_path), tuple(jobs))
+    for name, layouts in cases.items():
+        model = models[name]
         with torch.no_grad():
             want = {
                 i: torch.log_softmax(model(torch.tensor([t])).logits[0, 2:-1], -1)
@@ -194,7 +206,6 @@ def test_hf_weights_load_straight_into_every_layout(tmp_path):
                 for i, t in enumerate(tokens)
             }
         for tp, pp, vpp in layouts:
-            run_workers(_layout_logprobs, tp * pp, str(tmp_path), name, tp, pp, "hf", vpp)
             got = json.loads((tmp_path / f"logp-{name}-tp{tp}pp{pp}vpp{vpp}-hf.json").read_text())
             for i, expected in want.items():
                 torch.testing.assert_close(torch.tensor(got[str(i)]), expected, rtol=1e-4, atol=1e-5)

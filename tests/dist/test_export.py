@@ -11,13 +11,19 @@ from tests.helpers import make_hf_model
 BUCKET_BYTES = 40_000
 
 
-def _convert(rank: int, world: int, root: str, name: str) -> None:
+def _convert(rank: int, world: int, root: str, names: tuple[str, ...]) -> None:
     from bapo_megatron.weights.convert import hf_to_mcore
 
-    hf_to_mcore(Path(root) / name, Path(root) / f"{name}-mcore")
+    for name in names:
+        hf_to_mcore(Path(root) / name, Path(root) / f"{name}-mcore")
 
 
-def _export(rank: int, world: int, root: str, name: str) -> None:
+def _export(rank: int, world: int, root: str, names: tuple[str, ...]) -> None:
+    for name in names:  # one launch for both models: the same layout, the same groups
+        _export_one(rank, root, name)
+
+
+def _export_one(rank: int, root: str, name: str) -> None:
     from safetensors.torch import save_file
 
     from bapo_megatron.config import load_config
@@ -66,12 +72,13 @@ def test_stream_reassembles_the_hf_state_dict(tmp_path):
     from safetensors.torch import load_file
 
     # TP=2 needs an even number of key/value heads: both models have 2.
-    for name, case in (("qwen2-gqa2", ("qwen2", 2, False)), ("llama-gqa2-tied", ("llama", 2, True))):
-        original = make_hf_model(tmp_path, name, case).state_dict()
+    cases = {"qwen2-gqa2": ("qwen2", 2, False), "llama-gqa2-tied": ("llama", 2, True)}
+    originals = {name: make_hf_model(tmp_path, name, case).state_dict() for name, case in cases.items()}
+    run_workers(_convert, 1, str(tmp_path), tuple(cases))
+    run_workers(_export, 4, str(tmp_path), tuple(cases))
+    for name, original in originals.items():
         if "tied" in name:
             original.pop("lm_head.weight")
-        run_workers(_convert, 1, str(tmp_path), name)
-        run_workers(_export, 4, str(tmp_path), name)
         per_rank = [
             (
                 json.loads((tmp_path / f"{name}-export-{r}.json").read_text()),

@@ -11,7 +11,8 @@ then loads every result and compares it with the single-process run. That proces
 replay itself: replaying the routes the model chooses gives exactly the step without replay, and
 replaying others changes it. The EP=2 x DP=2 run also saves a full checkpoint (model, optimizer,
 schedule) that resumes at EP=1 with the same weights and the same next step, and exports the
-model to HF names live (experts gathered from both EP ranks), compared with the EP=1 export.
+model to HF names live (experts gathered from both EP ranks), compared with the EP=1 export. The
+layouts of one world size take turns in one launch.
 """
 
 import json
@@ -68,7 +69,7 @@ def _setup(tp: int, pp: int, ep: int, extra: tuple[str, ...] = ("algo.routing_re
     return tiny_spec("qwen3_moe"), cfg, init_model_parallel(cfg.parallel, cfg.seed)
 
 
-def _make_weights(rank: int, world: int, root: str) -> None:
+def _make_weights(root: str) -> None:
     from bapo_megatron.trainer.dist_ckpt import save_model
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
@@ -89,7 +90,19 @@ def _export(trainer) -> dict[str, torch.Tensor]:
     return {name: t.clone() for bucket in hf_buckets_to_rank0(trainer, 1 << 16) for name, t in bucket}
 
 
-def _train_layout(rank: int, world: int, root: str, name: str) -> None:
+def _train_layouts(rank: int, world: int, root: str, names: tuple[str, ...]) -> None:
+    """Each layout of `names` in turn, Megatron's groups made anew for each; the one-process launch
+    makes the weights and the batch first."""
+    from bapo_megatron.trainer.parallel import destroy_model_parallel
+
+    if world == 1:
+        _make_weights(root)
+    for name in names:
+        destroy_model_parallel()
+        _train_layout(rank, root, name)
+
+
+def _train_layout(rank: int, root: str, name: str) -> None:
     from bapo_megatron.config import CheckpointConfig
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.dist_ckpt import save_model
@@ -175,7 +188,7 @@ def _initial(root: str, key: str) -> torch.Tensor:
     return trainer.model[0].module.state_dict()[key].clone()
 
 
-def _compare(rank: int, world: int, root: str) -> None:
+def _compare(root: str) -> None:
     from bapo_megatron.config import CheckpointConfig
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
@@ -219,9 +232,11 @@ def _compare(rank: int, world: int, root: str) -> None:
 
 def test_expert_parallel_layouts_match_single_process(tmp_path):
     root = str(tmp_path)
-    run_workers(_make_weights, 1, root)
+    worlds: dict[int, tuple[str, ...]] = {}
     for name, (*_, world) in LAYOUTS.items():
-        run_workers(_train_layout, world, root, name)
+        worlds[world] = (*worlds.get(world, ()), name)
+    for world, names in sorted(worlds.items()):  # the one-process launch first: it makes the weights
+        run_workers(_train_layouts, world, root, names)
     metrics = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in LAYOUTS}
     want = metrics["ep1"]
     assert want["bapo/search_steps"] > 0
@@ -229,10 +244,10 @@ def test_expert_parallel_layouts_match_single_process(tmp_path):
         for key in COMPARED:
             assert metrics[name][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (name, key)
     assert metrics["ep2"]["next/loss_pg"] == pytest.approx(want["next/loss_pg"], rel=1e-5, abs=1e-7)
-    run_workers(_compare, 1, root)
-    run_workers(_replay_checks_worker, 1, root)
+    run_workers(_compare_and_replay, 1, root)
 
 
-def _replay_checks_worker(rank: int, world: int, root: str) -> None:
+def _compare_and_replay(rank: int, world: int, root: str) -> None:
+    _compare(root)
     _replay_checks(root)
     _router_options(root)

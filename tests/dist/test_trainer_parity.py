@@ -4,7 +4,8 @@ process does (gloo, CPU).
 The weights are made once at TP=1 and saved as a dist checkpoint; every layout loads them,
 takes one optimizer step on the same replayed rollout batch with BAPO (bound_scope "step")
 and with ppo, reports its metrics and saves the updated weights; one TP=1 process then
-loads every result and compares it with the single-process run.
+loads every result and compares it with the single-process run. The layouts of one world size
+take turns in one launch.
 """
 
 import json
@@ -77,7 +78,7 @@ def _setup(tp: int, pp: int, loss: str = "bapo", vpp: int | None = None, sp: boo
     return tiny_spec(), cfg, init_model_parallel(cfg.parallel, cfg.seed)
 
 
-def _make_weights(rank: int, world: int, root: str) -> None:
+def _make_weights(root: str) -> None:
     from bapo_megatron.trainer.dist_ckpt import save_model
     from bapo_megatron.trainer.policy_trainer import PolicyTrainer
 
@@ -86,7 +87,19 @@ def _make_weights(rank: int, world: int, root: str) -> None:
     _batch().save(Path(root) / "batch.safetensors")
 
 
-def _train_layout(rank: int, world: int, root: str, name: str) -> None:
+def _train_layouts(rank: int, world: int, root: str, names: tuple[str, ...]) -> None:
+    """Each layout of `names` in turn, Megatron's groups made anew for each; the one-process launch
+    makes the weights and the batch first."""
+    from bapo_megatron.trainer.parallel import destroy_model_parallel
+
+    if world == 1:
+        _make_weights(root)
+    for name in names:
+        destroy_model_parallel()
+        _train_layout(rank, root, name)
+
+
+def _train_layout(rank: int, root: str, name: str) -> None:
     from bapo_megatron.config import CheckpointConfig
     from bapo_megatron.trainer.checkpoint import CheckpointManager
     from bapo_megatron.trainer.dist_ckpt import save_model
@@ -148,9 +161,11 @@ def _compare(rank: int, world: int, root: str) -> None:
 @pytest.mark.slow
 def test_layouts_match_single_process(tmp_path):
     root = str(tmp_path)
-    run_workers(_make_weights, 1, root)
+    worlds: dict[int, tuple[str, ...]] = {}
     for name, (*_, world) in LAYOUTS.items():
-        run_workers(_train_layout, world, root, name)
+        worlds[world] = (*worlds.get(world, ()), name)
+    for world, names in sorted(worlds.items()):  # the one-process launch first: it makes the weights
+        run_workers(_train_layouts, world, root, names)
     metrics = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in LAYOUTS}
     for loss in LOSSES:
         want = metrics["tp1"][loss]

@@ -33,14 +33,9 @@ def _args(root: Path, run: str, steps: int, ckpt: str) -> list[str]:
     ]
 
 
-def _train(rank: int, world: int, args: list[str]) -> None:
-    from bapo_megatron.train import main
-
-    main(args)
-
-
 def _train_saying(rank: int, world: int, runs: list[list[str]], out: str) -> None:
-    """main() on each argument list in turn; what each printed and its exit code, to `out` (json)."""
+    """main() on each argument list in turn (one process: no start-up each); what each printed, its
+    exit code and its checkpoint's `latest` after it, to `out` (json); then _final_weights_equal."""
     from bapo_megatron.train import main
 
     said = []
@@ -51,11 +46,14 @@ def _train_saying(rank: int, world: int, runs: list[list[str]], out: str) -> Non
                 main(args)
             except SystemExit as done:
                 code = done.code
-        said.append({"code": code, "out": stdout.getvalue(), "err": stderr.getvalue()})
+        named = Path(next(a for a in args if a.startswith("checkpoint.dir=")).split("=", 1)[1]) / "latest"
+        latest = named.read_text() if named.is_file() else None
+        said.append({"code": code, "out": stdout.getvalue(), "err": stderr.getvalue(), "latest": latest})
     Path(out).write_text(json.dumps(said))
+    _final_weights_equal(Path(out).parent)
 
 
-def _final_weights_equal(rank: int, world: int, root: str) -> None:
+def _final_weights_equal(root: Path) -> None:
     from bapo_megatron.config import load_config
     from bapo_megatron.models.spec import tiny_spec
     from bapo_megatron.trainer.checkpoint import CheckpointManager
@@ -83,16 +81,17 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     (tmp_path / "replay").mkdir()
     for i in range(3):
         make_batch(i).save(tmp_path / "replay" / f"step_{i:03d}.safetensors")
-    run_workers(_train, 1, _args(tmp_path, "full", 4, "full"))
-    run_workers(_train, 1, _args(tmp_path, "resumed", 2, "resumed"))  # stops after 2 of 4 steps
-    assert (tmp_path / "resumed" / "latest").read_text().strip() == "step_00000002"  # named by driver step
-    again = [
+    runs = [
+        _args(tmp_path, "full", 4, "full"),
+        _args(tmp_path, "resumed", 2, "resumed"),  # stops after 2 of 4 steps
         _args(tmp_path, "resumed", 4, "resumed"),  # resumes at step 2 (4 updates)
         _args(tmp_path, "resumed", 4, "resumed"),  # at its last step: nothing to do
         [*_args(tmp_path, "other", 4, "full"), "name=other"],  # another run's checkpoint
     ]
-    run_workers(_train_saying, 1, again, str(tmp_path / "said.json"))
-    resumed, finished, foreign = json.loads((tmp_path / "said.json").read_text())
+    run_workers(_train_saying, 1, runs, str(tmp_path / "said.json"))  # and the final weights compared
+    uninterrupted, stopped, resumed, finished, foreign = json.loads((tmp_path / "said.json").read_text())
+    assert uninterrupted["code"] == stopped["code"] == 0, uninterrupted["err"][-2000:] + stopped["err"][-2000:]
+    assert (stopped["latest"] or "").strip() == "step_00000002"  # named by driver step
     assert resumed["code"] == 0, resumed["err"][-2000:]
     assert f"resumed from {tmp_path / 'resumed' / 'step_00000002'}, step 2 of 4" in resumed["out"]
     assert f"checkpoint {tmp_path / 'resumed' / 'step_00000004'}" in resumed["out"]  # the end line, then what next
@@ -110,4 +109,3 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     assert all("rollout_corr/train_rollout_logprob_abs_diff" in r for r in full)  # (of each batch's first update)
     # keep_last=1: only the newest checkpoint stays, and latest names it.
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["latest", "step_00000004"]
-    run_workers(_final_weights_equal, 1, str(tmp_path))
