@@ -164,6 +164,38 @@ def warm_start(
     return {"task": task, "sft": sft, "hf": sft / "hf", "sft_steps": done_steps, "seconds": seconds}
 
 
+def study_command(warm: dict, run: Path, args: argparse.Namespace, seed: int) -> list[str]:
+    """One run of a study built on the demo (examples/compare_clipping, moe_replay_study,
+    rollout_corr_study): BAPO's demo config from the warm start, args.steps batches of args.prompts
+    x args.samples, args.eval_prompts held-out prompts scored before the first step and after the
+    last, metrics to jsonl only, no checkpoint (a study's runs are read, never resumed), the engines
+    on a free port (beside other jobs). The study adds its arm's options after these."""
+    from bapo_megatron.engines.launcher import free_port
+
+    task = warm["task"]
+    return [
+        sys.executable,
+        "-m",
+        "bapo_megatron.train",
+        str(CONFIGS / "rl.yaml"),
+        f"model.hf_path={task['model']}",
+        f"model.mcore_path={warm['sft'] / 'ckpt'}",
+        f"data.path={task['train']}",
+        f"eval.path={task['heldout']}",
+        f"eval.max_prompts={args.eval_prompts}",
+        f"eval.interval={args.steps}",
+        f"steps={args.steps}",
+        f"seed={seed}",
+        f"data.seed={seed}",
+        f"run_dir={run}",
+        "checkpoint.save=false",
+        "logging.backends=[jsonl]",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.samples_per_prompt={args.samples}",
+        f"rollout.engines.port={free_port()}",
+    ]
+
+
 def train_rl(args: argparse.Namespace, mode: Mode, run: Path, warm: dict) -> Path:
     """Phase 3: BAPO from the warm start, in run/rl<suffix> (trained anew every time)."""
     from bapo_megatron.tasks import TASKS

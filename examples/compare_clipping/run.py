@@ -106,31 +106,14 @@ def summarise(run: Path, method: str, staleness: str, seed: int, k: int) -> dict
 
 
 def train(args, warm: dict, seed: int, staleness: str, method: str) -> Path:
+    from demo import study_command
+
     run = args.out / "runs" / f"{method}-{staleness}-s{seed}"
     shutil.rmtree(run, ignore_errors=True)
-    task = warm["task"]
     command = [
-        sys.executable,
-        "-m",
-        "bapo_megatron.train",
-        str(ROOT / "examples" / "demo" / "rl.yaml"),
-        f"model.hf_path={task['model']}",
-        f"model.mcore_path={warm['sft'] / 'ckpt'}",
-        f"data.path={task['train']}",
-        f"eval.path={task['heldout']}",
-        f"eval.max_prompts={args.eval_prompts}",
+        *study_command(warm, run, args, seed),
         f"eval.samples={args.k}",
-        f"eval.interval={args.steps}",  # before the first step and after the last
-        f"steps={args.steps}",
-        f"seed={seed}",
-        f"data.seed={seed}",
-        f"run_dir={run}",
-        "checkpoint.save=false",  # a study's runs are read, never resumed
-        "logging.backends=[jsonl]",
-        f"rollout.prompts_per_step={args.prompts}",
-        f"rollout.samples_per_prompt={args.samples}",
         f"rollout.sampling.max_new_tokens={TASKS[args.task].max_new_tokens}",
-        f"rollout.engines.port={free_port()}",  # beside other jobs on this machine
         *STALENESS[staleness],
         *METHODS[method],
     ]
@@ -209,7 +192,6 @@ def run_study(args, results_path: Path) -> None:
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(HERE))
-from bapo_megatron.engines.launcher import free_port  # noqa: E402
 from bapo_megatron.tasks import TASKS  # noqa: E402
 
 if __name__ == "__main__":

@@ -62,34 +62,11 @@ PER_RUN = {  # record key: the metric whose mean over the run's steps it is (whe
 
 
 def train(args, warm: dict, seed: int, arm: str) -> Path:
-    from bapo_megatron.engines.launcher import free_port
+    from demo import study_command
 
     run = args.out / "runs" / f"{arm}-s{seed}"
     shutil.rmtree(run, ignore_errors=True)
-    task = warm["task"]
-    command = [
-        sys.executable,
-        "-m",
-        "bapo_megatron.train",
-        str(ROOT / "examples" / "demo" / "rl.yaml"),
-        f"model.hf_path={task['model']}",
-        f"model.mcore_path={warm['sft'] / 'ckpt'}",
-        f"data.path={task['train']}",
-        f"eval.path={task['heldout']}",
-        f"eval.max_prompts={args.eval_prompts}",
-        f"eval.interval={args.steps}",  # before the first step and after the last
-        f"steps={args.steps}",
-        f"seed={seed}",
-        f"data.seed={seed}",
-        f"run_dir={run}",
-        "checkpoint.save=false",  # a study's runs are read, never resumed
-        "logging.backends=[jsonl]",
-        f"rollout.prompts_per_step={args.prompts}",
-        f"rollout.samples_per_prompt={args.samples}",
-        f"rollout.engines.port={free_port()}",
-        *REGIME,
-        *ARMS[arm],
-    ]
+    command = [*study_command(warm, run, args, seed), *REGIME, *ARMS[arm]]
     done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL if args.quiet else None)
     if done.returncode:
         raise SystemExit(f"moe_replay_study: replay {arm}, seed {seed} failed (exit {done.returncode})")

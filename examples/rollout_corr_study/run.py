@@ -107,35 +107,11 @@ def grid(models=("dense", "moe"), losses=LOSSES, corrections=tuple(CORRECTIONS))
 
 
 def train(args, warm: dict, arm: Arm, seed: int) -> Path:
-    from bapo_megatron.engines.launcher import free_port
+    from demo import study_command
 
     run = args.out / "runs" / f"{arm.name}-s{seed}"
     shutil.rmtree(run, ignore_errors=True)
-    task = warm["task"]
-    command = [
-        sys.executable,
-        "-m",
-        "bapo_megatron.train",
-        str(ROOT / "examples" / "demo" / "rl.yaml"),
-        f"model.hf_path={task['model']}",
-        f"model.mcore_path={warm['sft'] / 'ckpt'}",
-        f"data.path={task['train']}",
-        f"eval.path={task['heldout']}",
-        f"eval.max_prompts={args.eval_prompts}",
-        f"eval.interval={args.steps}",  # before the first step and after the last
-        f"steps={args.steps}",
-        f"seed={seed}",
-        f"data.seed={seed}",
-        f"run_dir={run}",
-        "checkpoint.save=false",  # a study's runs are read, never resumed
-        "logging.backends=[jsonl]",
-        f"rollout.prompts_per_step={args.prompts}",
-        f"rollout.samples_per_prompt={args.samples}",
-        f"rollout.engines.port={free_port()}",
-        *REGIME,
-        *arm.overrides(),
-        *args.overrides,
-    ]
+    command = [*study_command(warm, run, args, seed), *REGIME, *arm.overrides(), *args.overrides]
     out = subprocess.DEVNULL if args.quiet else None
     done = subprocess.run(command, cwd=ROOT, env=engine_env(args.levels), stdout=out)
     if done.returncode:
