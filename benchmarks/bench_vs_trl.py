@@ -24,8 +24,9 @@ count once per process); and, with --eval-prompts, held-out greedy accuracy befo
 
 --engine-only: the generation alone on the same batch, medians over --repeats interleaved
 repeats: transformers' `generate` in this process, the embedded engine's core in this process
-(no HTTP), and the embedded engine as the project runs it (its own process, one HTTP request per
-sample). The load average is printed: figures from a loaded machine are not figures (on a shared
+(no HTTP), and the embedded engine as the project runs it: its own process, one /generate call a
+group of samples (as a sync rollout sends them) and one call a sample (as the async and retract
+modes do). The load average is printed: figures from a loaded machine are not figures (on a shared
 machine, --threads 1 keeps torch's threads from spinning against other work).
 """
 
@@ -221,16 +222,17 @@ def engine_core(core, batch: list[list[int]], max_new: int, tag: str) -> int:
 
 
 class HttpEngine:
-    """The embedded engine as the project runs it: its own process, one /generate per sample, over
-    one client kept open (its connections too) between batches, as the rollout's is."""
+    """The embedded engine as the project runs it: its own process, over one client kept open (its
+    connections too) between batches, as the rollout's is; one /generate call a group of `group`
+    samples (SGLang's batch form, as a sync rollout sends them), or one a sample (group 1)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, group: int) -> None:
         import asyncio
 
         from bapo_megatron.engines.client import EngineClient
 
         self.loop = asyncio.new_event_loop()
-        self.client = EngineClient(url)
+        self.client, self.group = EngineClient(url), group
 
     def __call__(self, batch: list[list[int]], max_new: int, tag: str) -> int:
         import asyncio
@@ -239,9 +241,15 @@ class HttpEngine:
 
         sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0)
 
+        def together(i: int) -> int | None:
+            return i // self.group if self.group > 1 else None
+
         async def run() -> list:
             return await asyncio.gather(
-                *(self.client.generate(ids, sampling, f"{tag}-{i}") for i, ids in enumerate(batch))
+                *(
+                    self.client.generate(ids, sampling, f"{tag}-{i}", together=together(i))
+                    for i, ids in enumerate(batch)
+                )
             )
 
         answers = self.loop.run_until_complete(run())
@@ -267,11 +275,12 @@ def engine_only(warm: dict[str, Path], args) -> dict[str, dict]:
     core = EngineCore(warm["hf"], seed=args.seed, max_batch=len(batch))
     log = Path(args.out) / "engine.log"
     server = embedded_server(warm["hf"], log, seed=args.seed, max_batch=len(batch)).start().wait_ready(300)
-    http = HttpEngine(server.url)
+    by_sample, by_group = HttpEngine(server.url, 1), HttpEngine(server.url, args.samples)
     runs = {
         "transformers generate": lambda i: hf_generate(model, batch, args.max_new, eos),
         "engine core (in process)": lambda i: engine_core(core, batch, args.max_new, f"c{i}"),
-        "engine over HTTP": lambda i: http(batch, args.max_new, f"h{i}"),
+        "engine over HTTP, a call a group": lambda i: by_group(batch, args.max_new, f"g{i}"),
+        "engine over HTTP, a call a sample": lambda i: by_sample(batch, args.max_new, f"s{i}"),
     }
     results: dict[str, list[tuple[float, int]]] = {name: [] for name in runs}
     try:
@@ -282,7 +291,8 @@ def engine_only(warm: dict[str, Path], args) -> dict[str, dict]:
                 if i >= 0:
                     results[name].append((time.perf_counter() - start, tokens))
     finally:
-        http.close()
+        by_sample.close()
+        by_group.close()
         server.stop()
     return {name: _rates(r) for name, r in results.items()}
 
@@ -368,15 +378,15 @@ def print_engine_table(results: dict[str, dict], args, load: tuple[float, float]
         f"temperature 1; {args.repeats} interleaved repeats; torch threads {_threads()}; "
         f"load average {load[0]:.2f} before, {load[1]:.2f} after"
     )
-    print(f"{'generator':>26}  {'seconds':>22}  {'tokens/s':>22}  {'vs generate':>11}")
-    print("-" * 88)
+    print(f"{'generator':>33}  {'seconds':>22}  {'tokens/s':>22}  {'vs generate':>11}")
+    print("-" * 95)
     base = results["transformers generate"]["tokens_per_s"]
     for name, r in results.items():
         seconds, rate = (
             _cell(r["seconds"], r["seconds_range"]),
             _cell(r["tokens_per_s"], r["tokens_per_s_range"], ".0f"),
         )
-        print(f"{name:>26}  {seconds:>22}  {rate:>22}  {r['tokens_per_s'] / base:>10.2f}x")
+        print(f"{name:>33}  {seconds:>22}  {rate:>22}  {r['tokens_per_s'] / base:>10.2f}x")
 
 
 def _threads() -> int:

@@ -4,7 +4,8 @@ Every call names the server and endpoint in its errors. Timeouts, refused connec
 5xx answers are retried with exponential backoff up to `retries` times, then raised as
 EngineUnavailable (the caller drops the server and resubmits its requests elsewhere); 4xx
 answers are raised at once as EngineError with the server's message. A /generate retry
-first aborts the request id on the server, so a request is never generating twice.
+first aborts its request ids on the server, so a request is never generating twice. Requests
+that are waited for together (a group's samples) may go out in one /generate call (`together`).
 
 A /generate answer is checked in full on arrival, against the protocol and against the model the
 engine serves (`ServedModel`: token ids in its vocabulary, log-probs finite and <= 0, one per
@@ -19,11 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bapo_megatron.common import protocol
+from bapo_megatron.common import generate_batch, protocol
 from bapo_megatron.common.protocol import Completion, MalformedResponse, SamplingParams
 from bapo_megatron.common.routes import RouteShape
 from bapo_megatron.models.spec import ModelSpec
@@ -102,6 +103,19 @@ class ServedModel:
         return self.routes.from_engine(answer.routed_experts, ran, "meta_info")
 
 
+@dataclass(eq=False)
+class _Pending:
+    """One /generate request of ours until its answer is checked."""
+
+    body: dict
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    routes_from: int | None
+    answer: asyncio.Future | None = None  # (together with others) its answer, once their call comes back
+    sent: bool = False
+
+
 class EngineClient:
     def __init__(
         self,
@@ -121,6 +135,8 @@ class EngineClient:
         self.served = served
         self._session = None
         self._closed = False
+        self._forming: dict[Hashable, list[_Pending]] = {}  # requests to go out together at the loop's next turn
+        self._background: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -191,13 +207,27 @@ class EngineClient:
         rid: str,
         routes_from: int | None = None,
         lora_path: str | None = None,
+        together: Hashable | None = None,
     ) -> Completion:
-        """One /generate call; routes_from: also the routed experts of positions from there on;
+        """One /generate request; routes_from: also the routed experts of positions from there on;
         lora_path: the name of a LoRA adapter loaded before, to generate under (None: the base model).
-        BadAnswer when the answer fails the checks (the module says which)."""
+        together: requests given the same key in one turn of the event loop go out in one /generate
+        call (SGLang's batch form, common/generate_batch.py), each answered once all of them have
+        finished: for requests that are waited for together anyway (a group's samples). Each stays
+        abortable by its rid. None: a call of its own. BadAnswer when the answer fails the checks
+        (the module says which); an answer to a batch that is no list of one per request fails them all."""
         body = protocol.generate_request(input_ids, sampling, rid, routed_experts_start_len=routes_from)
         if lora_path is not None:
             body["lora_path"] = lora_path  # SGLang's field name, though it holds the adapter's name
+        pending = _Pending(body, rid, input_ids, sampling.max_new_tokens, routes_from)
+        if together is None:
+            return self._checked_answer((await self._post_generate([pending]))[0], pending)
+        return await self._join(pending, (together, routes_from))  # routes are asked for once a batch
+
+    async def _post_generate(self, requests: list[_Pending]) -> list[Any]:
+        """One /generate call for `requests` (the batch form for more than one): each one's answer body.
+        A retry first aborts them on the server, so that none is ever generating twice."""
+        body = requests[0].body if len(requests) == 1 else generate_batch.batch_request([r.body for r in requests])
         for attempt in range(self.retries + 1):
             try:
                 result = await self.request("/generate", body, retry=False)
@@ -208,25 +238,87 @@ class EngineClient:
                 if attempt == self.retries:
                     raise
                 await asyncio.sleep(self.backoff_s * 2**attempt)
-                with contextlib.suppress(EngineUnavailable, EngineError):  # never let it generate twice
-                    await self.abort(rid)
-        return self._checked_answer(result, rid, input_ids, sampling.max_new_tokens, routes_from)
+                for r in requests:
+                    with contextlib.suppress(EngineUnavailable, EngineError):
+                        await self.abort(r.rid)
+        if len(requests) == 1:
+            return [result]
+        try:
+            return generate_batch.batch_answers(result, [r.rid for r in requests], self.base_url)
+        except MalformedResponse as err:
+            raise BadAnswer(str(err)) from None
 
-    def _checked_answer(
-        self, result: Any, rid: str, input_ids: list[int], max_new_tokens: int, routes_from: int | None
-    ) -> Completion:
+    async def _join(self, pending: _Pending, key: Hashable) -> Completion:
+        """`pending` joins the call that requests of `key` form in this turn of the loop (the first
+        schedules it); its answer, when that call comes back."""
+        loop = asyncio.get_running_loop()
+        forming = self._forming.get(key)
+        if forming is None:
+            forming = self._forming[key] = []
+            loop.call_soon(self._send_formed, key)
+        forming.append(pending)
+        pending.answer = loop.create_future()
+        try:
+            return await pending.answer
+        except asyncio.CancelledError:  # its caller gave up: it no longer generates, its batch goes on
+            if pending in self._forming.get(key, ()):
+                self._forming[key].remove(pending)
+            elif pending.sent:
+                self._in_background(self._abort_quietly(pending.rid))
+            raise
+
+    def _send_formed(self, key: Hashable) -> None:
+        requests = [r for r in self._forming.pop(key, []) if not r.answer.done()]
+        if requests:
+            self._in_background(self._answer_together(requests))
+
+    async def _answer_together(self, requests: list[_Pending]) -> None:
+        for r in requests:
+            r.sent = True
+        try:
+            results = await self._post_generate(requests)
+        except asyncio.CancelledError:
+            for r in requests:
+                r.answer.cancel()
+            raise
+        except Exception as err:  # the call failed: so did every request in it
+            for r in requests:
+                if not r.answer.done():
+                    r.answer.set_exception(err)
+            return
+        for r, result in zip(requests, results, strict=True):
+            if r.answer.done():
+                continue
+            try:
+                r.answer.set_result(self._checked_answer(result, r, batched=True))
+            except BadAnswer as err:
+                r.answer.set_exception(err)
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_quietly(self, rid: str) -> None:
+        with contextlib.suppress(EngineUnavailable, EngineError):
+            await self.abort(rid)
+
+    def _checked_answer(self, result: Any, pending: _Pending, batched: bool = False) -> Completion:
+        rid = pending.rid
         try:
             answer = protocol.parse_generate_response(result, rid, source=self.base_url)
         except MalformedResponse as err:
             raise BadAnswer(str(err)) from None
         problem = None
-        if len(answer.output_ids) > max_new_tokens:
-            problem = f"{len(answer.output_ids)} output tokens for max_new_tokens {max_new_tokens}"
+        if batched and answer.rid != rid:  # a batch's answers come in the order of its requests
+            problem = f"the answer in its place is for {answer.rid!r}"
+        elif len(answer.output_ids) > pending.max_new_tokens:
+            problem = f"{len(answer.output_ids)} output tokens for max_new_tokens {pending.max_new_tokens}"
         elif self.served is not None:
             problem = self.served.problem(answer)
             if problem is None:
                 try:
-                    answer.routes = self.served.checked_routes(answer, input_ids, routes_from)
+                    answer.routes = self.served.checked_routes(answer, pending.input_ids, pending.routes_from)
                 except MalformedResponse as err:
                     problem = str(err)
         if problem:

@@ -52,6 +52,7 @@ class Flight:
     sent: int
     engine: int | None = None
     cut: bool = False  # aborted by `cut`: never resubmitted when its engine dies meanwhile
+    together: str | None = None  # its group's uid when its group's requests go out in one call
 
 
 class RolloutCore:
@@ -103,18 +104,24 @@ class RolloutCore:
             if f.sent < oldest or (f.request.sample.versions and min(f.request.sample.versions) < oldest)
         ]
 
-    def launch_idle(self, version: int) -> int:
+    def launch_idle(self, version: int, by_group: bool = False) -> int:
         """Send every idle unfinished sample (rounds and budget: the buffer's) and score every finished
-        one that nothing scores (after a restore); returns how many requests went out."""
+        one that nothing scores (after a restore); returns how many requests went out. by_group: as
+        `launch` says."""
         self.rescore()
         requests = self.buffer.begin_requests(self.busy())
         for req in requests:
-            self.launch(req, version)
+            self.launch(req, version, by_group)
         return len(requests)
 
-    def launch(self, req: Request, version: int) -> asyncio.Task:
+    def launch(self, req: Request, version: int, by_group: bool = False) -> asyncio.Task:
+        """Send one sample's request. by_group: the requests of one group sent in this turn of the loop go
+        to an engine in one /generate call (engines/client.py: `together`), answered when all of them
+        have finished, which saves a call per sample; for a strategy that never cuts some of a group's
+        requests but not the others (a cut request's answer waits for the rest of its call)."""
         self._attempt += 1
-        flight = Flight(req, f"{req.sample.uid}#{self._attempt}", version)
+        together = self.buffer.group_of(req.sample).uid if by_group else None
+        flight = Flight(req, f"{req.sample.uid}#{self._attempt}", version, together=together)
         task = asyncio.create_task(self._generate(flight))
         task.add_done_callback(_seen)
         self.running[task] = flight
@@ -232,7 +239,12 @@ class RolloutCore:
                 try:
                     with self.pool.holding(flight.engine) as client, self.adapters.named() as adapter:
                         completion = await client.generate(
-                            req.input_ids, sampling, flight.rid, req.routes_from, **adapter.request
+                            req.input_ids,
+                            sampling,
+                            flight.rid,
+                            req.routes_from,
+                            together=flight.together,
+                            **adapter.request,
                         )
                     completion = adapter.stamp(completion)  # its tokens: the version of the adapter it named
                     self._home[uid] = flight.engine

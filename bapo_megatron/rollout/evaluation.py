@@ -96,7 +96,10 @@ class HeldOut:
                     try:
                         with pool.holding(engine) as client, self.adapters.named() as adapter:
                             request = f"eval-{k}-{i}-{j}-{secrets.token_hex(4)}"
-                            done = await client.generate(list(ids), sampling, request, **adapter.request)
+                            # a prompt's answers in one call: an evaluation waits for them all, never cuts one
+                            done = await client.generate(
+                                list(ids), sampling, request, together=(k, i), **adapter.request
+                            )
                         break
                     except EngineUnavailable as err:  # a wrong answer too: retired, counted toward the run's stop
                         pool.failed(engine, err)

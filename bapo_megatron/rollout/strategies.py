@@ -44,6 +44,10 @@ from bapo_megatron.rollout.filtering import KeepAll, warn_if_nothing
 class Strategy:
     """The sync default of every question; the modes override what differs."""
 
+    by_group = False
+    """A group's requests go out in one /generate call (RolloutCore.launch): only in a mode that never
+    cuts part of a group's requests (a cut one would wait for the rest of its call)."""
+
     def __init__(
         self, core: RolloutCore, prompts_per_step: int, oversample: float = 1.0, filter_groups: KeepAll | None = None
     ) -> None:
@@ -100,13 +104,15 @@ class Strategy:
         """Send what is idle (a sample cut at its round's budget begins its next round at once: the
         engines never wait for a round's slowest request) until the step has its groups."""
         while not self._settled():
-            self.core.launch_idle(version)
+            self.core.launch_idle(version, self.by_group)
             await self.core.wait()
 
 
 class AbortSteps(Strategy):
     """Sync: generate until the step's groups are complete, then abort what still runs, keeping its
     output for the next step (partial rollout) or dropping it."""
+
+    by_group = True  # a step ends by cutting all its requests at once
 
     def __init__(
         self,
@@ -158,6 +164,8 @@ class DeterministicRounds(Strategy):
     SGLang's sampling_seed), until prompts_per_step groups are complete. Completions are recorded
     in the buffer's order, whatever order they arrive in."""
 
+    by_group = True  # every round is waited for whole
+
     async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
         start, tokens, waited = time.monotonic(), self.core.tokens, 0.0
         self.core.fill(self.generating)
@@ -168,7 +176,7 @@ class DeterministicRounds(Strategy):
             requests = self.buffer.begin_requests()
             if not requests:
                 raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
-            tasks = [self.core.launch(req, version) for req in requests]
+            tasks = [self.core.launch(req, version, self.by_group) for req in requests]
             await asyncio.wait(tasks)
             for task in tasks:  # in the buffer's order
                 self.core.completed(task)

@@ -47,7 +47,12 @@ def _cell(text: str) -> tuple[float, float, float]:
 def test_generation_alone_compares_the_engine_with_generate(warm):
     rows = _run("--warm", str(warm), "--engine-only", "--repeats", "2", "--threads", "1", *SMALL)
     names = [row.rsplit(maxsplit=3)[0].strip() for row in rows]
-    assert names == ["transformers generate", "engine core (in process)", "engine over HTTP"]
+    assert names == [
+        "transformers generate",
+        "engine core (in process)",
+        "engine over HTTP, a call a group",
+        "engine over HTTP, a call a sample",
+    ]
     for row in rows:
         seconds, rate, ratio = row.rsplit(maxsplit=3)[1:]
         assert _cell(seconds)[0] > 0 and _cell(rate)[0] > 0 and ratio.endswith("x")

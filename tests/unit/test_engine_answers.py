@@ -28,6 +28,7 @@ from aiohttp.test_utils import TestServer
 
 from bapo_megatron.common import protocol
 from bapo_megatron.common.batch import RolloutBatch, Sample
+from bapo_megatron.common.generate_batch import is_batch, split_batch
 from bapo_megatron.common.protocol import SamplingParams
 from bapo_megatron.common.routes import RouteShape
 from bapo_megatron.config import load_config
@@ -133,18 +134,23 @@ class Engine:
         self.wrong = wrong
         self.answered = 0
 
+    def one(self, body: dict) -> dict:
+        routes_from = body.get("routed_experts_start_len") if body.get("return_routed_experts") else None
+        out = answer(body["rid"], routes_from, len(body["input_ids"]))
+        if self.wrong is not None:
+            self.wrong(out)
+        self.answered += 1
+        return out
+
     def app(self):
         from aiohttp import web
 
         async def generate(request):
             body = await request.json()
-            routes_from = body.get("routed_experts_start_len") if body.get("return_routed_experts") else None
-            out = answer(body["rid"], routes_from, len(body["input_ids"]))
-            if self.wrong is not None:
-                self.wrong(out)
-            self.answered += 1
+            batch = is_batch(body)  # a group's requests in one call (SGLang's batch form): a list back
+            outs = [self.one(row) for row in (split_batch(body) if batch else [body])]
             # json.dumps writes NaN and Infinity as Python (and aiohttp's client) reads them back
-            return web.Response(text=json.dumps(out), content_type="application/json")
+            return web.Response(text=json.dumps(outs if batch else outs[0]), content_type="application/json")
 
         async def abort(request):
             return web.Response(status=200)

@@ -29,7 +29,7 @@ MODES = ["sync", "deterministic", "async"]
 class Engine:
     """Sample i of a group answers i + 1 tokens, then STOP."""
 
-    async def generate(self, input_ids, sampling, rid, routes_from=None):
+    async def generate(self, input_ids, sampling, rid, routes_from=None, together=None):
         await asyncio.sleep(0.001)
         out = [1] * (int(rid.partition("#")[0].rpartition("/")[2]) + 1) + [STOP]
         return Completion(rid, out, [-0.5] * len(out), "stop")

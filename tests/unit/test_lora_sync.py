@@ -93,7 +93,7 @@ class RetractingEngine:
     def __init__(self) -> None:
         self.release, self.named, self.version = asyncio.Event(), [], "7"
 
-    async def generate(self, input_ids, sampling, rid, routes_from=None, lora_path=None):
+    async def generate(self, input_ids, sampling, rid, routes_from=None, lora_path=None, together=None):
         self.named.append(lora_path)
         await self.release.wait()
         return Completion(rid, [1, 2, 3], [-0.5] * 3, "length", weight_version=self.version)

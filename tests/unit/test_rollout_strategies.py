@@ -43,7 +43,7 @@ class ScriptedEngine:
         self.aborted: set[str] = set()
         self.events: list[tuple[str, str]] = []  # ("sent" | "returned", rid), in the order they happened
 
-    async def generate(self, input_ids, sampling, rid, routes_from=None):
+    async def generate(self, input_ids, sampling, rid, routes_from=None, together=None):
         uid = rid.partition("#")[0]
         done = len(input_ids) - self.prompt_len
         self.sent.append((rid, done, sampling.max_new_tokens, asyncio.get_running_loop().time()))
@@ -154,7 +154,7 @@ class FailingEngine:
     def __init__(self, fail: int) -> None:
         self.fail, self.calls, self.seeds = fail, {}, []
 
-    async def generate(self, input_ids, sampling, rid, routes_from=None):
+    async def generate(self, input_ids, sampling, rid, routes_from=None, together=None):
         uid = rid.partition("#")[0]
         self.calls[uid] = self.calls.get(uid, 0) + 1
         self.seeds.append((uid, len(input_ids), sampling.sampling_seed))
@@ -232,7 +232,7 @@ class VersionedEngine:
     def length(self, uid: str) -> int:
         return 10**6 if uid in self.slow else 4 + zlib.crc32(uid.encode()) % 20
 
-    async def generate(self, input_ids, sampling, rid, routes_from=None):
+    async def generate(self, input_ids, sampling, rid, routes_from=None, together=None):
         uid = rid.partition("#")[0]
         if not self.paused.is_set():
             self.sent_while_paused += 1
@@ -350,7 +350,7 @@ def test_admission_at_max_staleness_0_waits_for_each_new_version():
 class SlowEngine(VersionedEngine):
     """`slow` samples take ten ticks a token: they cannot finish within a few versions."""
 
-    async def generate(self, input_ids, sampling, rid, routes_from=None):
+    async def generate(self, input_ids, sampling, rid, routes_from=None, together=None):
         if rid.partition("#")[0] in self.slow:
             sampling = SamplingParams(max_new_tokens=min(sampling.max_new_tokens, 1), stop_token_ids=(STOP,))
             await asyncio.sleep(0.02)
@@ -508,7 +508,7 @@ class DyingEngine(VersionedEngine):
     def die(self):
         self.dead = True
 
-    async def generate(self, input_ids, sampling, rid, routes_from=None):
+    async def generate(self, input_ids, sampling, rid, routes_from=None, together=None):
         if self.dead:
             raise EngineUnavailable("dead")
         task = asyncio.ensure_future(super().generate(input_ids, sampling, rid))
@@ -569,7 +569,7 @@ class QuickEngine:
     def __init__(self, ticks: int = 1) -> None:
         self.ticks = ticks
 
-    async def generate(self, input_ids, sampling, rid, routes_from=None):
+    async def generate(self, input_ids, sampling, rid, routes_from=None, together=None):
         await asyncio.sleep(0.001 * self.ticks)
         out = [1] * (int(rid.partition("#")[0].rpartition("/")[2]) + 1) + [STOP]
         return Completion(rid, out, [-0.5] * len(out), "stop")

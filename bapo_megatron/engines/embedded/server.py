@@ -2,8 +2,9 @@
 
     python -m bapo_megatron.engines.embedded --model HF_DIR --port 30000 [--host 127.0.0.1]
 
-Same payloads as SGLang 0.5.23 (common/protocol.py): /generate with logprobs,
-/abort_request, /pause_generation (abort | retract | in_place), /continue_generation,
+Same payloads as SGLang 0.5.23 (common/protocol.py): /generate with logprobs (one request or a
+batch of them, generate_endpoint.py), /abort_request, /pause_generation (abort | retract |
+in_place), /continue_generation,
 /health, /health_generate, /ready, /model_info, /begin_weight_update, /end_weight_update,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed
 (gloo; the trainer is rank 0), /update_weights_from_tensor (shared-memory handles from a
@@ -31,13 +32,12 @@ import secrets
 import sys
 import time
 import traceback
-import uuid
 
 from bapo_megatron.common import protocol
 from bapo_megatron.engines.embedded.core import EngineCore
+from bapo_megatron.engines.embedded.generate_endpoint import GenerateEndpoint
 from bapo_megatron.engines.embedded.http import guarded, json_object, request_timeout_key
 from bapo_megatron.engines.embedded.lora_endpoints import AdapterNames, LoRAEndpoints
-from bapo_megatron.engines.embedded.request_queue import EngineRequest
 from bapo_megatron.engines.embedded.weight_updates import WeightUpdateEndpoints
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -62,7 +62,7 @@ def authorized(path: str, header: str | None, api_key: str | None, admin_key: st
     return api_key is None or bearer(api_key)
 
 
-class EmbeddedServer(WeightUpdateEndpoints, LoRAEndpoints):
+class EmbeddedServer(GenerateEndpoint, WeightUpdateEndpoints, LoRAEndpoints):
     """The HTTP front of an EngineCore. Everything that computes with the model's tensors (steps,
     weight loads) runs on one dedicated thread, `engine_thread`, one call at a time: torch's
     OpenMP pool is per OS thread, and a second thread computing (even now and then) leaves two
@@ -193,87 +193,7 @@ class EmbeddedServer(WeightUpdateEndpoints, LoRAEndpoints):
     def _poke(self) -> None:
         self._wake.set()
 
-    # -- generation -----------------------------------------------------------------------
-    async def generate(self, request):
-        from aiohttp import web
-
-        context = self.core.context_length
-        body = await json_object(request, GENERATE_BODY_BASE + GENERATE_BYTES_PER_TOKEN * context)
-        if "input_ids" not in body or body.get("text") is not None:
-            raise ValueError("the embedded engine takes input_ids (token ids), not text")
-        if body.get("stream"):
-            raise ValueError("stream=true is not supported by the embedded engine")
-        ids = body["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("input_ids must be one list of token ids (batches: one request each)")
-        sampling = protocol.SamplingParams.from_json(body.get("sampling_params") or {})
-        if len(ids) + sampling.max_new_tokens > context:
-            raise ValueError(
-                f"{len(ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} = "
-                f"{len(ids) + sampling.max_new_tokens} exceed the model's context length {context}"
-            )
-        rid = body.get("rid") or uuid.uuid4().hex
-        if not isinstance(rid, str):
-            raise ValueError(f"rid={rid!r}: must be a string")
-        routes_from = self._routes_from(body, len(ids))
-        refused = self.core.can_generate()
-        if refused:
-            raise ValueError(f"cannot generate: {refused}")
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def finished(r: EngineRequest) -> None:
-            loop.call_soon_threadsafe(lambda: self.loras.release(r.lora_id) or done.done() or done.set_result(r))
-
-        lora_id = self.loras.acquire(body.get("lora_path"))  # in use until it finishes: an unload waits
-        try:
-            self.core.add(EngineRequest(rid, ids, sampling, on_finish=finished, lora_id=lora_id))  # joins at a step
-        except BaseException:
-            self.loras.release(lora_id)
-            raise
-        self._poke()
-        try:
-            r = await done
-        except asyncio.CancelledError:  # the client went away: stop generating for it
-            task = loop.create_task(self._abort_quietly(rid, "client disconnected"))
-            self._background.add(task)  # held until done (the loop keeps only weak references)
-            task.add_done_callback(self._background.discard)
-            raise
-        routes = None if routes_from is None else self.core.route_recorder.response(r.routes, routes_from)
-        return web.json_response(
-            protocol.generate_response(
-                r.rid,
-                r.output_ids,
-                r.logprobs,
-                r.finish,
-                len(r.input_ids),
-                self.core.version,
-                [tuple(s) for s in r.spans],
-                routes,
-            )
-        )
-
-    def _routes_from(self, body: dict, prompt_tokens: int) -> int | None:
-        """The first position whose routes the request asks for (None: no routes), checked as
-        SGLang checks routed_experts_start_len: in [0, prompt tokens]."""
-        wanted = body.get("return_routed_experts", False)
-        if not isinstance(wanted, bool):
-            raise ValueError(f"return_routed_experts={wanted!r}: must be true or false")
-        if not wanted:
-            return None
-        if self.core.route_recorder is None:
-            raise ValueError("return_routed_experts: the served model is dense, it routes to no experts")
-        start = body.get("routed_experts_start_len", 0)
-        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= prompt_tokens:
-            raise ValueError(
-                f"routed_experts_start_len={start!r}: must be an integer in [0, {prompt_tokens}] (the input's length)"
-            )
-        return start
-
-    async def _abort_quietly(self, rid: str, message: str) -> None:
-        async with self._model_lock:  # not in the middle of a step
-            self.core.abort(rid, message)
-
+    # -- control ------------------------------------------------------------------------
     async def abort(self, request):
         from aiohttp import web
 
@@ -350,8 +270,3 @@ class EmbeddedServer(WeightUpdateEndpoints, LoRAEndpoints):
         return web.json_response(
             {"model_path": self.core.model_dir, "weight_version": self.core.version, "is_generation": True}
         )
-
-
-GENERATE_BODY_BASE, GENERATE_BYTES_PER_TOKEN = 64 << 10, 24
-"""/generate's body limit: room for a context of token ids (a JSON id and its comma take at most
-~12 bytes) and sampling parameters; anything larger is refused before it is parsed (413)."""
