@@ -202,9 +202,19 @@ class ModelledEngine:
         return web.Response(status=200)
 
     async def _generate(self, request):
+        """One request, or SGLang's batch form (input_ids a list of lists: common/generate_batch.py),
+        answered with a list in the rows' order."""
         from aiohttp import web
 
+        from bapo_megatron.common import generate_batch
+
         body = await request.json()
+        if not generate_batch.is_batch(body):
+            return web.json_response(await self._row(body))
+        rows = generate_batch.split_batch(body)
+        return web.json_response(list(await asyncio.gather(*(self._row(row) for row in rows))))
+
+    async def _row(self, body: dict) -> dict:
         rid = str(body["rid"])
         sample = rid.split("#", 1)[0]
         r = _Request(
@@ -217,7 +227,7 @@ class ModelledEngine:
         )
         self.running[rid] = r
         self._wake.set()
-        return web.json_response(await r.future)
+        return await r.future
 
     async def _abort(self, request):
         from aiohttp import web
