@@ -255,10 +255,12 @@ class Job:
             if source is not None:
                 source.close()
             raise
-        if rank == 0:  # what the run will do, before the engines and the trainer start
-            kept = keep_earlier_logs(cfg) if job.resume_from is None else None
-            print(banner(cfg, spec, planned.world_size, job.resume_from, starting_weights, kept), flush=True)
+        # the run directory is this run's once an earlier start's logs (status.json too) are set
+        # aside: an interrupt from then on, the banner's printing included, is this run's to record
+        kept = keep_earlier_logs(cfg) if rank == 0 and job.resume_from is None else None
         job.ending.begin()
+        if rank == 0:  # what the run will do, before the engines and the trainer start
+            print(banner(cfg, spec, planned.world_size, job.resume_from, starting_weights, kept), flush=True)
         job.ending.step = step_of(job.resume_from) if job.resume_from is not None else 0  # (an interrupt's)
         try:
             job._build(spec, starting_weights)

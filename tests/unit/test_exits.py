@@ -115,3 +115,36 @@ def test_a_run_that_starts_over_keeps_the_earlier_logs_and_says_where(tmp_path):
     assert keep_earlier_logs(cfg) is None
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     assert keep_earlier_logs(cfg) == run / "previous" / "2"
+
+
+def test_an_interrupt_while_the_banner_is_said_is_this_starts_to_record(tmp_path, monkeypatch):
+    """A run that starts over sets the earlier start's logs aside (its status.json too) and then says
+    its banner: an interrupt from then on is recorded in the run directory (it was lost when it came
+    between the banner and the run's beginning: tests/e2e/test_ctrl_c.py under load)."""
+    from bapo_megatron import job, train
+    from tests.helpers import make_batch
+
+    (tmp_path / "replay").mkdir()
+    make_batch(0).save(tmp_path / "replay" / "step_000.safetensors")
+    cfg = _cfg(
+        tmp_path,
+        f"rollout.replay={tmp_path / 'replay'}",
+        "logging.backends=[jsonl]",
+        "parallel.max_tokens_per_microbatch=64",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "checkpoint.interval=0",
+    )
+    earlier = RunStatus.interrupted(2, 20, signal.SIGINT, None)
+    cfg.run_path.mkdir(parents=True)
+    earlier.write(cfg.run_path)
+    (cfg.run_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+
+    def interrupted_banner(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "banner", interrupted_banner)
+    with pytest.raises(Interrupted):
+        train.run(cfg)
+    assert _status(cfg)["state"] == "interrupted" and _status(cfg)["step"] == 0
+    assert json.loads((cfg.run_path / "previous" / "1" / "status.json").read_text())["step"] == 2
