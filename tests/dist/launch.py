@@ -127,3 +127,15 @@ def count_collectives() -> Iterator[list[tuple[str, object]]]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+def each_layout(world: int, names, make_first: Callable[[], None], run_one: Callable[[str], None]) -> None:
+    """Several layouts of one world size in one launch (each worker's part): the one-process launch
+    makes what they share first (`make_first`), then each layout runs with Megatron's groups made anew."""
+    from bapo_megatron.trainer.parallel import destroy_model_parallel
+
+    if world == 1:
+        make_first()
+    for name in names:
+        destroy_model_parallel()
+        run_one(name)

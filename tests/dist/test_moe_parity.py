@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from bapo_megatron.common.batch import RolloutBatch
-from tests.dist.launch import run_workers
+from tests.dist.launch import each_layout, run_workers
 from tests.families import own_routes
 from tests.helpers import make_batch
 
@@ -91,15 +91,8 @@ def _export(trainer) -> dict[str, torch.Tensor]:
 
 
 def _train_layouts(rank: int, world: int, root: str, names: tuple[str, ...]) -> None:
-    """Each layout of `names` in turn, Megatron's groups made anew for each; the one-process launch
-    makes the weights and the batch first."""
-    from bapo_megatron.trainer.parallel import destroy_model_parallel
-
-    if world == 1:
-        _make_weights(root)
-    for name in names:
-        destroy_model_parallel()
-        _train_layout(rank, root, name)
+    """Each layout of `names` in turn; the one-process launch makes the weights and the batch first."""
+    each_layout(world, names, lambda: _make_weights(root), lambda name: _train_layout(rank, root, name))
 
 
 def _train_layout(rank: int, root: str, name: str) -> None:
