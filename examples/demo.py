@@ -164,6 +164,20 @@ def warm_start(
     return {"task": task, "sft": sft, "hf": sft / "hf", "sft_steps": done_steps, "seconds": seconds}
 
 
+STALE_BF16_REGIME = (
+    "rollout.mode=async",
+    "rollout.max_staleness=2",
+    "rollout.oversample=2.0",
+    "rollout.partial.enabled=false",
+    "rollout.partial.token_budget=null",
+    "rollout.engines.dtype=bfloat16",
+    "algo.updates_per_batch=1",
+)
+"""The off-policy regime the studies of the engine-trainer gap run in (moe_replay_study,
+rollout_corr_study): asynchronous, tokens up to 2 versions stale, whole samples (no partial
+rollout), a bf16 engine beside the fp32 trainer, one update a batch."""
+
+
 def study_command(warm: dict, run: Path, args: argparse.Namespace, seed: int) -> list[str]:
     """One run of a study built on the demo (examples/compare_clipping, moe_replay_study,
     rollout_corr_study): BAPO's demo config from the warm start, args.steps batches of args.prompts

@@ -38,17 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 ARMS = {"off": ["algo.routing_replay=false"], "on": ["algo.routing_replay=true"]}
-REGIME = [
-    "rollout.mode=async",
-    "rollout.max_staleness=2",
-    "rollout.oversample=2.0",
-    "rollout.partial.enabled=false",
-    "rollout.partial.token_budget=null",
-    "rollout.engines.dtype=bfloat16",
-    "rollout.record_routes=true",
-    "algo.loss=bapo",
-    "algo.updates_per_batch=1",
-]
+REGIME = ["rollout.record_routes=true", "algo.loss=bapo"]
+"""Beside the demo's STALE_BF16_REGIME."""
 FIRST_STEP = {  # record key: the metric at the first step, whose tokens the starting weights sampled
     "first_mismatch": "rollout_corr/train_rollout_logprob_abs_diff_same_version",
     "first_disagreement": "moe/router_disagreement",
@@ -62,11 +53,11 @@ PER_RUN = {  # record key: the metric whose mean over the run's steps it is (whe
 
 
 def train(args, warm: dict, seed: int, arm: str) -> Path:
-    from demo import study_command
+    from demo import STALE_BF16_REGIME, study_command
 
     run = args.out / "runs" / f"{arm}-s{seed}"
     shutil.rmtree(run, ignore_errors=True)
-    command = [*study_command(warm, run, args, seed), *REGIME, *ARMS[arm]]
+    command = [*study_command(warm, run, args, seed), *STALE_BF16_REGIME, *REGIME, *ARMS[arm]]
     done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL if args.quiet else None)
     if done.returncode:
         raise SystemExit(f"moe_replay_study: replay {arm}, seed {seed} failed (exit {done.returncode})")

@@ -49,16 +49,10 @@ LOSSES = ("ppo", "bapo")
 REPLAY_OFF = ("none", "token_tis")
 """The corrections the MoE model also runs with routing replay off."""
 REGIME = [
-    "rollout.mode=async",
-    "rollout.max_staleness=2",
-    "rollout.oversample=2.0",
-    "rollout.partial.enabled=false",
-    "rollout.partial.token_budget=null",
-    "rollout.engines.dtype=bfloat16",
     "rollout.sampling.max_new_tokens=24",  # the repeat task's (bapo_megatron/tasks.py)
-    "algo.updates_per_batch=1",
     "eval.samples=0",  # greedy accuracy only
 ]
+"""Beside the demo's STALE_BF16_REGIME."""
 METRICS = {  # record key: the metric whose mean over the run's steps it is
     "kl": "rollout_corr/kl",
     "k3_kl": "rollout_corr/k3_kl",
@@ -107,11 +101,11 @@ def grid(models=("dense", "moe"), losses=LOSSES, corrections=tuple(CORRECTIONS))
 
 
 def train(args, warm: dict, arm: Arm, seed: int) -> Path:
-    from demo import study_command
+    from demo import STALE_BF16_REGIME, study_command
 
     run = args.out / "runs" / f"{arm.name}-s{seed}"
     shutil.rmtree(run, ignore_errors=True)
-    command = [*study_command(warm, run, args, seed), *REGIME, *arm.overrides(), *args.overrides]
+    command = [*study_command(warm, run, args, seed), *STALE_BF16_REGIME, *REGIME, *arm.overrides(), *args.overrides]
     out = subprocess.DEVNULL if args.quiet else None
     done = subprocess.run(command, cwd=ROOT, env=engine_env(args.levels), stdout=out)
     if done.returncode:

@@ -47,3 +47,27 @@ def test_records_are_means_over_steps_and_the_table_gives_medians_and_ranges(tmp
     assert next(line for line in table.splitlines() if line.startswith("| on |")).count("[") == 7
     with pytest.raises(SystemExit, match="no trained step"):
         study.summarise(_write_run(tmp_path / "empty", [], 0.0), "off", 9)
+
+
+def test_both_arms_commands_are_configs_the_trainer_accepts(tmp_path, monkeypatch):
+    """The command each arm runs (the demo's shared regime, the study's, the arm's) loads as a config."""
+    import types
+
+    from bapo_megatron.config.loader import load_config
+
+    monkeypatch.syspath_prepend(str(_SCRIPT.parents[1]))  # examples/: the demo's study_command
+    commands = []
+    monkeypatch.setattr(
+        study.subprocess, "run", lambda command, **_: commands.append(command) or types.SimpleNamespace(returncode=0)
+    )
+    warm = {"task": {"model": "m", "train": "t.jsonl", "heldout": "h.jsonl"}, "sft": tmp_path / "sft"}
+    args = types.SimpleNamespace(out=tmp_path, steps=6, prompts=8, samples=8, eval_prompts=50, quiet=True)
+    for arm in study.ARMS:
+        study.train(args, warm, 0, arm)
+    replay = []
+    for command in commands:
+        config_at = next(i for i, part in enumerate(command) if part.endswith("rl.yaml"))
+        config = load_config(command[config_at], command[config_at + 1 :])
+        assert config.rollout.mode == "async" and config.rollout.record_routes and config.algo.loss == "bapo"
+        replay.append(config.algo.routing_replay)
+    assert replay == [False, True]

@@ -144,6 +144,29 @@ def test_the_grid_runs_every_correction_and_loss_on_both_models_and_moe_replay_o
     assert "algo.routing_replay=False" in study.Arm("moe", "off", "ppo", "none").overrides()
 
 
+def test_every_arms_command_is_a_config_the_trainer_accepts(tmp_path, monkeypatch):
+    """The command each arm runs (the demo's shared regime, the study's, the arm's) loads as a config:
+    a key mistyped in any of them is refused here, not after the warm start and 71 runs."""
+    from bapo_megatron.config.loader import load_config
+
+    monkeypatch.syspath_prepend(str(STUDY.parent))  # examples/: the demo's study_command
+    commands = []
+    monkeypatch.setattr(
+        study.subprocess, "run", lambda command, **_: commands.append(command) or types.SimpleNamespace(returncode=0)
+    )
+    warm = {"task": {"model": "m", "train": "t.jsonl", "heldout": "h.jsonl"}, "sft": tmp_path / "sft"}
+    args = types.SimpleNamespace(
+        out=tmp_path, steps=6, prompts=8, samples=8, eval_prompts=50, quiet=True, levels=None, overrides=[]
+    )
+    for arm in study.grid():
+        study.train(args, warm, arm, seed=0)
+    for command in commands:
+        config_at = next(i for i, part in enumerate(command) if part.endswith("rl.yaml"))
+        config = load_config(command[config_at], command[config_at + 1 :])
+        assert config.rollout.max_staleness == 2 and config.algo.updates_per_batch == 1
+    assert len(commands) == len(study.grid())
+
+
 def _rows(abs_diffs: list[float], accuracy: float) -> list[dict]:
     rows = [{"step": 0, "eval/greedy_acc": 0.3}]
     for step, diff in enumerate(abs_diffs, 1):
