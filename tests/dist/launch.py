@@ -139,3 +139,13 @@ def each_layout(world: int, names, make_first: Callable[[], None], run_one: Call
     for name in names:
         destroy_model_parallel()
         run_one(name)
+
+
+def run_by_world(fn: Callable, worlds: dict[str, int], *args) -> None:
+    """fn(rank, world_size, *args, names) once per world size, with the names of that size: the
+    one-process launch first (it makes what the others share), as each_layout expects."""
+    names: dict[int, tuple[str, ...]] = {}
+    for name, world in worlds.items():
+        names[world] = (*names.get(world, ()), name)
+    for world, of_world in sorted(names.items()):
+        run_workers(fn, world, *args, of_world)

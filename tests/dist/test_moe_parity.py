@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from bapo_megatron.common.batch import RolloutBatch
-from tests.dist.launch import each_layout, run_workers
+from tests.dist.launch import each_layout, run_by_world, run_workers
 from tests.families import own_routes
 from tests.helpers import make_batch
 
@@ -225,11 +225,7 @@ def _compare(root: str) -> None:
 
 def test_expert_parallel_layouts_match_single_process(tmp_path):
     root = str(tmp_path)
-    worlds: dict[int, tuple[str, ...]] = {}
-    for name, (*_, world) in LAYOUTS.items():
-        worlds[world] = (*worlds.get(world, ()), name)
-    for world, names in sorted(worlds.items()):  # the one-process launch first: it makes the weights
-        run_workers(_train_layouts, world, root, names)
+    run_by_world(_train_layouts, {name: world for name, (*_, world) in LAYOUTS.items()}, root)
     metrics = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in LAYOUTS}
     want = metrics["ep1"]
     assert want["bapo/search_steps"] > 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bapo_megatron.common.batch import RolloutBatch
-from tests.dist.launch import each_layout, run_workers
+from tests.dist.launch import each_layout, run_by_world, run_workers
 from tests.helpers import make_batch
 
 pytestmark = pytest.mark.slow  # the longest of the tier: `make test-fast` leaves it out
@@ -154,11 +154,7 @@ def _compare(rank: int, world: int, root: str) -> None:
 @pytest.mark.slow
 def test_layouts_match_single_process(tmp_path):
     root = str(tmp_path)
-    worlds: dict[int, tuple[str, ...]] = {}
-    for name, (*_, world) in LAYOUTS.items():
-        worlds[world] = (*worlds.get(world, ()), name)
-    for world, names in sorted(worlds.items()):  # the one-process launch first: it makes the weights
-        run_workers(_train_layouts, world, root, names)
+    run_by_world(_train_layouts, {name: world for name, (*_, world) in LAYOUTS.items()}, root)
     metrics = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in LAYOUTS}
     for loss in LOSSES:
         want = metrics["tp1"][loss]
