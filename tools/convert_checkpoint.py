@@ -1,12 +1,15 @@
 """Convert between Hugging Face and Megatron dist checkpoints, and check that they agree.
 
     python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp N --pp M --ep E --dtype float32]
-    python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype DTYPE]
+    python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-template DIR --dtype DTYPE
+        --dequantized]
         (MCORE_DIR: a converted checkpoint, a run's step directory, or a run's checkpoint.dir: its latest
         step; each carries its model's config.json and the run's tokenizer files, so no template is needed;
         a LoRA run's: the adapters merged into the model. A LoRA run's checkpoint holds the adapters alone
         and names its base in lora_base.json: they are merged onto that base, or onto --base PATH (a HF
-        directory or dist checkpoint), which must have the recorded base's weights (its fingerprint))
+        directory or dist checkpoint), which must have the recorded base's weights (its fingerprint);
+        a quantized release's model, merged or not, is written in the release's layout (fp8 codes and
+        fresh block scales, MXFP4 experts; its quantization_config kept), --dequantized: plain weights)
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --peft-adapter ADAPTER_DIR
         (a LoRA run's adapters alone, as a PEFT adapter directory for the base model; with --out too: both)
     python tools/convert_checkpoint.py verify --hf HF_DIR --mcore MCORE_DIR [--tolerance 1e-4 --base PATH]

@@ -145,14 +145,14 @@ def _sglang_memory(plan: RunPlan, gpu_bytes: int) -> str:
     """An SGLang server GPU: its share of the weights and what is left of mem_fraction_static for the
     KV cache, and for a hybrid model the request slots of its recurrent state (trainer/memory/engine.py)."""
     from bapo_megatron.engines.sglang_launcher import mem_fraction
-    from bapo_megatron.trainer.memory.engine import engine_cache
-    from bapo_megatron.trainer.memory.estimate import rollout_mem_fraction, stage_params
+    from bapo_megatron.trainer.memory.engine import engine_cache, engine_weight_bytes
+    from bapo_megatron.trainer.memory.estimate import rollout_mem_fraction
+    from bapo_megatron.weights.publish import engine_quantization
 
     cfg, spec = plan.cfg, plan.spec
     e = cfg.rollout.engines
-    # bf16 weights of one server rank: the whole model at TP = the server's, one stage, no vocabulary
-    # padding; SGLang splits each expert over its TP ranks, the same bytes as EP = TP whole experts
-    weights = stage_params(spec, spec.vocab_size, e.tensor_parallel, 1, 0, expert=e.tensor_parallel) * 2
+    quantization = engine_quantization(cfg)  # a quantized release is served as it is stored
+    weights = engine_weight_bytes(spec, e.tensor_parallel, quantization)
     try:
         colocated = rollout_mem_fraction(cfg, spec, gpu_bytes, plan.data_parallel) if e.colocate else None
         fraction = mem_fraction(cfg.rollout, colocated)
@@ -160,7 +160,8 @@ def _sglang_memory(plan: RunPlan, gpu_bytes: int) -> str:
         return f"each SGLang server GPU: cannot fit ({err})"
     cache = engine_cache(spec, e.tensor_parallel, max(0, int(fraction * gpu_bytes) - weights))
     line = (
-        f"each SGLang server GPU: mem_fraction_static {fraction:.2f}: weights {weights / GIB:.2f} GiB, "
+        f"each SGLang server GPU: mem_fraction_static {fraction:.2f}: weights {weights / GIB:.2f} GiB"
+        f"{_stored_as(quantization)}, "
         f"KV cache {cache.kv_bytes / GIB:.2f} GiB = {cache.tokens:,} tokens"
     )
     if cache.requests is None:
@@ -170,3 +171,13 @@ def _sglang_memory(plan: RunPlan, gpu_bytes: int) -> str:
         f"(linear-attention layers, any length): {cache.state_bytes / GIB:.2f} GiB = {cache.requests:,} "
         "concurrent requests (SGLang's default mamba_full_memory_ratio 0.9)"
     )
+
+
+def _stored_as(quantization) -> str:
+    """How the engine's weights are counted, for a server started from a quantized release (bf16: unsaid)."""
+    if quantization is None:
+        return ""
+    if quantization.method == "mxfp4":
+        return " (as the release stores them: MXFP4 experts, 4 bits a weight and an E8M0 scale a 32; the rest bf16)"
+    block = "x".join(map(str, quantization.block))
+    return f" (as the release stores them: fp8, 1 byte a weight and a float32 scale a {block} block; the rest bf16)"

@@ -12,6 +12,12 @@ window read from the base on disk), equal to the recorded one; another base is r
 The merge is PEFT's merge_and_unload in Hugging Face names: each adapted projection's weight plus
 (alpha / r) B A in float32 (Megatron's fused q/k/v and gate/up never formed), streamed one base
 tensor at a time, the adapters of one layer held.
+
+Onto a quantized release (models/quantized.py) the merged model is written in the release's layout,
+as the full export writes it: each weight the release quantizes quantized anew from its merged
+float32 values (fp8 codes and fresh block scales, MXFP4 blocks), quantization_config kept, the kept
+tensors as stored; or, from a checkpoint opened `dequantized`, plain weights, the kept ones
+dequantized too.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from bapo_megatron.common.hf_io import HFCheckpoint, KeptSource, expected_shapes
 from bapo_megatron.common.safetensors_stream import TensorEntry
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.models.lora import adapter_names
+from bapo_megatron.models.quantized import Quantization
 from bapo_megatron.trainer.base_identity import WINDOW, BaseIdentity, fingerprint, recorded_base
 from bapo_megatron.trainer.checkpoint import weights_dir
 from bapo_megatron.trainer.megatron_config import padded_vocab
@@ -56,6 +63,13 @@ class BaseWeights:
             if not self.mcore.holds_base or self.mcore.lora is not None:
                 raise ValueError(f"base {self.path}: a LoRA run's checkpoint, not a base model")
             self.spec, self.layout, self.kept = self.mcore.spec, self.mcore.layout, self.mcore.kept
+
+    @property
+    def quantization(self) -> Quantization | None:
+        """How the base is stored: a quantized release's quantization (its kept tensors are stored so)."""
+        if self.hf is not None:
+            return None if self.hf.release is None else self.hf.release.quant
+        return self.mcore.quantization
 
     def text_groups(self) -> Iterator[dict[str, torch.Tensor]]:
         """The text model's tensors by canonical HF name, a group at a time."""
@@ -154,13 +168,21 @@ class MergedModel:
         self.source, self.base, self.spec = source, base, source.spec
         self.scaling = source.lora.alpha / source.lora.rank
         self.names = adapter_names(source.spec, source.lora)  # Megatron -> PEFT
+        self.quantization = source.quantization  # None: unquantized, or opened `dequantized`
+        self.kept = base.kept
+        if self.quantization is None and base.quantization is not None:
+            self.kept = base.kept.dequantized(base.quantization, base.path)
 
     def hf_entries(self, dtype: torch.dtype) -> list[TensorEntry]:
-        return hf_entries(self.spec, dtype, self.base.layout) + self.base.kept.entries()
+        text = hf_entries(self.spec, dtype, self.base.layout)
+        if self.quantization is not None:
+            text = [TensorEntry(*e) for e in self.quantization.entries([(e.name, e.shape, e.dtype) for e in text])]
+        return text + self.kept.entries()
 
     def hf_groups(self, on_disk: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """As McoreCheckpoint.hf_groups: the text model's groups (adapted weights merged), then on disk
-        under the layout's names with the kept tensors; ValueError if an adapter found no weight."""
+        under the layout's names (quantized as the release stores them) with the kept tensors;
+        ValueError if an adapter found no weight."""
         merged, layer, pairs = set(), None, {}
         for group in self.base.text_groups():
             out = {}
@@ -171,14 +193,21 @@ class MergedModel:
                 if name in pairs:
                     tensor = self._merge(name, tensor, *pairs[name])
                     merged.add(name)
-                out[self.base.layout.disk_name(name) if on_disk else name] = tensor
+                if on_disk:
+                    out.update(self._stored(self.base.layout.disk_name(name), tensor))
+                else:
+                    out[name] = tensor
             yield out
         wanted = {_weight_of(peft) for peft in self.names.values()}
         if wanted - merged:
             missing = sorted(wanted - merged)[0]
             raise ValueError(f"base {self.base.path} has no weight {missing} to merge an adapter into")
         if on_disk:
-            yield from _kept_groups(self.base.kept)
+            yield from _kept_groups(self.kept)
+
+    def _stored(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Tensor `name` (on disk) as the export stores it: quantized where the release quantizes it."""
+        return {name: tensor} if self.quantization is None else self.quantization.quantize(name, tensor)
 
     def _pairs(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Layer `layer`'s adapters: HF weight name -> (A, B), whole."""

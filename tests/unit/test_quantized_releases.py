@@ -4,7 +4,6 @@ store them, read dequantized as transformers dequantizes them; a missing or miss
 tensor quantized otherwise than the releases do, refused naming the tensor and its file."""
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -15,101 +14,21 @@ from safetensors.torch import load_file, save_file
 
 from bapo_megatron.common.hf_io import HFCheckpoint
 from bapo_megatron.errors import BadInputError
-from bapo_megatron.models import family_of
 from bapo_megatron.models.quantized import fp8_dequantize, mxfp4_dequantize
 from bapo_megatron.models.spec import ModelSpec, tiny_spec
-from tests.helpers import make_hf_model
-
-BLOCK = (16, 16)
-"""Blocks of the tiny releases: kv_a_proj_with_mqa's 40 rows end in a partial one, as DeepSeek-V3's 576 do."""
-TILED = (8, 8)
-"""Blocks that tile every tensor of the tiny DeepSeek-V3: transformers 5.24's loader refuses partial blocks."""
-FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
-MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "embed_tokens", "lm_head"]}
-
-
-def _reference_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A release's quantizer, block by block: scale = amax / 448, codes = weight / scale."""
-    rows, cols = weight.shape
-    codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-    for i in range(scales.shape[0]):
-        for j in range(scales.shape[1]):
-            part = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
-            scales[i, j] = weight[part].abs().max() / 448
-            codes[part] = (weight[part] / scales[i, j]).to(torch.float8_e4m3fn)
-    return codes, scales
-
-
-def _releases_fp8(name: str, tensor: torch.Tensor) -> bool:
-    """DeepSeek-V3's release: every linear weight of the decoder in fp8 but the router's."""
-    return name.startswith("model.layers.") and tensor.dim() == 2 and not name.endswith("mlp.gate.weight")
-
-
-def _rewrite(directory: Path, tensors: dict[str, torch.Tensor], quantization: dict) -> Path:
-    for file in [*directory.glob("*.safetensors"), *directory.glob("*.index.json")]:
-        file.unlink()
-    save_file(tensors, str(directory / "model.safetensors"))
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    return directory
-
-
-def _all_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(str(file)))
-    return out
-
-
-MTP = "model.layers.4."
-"""The tiny DeepSeek-V3 release's multi-token-prediction layer (kept, not trained), fp8 as the decoder's."""
-
-
-def _add_mtp_layer(directory: Path) -> None:
-    """Layer 3's tensors again as a multi-token-prediction layer after the decoder (num_nextn_predict_layers 1)."""
-    tensors = load_file(str(directory / "model.safetensors"))
-    tensors |= {
-        n.replace("model.layers.3.", MTP): t.clone() for n, t in tensors.items() if n.startswith("model.layers.3.")
-    }
-    save_file(tensors, str(directory / "model.safetensors"))
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+from tests.quantized_releases import BLOCK, FP8, MTP, all_tensors, make_releases
 
 
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """The tiny models unquantized, and their releases (copies of them quantized as released)."""
-    root = tmp_path_factory.mktemp("releases")
-    make_hf_model(root, "deepseek", ("deepseek_v3", 4, False))
-    make_hf_model(root, "gpt_oss", ("gpt_oss", 2, False))
-    for name, block in (("deepseek-fp8", BLOCK), ("deepseek-fp8-tiled", TILED)):
-        shutil.copytree(root / "deepseek", root / name)
-        fp8 = {}
-        for key, tensor in _all_tensors(root / "deepseek").items():
-            if _releases_fp8(key, tensor):
-                fp8[key], fp8[key.removesuffix("weight") + "weight_scale_inv"] = _reference_fp8(tensor, block)
-            else:  # the expert bias in float32, as DeepSeek-V3's release and Megatron keep it
-                fp8[key] = tensor if family_of("deepseek_v3").float32_tensor(key) else tensor.bfloat16()
-        _rewrite(root / name, fp8, {**FP8, "weight_block_size": list(block)})
-    _add_mtp_layer(root / "deepseek-fp8")
-    shutil.copytree(root / "gpt_oss", root / "gpt_oss-mxfp4")
-    g, mx = torch.Generator().manual_seed(5), {}
-    for name, tensor in _all_tensors(root / "gpt_oss").items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            experts, cols, rows = tensor.shape  # [experts, in, out]
-            mx[name + "_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g).to(torch.uint8)
-            mx[name + "_scales"] = torch.randint(118, 126, (experts, rows, cols // 32), generator=g).to(torch.uint8)
-        else:
-            mx[name] = tensor.bfloat16()
-    _rewrite(root / "gpt_oss-mxfp4", mx, MXFP4)
-    return root
+    return make_releases(tmp_path_factory.mktemp("releases"))
 
 
 def test_an_fp8_release_reads_as_transformers_dequantizes_it(releases):
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-    hf, stored = HFCheckpoint(releases / "deepseek-fp8"), _all_tensors(releases / "deepseek-fp8")
+    hf, stored = HFCheckpoint(releases / "deepseek-fp8"), all_tensors(releases / "deepseek-fp8")
     assert hf.spec == ModelSpec.from_hf_dir(releases / "deepseek") == tiny_spec("deepseek_v3")
     quantized = 0
     for name in hf.files:
@@ -125,7 +44,7 @@ def test_an_fp8_release_reads_as_transformers_dequantizes_it(releases):
 def test_an_mxfp4_release_reads_as_transformers_dequantizes_it(releases):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    hf, stored = HFCheckpoint(releases / "gpt_oss-mxfp4"), _all_tensors(releases / "gpt_oss-mxfp4")
+    hf, stored = HFCheckpoint(releases / "gpt_oss-mxfp4"), all_tensors(releases / "gpt_oss-mxfp4")
     assert hf.spec == ModelSpec.from_hf_dir(releases / "gpt_oss")
     for layer in range(hf.spec.num_layers):
         for proj in ("gate_up_proj", "down_proj"):
@@ -139,7 +58,7 @@ def _broken(releases: Path, tmp_path: Path, name: str, change) -> Path:
     """A copy of a release with its tensors changed by change(tensors)."""
     directory = tmp_path / name
     shutil.copytree(releases / name, directory)
-    tensors = _all_tensors(directory)
+    tensors = all_tensors(directory)
     change(tensors)
     save_file(tensors, str(directory / "model.safetensors"))
     return directory
@@ -232,7 +151,7 @@ def test_export_writes_the_release_layout_back(releases, tmp_path, converter):
     release = releases / "deepseek-fp8"
     mcore = hf_to_mcore(release, tmp_path / "mcore", progress=False)
     out = mcore_to_hf(mcore, tmp_path / "hf", dtype="bfloat16", progress=False)
-    ours, theirs = _all_tensors(out), _all_tensors(release)
+    ours, theirs = all_tensors(out), all_tensors(release)
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype, name
@@ -252,7 +171,7 @@ def test_export_writes_the_release_layout_back(releases, tmp_path, converter):
     scale = theirs[kept.removesuffix("weight") + "weight_scale_inv"]
     assert torch.equal(plain.kept[kept], fp8_dequantize(theirs[kept], scale, BLOCK).bfloat16())
     unquantized = mcore_to_hf(mcore, tmp_path / "bf16", dtype="bfloat16", progress=False, dequantized=True)
-    read, written = HFCheckpoint(release), _all_tensors(unquantized)
+    read, written = HFCheckpoint(release), all_tensors(unquantized)
     assert "quantization_config" not in json.loads((unquantized / "config.json").read_text())
     for name in read.files:
         assert torch.equal(written[name], read[name].to(written[name].dtype)), name
@@ -263,7 +182,7 @@ def test_mxfp4_export_writes_the_experts_back_as_they_were(releases, tmp_path, c
 
     release = releases / "gpt_oss-mxfp4"
     out = mcore_to_hf(hf_to_mcore(release, tmp_path / "mcore", progress=False), tmp_path / "hf", progress=False)
-    ours, theirs = _all_tensors(out), _all_tensors(release)
+    ours, theirs = all_tensors(out), all_tensors(release)
     assert sorted(ours) == sorted(theirs)
     for name in (n for n in theirs if n.endswith(("_blocks", "_scales"))):
         # random nibbles: a block whose largest code is under 4 takes a smaller exponent, same values
