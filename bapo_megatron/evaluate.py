@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from bapo_megatron.common import quiet
+from bapo_megatron.common.hf_model import load_causal_lm
 from bapo_megatron.config import DataConfig, JobConfig
 
 
@@ -54,7 +55,6 @@ def evaluate_hf(
     prompt and format to read them with (None: DataConfig's, text "prompt" and "answer");
     tokenizer_dir: where the tokenizer is when model_dir has none; field: what named `path`, for
     errors. reward is a reward.function name or a reward_spec. (The defaults are the demo's.)"""
-    import transformers
 
     # Everything checked before the model is built: the directory, the reward, the records, the lengths.
     model = _Model(model_dir, tokenizer_dir)
@@ -64,10 +64,7 @@ def evaluate_hf(
     load_reward(reward)
     records = _read(model, path, field, data or DataConfig(), max_new_tokens, max_prompts, reward)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    net = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, trust_remote_code=False
-    )
-    net = net.to(device).eval()
+    net = load_causal_lm(model_dir, torch.float32).to(device)  # a quantized release dequantized
     generator = torch.Generator(device=device).manual_seed(seed)
     ends = torch.tensor(sorted(model.ends) or [-1], device=device)
 

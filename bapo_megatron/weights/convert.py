@@ -28,6 +28,7 @@ from bapo_megatron.common.hf_io import (
     finish_hf_checkpoint,
     hf_writer,
 )
+from bapo_megatron.common.hf_model import load_causal_lm
 from bapo_megatron.common.progress import byte_progress
 from bapo_megatron.common.safetensors_stream import StreamingWriter, plan_files
 from bapo_megatron.config import ModelConfig, ParallelConfig
@@ -268,7 +269,6 @@ def verify_conversion(
     """Logits of the HF model (transformers, on the CPU) and the Megatron checkpoint (on the GPU
     where there is one, in float32 without TF32) on random token ids; a LoRA checkpoint of the
     adapters alone on its base (lora_base.json's, or `base`, checked as mcore_to_hf checks it)."""
-    import transformers
 
     hf = HFCheckpoint(hf_dir)
     _megatron_world_of_one()
@@ -278,9 +278,7 @@ def verify_conversion(
     model = _model(hf.spec, saved_lora(directory))  # a LoRA run's: the trainer's model, adapters on
     _load_weights(model, directory, base)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(hf_dir), dtype=torch.float32, trust_remote_code=False
-    ).eval()
+    reference = load_causal_lm(hf_dir, torch.float32)  # a quantized release as the trainer reads it
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(hf.spec.vocab_size, (batch, seq), generator=g)
     positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)

@@ -275,7 +275,7 @@ def engine_quantization(cfg: JobConfig) -> Quantization | None:
     (model.hf_path's quantization_config), whose fp8 or MXFP4 parameters SGLang's loader fills with
     what it is sent as it is: the sync sends the release's layout (codes and scales, made anew from
     the trainer's weights). None for embedded engines (they load a release dequantized by the
-    trainer's reader: engines/embedded/release.py) and for models stored unquantized."""
+    trainer's reader: common/hf_model.py) and for models stored unquantized."""
     if cfg.rollout.engines.kind != "sglang" or not cfg.model.hf_path:
         return None
     config = Path(cfg.model.hf_path) / "config.json"

@@ -1,4 +1,4 @@
-"""The embedded engine started from a quantized release (engines/embedded/release.py): its weights are
+"""The embedded engine started from a quantized release (common/hf_model.py): its weights are
 the trainer's reading of the release (partial fp8 edge blocks included, which transformers 5.24's
 own loader refuses), its log-probs transformers' on those dequantized weights; a release that does
 not fill the model its config builds is refused in one line."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
+from bapo_megatron.common import hf_model as release_loader
 from bapo_megatron.common.hf_io import HFCheckpoint
 from bapo_megatron.common.protocol import SamplingParams
-from bapo_megatron.engines.embedded import release as release_loader
 from bapo_megatron.engines.embedded.core import EngineCore
 from bapo_megatron.engines.embedded.request_queue import EngineRequest
 from bapo_megatron.errors import BadInputError

@@ -15,19 +15,13 @@ from pathlib import Path
 import torch
 
 from bapo_megatron.common.hf_experts import expert_slot, hf_target, per_expert
-from bapo_megatron.engines.embedded.release import is_quantized_release, load_release
+from bapo_megatron.common.hf_model import load_causal_lm
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype) -> torch.nn.Module:
-    """The served model, built from its HF directory (safetensors only), in eval mode; a quantized
-    release dequantized by the trainer's own reader (release.py), which reads releases transformers refuses."""
-    import transformers
-
-    if is_quantized_release(model_dir):
-        return load_release(model_dir, dtype).eval()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, use_safetensors=True, trust_remote_code=False
-    ).eval()
+    """The served model, built from its HF directory (common/hf_model.py: safetensors only; a quantized
+    release dequantized by the trainer's own reader), in eval mode."""
+    return load_causal_lm(model_dir, dtype)
 
 
 def eos_ids(model) -> set[int]:

@@ -1,13 +1,15 @@
-"""The embedded engine's model from a quantized release (fp8 block scales, MXFP4 experts): built from
-its config without the quantization, its weights read dequantized by the trainer's own reader.
+"""A Hugging Face model directory as a transformers model, for every reader that runs one (the
+embedded engine, `verify`'s reference, evaluation): safetensors only, no remote code, and a
+quantized release (fp8 block scales, MXFP4 experts) built from its config without the quantization,
+its weights read dequantized by the trainer's own reader.
 
 transformers' loader cannot be trusted with every release the trainer reads: 5.24 refuses fp8
 blocks that do not tile a tensor, and DeepSeek-V3's kv_a_proj_with_mqa (576 rows in 128x128
 blocks) has a partial edge block. Reading the release through common/hf_io.HFCheckpoint (its
-scales checked, edge blocks dequantized; models/quantized.py) makes the engine serve exactly what
-the trainer loads. The model is built by transformers from the config alone (no remote code), every
-tensor of it then filled from the release: one the release lacks, or one of the release's text
-model the model has no place for, is refused in one line naming the directory.
+scales checked, edge blocks dequantized; models/quantized.py) makes every reader see exactly what
+the trainer loads. The model is built by transformers from the config alone, every tensor of it
+then filled from the release: one the release lacks, or one of the release's text model the model
+has no place for, is refused in one line naming the directory.
 """
 
 from __future__ import annotations
@@ -22,6 +24,18 @@ from bapo_megatron.common.hf_experts import hf_target, per_expert
 from bapo_megatron.common.hf_io import HFCheckpoint, KeptSource
 from bapo_megatron.errors import BadInputError
 from bapo_megatron.models.quantized import QUANTIZATION
+
+
+def load_causal_lm(model_dir: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM in `model_dir` in `dtype`, in eval mode: a quantized release dequantized by the
+    trainer's reader (load_release), any other by transformers (safetensors, no remote code)."""
+    import transformers
+
+    if is_quantized_release(model_dir):
+        return load_release(model_dir, dtype).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, use_safetensors=True, trust_remote_code=False
+    ).eval()
 
 
 def is_quantized_release(model_dir: str | Path) -> bool:
