@@ -28,7 +28,7 @@ def train(args) -> None:
     settings = json.loads((Path(args.hf) / "tokenizer_config.json").read_text())
     special = {k: v for k, v in settings.items() if k in ("bos_token", "eos_token", "pad_token", "unk_token") and v}
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(Path(args.hf) / "tokenizer.json"), **special)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32, trust_remote_code=False)
     rows = [json.loads(line) for line in Path(args.train).read_text().splitlines()]
     for r in rows[:50]:  # the project encodes prompts without special tokens: TRL's call must agree
         if tokenizer(r["prompt"])["input_ids"] != tokenizer.encode(r["prompt"], add_special_tokens=False):

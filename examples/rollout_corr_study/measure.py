@@ -65,12 +65,14 @@ def measure(warm: Path, levels: int | None, prompts: int = 64, new_tokens: int =
     """gap_stats of the study's engine against fp32 on `prompts` held-out prompts of warm start `warm`."""
     import transformers
 
+    from bapo_megatron.common.hf_model import load_causal_lm
+
     hf_dir = warm / "sft" / "hf"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False)
     rows = [json.loads(line) for line in (warm / "task" / "heldout.jsonl").read_text().splitlines()][:prompts]
     ids = [tokenizer(row["prompt"])["input_ids"] for row in rows]
     samples = _engine_samples(hf_dir, ids, levels, new_tokens, seed)
-    exact = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    exact = load_causal_lm(hf_dir, torch.float32)
     gaps = []
     with torch.no_grad():
         for prompt, (output, mu) in zip(ids, samples, strict=True):
