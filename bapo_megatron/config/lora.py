@@ -32,8 +32,10 @@ class LoRAConfig:
     can send (under sync "adapter" those SGLang serves: not Qwen3.5's four delta-rule input
     projections, which "merged" trains; naming one under "adapter" is refused)."""
     experts: bool = False
-    """Adapt the routed experts of a mixture-of-experts layer too (not built yet: refused by name
-    with the model's family when the model is checked)."""
+    """Adapt the routed experts of a mixture-of-experts layer too: every expert's gate_up_proj and
+    down_proj, as PEFT adapts transformers 5's fused expert tensors (target_parameters); whatever
+    target_modules says. Built for Qwen3-MoE (other families are refused by name), with dropout 0 and
+    experts run one after another (model.moe.grouped_gemm false; models/lora_experts.py)."""
     init: Literal["kaiming", "gaussian"] = "kaiming"
     """A's initialisation as PEFT's init_lora_weights does it: "kaiming" (True there: kaiming-uniform
     with a = sqrt(5)) or "gaussian" (normal, std 1 / rank); B starts at zero either way, so the first

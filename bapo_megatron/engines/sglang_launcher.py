@@ -141,10 +141,17 @@ def lora_args(cfg: RolloutConfig, lora: LoRAConfig) -> dict[str, Any]:
     return {
         "enable-lora": True,
         "max-lora-rank": lora.rank,
-        "lora-target-modules": ["all"] if lora.target_modules == (ALL_LINEAR,) else list(lora.target_modules),
+        "lora-target-modules": ["all"] if lora.target_modules == (ALL_LINEAR,) else _target_modules(lora),
         "max-loaded-loras": versions,
         "max-loras-per-batch": versions,
     }
+
+
+def _target_modules(lora: LoRAConfig) -> list[str]:
+    """The modules named, and with model.lora.experts the routed experts' (SGLang gives a MoE layer's
+    experts adapters only when its targets hold both gate_up_proj and down_proj)."""
+    experts = ("gate_up_proj", "down_proj") if lora.experts else ()
+    return list(dict.fromkeys((*lora.target_modules, *experts)))
 
 
 def _gpus_per_node() -> int:

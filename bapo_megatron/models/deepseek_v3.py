@@ -30,6 +30,7 @@ from bapo_megatron.models.family import (
     tiny_fields,
 )
 from bapo_megatron.models.features import LatentAttentionSpec, MoESpec, YarnSpec
+from bapo_megatron.models.lora_targets import Layout, Target
 from bapo_megatron.models.mla import LatentAttention, local_layer
 from bapo_megatron.models.moe import GROUPED_REQUIRED, RoutedExperts, grouped_moe_hf, read_grouped_moe, tiny_grouped_moe
 from bapo_megatron.models.on_disk import KeptTensors, extra_layers
@@ -194,6 +195,18 @@ class DeepseekV3(RoutedExperts, LatentAttention):
         if te:
             return block
         return dataclasses.replace(block, layer_specs=[local_layer(layer) for layer in block.layer_specs])
+
+    # -- LoRA
+    def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:
+        """Multi-latent attention's projections (models/mla.py). Not the MLPs (a dense layer's, the
+        shared experts'): peft 0.21 on transformers 5 reads gate_proj / up_proj / down_proj of this
+        model as its fused routed experts' parameters (transformers_weight_conversion maps
+        deepseek_v3 as qwen2_moe), so a dense or shared MLP adapter would not load there (GLM-4.5's
+        rule)."""
+        return self.latent_lora_targets(spec)
+
+    def lora_layout(self, spec: ModelSpec, layer: int, module: str) -> Layout:
+        return self.latent_lora_layout(spec, module)
 
     # -- SGLang (models/deepseek_v2.py serves DeepSeek-V3)
     def check_sglang_tp(self, spec: ModelSpec, tp: int) -> None:

@@ -280,6 +280,10 @@ class Family(ABC):
         `layer` that lora_targets names (the whole layer's; Layout.rank: a TP rank's)."""
         raise NotImplementedError(f"{self.name} has no LoRA targets")
 
+    lora_experts: ClassVar[bool] = False
+    """Whether LoRA adapts its routed experts (model.lora.experts; models/lora_experts.py): its HF experts
+    are transformers 5's fused gate_up_proj / down_proj tensors, as PEFT and SGLang read them."""
+
 
 # -- answers shared by the families
 

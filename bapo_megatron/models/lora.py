@@ -29,6 +29,13 @@ import torch
 from bapo_megatron.config.lora import ALL_LINEAR, LoRAConfig
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models import family_of
+from bapo_megatron.models.lora_experts import (
+    check_experts,
+    expert_layout,
+    expert_targets,
+    is_expert_module,
+    peft_target_parameters,
+)
 from bapo_megatron.models.lora_targets import Slots, Target
 from bapo_megatron.models.spec import ModelSpec
 
@@ -51,49 +58,50 @@ def check_targets(spec: ModelSpec, lora: LoRAConfig) -> None:
     if family.lora_targets(spec, 0) is None:
         raise ConfigError("model.lora.rank", lora.rank, f"LoRA is not built for the family {spec.architecture!r} yet")
     if lora.experts:
-        raise ConfigError(
-            "model.lora.experts",
-            lora.experts,
-            f"LoRA on the routed experts of {spec.architecture} is not built yet; leave it false "
-            "(attention, dense MLPs and shared experts are adapted)",
-        )
+        check_experts(spec, lora, family.lora_experts)
     every = {name: t for i in range(spec.num_layers) for name, t in _targets_of(spec, i).items()}
     valid = (ALL_LINEAR, *every)
     unknown = [t for t in lora.target_modules if t not in valid]
     if unknown:
-        routed = " (a routed layer's experts: model.lora.experts, not built yet)" if spec.moe is not None else ""
+        routed = " (a routed layer's experts: model.lora.experts)" if spec.moe is not None else ""
         raise ConfigError(
             "model.lora.target_modules",
             unknown,
             f"not a projection of {spec.architecture}{routed}; valid: {list(valid)}",
         )
-    unserved = [t for t in lora.target_modules if t in every and not every[t].served]
+    unserved = [t for t in lora.target_modules if t in every and not every[t].served_beside(lora.target_modules)]
     if unserved and lora.adapter_sync:
+        pairs = "".join(f" ({t} only beside {list(every[t].served_with)})" for t in unserved if every[t].served)
         raise ConfigError(
             "model.lora.target_modules",
             unserved,
-            f"SGLang 0.5.23 serves no adapter of {spec.architecture}'s {unserved} from PEFT's tensors: "
+            f"SGLang 0.5.23 serves no adapter of {spec.architecture}'s {unserved} from PEFT's tensors{pairs}: "
             "train them with model.lora.sync=merged, or leave them out",
         )
 
 
 def layer_targets(spec: ModelSpec, lora: LoRAConfig, layer: int) -> tuple[Target, ...]:
-    """The adapted projections of 0-based layer `layer`, in the family's order (a MoE layer's MLP is
-    its experts': not adapted, unless a dense layer has one)."""
+    """The adapted projections of 0-based layer `layer`, in the family's order, then with
+    model.lora.experts every routed expert's (models/lora_experts.py; not adapted otherwise)."""
     available = _targets_of(spec, layer)
+    experts = expert_targets(spec, layer) if lora.experts else ()
     if ALL_LINEAR in lora.target_modules:
-        return tuple(t for t in available.values() if t.served or not lora.adapter_sync)
-    return tuple(t for name, t in available.items() if name in lora.target_modules)
+        return tuple(t for t in available.values() if t.served or not lora.adapter_sync) + experts
+    return tuple(t for name, t in available.items() if name in lora.target_modules) + experts
 
 
 def slots(spec: ModelSpec, layer: int, module: str, tp: int) -> Slots:
-    """The layout of one TP rank's output of the column-parallel `module` of layer `layer` (of layer_targets)."""
+    """The layout of one TP rank's output of the column-parallel `module` of layer `layer` (of layer_targets;
+    an expert's at its expert TP `tp`)."""
+    if is_expert_module(module):
+        return expert_layout(spec).rank(tp)
     return family_of(spec).lora_layout(spec, layer, module).rank(tp)
 
 
 def megatron_rows(y: torch.Tensor, layout: Slots, name: str) -> torch.Tensor:
     """Target `name`'s output (last dim: `layout.groups` groups of its HF rows) in the order Megatron's
-    fused layer holds its rows (a paired part's a heads, then its b heads)."""
+    fused layer holds its rows (a paired part's a heads, then its b heads; Slots.reorder's)."""
+    y = layout.reorder(y, name)
     head = dict(layout.paired).get(name)
     if head is None:
         return y
@@ -127,13 +135,21 @@ def is_adapter(name: str) -> bool:
     return f"{SUFFIX}." in name and (".lora_A." in name or ".lora_B." in name)
 
 
-def adapter_params(spec: ModelSpec, lora: LoRAConfig, layers: list[int], tp: int) -> int:
-    """The adapters' parameters one TP rank holds for `layers` (0 with LoRA off); ConfigError where
+def adapter_params(spec: ModelSpec, lora: LoRAConfig, layers: list[int], tp: int, ep: int = 1) -> int:
+    """The adapters' parameters one TP rank holds for `layers` (0 with LoRA off), of the routed experts
+    those of its expert-parallel rank (1 / `ep` of them, each whole: expert TP 1); ConfigError where
     `lora` cannot adapt `spec` (so the memory estimate and the dry run say so before any process)."""
     if not lora.enabled:
         return 0
     check_targets(spec, lora)
-    return sum(t.params(lora.rank, tp) for layer in layers for t in layer_targets(spec, lora, layer))
+    total, experts = 0, 0
+    for layer in layers:
+        for t in layer_targets(spec, lora, layer):
+            if is_expert_module(t.module):
+                experts += t.params(lora.rank, 1)
+            else:
+                total += t.params(lora.rank, tp)
+    return total + experts // ep
 
 
 def merge_adapters(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
@@ -151,7 +167,7 @@ def merge_adapters(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], scaling
         base = f"decoder.layers.{layer}.{module}.weight"
         if base not in out and not _stored_parts(out, base):
             raise ValueError(f"adapter {name} has no base weight {base} beside it")
-        by_base.setdefault(base, []).append((_targets_of(spec, layer)[target], name[: -len("A.weight")]))
+        by_base.setdefault(base, []).append((_target(spec, layer, module, target), name[: -len("A.weight")]))
     for base, adapters in by_base.items():
         parts = _stored_parts(out, base)
         weight = out[base] if base in out else torch.cat([out.pop(p) for p in parts])
@@ -178,6 +194,13 @@ def merge_adapters(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], scaling
     return out
 
 
+def _target(spec: ModelSpec, layer: int, module: str, name: str) -> Target:
+    """Layer `layer`'s target `name` of Megatron module `module` (a routed expert's too)."""
+    if is_expert_module(module):
+        return next(t for t in expert_targets(spec, layer) if t.module == module and t.name == name)
+    return _targets_of(spec, layer)[name]
+
+
 def _stored_parts(tensors: Mapping[str, torch.Tensor], base: str) -> list[str]:
     """The keys of a base weight a dist checkpoint stores part by part (Gated DeltaNet's in_proj:
     `in_proj.weight.query`, ...), in the order its family's stored shapes give them (the rows' order)."""
@@ -194,11 +217,15 @@ _ADAPTER_A = re.compile(rf"decoder\.layers\.(?P<layer>\d+)\.(?P<module>.+){SUFFI
 def peft_config(spec: ModelSpec, lora: LoRAConfig, base: str | None) -> dict:
     """The adapters' PEFT adapter_config.json (what peft, SGLang and the embedded engine read), naming
     `base`: target_modules by projection name, or by full module name where a mixture-of-experts
-    model has routed experts of the same name that are not adapted (model.lora.experts)."""
-    names = adapter_names(spec, lora)
-    targets = sorted({t.name for i in range(spec.num_layers) for t in layer_targets(spec, lora, i)})
+    model has routed experts of the same name; with model.lora.experts, the experts' fused tensors
+    as target_parameters (models/lora_experts.py)."""
+    layers = [
+        [t for t in layer_targets(spec, lora, i) if not is_expert_module(t.module)] for i in range(spec.num_layers)
+    ]
+    targets = sorted({t.name for adapted in layers for t in adapted})
     if spec.moe is not None:
-        targets = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in names.values()})
+        targets = sorted({f"model.layers.{i}.{t.hf_module}" for i, adapted in enumerate(layers) for t in adapted})
+    experts = {"target_parameters": peft_target_parameters(spec)} if lora.experts else {}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -210,4 +237,5 @@ def peft_config(spec: ModelSpec, lora: LoRAConfig, base: str | None) -> dict:
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
+        **experts,
     }

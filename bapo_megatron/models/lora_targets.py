@@ -5,13 +5,16 @@ Family.lora_layout); models/lora.py turns them into names, counts and merges.
 A column-parallel Megatron layer may fuse several HF projections (q/k/v into linear_qkv, gate/up into
 linear_fc1, Qwen3.5's delta-rule projections into in_proj): its `Layout` says where each one's rows
 are, so that each target keeps an adapter of its own that writes only its rows, as PEFT's does on the
-HF model.
+HF model. Multi-latent attention's down-projections are neither: Megatron replicates them over TP
+(models/mla.py), and their adapters whole on every rank ("replicated").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 from bapo_megatron.models.spec import ModelSpec
 
@@ -30,8 +33,8 @@ class Target:
     """Its module within an HF layer: "self_attn.q_proj"."""
     module: str
     """The Megatron linear layer within a layer that computes it: "self_attention.linear_qkv"."""
-    parallel: Literal["column", "row"]
-    """How Megatron splits the base layer over TP (and so the adapter: B rows, or A columns)."""
+    parallel: Literal["column", "row", "replicated"]
+    """How Megatron splits the base layer over TP (and so the adapter: B rows, A columns, or neither)."""
     in_features: int
     out_features: int
     """The whole (TP = 1) projection's shape, as HF's weight [out, in]."""
@@ -42,19 +45,26 @@ class Target:
     served: bool = True
     """Whether SGLang 0.5.23 serves an adapter of it from PEFT's tensors (model.lora.sync=adapter);
     one it does not is trained with model.lora.sync=merged only."""
+    served_with: tuple[str, ...] = ()
+    """The targets SGLang serves it beside only, in one fused layer of its own (DeepSeek's q_a_proj and
+    kv_a_proj_with_mqa: its fused_qkv_a_proj_with_mqa takes both adapters or neither)."""
 
     def split_dim(self, matrix: Literal["A", "B"]) -> int | None:
         """The dimension of lora_A / lora_B ([rank, in] / [out, rank]) split over TP; None: whole."""
         if self.parallel == "column":
             return 0 if matrix == "B" and not self.parts else None
-        return 1 if matrix == "A" else None
+        return 1 if matrix == "A" and self.parallel == "row" else None
 
     def params(self, rank: int, tp: int) -> int:
         """The adapter's parameters on one TP rank."""
         a, b = rank * self.in_features, self.out_features * rank
         if self.parallel == "row":
             return a // tp + b
-        return a + (b if self.parts else b // tp)
+        return a + (b if self.parts or self.parallel == "replicated" else b // tp)
+
+    def served_beside(self, names: tuple[str, ...]) -> bool:
+        """Whether SGLang serves its adapter when `names` are the adapted targets."""
+        return self.served and all(name in names for name in self.served_with)
 
 
 @dataclass(frozen=True)
@@ -68,23 +78,52 @@ class Slots:
     paired: tuple[tuple[str, int], ...] = ()
     """(target name, head width) of the parts whose HF rows are heads each [a_h; b_h] and whose
     Megatron rows are every a_h, then every b_h (Qwen3.5's q_proj: queries and output gates)."""
+    rope: tuple[tuple[str, int], ...] = ()
+    """(target name, rotary width) of the parts whose last rows of each group are rotary dims that HF
+    holds as two halves and Megatron interleaved (multi-latent attention with rope_interleave false:
+    models/mla.interleave_rope)."""
+    grouped: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """(target name, sizes) of the parts whose HF rows are groups each holding one share of several
+    parts ([q_g; k_g; v_g; z_g] per key head: Qwen3-Next's in_proj_qkvz and in_proj_ba) and whose
+    Megatron rows are every group's first share, then every group's second, ... (the groups are split
+    over TP, so a rank's B rows are a slice of B)."""
+
+    def reorder(self, y: torch.Tensor, name: str) -> torch.Tensor:
+        """Target `name`'s output in HF's row order with each group's rotary rows and grouped shares in
+        Megatron's order (unchanged where HF's is Megatron's)."""
+        lead, rope, sizes = y.shape[:-1], dict(self.rope).get(name), dict(self.grouped).get(name)
+        if sizes is not None:
+            shares = y.reshape(*lead, -1, sum(sizes)).split(sizes, dim=-1)
+            y = torch.cat([share.flatten(-2) for share in shares], dim=-1)
+        if rope is None:
+            return y
+        groups = y.reshape(*lead, self.groups, -1)
+        plain, rotary = groups.split([groups.shape[-1] - rope, rope], dim=-1)
+        pairs = rotary.reshape(*lead, self.groups, 2, rope // 2).transpose(-1, -2)
+        return torch.cat([plain, pairs.reshape(rotary.shape)], dim=-1).reshape(y.shape)
 
 
 @dataclass(frozen=True)
 class Layout:
     """A fused column-parallel layer's output as the whole (TP = 1) layer holds it; `split`: what TP
-    divides, the groups (attention: query groups) or each part's width (MLP, delta-rule projections)."""
+    divides, the groups (attention: query groups) or each part's width (MLP, delta-rule projections),
+    or nothing (a replicated layer's)."""
 
     groups: int
     parts: tuple[tuple[str, int], ...]
-    split: Literal["groups", "widths"]
+    split: Literal["groups", "widths", "none"]
     paired: tuple[tuple[str, int], ...] = ()
+    rope: tuple[tuple[str, int], ...] = ()
+    grouped: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def rank(self, tp: int) -> Slots:
         """One TP rank's share."""
+        orders = {"paired": self.paired, "rope": self.rope, "grouped": self.grouped}
+        if self.split == "none":
+            return Slots(self.groups, self.parts, **orders)
         if self.split == "groups":
-            return Slots(self.groups // tp, self.parts, self.paired)
-        return Slots(self.groups, tuple((n, w // tp) for n, w in self.parts), self.paired)
+            return Slots(self.groups // tp, self.parts, **orders)
+        return Slots(self.groups, tuple((n, w // tp) for n, w in self.parts), **orders)
 
 
 def attention_targets(spec: ModelSpec, q_width: int) -> dict[str, Target]:

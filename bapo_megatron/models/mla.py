@@ -44,6 +44,7 @@ import torch
 from bapo_megatron.models.decoder import Decoder
 from bapo_megatron.models.family import AttentionMemory
 from bapo_megatron.models.features import LatentAttentionSpec
+from bapo_megatron.models.lora_targets import PROJ, Layout, Target
 from bapo_megatron.models.recipes import Fused, Recipe, Rows
 from bapo_megatron.models.spec import ModelSpec
 
@@ -51,6 +52,9 @@ TE_NORMS = {"q_layernorm.": "linear_q_up_proj.layer_norm_", "kv_layernorm.": "li
 """The latent norms' local names and Transformer Engine's, where they fuse into the up-projections."""
 REPLICATED = ("q_a_proj.weight", "kv_a_proj_with_mqa.weight")
 """The down-projections, whole on every tensor-parallel rank."""
+ATTN = "self_attention."
+Q_PROJ, Q_DOWN, Q_UP = ATTN + "linear_q_proj", ATTN + "linear_q_down_proj", ATTN + "linear_q_up_proj"
+KV_DOWN, KV_UP = ATTN + "linear_kv_down_proj", ATTN + "linear_kv_up_proj"
 
 
 def interleave_rope(weight: torch.Tensor, width: int, rope: int) -> torch.Tensor:
@@ -218,6 +222,70 @@ class LatentAttention(Decoder):
         recipes |= self._attention_recipes(spec, layer, te=impl == "transformer_engine")
         recipes[m + mlp_norm] = Rows((h + "post_attention_layernorm.weight",))
         return recipes | self._mlp_recipes(spec, layer, grouped)
+
+    # -- LoRA
+    def latent_lora_targets(self, spec: ModelSpec) -> dict[str, Target]:
+        """Every projection of multi-latent attention, each beside its own Megatron linear: the adapter
+        of a down-projection writes its output before the latent norm, as PEFT's does (the local
+        spec keeps the norms modules of their own: q_layernorm, kv_layernorm). What SGLang 0.5.23
+        serves from PEFT's tensors (its deepseek_v2.py and lora/): q_b_proj and kv_b_proj (column
+        parallel; kv_b_proj's delta added to its absorbed path too: lora/deepseek_mla_correction.py),
+        o_proj, and q_a_proj with kv_a_proj_with_mqa together (its fused_qkv_a_proj_with_mqa stacks the
+        two; one alone is padded to the other's shape or filed under no module). Without a query
+        latent its q_proj (normalised to qkv_proj: stacked with a k_proj and v_proj it lacks) and
+        kv_a_proj_with_mqa (filed under fused_qkv_a_proj_with_mqa, which that model has not) are
+        not served."""
+        mla, d, heads = spec.latent_attention, spec.hidden_size, spec.num_heads
+        q, p = heads * mla.qk_head_dim, "self_attn."
+        kv_down = mla.kv_lora_rank + mla.qk_rope_head_dim
+        if mla.q_lora_rank is None:
+            query = {"q_proj": Target("q_proj", p + "q_proj", Q_PROJ, "column", d, q, served=False)}
+            kv_a = Target(
+                "kv_a_proj_with_mqa", p + "kv_a_proj_with_mqa", KV_DOWN, "replicated", d, kv_down, served=False
+            )
+        else:
+            q_a = Target("q_a_proj", p + "q_a_proj", Q_DOWN, "replicated", d, mla.q_lora_rank)
+            query = {
+                "q_a_proj": dataclasses.replace(q_a, served_with=("kv_a_proj_with_mqa",)),
+                "q_b_proj": Target("q_b_proj", p + "q_b_proj", Q_UP, "column", mla.q_lora_rank, q),
+            }
+            kv_a = Target(
+                "kv_a_proj_with_mqa",
+                p + "kv_a_proj_with_mqa",
+                KV_DOWN,
+                "replicated",
+                d,
+                kv_down,
+                served_with=("q_a_proj",),
+            )
+        kv_b = Target(
+            "kv_b_proj",
+            p + "kv_b_proj",
+            KV_UP,
+            "column",
+            mla.kv_lora_rank,
+            heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+        )
+        o = Target("o_proj", p + "o_proj", PROJ, "row", heads * mla.v_head_dim, d)
+        return query | {"kv_a_proj_with_mqa": kv_a, "kv_b_proj": kv_b, "o_proj": o}
+
+    def latent_lora_layout(self, spec: ModelSpec, module: str) -> Layout:
+        """Each latent linear adapts one projection: the up-projections' rows by head (split over TP
+        as their weights are), the down-projections' whole; where rope_interleave is false the
+        rotary rows of a query head and of the rotary key are halves in HF's rows and interleaved in
+        Megatron's (the weights' own reorder, interleave_rope)."""
+        mla, heads = spec.latent_attention, spec.num_heads
+        rope = mla.qk_rope_head_dim
+        name, groups, width = {
+            Q_PROJ: ("q_proj", heads, mla.qk_head_dim),
+            Q_UP: ("q_b_proj", heads, mla.qk_head_dim),
+            Q_DOWN: ("q_a_proj", 1, mla.q_lora_rank),
+            KV_DOWN: ("kv_a_proj_with_mqa", 1, mla.kv_lora_rank + rope),
+            KV_UP: ("kv_b_proj", heads, mla.qk_nope_head_dim + mla.v_head_dim),
+        }[module]
+        rotary = () if mla.rope_interleave or name in ("q_a_proj", "kv_b_proj") else ((name, rope),)
+        split = "none" if module in (Q_DOWN, KV_DOWN) else "groups"
+        return Layout(groups, ((name, width),), split, rope=rotary)
 
     # -- Megatron
     def config_class(self, spec: ModelSpec) -> type:

@@ -22,6 +22,7 @@ from bapo_megatron.models.spec import ModelSpec
 class Qwen3Moe(RoutedExperts, Qwen3):
     name = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
+    lora_experts = True
 
     def refuse(self, hf: dict) -> None:
         super().refuse(hf)

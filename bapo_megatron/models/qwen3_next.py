@@ -1,6 +1,7 @@
 """Qwen3-Next (Qwen3NextForCausalLM, model_type qwen3_next): Qwen3.5-MoE's hybrid layers
 (models/qwen3_5.py) with the delta rule's input projections grouped per key head and a dense MLP in
-the layers transformers gives no experts."""
+the layers transformers gives no experts. LoRA adapts the attention and the delta rule's projections
+(each grouped projection's adapter's rows reordered into Megatron's in_proj parts)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.family import REQUIRED, hook_topk_routers
-from bapo_megatron.models.qwen3_5 import IN_PROJ_PARTS, gdn_widths
+from bapo_megatron.models.lora_targets import Layout, Target, attention_targets
+from bapo_megatron.models.qwen3_5 import GDN, IN_PROJ_PARTS, gdn_widths
 from bapo_megatron.models.qwen3_5_moe import Qwen3_5Moe
 from bapo_megatron.models.recipes import Fused, Recipe
 from bapo_megatron.models.spec import ModelSpec
@@ -29,9 +31,36 @@ class Qwen3Next(Qwen3_5Moe):
     architectures = ("Qwen3NextForCausalLM",)
     required = REQUIRED  # its dense layers' width (mlp_only_layers, decoder_sparse_step)
 
-    def lora_targets(self, spec: ModelSpec, layer: int) -> None:
-        """Not built: its per-key-head in_proj_qkvz / in_proj_ba are no parts of Megatron's in_proj."""
-        return None
+    # -- LoRA
+    def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:
+        """Gated full attention's q/k/v/o (Qwen3.5's), or the delta rule's in_proj_qkvz, in_proj_ba and
+        out_proj. Not the MLPs (a dense layer's, the shared expert's): peft 0.21 on transformers 5
+        reads gate_proj / up_proj / down_proj of this model as its fused routed experts' parameters
+        (transformers_weight_conversion maps qwen3_next as qwen2_moe). SGLang 0.5.23's
+        Qwen3NextForCausalLM has no LoRA dimensions of its own (get_hidden_dim): the default it falls
+        back to refuses in_proj_qkvz and out_proj, knows no in_proj_ba, and stacks q/k/v into a
+        qkv_proj without the output gate's rows; of these it serves o_proj alone."""
+        if not self._linear(spec, layer):
+            attention = attention_targets(spec, 2 * spec.num_heads * spec.head_dim)
+            return {n: t if n == "o_proj" else dataclasses.replace(t, served=False) for n, t in attention.items()}
+        d, (qk, v, heads) = spec.hidden_size, gdn_widths(spec)
+        p, module = "linear_attn.", GDN + "in_proj"
+        return {
+            "in_proj_qkvz": Target(
+                "in_proj_qkvz", p + "in_proj_qkvz", module, "column", d, 2 * qk + 2 * v, served=False
+            ),
+            "in_proj_ba": Target("in_proj_ba", p + "in_proj_ba", module, "column", d, 2 * heads, served=False),
+            "out_proj": Target("out_proj", p + "out_proj", GDN + "out_proj", "row", v, d, served=False),
+        }
+
+    def lora_layout(self, spec: ModelSpec, layer: int, module: str) -> Layout:
+        """in_proj: HF's rows per key head ([q_g; k_g; v_g; z_g], [b_g; a_g]), Megatron's part by part
+        ([q; k; v; z; b; a], each part split over TP by key heads): a rank's rows of B are a slice."""
+        if module != GDN + "in_proj":
+            return super().lora_layout(spec, layer, module)
+        (qk, v, heads), (qkvz, ba) = gdn_widths(spec), _key_head_groups(spec)
+        grouped = (("in_proj_qkvz", tuple(qkvz)), ("in_proj_ba", tuple(ba)))
+        return Layout(1, (("in_proj_qkvz", 2 * qk + 2 * v), ("in_proj_ba", 2 * heads)), "widths", grouped=grouped)
 
     def _sparse_layers(self, hf: dict) -> tuple[int, ...]:
         """Layer i has experts unless it is in mlp_only_layers or (i + 1) is not a multiple of

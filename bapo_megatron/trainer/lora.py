@@ -17,6 +17,9 @@ names and their TP split are models/lora.py's. The split makes a TP step the one
 - beside a row-parallel layer (o, down): A split by columns as the base weight is, B whole; the
   partial A x of every rank is all-reduced, B's output is the whole one (scattered over the sequence
   under sequence parallel, as the base's output is).
+- beside a replicated layer (multi-latent attention's down-projections, whole on every rank): A and
+  B whole; under sequence parallel each rank's gradients are its sequence share's, summed over TP by
+  Megatron as the base weight's would be.
 
 Only the adapters require a gradient: Megatron's DDP makes gradient buffers, and its optimizer
 state, for those parameters alone.
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.models.lora import SUFFIX, check_targets, is_adapter, layer_targets, megatron_rows, slots
 from bapo_megatron.models.lora import megatron_name as adapter_name
+from bapo_megatron.models.lora_experts import check_experts, is_expert_module, local_module
 from bapo_megatron.models.lora_targets import Slots, Target
 from bapo_megatron.models.spec import ModelSpec
 
@@ -63,7 +67,7 @@ class LinearAdapters(torch.nn.ModuleDict):
         self.rank = lora.rank
         self.dropout = lora.dropout
         self.tp_group = base.tp_group
-        self.sequence_parallel = base.sequence_parallel
+        self.sequence_parallel = sequence_share(base)
         self.active = True
         """Whether the adapters add their delta (adapters_off: the base alone)."""
 
@@ -74,7 +78,16 @@ class LinearAdapters(torch.nn.ModuleDict):
         return out + self.delta(args[0]).to(out.dtype), bias
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "replicated":
+            return self._replicated(x)
         return self._column(x) if self.parallel == "column" else self._row(x)
+
+    def _replicated(self, x: torch.Tensor) -> torch.Tensor:
+        """A replicated layer's adapter: whole, on whatever share of the sequence the layer is given."""
+        ((name, adapter),) = self.items()
+        h = F.linear(self._dropout(x, split=self.sequence_parallel), adapter.lora_A.weight)
+        y = F.linear(h, adapter.lora_B.weight) * self.scaling
+        return megatron_rows(y, self.layout, name)
 
     def _column(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
@@ -100,7 +113,7 @@ class LinearAdapters(torch.nn.ModuleDict):
                 pieces.append(megatron_rows(y, self.layout, name).view(*lead, groups, width))
             else:
                 pieces.append(h.new_zeros(*lead, groups, width))
-        return torch.cat(pieces, dim=-1).reshape(*lead, -1)
+        return torch.cat(pieces, dim=-1).flatten(-2)  # (not reshape: an expert may get no tokens)
 
     def _rank_rows(self, name: str) -> torch.Tensor:
         """This TP rank's rows of target `name`'s B: B itself where B is split, else (B whole, its
@@ -176,6 +189,7 @@ def apply_lora(gpt: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig) -> None:
 
 
 def _adapt_layer(layer: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig) -> None:
+    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     index = layer.layer_number - 1
@@ -183,14 +197,18 @@ def _adapt_layer(layer: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig) -> N
     for target in layer_targets(spec, lora, index):
         by_module.setdefault(target.module, []).append(target)
     for module, targets in by_module.items():
+        if is_expert_module(module):  # a routed expert's: on the expert-parallel rank that holds it
+            module = local_expert_module(layer, spec, lora, module)
+            if module is None:
+                continue
         parent_name, _, base_name = module.rpartition(".")
         parent = layer.get_submodule(parent_name)
         base = getattr(parent, base_name)
-        kind = ColumnParallelLinear if targets[0].parallel == "column" else RowParallelLinear
+        kind = {"column": ColumnParallelLinear, "row": RowParallelLinear, "replicated": Linear}[targets[0].parallel]
         if type(base) is not kind:
             raise TypeError(f"layer {index}'s {module} is a {type(base).__name__}, not Megatron's {kind.__name__}")
         tp, tp_rank = base.tp_group.size(), base.tp_group.rank()
-        layout = slots(spec, index, module, tp) if targets[0].parallel == "column" else None
+        layout = slots(spec, index, module, tp) if targets[0].parallel != "row" else None
         adapters = LinearAdapters(base, tuple(targets), lora, layout)
         weight = base.weight
         for target in targets:
@@ -199,9 +217,22 @@ def _adapt_layer(layer: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig) -> N
                 _shard(a, target.split_dim("A"), tp, tp_rank).to(weight),
                 _shard(b, target.split_dim("B"), tp, tp_rank).to(weight),
             )
-            _mark_split(adapters[target.name], target, base.sequence_parallel)
+            _mark_split(adapters[target.name], target, sequence_share(base))
+            if is_expert_module(targets[0].module):
+                _mark_expert(adapters[target.name], weight)
         setattr(parent, base_name + SUFFIX, adapters)
         base.register_forward_hook(adapters.hook)
+
+
+def local_expert_module(layer: torch.nn.Module, spec: ModelSpec, lora: LoRAConfig, module: str) -> str | None:
+    """Expert module `module` (global number) by its name on this rank, None where another expert-parallel
+    rank holds it; ConfigError for experts that are not run one after another (grouped GEMM)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    experts = layer.mlp.experts
+    if not isinstance(experts, SequentialMLP):
+        check_experts(spec, lora, True, grouped=True)
+    return local_module(experts, module)
 
 
 def _initial(target: Target, lora: LoRAConfig, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,6 +264,30 @@ def _mark_split(adapter: Adapter, target: Target, sequence_parallel: bool) -> No
             set_tensor_model_parallel_attributes(getattr(adapter, f"lora_{matrix}").weight, True, dim, 1)
     if target.parallel == "column" and sequence_parallel:
         adapter.lora_A.weight.sequence_parallel = True  # each rank's gradient is its sequence share's
+    if target.parallel == "replicated" and sequence_parallel:  # A's and B's: as the base weight's
+        adapter.lora_A.weight.sequence_parallel = adapter.lora_B.weight.sequence_parallel = True
+
+
+def _mark_expert(adapter: Adapter, weight: torch.Tensor) -> None:
+    """A routed expert's adapters marked as its weight is: each expert-TP rank's own (whole at expert
+    TP 1, counted by the gradient norm on every TP rank) and reduced over the expert data-parallel
+    ranks, not over expert parallel (`allreduce`: Megatron's DDP and optimizer read it)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for matrix, dim in (("A", 1), ("B", 0)):
+        param = getattr(adapter, f"lora_{matrix}").weight
+        if not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, True, dim, 1)
+        param.allreduce = getattr(weight, "allreduce", True)
+
+
+def sequence_share(base: torch.nn.Module) -> bool:
+    """Whether the base layer runs on this rank's share of the sequence: Megatron's parallel layers
+    say so; a replicated one (models/mla.py's down-projections) is given the share under sequence
+    parallel (its weight marked, its gradient summed over TP, as a norm's)."""
+    if hasattr(base, "sequence_parallel"):
+        return base.sequence_parallel
+    return base.config.sequence_parallel
 
 
 @contextlib.contextmanager

@@ -88,14 +88,21 @@ def _layer_tensors(layer: torch.nn.Module, info: ParallelInfo, adapters: bool = 
 
 
 def _layer_adapters(layer: torch.nn.Module, info: ParallelInfo) -> dict[str, torch.Tensor]:
-    """The layer's adapters, each gathered whole (a routed expert has none: model.lora.experts)."""
-    return {name: gather_tensor_parallel(p, info) for name, p in layer.named_parameters() if is_adapter(name)}
+    """The layer's adapters, each gathered whole; a routed expert's (model.lora.experts, whole on its
+    rank: expert TP 1) gathered over expert parallel under its global number."""
+    local = {
+        name: p.detach() if _is_expert(name) else gather_tensor_parallel(p, info)
+        for name, p in layer.named_parameters()
+        if is_adapter(name)
+    }
+    return gather_expert_parallel(layer, local, info) if hasattr(layer.mlp, "local_expert_indices") else local
 
 
 def peft_names(spec: ModelSpec) -> dict[str, str]:
     """Megatron's name -> PEFT's of every adapter matrix a LoRA model of `spec` can hold (names do not
     depend on the rank: the map of an all-linear config covers every config's adapters)."""
-    return adapter_names(spec, LoRAConfig(rank=1, sync="merged"))  # merged: every target, served or not
+    every = LoRAConfig(rank=1, sync="merged", experts=spec.moe is not None)  # every target, served or not
+    return adapter_names(spec, every)
 
 
 def _saved_buffers(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

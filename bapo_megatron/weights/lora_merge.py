@@ -32,6 +32,7 @@ from bapo_megatron.common.hf_io import HFCheckpoint, KeptSource, expected_shapes
 from bapo_megatron.common.safetensors_stream import TensorEntry
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.models.lora import adapter_names
+from bapo_megatron.models.lora_experts import hf_weight_names, per_projection
 from bapo_megatron.models.quantized import Quantization
 from bapo_megatron.trainer.base_identity import WINDOW, BaseIdentity, fingerprint, recorded_base
 from bapo_megatron.trainer.checkpoint import weights_dir
@@ -198,7 +199,7 @@ class MergedModel:
                 else:
                     out[name] = tensor
             yield out
-        wanted = {_weight_of(peft) for peft in self.names.values()}
+        wanted = {w for peft in self.names.values() for w in hf_weight_names(_weight_of(peft))}
         if wanted - merged:
             missing = sorted(wanted - merged)[0]
             raise ValueError(f"base {self.base.path} has no weight {missing} to merge an adapter into")
@@ -215,7 +216,7 @@ class MergedModel:
         for name, tensor in self.source.adapters(layer).items():
             peft = self.names[name]
             found.setdefault(_weight_of(peft), {})["A" if ".lora_A." in peft else "B"] = tensor
-        return {weight: (m["A"], m["B"]) for weight, m in found.items()}
+        return per_projection({weight: (m["A"], m["B"]) for weight, m in found.items()})  # experts' per weight
 
     def _merge(self, name: str, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         delta = self.scaling * (b.float() @ a.float())

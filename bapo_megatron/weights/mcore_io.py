@@ -52,6 +52,7 @@ from bapo_megatron.common.safetensors_stream import TensorEntry
 from bapo_megatron.errors import BadInputError, inside
 from bapo_megatron.models import family_of
 from bapo_megatron.models.lora import is_adapter, merge_adapters
+from bapo_megatron.models.lora_experts import stored_per_expert
 from bapo_megatron.models.quantized import QUANTIZATION, read_quantization
 from bapo_megatron.models.recipes import STORED_EXPERTS, expert_names
 from bapo_megatron.models.spec import REMOTE_CODE, ModelSpec, first_difference, spec_fields
@@ -321,7 +322,7 @@ class McoreCheckpoint:
             head, _, tail = key.removeprefix("decoder.layers.").partition(".")
             suffix = tail if head.isdigit() else f"{head}.{tail}"  # a layer's own key, or the stacked one
             if (read := self._stored(layer, suffix)).key in self.meta:
-                out[f"decoder.layers.{layer}.{suffix}"] = self._load(read)
+                out |= stored_per_expert(f"decoder.layers.{layer}.", suffix, self._load(read))
         return out
 
     def _with_adapters(self, layer: int) -> dict[str, torch.Tensor]:

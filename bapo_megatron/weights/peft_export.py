@@ -1,6 +1,8 @@
 """A LoRA run's adapters as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors),
 which peft.PeftModel.from_pretrained loads onto the Hugging Face base model (and SGLang and vLLM
-serve as a LoRA adapter). Names and shapes are models/lora.py's map: Megatron's adapter -> PEFT's."""
+serve as a LoRA adapter). Names and shapes are models/lora.py's map: Megatron's adapter -> PEFT's; the
+routed experts' adapters (model.lora.experts) stacked as PEFT holds them on transformers 5's fused
+expert tensors (models/lora_experts.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import json
 from pathlib import Path
 
 from bapo_megatron.fsutil import atomic_directory
-from bapo_megatron.models.lora import PEFT_CONFIG, PEFT_WEIGHTS, adapter_names, peft_config
+from bapo_megatron.models.lora import PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, adapter_names, peft_config
+from bapo_megatron.models.lora_experts import peft_stacked
+from bapo_megatron.models.on_disk import CANONICAL_PREFIX, DiskLayout
 from bapo_megatron.trainer.checkpoint import weights_dir
 from bapo_megatron.trainer.dist_ckpt import saved_model_config
 from bapo_megatron.weights.mcore_io import McoreCheckpoint
@@ -32,8 +36,24 @@ def write_peft_adapter(mcore_dir: str | Path, out: str | Path, base: str | None 
     missing = sorted(names.values() - tensors.keys())
     if missing:
         raise ValueError(f"{source.dir}: lacks the adapters {missing[:3]} its model.lora config implies")
+    if lora.experts:
+        tensors = peft_stacked(spec, tensors)
     config = peft_config(spec, lora, base or saved_model_config(source.dir).get("hf_path"))
+    tensors, config = on_disk(tensors, config, source.layout)
     with atomic_directory(out) as tmp:
         save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
         (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return Path(out)
+
+
+def on_disk(tensors: dict, config: dict, layout: DiskLayout) -> tuple[dict, dict]:
+    """The adapter's tensor names and full module names (target_modules, target_parameters) as the
+    base's layout names its modules: a released Qwen3.5 (Qwen3_5ForConditionalGeneration) holds the
+    text model under model.language_model., where peft looks for its adapters."""
+
+    def name(canonical: str) -> str:
+        return layout.disk_name(canonical) if canonical.startswith(CANONICAL_PREFIX) else canonical
+
+    renamed = {PEFT_PREFIX + name(n.removeprefix(PEFT_PREFIX)): t for n, t in tensors.items()}
+    lists = {key: [name(m) for m in config[key]] for key in ("target_modules", "target_parameters") if key in config}
+    return renamed, config | lists

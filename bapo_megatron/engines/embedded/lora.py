@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from bapo_megatron.engines.embedded import lora_experts
 from bapo_megatron.engines.embedded.request_queue import EngineRequest
 from bapo_megatron.models.lora import PEFT_PREFIX
 
@@ -45,7 +46,6 @@ UNSUPPORTED = {
     "trainable_token_indices": "trained token embeddings",
     "alora_invocation_tokens": "activated LoRA",
     "layer_replication": "replicated layers",
-    "target_parameters": "adapters on parameters",
     "use_bdlora": "block-diagonal LoRA",
     "arrow_config": "Arrow routing",
     "kasa_config": "KaSA",
@@ -86,6 +86,8 @@ class AdapterConfig:
     target_modules: str | tuple[str, ...]
     """PEFT's: a regular expression a module's full name must match, or names its name ends with."""
     use_rslora: bool = False
+    experts: bool = False
+    """Whether the routed experts' fused tensors are adapted (target_parameters: engines/embedded/lora_experts.py)."""
 
     @property
     def scaling(self) -> float:
@@ -107,7 +109,12 @@ class AdapterConfig:
         for name, what in UNSUPPORTED.items():
             if config.get(name):
                 raise ValueError(f"config_dict.{name}={config[name]!r:.100}: {what} is not served")
-        known = {"r", "lora_alpha", "target_modules", "use_rslora", "peft_type", "bias", *UNSUPPORTED, *INERT}
+        parameters = config.get("target_parameters")
+        if parameters and (not isinstance(parameters, list) or set(parameters) != lora_experts.TARGET_PARAMETERS):
+            served = sorted(lora_experts.TARGET_PARAMETERS)
+            raise ValueError(f"config_dict.target_parameters={parameters!r:.100}: only {served} together are served")
+        known = {"r", "lora_alpha", "target_modules", "use_rslora", "peft_type", "bias", "target_parameters"}
+        known |= {*UNSUPPORTED, *INERT}
         unknown = sorted(k for k, v in config.items() if k not in known and v)
         if unknown:
             raise ValueError(f"config_dict.{unknown[0]}: not a PEFT 0.21 LoRA field this engine knows to be inert")
@@ -123,7 +130,7 @@ class AdapterConfig:
             raise ValueError(f"config_dict.target_modules={targets!r:.100}: must be a pattern or a list of names")
         if rslora not in (None, False, True):
             raise ValueError(f"config_dict.use_rslora={rslora!r}: must be true or false")
-        return cls(r, float(alpha), targets, bool(rslora))
+        return cls(r, float(alpha), targets, bool(rslora), bool(parameters))
 
     def targets(self, name: str) -> bool:
         """Whether a module of this full name is targeted, as PEFT's check_target_module_exists decides."""
@@ -144,6 +151,8 @@ class Adapter:
     source: str  # its directory, or TENSOR_SOURCE
     config: AdapterConfig
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    experts: lora_experts.Deltas = field(default_factory=dict)
+    """The routed experts' fused tensors' deltas (target_parameters), by experts module."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -157,6 +166,7 @@ class ServedAdapters:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.experts = lora_experts.expert_modules(model)
         output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self._output = next((n for n, m in self.linears.items() if m is output), None)
         self.resident: dict[str, Adapter] = {}
@@ -173,11 +183,18 @@ class ServedAdapters:
         config = AdapterConfig.from_peft(config_dict)
         targeted = self._targeted(config)
         received: dict[str, torch.Tensor] = {}
+        routed: dict[str, torch.Tensor] = {}
         for tensor_name, tensor in tensors:
-            if tensor_name in received:
+            if tensor_name in received or tensor_name in routed:
                 raise ValueError(f"{tensor_name}: sent twice")
+            if config.experts and lora_experts.is_expert_tensor(tensor_name):
+                routed[tensor_name] = tensor
+                continue
             self._check_tensor(tensor_name, tensor, config, targeted)
             received[tensor_name] = tensor
+        experts = (
+            lora_experts.build_deltas(self.experts, config.r, config.scaling, routed.items()) if config.experts else {}
+        )
         weights = {}
         for module in targeted:
             a_name, b_name = (f"{PEFT_PREFIX}{module}.lora_{m}.weight" for m in "AB")
@@ -187,7 +204,7 @@ class ServedAdapters:
             dtype = self.linears[module].weight.dtype
             # copies: the received tensors may be views of a payload's shared memory
             weights[module] = tuple(received[n].to(dtype=dtype, copy=True).contiguous() for n in (a_name, b_name))
-        return Adapter(name, source, config, weights)
+        return Adapter(name, source, config, weights, experts)
 
     def _targeted(self, config: AdapterConfig) -> list[str]:
         """The served model's linear layers `config` targets (PEFT's all-linear: all but the output)."""
@@ -226,11 +243,15 @@ class ServedAdapters:
         for module in adapter.weights:
             if module not in self._hooks:
                 self._hooks[module] = self.linears[module].register_forward_hook(self._hook(module))
+        for module in adapter.experts:
+            if module not in self._hooks:
+                hook = lora_experts.expert_hook(self, module)
+                self._hooks[module] = self.experts[module].register_forward_hook(hook)
 
     def remove(self, adapter_id: str) -> None:
         """Forget an adapter; a layer no resident adapter targets loses its hook."""
         self.resident.pop(adapter_id, None)  # gone already: an unload retried after its caller left
-        used = {m for a in self.resident.values() for m in a.weights}
+        used = {m for a in self.resident.values() for m in (*a.weights, *a.experts)}
         for module in [m for m in self._hooks if m not in used]:
             self._hooks.pop(module).remove()
 

@@ -17,6 +17,10 @@ but those the adapters keep, with dropout not even those; the norms' inputs for 
 gradients). Measured on the tiny Qwen2 in fp32 (tests/unit/test_lora_reference.py), a layer with
 rank-4 all-linear adapters keeps 6,137 bytes a token, full fine-tuning 6,667, to which this adds 112.
 Not counted either: the column adapters' concatenated A, saved once a micro-batch (kilobytes).
+A routed expert's adapters (model.lora.experts; never dropout) keep their h for the tokens routed to
+the expert: per token, top_k experts' two (gate_up_proj's and down_proj's), each [rank], on the
+rank that holds the expert (counted whole on every rank: routing may send a rank every copy); their
+input is the expert's own, which full fine-tuning's count of the experts holds.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 from bapo_megatron.config import ParallelConfig
 from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.models.lora import Target, layer_targets
+from bapo_megatron.models.lora_experts import is_expert_module
 from bapo_megatron.models.spec import ModelSpec
 
 
@@ -37,12 +42,16 @@ def adapter_token_bytes(
         return 0
     tp, mask = parallel.tensor, width if local else 1
     by_module: dict[str, list[Target]] = {}
+    routed = 0  # the routed experts' adapters: each holds h of its tokens, top_k / experts of them
     for target in layer_targets(spec, lora, layer):
-        by_module.setdefault(target.module, []).append(target)
-    total = 0
+        if is_expert_module(target.module):
+            routed += 1
+        else:
+            by_module.setdefault(target.module, []).append(target)
+    total = routed * spec.moe.top_k * lora.rank * width // spec.moe.num_experts if routed else 0
     for targets in by_module.values():
         total += len(targets) * lora.rank * width  # h: each projection's rank-r intermediate
-        column = targets[0].parallel == "column"
+        column = targets[0].parallel != "row"  # a replicated layer's input is a column one's
         whole = column and not parallel.sequence_parallel  # else a share: of the sequence, or of the features
         features = targets[0].in_features if whole else targets[0].in_features // tp
         if lora.dropout > 0:

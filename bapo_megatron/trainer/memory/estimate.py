@@ -360,7 +360,7 @@ def stage_memory(
     dense_trained = n.dense - (n.router if model.moe.freeze_router else 0)
     trained_experts = n.experts
     layers = stage_layers(spec.num_layers, parallel.pipeline, stage, parallel.virtual_pipeline)
-    adapters = adapter_params(spec, model.lora, layers, parallel.tensor)
+    adapters = adapter_params(spec, model.lora, layers, parallel.tensor, parallel.expert)
     if adapters:  # LoRA: the base frozen, gradients and Adam state for the adapters alone
         dense_trained, trained_experts = adapters, 0
     experts_optimizer = trained_experts * per_param // expert_shards
