@@ -23,7 +23,7 @@ def engine_server(cfg, index: int, run_dir: Path):
     """The (not started) ServerProcess of engine `index` of the job `cfg`: its command, environment
     and URL."""
     from bapo_megatron.config.engines import DEFAULT_PORT
-    from bapo_megatron.engines.sglang_launcher import Launch, admin_key, sglang_servers
+    from bapo_megatron.engines.sglang_launcher import Launch, ServedLoRA, admin_key, sglang_servers
 
     ro = cfg.rollout
     n = ro.engines.servers
@@ -42,8 +42,10 @@ def engine_server(cfg, index: int, run_dir: Path):
         from bapo_megatron.common.routes import recorded_routes
         from bapo_megatron.models.spec import ModelSpec
 
-        routes = recorded_routes(cfg, ModelSpec.from_hf_dir(cfg.model.hf_path)) is not None
-        launch = Launch(cfg.model.hf_path, seed=cfg.seed, routed_experts=routes, lora=cfg.model.lora)
+        spec = ModelSpec.from_hf_dir(cfg.model.hf_path)
+        routes = recorded_routes(cfg, spec) is not None
+        lora = ServedLoRA.of(spec, cfg.model.lora)
+        launch = Launch(cfg.model.hf_path, seed=cfg.seed, routed_experts=routes, lora=lora)
         return sglang_servers(ro, launch, run_dir)[0][index]
     from bapo_megatron.engines.launcher import embedded_servers
 

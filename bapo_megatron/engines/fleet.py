@@ -170,14 +170,14 @@ class Engines:
             for server in self.servers:
                 server.start()
         else:
-            from bapo_megatron.engines.sglang_launcher import Launch, launch_sglang
+            from bapo_megatron.engines.sglang_launcher import Launch, ServedLoRA, launch_sglang
 
             launch = Launch(
                 str(model_dir),
                 seed=self.cfg.seed,
                 colocated_fraction=colocated_fraction,
                 routed_experts=recorded_routes(self.cfg, self.spec) is not None,
-                lora=self.cfg.model.lora,
+                lora=ServedLoRA.of(self.spec, self.cfg.model.lora),
             )
             self.servers, self.key = launch_sglang(self._rollout_here(), launch, self.run_dir, self.base_gpus)
 
@@ -347,12 +347,13 @@ def _start_node(cfg: JobConfig, spec: ModelSpec, mine: list[ColocatedServer], mo
         for server in servers:
             server.wait_ready(e.startup_timeout_s, key=key)
         return servers
-    from bapo_megatron.engines.sglang_launcher import KEY_ENV, Launch, sglang_servers, wait_sglang
+    from bapo_megatron.engines.sglang_launcher import KEY_ENV, Launch, ServedLoRA, sglang_servers, wait_sglang
 
     if key is not None:
         os.environ[KEY_ENV] = key  # the driver's key, never one generated here
     routes = recorded_routes(cfg, spec) is not None
-    launch = Launch(str(model_dir), "0", cfg.seed, fraction, routed_experts=routes, lora=cfg.model.lora)
+    lora = ServedLoRA.of(spec, cfg.model.lora)
+    launch = Launch(str(model_dir), "0", cfg.seed, fraction, routed_experts=routes, lora=lora)
     servers, _ = sglang_servers(here, launch, cfg.run_path, [s.gpus[0] for s in mine], first)
     try:
         for server in servers:

@@ -25,8 +25,10 @@ from typing import Any
 import yaml
 
 from bapo_megatron.config import SGLANG_LAUNCHER_ARGS, RolloutConfig
-from bapo_megatron.config.lora import ALL_LINEAR, LoRAConfig
+from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.engines.launcher import ServerProcess, is_loopback
+from bapo_megatron.models.lora import served_modules
+from bapo_megatron.models.spec import ModelSpec
 
 KEY_ENV = "BAPO_ADMIN_API_KEY"
 
@@ -86,8 +88,25 @@ class Launch:
     """mem_fraction_static colocated, from the trainer's estimate (`mem_fraction`)."""
     routed_experts: bool = False
     """/generate may return the experts a MoE model routed each position to (routing replay)."""
-    lora: LoRAConfig | None = None
-    """The run's model.lora, whose adapters the servers are sent every step (`lora_args`)."""
+    lora: ServedLoRA | None = None
+    """The adapters the servers are sent every step (model.lora.sync=adapter; `lora_args`)."""
+
+
+@dataclass(frozen=True)
+class ServedLoRA:
+    """What a server needs to serve the adapters the trainer sends it."""
+
+    rank: int
+    target_modules: tuple[str, ...]
+    """The HF projections adapted (models/lora.served_modules), named: never SGLang's "all", which
+    gives every linear it finds a buffer and fails on one it cannot adapt (Qwen3-Next's in_proj_qkvz)."""
+
+    @classmethod
+    def of(cls, spec: ModelSpec, lora: LoRAConfig | None) -> ServedLoRA | None:
+        """model.lora's, where the servers are sent adapters (None: no LoRA, or merged weights sent)."""
+        if lora is None or not lora.adapter_sync:
+            return None
+        return cls(lora.rank, served_modules(spec, lora))
 
 
 def server_args(
@@ -119,7 +138,7 @@ def server_args(
         args["enable-return-routed-experts"] = True
     if key is not None:
         args["admin-api-key"] = key
-    if launch.lora is not None and launch.lora.adapter_sync:
+    if launch.lora is not None:
         args.update(lora_args(cfg, launch.lora))
     # the one list of the launcher's options is config.SGLANG_LAUNCHER_ARGS (the config refuses them
     # in sglang_args, --help-config shows them): an option set here and not there is a bug
@@ -130,7 +149,7 @@ def server_args(
     return args
 
 
-def lora_args(cfg: RolloutConfig, lora: LoRAConfig) -> dict[str, Any]:
+def lora_args(cfg: RolloutConfig, lora: ServedLoRA) -> dict[str, Any]:
     """What a server needs to serve the adapters model.lora.sync=adapter sends it: LoRA on, their rank
     and target modules, and room for every version a request may still name (a request kept inside
     the engine across updates samples with the adapter it began with, for up to max_staleness
@@ -141,17 +160,10 @@ def lora_args(cfg: RolloutConfig, lora: LoRAConfig) -> dict[str, Any]:
     return {
         "enable-lora": True,
         "max-lora-rank": lora.rank,
-        "lora-target-modules": ["all"] if lora.target_modules == (ALL_LINEAR,) else _target_modules(lora),
+        "lora-target-modules": list(lora.target_modules),
         "max-loaded-loras": versions,
         "max-loras-per-batch": versions,
     }
-
-
-def _target_modules(lora: LoRAConfig) -> list[str]:
-    """The modules named, and with model.lora.experts the routed experts' (SGLang gives a MoE layer's
-    experts adapters only when its targets hold both gate_up_proj and down_proj)."""
-    experts = ("gate_up_proj", "down_proj") if lora.experts else ()
-    return list(dict.fromkeys((*lora.target_modules, *experts)))
 
 
 def _gpus_per_node() -> int:

@@ -90,6 +90,12 @@ def layer_targets(spec: ModelSpec, lora: LoRAConfig, layer: int) -> tuple[Target
     return tuple(t for name, t in available.items() if name in lora.target_modules) + experts
 
 
+def served_modules(spec: ModelSpec, lora: LoRAConfig) -> tuple[str, ...]:
+    """The HF projection names of every adapted module (the experts': their fused gate_up_proj and
+    down_proj): the target modules an SGLang server is launched with for the adapters it is sent."""
+    return tuple(sorted({t.name for layer in range(spec.num_layers) for t in layer_targets(spec, lora, layer)}))
+
+
 def slots(spec: ModelSpec, layer: int, module: str, tp: int) -> Slots:
     """The layout of one TP rank's output of the column-parallel `module` of layer `layer` (of layer_targets;
     an expert's at its expert TP `tp`)."""

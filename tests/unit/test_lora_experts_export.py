@@ -142,7 +142,7 @@ def test_sglang_files_what_the_sync_sends_under_its_moe_buffers(exported, wheel,
 
     from bapo_megatron.common.hf_io import HFCheckpoint
     from bapo_megatron.config import load_config
-    from bapo_megatron.engines.sglang_launcher import lora_args
+    from bapo_megatron.engines.sglang_launcher import ServedLoRA, lora_args
     from bapo_megatron.models.lora import PEFT_CONFIG, peft_config
     from tests.unit.test_peft_sglang_loader import _sglang
 
@@ -155,7 +155,9 @@ def test_sglang_files_what_the_sync_sends_under_its_moe_buffers(exported, wheel,
     base = __import__("transformers").AutoConfig.from_pretrained(str(hf_dir))
     adapter = ns["LoRAAdapter"]("ours", config, base, None, None)
     adapter.initialize_weights_from_tensors(dict(torch.load(out / "trainer.pt")["sent"]))
-    server = ns["get_normalized_target_modules"](lora_args(cfg.rollout, lora)["lora-target-modules"])
+    server = ns["get_normalized_target_modules"](
+        lora_args(cfg.rollout, ServedLoRA.of(spec, lora))["lora-target-modules"]
+    )
     assert {"gate_up_proj", "down_proj"} <= server
     served = {}
     for i, layer in enumerate(adapter.layers):

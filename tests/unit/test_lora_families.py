@@ -219,3 +219,38 @@ def test_sglang_serves_what_adapter_sync_sends(arch, wheel, monkeypatch, tmp_pat
     merged = peft_config_of(spec, LoRAConfig(rank=4, sync="merged"), None)["target_modules"]
     extra = ns["get_normalized_target_modules"](merged) - targets
     assert extra == set(DELTA_RULE_INPUTS) and not extra & set(supported)
+
+
+LORA_FAMILIES = (
+    "qwen2",
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+)
+
+
+@pytest.mark.parametrize("arch", LORA_FAMILIES)
+def test_servers_are_launched_for_the_modules_the_adapters_hold(arch, wheel, monkeypatch):
+    """The server's --lora-target-modules under sync "adapter" (all-linear): the adapted projections by
+    name, never SGLang's "all" (it gives every linear it finds a buffer and fails on one it cannot
+    adapt: Qwen3-Next's in_proj_qkvz), normalised by SGLang 0.5.23's own function to the modules the
+    adapter's PEFT config names (and with model.lora.experts the experts' gate_up_proj and down_proj)."""
+    from bapo_megatron.config import RolloutConfig
+    from bapo_megatron.engines.sglang_launcher import ServedLoRA, lora_args
+    from tests.unit.test_peft_sglang_loader import _sglang
+
+    normalise = _sglang(wheel, monkeypatch)["get_normalized_target_modules"]
+    spec = tiny_spec(arch)
+    for lora in [LoRAConfig(rank=4)] + ([LoRAConfig(rank=4, experts=True)] if arch == "qwen3_moe" else []):
+        launched = lora_args(RolloutConfig(), ServedLoRA.of(spec, lora))["lora-target-modules"]
+        assert "all" not in launched and launched
+        sent = normalise(peft_config_of(spec, lora, None)["target_modules"])
+        experts = {"gate_up_proj", "down_proj"} if lora.experts else set()
+        assert normalise(launched) == sent | experts, (arch, launched)
+    assert ServedLoRA.of(spec, LoRAConfig(rank=4, sync="merged")) is None

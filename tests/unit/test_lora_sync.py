@@ -406,12 +406,15 @@ def test_sglang_servers_are_launched_to_serve_the_adapters_they_are_sent():
     parser reads them: tests/unit/test_sglang_launch_config.py); merged sync or no LoRA: none of
     them. A user cannot set them beside the launcher (they are its options)."""
     from bapo_megatron.config import load_config
-    from bapo_megatron.engines.sglang_launcher import Launch, server_args
+    from bapo_megatron.engines.sglang_launcher import Launch, ServedLoRA, server_args
     from bapo_megatron.errors import ConfigError
+    from bapo_megatron.models.spec import tiny_spec
+
+    spec = tiny_spec()
 
     base = ["rollout.engines.kind=sglang", "model.hf_path=/m", "rollout.max_staleness=3"]
     cfg = load_config(None, [*base, "model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]"])
-    args = server_args(cfg.rollout, Launch("/m", lora=cfg.model.lora), 0, None)
+    args = server_args(cfg.rollout, Launch("/m", lora=ServedLoRA.of(spec, cfg.model.lora)), 0, None)
     assert {k: args[k] for k in args if "lora" in k} == {
         "enable-lora": True,
         "max-lora-rank": 8,
@@ -420,10 +423,20 @@ def test_sglang_servers_are_launched_to_serve_the_adapters_they_are_sent():
         "max-loras-per-batch": 5,
     }
     every = load_config(None, [*base, "model.lora.rank=8"])
-    assert server_args(every.rollout, Launch("/m", lora=every.model.lora), 0, None)["lora-target-modules"] == ["all"]
+    launched = server_args(every.rollout, Launch("/m", lora=ServedLoRA.of(spec, every.model.lora)), 0, None)
+    assert launched["lora-target-modules"] == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
     for plain in ([*base, "model.lora.rank=8", "model.lora.sync=merged"], base):
         cfg = load_config(None, plain)
-        assert not any("lora" in k for k in server_args(cfg.rollout, Launch("/m", lora=cfg.model.lora), 0, None))
+        launch = Launch("/m", lora=ServedLoRA.of(spec, cfg.model.lora))
+        assert not any("lora" in k for k in server_args(cfg.rollout, launch, 0, None))
     with pytest.raises(ConfigError, match="max_lora_rank=4: is the launcher.s option .set from model.lora.rank"):
         load_config(None, [*base, "model.lora.rank=8", "rollout.engines.sglang_args={max_lora_rank: 4}"])
 

@@ -18,7 +18,7 @@ import yaml
 
 from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
 from bapo_megatron.config.lora import LoRAConfig
-from bapo_megatron.engines.sglang_launcher import Launch, server_args, sglang_servers
+from bapo_megatron.engines.sglang_launcher import Launch, ServedLoRA, server_args, sglang_servers
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.trainer.memory.estimate import rollout_mem_fraction
@@ -60,7 +60,7 @@ def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse,
     bad.write_text(yaml.safe_dump({"model-path": "/m", "max-running-requests": "None"}))
     refused = tmp_path / "deprecated.yaml"
     refused.write_text(yaml.safe_dump({"model-path": "/m", "disable-cuda-graph": True}))
-    adapters = LoRAConfig(rank=8, target_modules=("q_proj", "v_proj"))  # model.lora.sync=adapter's options
+    adapters = ServedLoRA(8, ("q_proj", "v_proj"))  # model.lora.sync=adapter's options
     (tmp_path / "lora").mkdir()
     with_lora = Launch("/models/qwen", "7", 3, fraction, lora=adapters)
     sglang_servers(cfg, with_lora, tmp_path / "lora")
@@ -128,7 +128,9 @@ def test_the_launcher_sets_exactly_the_options_the_config_lists():
             "rollout.engines.dtype=float32",
         ],
     ).rollout
-    args = server_args(cfg, Launch("/models/m", routed_experts=True, lora=LoRAConfig(rank=4)), 0, "k" * 32)
+    args = server_args(
+        cfg, Launch("/models/m", routed_experts=True, lora=ServedLoRA.of(tiny_spec(), LoRAConfig(rank=4))), 0, "k" * 32
+    )
     assert set(args) - {"attention-backend"} == set(SGLANG_LAUNCHER_ARGS) - {"api-key"}
     plain = server_args(load_config(None, ["rollout.engines.kind=sglang"]).rollout, Launch("/models/m"), 0, None)
     assert "dtype" not in plain and "enable-return-routed-experts" not in plain  # auto: SGLang's own default
