@@ -280,6 +280,11 @@ class Family(ABC):
         `layer` that lora_targets names (the whole layer's; Layout.rank: a TP rank's)."""
         raise NotImplementedError(f"{self.name} has no LoRA targets")
 
+    peft_reads_mlp_as_experts: ClassVar[bool] = False
+    """Whether peft 0.21 on transformers 5 takes this family's gate_proj / up_proj / down_proj targets
+    for its routed experts' fused tensors (its weight conversion): a dense layer's MLP adapter is then
+    not loaded from a PEFT adapter directory (weights/peft_export.py refuses to write one)."""
+
     lora_experts: ClassVar[bool] = False
     """Whether LoRA adapts its routed experts (model.lora.experts; models/lora_experts.py): its HF experts
     are transformers 5's fused gate_up_proj / down_proj tensors, as PEFT and SGLang read them."""

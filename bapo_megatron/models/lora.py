@@ -96,6 +96,20 @@ def served_modules(spec: ModelSpec, lora: LoRAConfig) -> tuple[str, ...]:
     return tuple(sorted({t.name for layer in range(spec.num_layers) for t in layer_targets(spec, lora, layer)}))
 
 
+def peft_unloadable(spec: ModelSpec, lora: LoRAConfig) -> list[str]:
+    """The adapted dense-layer MLP modules peft would not load from a PEFT adapter directory (the
+    family's Family.peft_reads_mlp_as_experts: a Qwen3-MoE with dense layers, mlp_only_layers)."""
+    if spec.moe is None or not family_of(spec).peft_reads_mlp_as_experts:
+        return []
+    return [
+        f"model.layers.{layer}.{t.hf_module}"
+        for layer in range(spec.num_layers)
+        if not spec.moe.is_sparse(layer)
+        for t in layer_targets(spec, lora, layer)
+        if t.hf_module.startswith("mlp.")
+    ]
+
+
 def slots(spec: ModelSpec, layer: int, module: str, tp: int) -> Slots:
     """The layout of one TP rank's output of the column-parallel `module` of layer `layer` (of layer_targets;
     an expert's at its expert TP `tp`)."""

@@ -23,6 +23,7 @@ class Qwen3Moe(RoutedExperts, Qwen3):
     name = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
     lora_experts = True
+    peft_reads_mlp_as_experts = True
 
     def refuse(self, hf: dict) -> None:
         super().refuse(hf)

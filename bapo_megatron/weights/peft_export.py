@@ -10,7 +10,14 @@ import json
 from pathlib import Path
 
 from bapo_megatron.fsutil import atomic_directory
-from bapo_megatron.models.lora import PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, adapter_names, peft_config
+from bapo_megatron.models.lora import (
+    PEFT_CONFIG,
+    PEFT_PREFIX,
+    PEFT_WEIGHTS,
+    adapter_names,
+    peft_config,
+    peft_unloadable,
+)
 from bapo_megatron.models.lora_experts import peft_stacked
 from bapo_megatron.models.on_disk import CANONICAL_PREFIX, DiskLayout
 from bapo_megatron.trainer.checkpoint import weights_dir
@@ -21,13 +28,22 @@ from bapo_megatron.weights.mcore_io import McoreCheckpoint
 def write_peft_adapter(mcore_dir: str | Path, out: str | Path, base: str | None = None) -> Path:
     """The adapters of `mcore_dir` (a LoRA run's step, or its checkpoint.dir: the step a resume would
     load) as a PEFT adapter directory `out`; `base`: the base model it names (default: the run's
-    model.hf_path). ValueError for a checkpoint without adapters."""
+    model.hf_path). ValueError for a checkpoint without adapters, or with adapters peft would not
+    load (models/lora.peft_unloadable)."""
     from safetensors.torch import save_file
 
     source = McoreCheckpoint(weights_dir(mcore_dir))
     lora, spec = source.lora, source.spec
     if lora is None:
         raise ValueError(f"{source.dir}: holds no LoRA adapters (not a model.lora run's checkpoint)")
+    unloadable = peft_unloadable(spec, lora)
+    if unloadable:
+        raise ValueError(
+            f"{source.dir}: peft 0.21 on transformers 5 reads {spec.architecture}'s gate_proj / up_proj / "
+            f"down_proj as its routed experts', so the adapters of its dense layers' MLPs ({unloadable[0]}, "
+            f"{len(unloadable)} in all) would not be loaded from a PEFT adapter: write the merged model "
+            "(mcore-to-hf --out) instead, or train without MLP targets (model.lora.target_modules)"
+        )
     names = adapter_names(spec, lora)
     tensors = {}
     for layer in range(spec.num_layers):

@@ -151,3 +151,17 @@ def test_the_activation_estimate_counts_each_routed_tokens_expert_adapters():
         spec, LoRAConfig(rank=4, target_modules=ATTENTION, experts=True), parallel, 1, 2, False
     )
     assert with_experts - without == spec.moe.top_k * 2 * 4 * 2
+
+
+def test_a_dense_layers_mlp_adapter_that_peft_would_not_load_is_named():
+    """peft 0.21 on transformers 5 reads Qwen3-MoE's gate_proj / up_proj / down_proj as its experts':
+    the tiny model's dense first layer's MLP adapters are named (the PEFT export refuses them); the
+    attention's, a dense family's and the routed experts' are not."""
+    from bapo_megatron.models.lora import peft_unloadable
+
+    spec = tiny_spec("qwen3_moe")
+    assert not spec.moe.is_sparse(0) and all(spec.moe.is_sparse(i) for i in range(1, spec.num_layers))
+    named = peft_unloadable(spec, LoRAConfig(rank=4))
+    assert named == [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    assert peft_unloadable(spec, LoRAConfig(rank=4, target_modules=("q_proj", "o_proj"), experts=True)) == []
+    assert peft_unloadable(tiny_spec("qwen3"), LoRAConfig(rank=4)) == []
