@@ -132,20 +132,37 @@ def new_rows(rows: int, seq: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def fill_sample(rows: dict[str, torch.Tensor], row: int, start: int, s: Sample, advantage: float) -> None:
-    """Write sample `s` into `rows` at [row, start:]: its tokens, and at the positions that predict
-    its response tokens their targets, mask, behaviour log-probs, advantage and versions."""
-    tokens = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-    p, r, n = len(s.prompt_ids), len(s.response_ids), len(tokens)
-    rows["input_ids"][row, start : start + n] = tokens
-    rows["token_mask"][row, start : start + n] = True
-    rows["targets"][row, start : start + n - 1] = tokens[1:]
-    span = slice(start + p - 1, start + p - 1 + r)  # position p-1 predicts the first response token
-    mask = torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * r, dtype=torch.float32)
-    rows["loss_mask"][row, span] = mask
-    rows["old_logprobs"][row, span] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32) * (mask != 0)
-    rows["advantages"][row, span] = advantage * (mask != 0)
-    rows["versions"][row, span] = torch.tensor(s.versions, dtype=torch.long)
+def fill_samples(rows: dict[str, torch.Tensor], placed: list[tuple[int, int, Sample, float]]) -> None:
+    """Write each (row, start, sample, advantage) of `placed` into `rows` at [row, start:]: its
+    tokens, and at the positions that predict its response tokens their targets, mask, behaviour
+    log-probs, advantage and versions. One indexed write per tensor for all the samples: a write per
+    sample and tensor cost the demo's step ~30 ms of CPU (2,000 small ops for 256 samples)."""
+    seq = rows["input_ids"].shape[1]
+    at, tokens, target_at, targets, span, mask, behaviour, advantages, versions = ([] for _ in range(9))
+    for row, start, s, advantage in placed:
+        ids, p, r = s.prompt_ids + s.response_ids, len(s.prompt_ids), len(s.response_ids)
+        assert start + len(ids) <= seq, (row, start, len(ids), seq)  # else it would spill into the next row
+        first = row * seq + start
+        at += range(first, first + len(ids))
+        tokens += ids
+        target_at += range(first, first + len(ids) - 1)
+        targets += ids[1:]
+        span += range(first + p - 1, first + p - 1 + r)  # position p-1 predicts the first response token
+        mask += s.loss_mask if s.loss_mask is not None else [1] * r
+        behaviour += s.behaviour_logprobs
+        advantages += [advantage] * r
+        versions += s.versions
+    flat = {name: t.view(-1) for name, t in rows.items()}
+    at_index, span_index = torch.tensor(at, dtype=torch.long), torch.tensor(span, dtype=torch.long)
+    flat["input_ids"][at_index] = torch.tensor(tokens, dtype=torch.long)
+    flat["token_mask"][at_index] = True
+    flat["targets"][torch.tensor(target_at, dtype=torch.long)] = torch.tensor(targets, dtype=torch.long)
+    counted_mask = torch.tensor(mask, dtype=torch.float32)
+    counted = counted_mask != 0
+    flat["loss_mask"][span_index] = counted_mask
+    flat["old_logprobs"][span_index] = torch.tensor(behaviour, dtype=torch.float32) * counted
+    flat["advantages"][span_index] = torch.tensor(advantages, dtype=torch.float32) * counted
+    flat["versions"][span_index] = torch.tensor(versions, dtype=torch.long)
 
 
 def pad_microbatch(
@@ -166,8 +183,7 @@ def pad_microbatch(
             raise ValueError(f"shape {shape} is smaller than the micro-batch's ({b}, {seq})")
         b, seq = shape
     rows = new_rows(b, seq, pad_id)
-    for row, (i, s) in enumerate(zip(indices, chosen, strict=True)):
-        fill_sample(rows, row, 0, s, advantages[i])
+    fill_samples(rows, [(row, 0, s, advantages[i]) for row, (i, s) in enumerate(zip(indices, chosen, strict=True))])
     routes, route_mask = place_routes(chosen, b, seq)
     return MicroBatch(
         **rows,

@@ -37,7 +37,7 @@ from bapo_megatron.trainer.microbatch import (
     MicroBatch,
     check_fits,
     counted_tokens,
-    fill_sample,
+    fill_samples,
     new_rows,
     pad_microbatch,
     place_routes,
@@ -135,9 +135,9 @@ def pack_row(
         raise ValueError(f"{used} tokens of samples do not fit a packed row of {length}")
     rows = new_rows(1, length, pad_id)
     bounds = [0]
-    for i, s in zip(indices, chosen, strict=True):
-        fill_sample(rows, 0, bounds[-1], s, advantages[i])
+    for s in chosen:
         bounds.append(bounds[-1] + s.length)
+    fill_samples(rows, [(0, bounds[k], s, advantages[i]) for k, (i, s) in enumerate(zip(indices, chosen, strict=True))])
     if used < length:
         bounds.append(length)  # the tail: a segment of padding
     starts = torch.tensor(bounds[:-1]).repeat_interleave(torch.tensor(bounds).diff())

@@ -277,8 +277,9 @@ def local_activation_bytes(
     per token and, unless core attention is recomputed, its attention probabilities (one
     local_score_bytes) and its causal mask (one byte per [tokens, tokens] entry); a layer under full
     recompute keeps its input only. The peak is that of the phase that needs the most beside them:
-      - the loss's backward: the logits, their gradient and the log-prob temporaries
-        (logits.LIVE_TEMPORARIES float32 [tokens, vocab / TP], within model.logprob_memory_mb);
+      - the loss's backward: the logits, their gradient and the op-by-op log-prob kernels'
+        temporaries (logprobs.EAGER_TEMPORARIES float32 [tokens, the slice's real-vocabulary
+        columns]: they slice the padding off; within model.logprob_memory_mb);
       - the core attention's backward of the last layer keeping its activations: three score-sized
         tensors more (the gradients of the probabilities and of the scores, and the copies autograd
         makes for the scores' in-place masking, a view; the layer's probabilities are freed by
@@ -288,7 +289,7 @@ def local_activation_bytes(
     Plus Megatron's global memory buffer, which the scores are computed into: one score tensor, kept
     from one step to the next; and the micro-batches a pipeline rank holds beside the running one
     (micro_batches_in_flight), each with all it keeps."""
-    from bapo_megatron.trainer.logprobs import LIVE_TEMPORARIES
+    from bapo_megatron.trainer.logprobs import EAGER_TEMPORARIES
 
     layers = stage_layers(spec.num_layers, parallel.pipeline, stage, parallel.virtual_pipeline)
     rerun = set(recomputed_layers(spec, parallel, stage))
@@ -309,8 +310,10 @@ def local_activation_bytes(
         )
         phases.append(inputs + rebuilt)
     if stage == parallel.pipeline - 1:
-        logits = tokens * padded_vocab(spec, model, parallel) // parallel.tensor
-        temporaries = min(model.logprob_memory_mb << 20, LIVE_TEMPORARIES * 4 * logits)
+        v_local = padded_vocab(spec, model, parallel) // parallel.tensor
+        logits = tokens * v_local
+        columns = min(v_local, spec.vocab_size)  # TP rank 0's: no slice holds more real columns
+        temporaries = min(model.logprob_memory_mb << 20, EAGER_TEMPORARIES * 4 * tokens * columns)
         phases.append(kept + 2 * PARAM_BYTES[model.precision] * logits + temporaries)  # logits, their gradient
     in_flight = micro_batches_in_flight(parallel, stage) - 1  # beside the running one
     return int(in_flight * kept) + max(phases) + score
