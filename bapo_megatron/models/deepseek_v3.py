@@ -52,6 +52,7 @@ SGLANG_PRE_SPLIT = (
 class DeepseekV3(RoutedExperts, LatentAttention):
     name = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
+    lora_experts = True  # the routed experts only: the shared experts and dense MLPs stay unadapted
 
     # -- config.json
     def refuse(self, hf: dict) -> None:

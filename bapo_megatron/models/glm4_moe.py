@@ -28,6 +28,7 @@ class Glm4Moe(RoutedExperts, Decoder):
     name = "glm4_moe"
     architectures = ("Glm4MoeForCausalLM",)
     qkv_bias = True
+    lora_experts = True
 
     # -- config.json
     def refuse(self, hf: dict) -> None:

@@ -4,9 +4,11 @@ their names in Megatron, in SGLang's per-expert keys and in PEFT's stacked layou
 Megatron's local spec runs a rank's experts one after another (SequentialMLP): each an MLP whose
 linear_fc1 ([gate; up]) and linear_fc2 are column- and row-parallel over the expert TP group, of size
 1 here (an expert is never split: trainer/megatron_config.py), its experts placed over EP. Every
-expert gets two adapters, as PEFT adapts transformers 5's fused expert tensors (Qwen3MoeExperts'
-gate_up_proj [E, 2w, d] and down_proj [E, d, w], by `target_parameters`: one rank-r adapter an
-expert and tensor):
+expert gets two adapters, as PEFT adapts transformers 5's fused expert tensors (gate_up_proj [E, 2w, d]
+and down_proj [E, d, w], by `target_parameters`: one rank-r adapter an expert and tensor). Qwen3-MoE,
+Qwen3.5-MoE, GLM-4.5 and DeepSeek-V3 lay their experts out so (Family.lora_experts; a shared expert
+or dense MLP beside them is no `mlp.experts.` tensor); a family laid out otherwise (gpt-oss: [E, d, 2w],
+gate and up interleaved) is refused by name. An expert's two adapters:
   - gate_up_proj beside its linear_fc1: A [r, d], B [2w, r] writing gate and up rows together;
   - down_proj beside its linear_fc2: A [r, w], B [d, r].
 Their names:
@@ -76,10 +78,13 @@ def check_experts(spec: ModelSpec, lora: LoRAConfig, adapts_experts: bool, group
     if spec.moe is None:
         raise ConfigError("model.lora.experts", True, f"{spec.architecture} has no routed experts")
     if not adapts_experts:
+        from bapo_megatron.models import FAMILIES  # the registry imports every family: asked here, not at import
+
+        built = ", ".join(sorted(f.name for f in FAMILIES.values() if f.lora_experts))
         raise ConfigError(
             "model.lora.experts",
             True,
-            f"LoRA on the routed experts of {spec.architecture} is not built yet (built for qwen3_moe); "
+            f"LoRA on the routed experts of {spec.architecture} is not built yet (built for {built}); "
             "leave it false (attention, dense MLPs and shared experts are adapted)",
         )
     if lora.dropout > 0:

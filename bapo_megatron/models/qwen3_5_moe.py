@@ -24,6 +24,7 @@ class Qwen3_5Moe(RoutedExperts, Qwen3_5):
     name = "qwen3_5_moe_text"
     architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
     shared_hf = "shared_expert"
+    lora_experts = True
     required = tuple(key for key in Qwen3_5.required if key != "intermediate_size")  # no dense layer, no width
 
     def refuse(self, hf: dict) -> None:

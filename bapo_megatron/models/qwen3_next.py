@@ -30,6 +30,7 @@ class Qwen3Next(Qwen3_5Moe):
     name = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
     required = REQUIRED  # its dense layers' width (mlp_only_layers, decoder_sparse_step)
+    lora_experts = False  # Qwen3.5-MoE's experts LoRA, not yet checked against PEFT and SGLang for this family
 
     # -- LoRA
     def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:

@@ -1,13 +1,16 @@
-"""LoRA on the routed experts (model.lora.experts) of the tiny Qwen3-MoE: Megatron's per-expert adapters
-against PEFT's on transformers 5's fused expert tensors, and expert parallel against one process.
+"""LoRA on the routed experts (model.lora.experts) of the tiny Qwen3-MoE, Qwen3.5-MoE, GLM-4.5 and
+DeepSeek-V3 (its shared experts and dense MLP unadapted):
+Megatron's per-expert adapters against PEFT's on transformers 5's fused expert tensors, and expert
+parallel against one process.
 
-One launch of two processes (gloo, CPU). At EP 1 each process checks that fresh adapters leave the
-logits bit for bit the base's and that, with the same random adapters (attention and every expert's
-gate_up_proj and down_proj; PEFT's stacked on its ParamWrapper), PEFT's logits and A and B gradients
-agree (1e-5). Then one Adam step through Megatron's DDP, optimizer and schedule at EP 1 (the two
-processes data parallel with the same batch: one process's step), at EP 2 (each rank holds half the
-experts and their adapters) and at TP 2 with sequence parallel (experts whole, expert TP 1): the loss
-and every adapter's gradient and updated value agree within 1e-5, each adapter on the rank of its expert.
+One launch of two processes (gloo, CPU) holds every family. At EP 1 each process checks that fresh
+adapters leave the logits bit for bit the base's and that, with the same random adapters (the family's
+targets and every expert's gate_up_proj and down_proj; PEFT's stacked on its ParamWrapper), PEFT's
+logits and A and B gradients agree (1e-5). Then one Adam step through Megatron's DDP, optimizer and
+schedule at EP 1 (the two processes data parallel with the same batch: one process's step) and at EP 2
+(each rank holds half the experts and their adapters), and for Qwen3-MoE at TP 2 with sequence parallel
+(experts whole, expert TP 1): the loss and every adapter's gradient and updated value agree within
+1e-5, each adapter on the rank of its expert.
 """
 
 import dataclasses
@@ -20,18 +23,26 @@ from tests.dist.test_lora_layouts import MICRO_BATCHES, SEQ, _base, _close, _for
 
 RANK, ALPHA = 4, 8.0
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+FAMILIES = {
+    "qwen3_moe": (ATTENTION, ((1, 2), (2, 1))),
+    # gated attention, the delta rule's output and the shared expert beside the routed experts
+    "qwen3_5_moe_text": (("q_proj", "o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"), ((1, 2),)),
+    "glm4_moe": (ATTENTION, ((1, 2),)),
+    "deepseek_v3": (("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj"), ((1, 2),)),
+}
+"""Each family: its target modules beside the experts, and the (TP, EP) layouts stepped against EP 1."""
 
 
-def _spec():
+def _spec(arch: str):
     from bapo_megatron.models.spec import tiny_spec
 
-    return dataclasses.replace(tiny_spec("qwen3_moe"), tie_embeddings=False)
+    return dataclasses.replace(tiny_spec(arch), tie_embeddings=False)
 
 
-def _lora():
+def _lora(arch: str):
     from bapo_megatron.config.lora import LoRAConfig
 
-    return LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=ATTENTION, experts=True)
+    return LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=FAMILIES[arch][0], experts=True)
 
 
 def _setup(tp: int, ep: int):
@@ -103,13 +114,12 @@ def _peft_model(hf_dir: Path, spec, lora, whole: dict[str, torch.Tensor]):
     return model, params
 
 
-def _check_against_peft(hf_dir: Path) -> None:
+def _check_against_peft(hf_dir: Path, arch: str) -> None:
     from bapo_megatron.models.lora import adapter_names
     from bapo_megatron.models.lora_experts import peft_stacked
     from bapo_megatron.trainer.lora import adapter_parameters, apply_lora
 
-    _setup(1, 1)
-    spec, lora = _spec(), _lora()
+    spec, lora = _spec(arch), _lora(arch)
     gpt = _base(hf_dir, _setup(1, 1)).eval()
     ids = _tokens(spec)[:, :SEQ]
     positions = torch.arange(SEQ).expand_as(ids)
@@ -140,7 +150,7 @@ def _check_against_peft(hf_dir: Path) -> None:
         assert gap <= 1e-5, f"{name}: gradient differs from PEFT's by {gap:.2e}"
 
 
-def _step(hf_dir: Path, whole: dict[str, torch.Tensor], tp: int, ep: int) -> dict:
+def _step(hf_dir: Path, arch: str, whole: dict[str, torch.Tensor], tp: int, ep: int) -> dict:
     """One Adam step of the adapters at TP `tp` x EP `ep`: the loss, and by global name each adapter's
     gradient and updated value (this rank's: its part, its experts)."""
     from megatron.core import parallel_state as ps
@@ -152,9 +162,9 @@ def _step(hf_dir: Path, whole: dict[str, torch.Tensor], tp: int, ep: int) -> dic
     from bapo_megatron.trainer.lora import adapter_parameters, apply_lora
 
     cfg = _setup(tp, ep)
-    spec = _spec()
+    spec = _spec(arch)
     gpt = _base(hf_dir, cfg)
-    apply_lora(gpt, spec, _lora())
+    apply_lora(gpt, spec, _lora(arch))
     _set_adapters(gpt, whole)
     ddp = DistributedDataParallel(config=gpt.config, ddp_config=mc.ddp_config(cfg.model), module=gpt)
     optimizer = get_megatron_optimizer(mc.optimizer_config(cfg.optimizer, cfg.model), [ddp])
@@ -189,25 +199,31 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, root: str) -> None:
-    hf_dir = Path(root)
-    _check_against_peft(hf_dir)
-    whole = _random_adapters(_spec(), _lora())
-    want = _step(hf_dir, whole, 1, 1)
+    for arch in FAMILIES:
+        _check_family(Path(root) / arch, arch)
+
+
+def _check_family(hf_dir: Path, arch: str) -> None:
+    _check_against_peft(hf_dir, arch)
+    whole = _random_adapters(_spec(arch), _lora(arch))
+    want = _step(hf_dir, arch, whole, 1, 1)
     assert any(not torch.equal(want["values"][n], whole[n]) for n in want["values"] if ".experts." in n)
-    for tp, ep in ((1, 2), (2, 1)):
-        got = _step(hf_dir, whole, tp, ep)
+    for tp, ep in FAMILIES[arch][1]:
+        got = _step(hf_dir, arch, whole, tp, ep)
         experts = {n for n in got["values"] if ".mlp.experts." in n}
         assert len(experts) == len({n for n in want["values"] if ".mlp.experts." in n}) // ep, "each rank its experts'"
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (tp, ep, got["loss"], want["loss"])
         for key, part in got["part"].items():
             for what in ("grads", "values"):
                 gap = _close(got[what][key], part(want[what][key]))
-                assert gap <= 1e-5, f"tp {tp} ep {ep} {key}: {what} differ from one process's by {gap:.2e}"
+                assert gap <= 1e-5, f"{arch} tp {tp} ep {ep} {key}: {what} differ from one process's by {gap:.2e}"
 
 
 def test_expert_lora_against_peft_and_expert_parallel(tmp_path):
     from tests.families import random_hf_model, save_hf_model
 
-    spec = _spec()
-    save_hf_model(random_hf_model(spec), spec, tmp_path)
+    for arch in FAMILIES:
+        spec = _spec(arch)
+        (tmp_path / arch).mkdir()
+        save_hf_model(random_hf_model(spec), spec, tmp_path / arch)
     run_workers(_worker, 2, str(tmp_path))

@@ -40,7 +40,7 @@ def test_unknown_targets_are_refused_naming_the_valid_ones():
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules=\['qkv_proj'\].*'q_proj'.*'down_proj'"):
         check_targets(tiny_spec("qwen2"), LoRAConfig(rank=4, target_modules=("q_proj", "qkv_proj")))
     with pytest.raises(ConfigError, match=r"model\.lora\.experts.*not built"):
-        check_targets(tiny_spec("glm4_moe"), LoRAConfig(rank=4, experts=True))
+        check_targets(tiny_spec("gpt_oss"), LoRAConfig(rank=4, experts=True))
 
 
 def test_a_moe_model_adapts_attention_and_its_dense_layers_only():

@@ -1,5 +1,6 @@
 """LoRA on the routed experts (model.lora.experts, models/lora_experts.py): the adapters' names, shapes
-and counts against PEFT's on transformers 5's Qwen3-MoE (its fused expert tensors, target_parameters),
+and counts against PEFT's on transformers 5's Qwen3-MoE, Qwen3.5-MoE, GLM-4.5 and DeepSeek-V3 (their fused expert
+tensors, gate_up_proj [E, 2w, d] and down_proj [E, d, w] alike, by target_parameters),
 the merge against PEFT's merge_and_unload, the parameter count per expert-parallel rank, and the
 refusals by name. Megatron's layers against PEFT and EP 2: tests/dist/test_lora_experts.py."""
 
@@ -13,15 +14,23 @@ from bapo_megatron.models.lora_experts import check_experts, peft_stacked, per_p
 from bapo_megatron.models.spec import tiny_spec
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGETS = {
+    "qwen3_moe": ATTENTION,
+    # gated attention, the delta rule's output and the shared expert beside the routed experts
+    "qwen3_5_moe_text": ("q_proj", "o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": ATTENTION,
+    "deepseek_v3": ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj"),  # its latent attention
+}
+"""Each family whose routed experts LoRA adapts, with the modules adapted beside them."""
 
 
-@pytest.fixture(scope="module")
-def moe():
-    """The tiny Qwen3-MoE's spec and a random transformers model of it."""
+@pytest.fixture(scope="module", params=list(TARGETS))
+def moe(request):
+    """A tiny MoE family's spec, a random transformers model of it and its target modules."""
     from tests.families import random_hf_model
 
-    spec = tiny_spec("qwen3_moe")
-    return spec, random_hf_model(spec)
+    spec = tiny_spec(request.param)
+    return spec, random_hf_model(spec), TARGETS[request.param]
 
 
 def _peft(model, spec, lora):
@@ -43,8 +52,8 @@ def test_names_shapes_and_counts_are_pefts(moe):
     """Per expert our names are SGLang's keys; stacked (peft_stacked), they are PEFT's on the fused tensors.
     (Attention and experts: PEFT 0.21 on transformers 5 takes any gate_proj/up_proj/down_proj module of a
     Qwen3-MoE model, a dense layer's too, for the v4 experts' and moves it to the fused tensors.)"""
-    spec, model = moe
-    lora = LoRAConfig(rank=4, target_modules=ATTENTION, experts=True)
+    spec, model, targets = moe
+    lora = LoRAConfig(rank=4, target_modules=targets, experts=True)
     names = adapter_names(spec, lora)
     experts = [n for n in names.values() if ".mlp.experts." in n]
     assert len(experts) == 2 * 2 * spec.moe.num_experts * len(spec.moe.sparse_layers)
@@ -74,8 +83,8 @@ def test_the_stacked_layout_is_pefts_delta_per_expert(moe):
     from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
     from tests.families import hf_state
 
-    spec, model = moe
-    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "o_proj"), experts=True, sync="merged")
+    spec, model, targets = moe
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=targets, experts=True, sync="merged")
     names = adapter_names(spec, lora)
     g = torch.Generator().manual_seed(1)
     adapters = {}
@@ -99,7 +108,7 @@ def test_the_stacked_layout_is_pefts_delta_per_expert(moe):
     mg = {**hf_to_megatron(spec, hf, spec.vocab_size, "local"), **adapters}
     merged = megatron_to_hf(spec, merge_adapters(spec, mg, lora.alpha / lora.rank), "local")
     changed = {k for k in merged if not torch.equal(merged[k], hf[k])}
-    assert any(".mlp.experts." in k for k in changed) and any("q_proj" in k for k in changed)
+    assert any(".mlp.experts." in k for k in changed) and any(".self_attn." in k for k in changed)
     for k in merged:
         torch.testing.assert_close(merged[k], reference[k], rtol=1e-6, atol=1e-6, msg=k)
     found = {}  # the merge of an adapters-alone checkpoint onto a base on disk (weights/lora_merge.py)
@@ -113,14 +122,13 @@ def test_the_stacked_layout_is_pefts_delta_per_expert(moe):
         torch.testing.assert_close(hf[w] + 2.0 * b @ a, reference[w], rtol=1e-6, atol=1e-6, msg=w)
 
 
-def test_an_expert_parallel_rank_holds_its_experts_adapters():
-    spec = tiny_spec("qwen3_moe")
-    lora = LoRAConfig(rank=4, target_modules=ATTENTION, experts=True)
+@pytest.mark.parametrize("arch", list(TARGETS))
+def test_an_expert_parallel_rank_holds_its_experts_adapters(arch):
+    spec, beside = tiny_spec(arch), LoRAConfig(rank=4, target_modules=TARGETS[arch])
+    lora = LoRAConfig(rank=4, target_modules=TARGETS[arch], experts=True)
     layers = list(range(spec.num_layers))
-    attention = adapter_params(spec, LoRAConfig(rank=4, target_modules=ATTENTION), layers, 2)
-    experts = adapter_params(spec, lora, layers, 1) - adapter_params(
-        spec, LoRAConfig(rank=4, target_modules=ATTENTION), layers, 1
-    )
+    attention = adapter_params(spec, beside, layers, 2)
+    experts = adapter_params(spec, lora, layers, 1) - adapter_params(spec, beside, layers, 1)
     per_expert = 4 * (spec.hidden_size + 2 * spec.moe.ffn_hidden_size) + 4 * (
         spec.moe.ffn_hidden_size + spec.hidden_size
     )
@@ -129,15 +137,18 @@ def test_an_expert_parallel_rank_holds_its_experts_adapters():
 
 
 def test_what_is_not_built_is_refused_by_name():
-    with pytest.raises(ConfigError, match=r"model\.lora\.experts.*qwen3_5_moe_text.*not built"):
-        check_targets(tiny_spec("qwen3_5_moe_text"), LoRAConfig(rank=4, experts=True))
+    built = r"built for deepseek_v3, glm4_moe, qwen3_5_moe_text, qwen3_moe\)"
+    for arch in ("gpt_oss", "qwen3_next"):
+        with pytest.raises(ConfigError, match=rf"model\.lora\.experts.*{arch} is not built.*{built}"):
+            check_targets(tiny_spec(arch), LoRAConfig(rank=4, target_modules=("o_proj",), experts=True))
     with pytest.raises(ConfigError, match=r"model\.lora\.experts.*qwen3.*no routed experts"):
         check_targets(tiny_spec("qwen3"), LoRAConfig(rank=4, experts=True))
     with pytest.raises(ConfigError, match=r"model\.lora\.dropout=0\.1.*PEFT"):
         check_targets(tiny_spec("qwen3_moe"), LoRAConfig(rank=4, dropout=0.1, experts=True))
     with pytest.raises(ConfigError, match=r"model\.moe\.grouped_gemm.*false"):
         check_experts(tiny_spec("qwen3_moe"), LoRAConfig(rank=4, experts=True), True, grouped=True)
-    check_targets(tiny_spec("qwen3_moe"), LoRAConfig(rank=4, experts=True))
+    for arch, targets in TARGETS.items():
+        check_targets(tiny_spec(arch), LoRAConfig(rank=4, target_modules=targets, experts=True))
 
 
 def test_the_activation_estimate_counts_each_routed_tokens_expert_adapters():

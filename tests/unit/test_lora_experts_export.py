@@ -3,7 +3,8 @@ export (what the adapter sync sends, weights/export.py part "adapters") holds ev
 whole under SGLang's per-expert names; the checkpoint's PEFT adapter (weights/peft_export.py, the
 experts stacked as PEFT holds them) loads with peft onto transformers' Qwen3-MoE and gives the
 trainer's logits; SGLang 0.5.23's LoRA loader, from its wheel, files every sent tensor under its
-MoE buffers with their shapes."""
+MoE buffers with their shapes, for Qwen3-MoE and the other families whose experts LoRA adapts
+(Qwen3.5-MoE, GLM-4.5, DeepSeek-V3)."""
 
 from pathlib import Path
 
@@ -15,6 +16,14 @@ from tests.dist.launch import run_workers
 CASE = ("qwen3_moe", 2, False)
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.experts=true")
 TARGETS = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+WHEEL_TARGETS = {
+    "qwen3_moe": TARGETS,
+    # o_proj: a module whose SGLang buffer is the default's in each (Qwen3.5's gated q_proj is not)
+    "qwen3_5_moe_text": "model.lora.target_modules=[o_proj]",
+    "glm4_moe": "model.lora.target_modules=[o_proj]",
+    "deepseek_v3": "model.lora.target_modules=[q_b_proj]",  # its o_proj reads v_head_dim, not the default's
+}
+"""The families whose synced expert adapters SGLang's loader reads, with the modules adapted beside."""
 
 
 def _set_random_adapters(trainer, spec, lora) -> dict[str, torch.Tensor]:
@@ -132,7 +141,69 @@ def test_peft_loads_the_expert_adapters_with_the_trainers_logits(exported):
     assert gap <= 1e-5, f"logits differ from peft's by {gap:.2e}"
 
 
-def test_sglang_files_what_the_sync_sends_under_its_moe_buffers(exported, wheel, monkeypatch, tmp_path):
+@pytest.fixture(params=list(WHEEL_TARGETS))
+def synced(request, hf_model) -> tuple[Path, str, dict[str, torch.Tensor]]:
+    """(HF base, target overrides, what the adapter sync sends): Qwen3-MoE's from the trainer at EP 2
+    (exported); another family's random whole adapters under adapter_names' per-expert names, the
+    names its trainer's adapters export under (tests/dist/test_lora_experts.py checks them)."""
+    from bapo_megatron.common.hf_io import HFCheckpoint
+    from bapo_megatron.config import load_config
+    from bapo_megatron.models.lora import adapter_names, layer_targets, megatron_name
+    from bapo_megatron.models.spec import tiny_spec
+
+    arch, targets = request.param, WHEEL_TARGETS[request.param]
+    if arch == CASE[0]:
+        out, hf_dir = request.getfixturevalue("exported")
+        return hf_dir, targets, dict(torch.load(out / "trainer.pt")["sent"])
+    hf_dir = hf_model(f"lora-experts-{arch}", (arch, tiny_spec(arch).num_kv_heads, False))
+    spec, lora = HFCheckpoint(hf_dir).spec, load_config(None, [*LORA, targets]).model.lora
+    names, g, sent = adapter_names(spec, lora), torch.Generator().manual_seed(5), {}
+    for layer in range(spec.num_layers):
+        for t in layer_targets(spec, lora, layer):
+            sent[names[megatron_name(layer, t, "A")]] = 0.1 * torch.randn(lora.rank, t.in_features, generator=g)
+            sent[names[megatron_name(layer, t, "B")]] = 0.1 * torch.randn(t.out_features, lora.rank, generator=g)
+    return hf_dir, targets, sent
+
+
+def test_the_embedded_engine_serves_each_familys_expert_adapters_as_peft_does(synced):
+    """What the adapter sync sends, loaded by the embedded engine's ServedAdapters onto transformers'
+    model of each family: its logits are PEFT's with the same adapters (stacked as PEFT holds them)."""
+    from types import SimpleNamespace
+
+    import peft
+    import transformers
+
+    from bapo_megatron.common.hf_io import HFCheckpoint
+    from bapo_megatron.config import load_config
+    from bapo_megatron.engines.embedded.lora import TENSOR_SOURCE, ServedAdapters
+    from bapo_megatron.models.lora import peft_config
+    from bapo_megatron.models.lora_experts import peft_stacked
+
+    hf_dir, targets, sent = synced
+    spec, lora = HFCheckpoint(hf_dir).spec, load_config(None, [*LORA, targets]).model.lora
+    config = peft_config(spec, lora, str(hf_dir))
+
+    def base():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+
+    model, ids = base(), torch.randint(spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    served = ServedAdapters(model)
+    adapter = served.build("v1", config, sent.items(), TENSOR_SOURCE)
+    assert len(adapter.experts) == len(spec.moe.sparse_layers), "every routed layer's experts"
+    served.add(adapter)
+    kwargs = {k: v for k, v in config.items() if k not in ("peft_type", "base_model_name_or_path")}
+    theirs = peft.get_peft_model(base(), peft.LoraConfig(**kwargs)).eval()
+    peft.set_peft_model_state_dict(theirs, peft_stacked(spec, sent))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with served.rows([SimpleNamespace(lora_id=adapter.id)] * 2):
+            ours = model(input_ids=ids).logits
+        want = theirs(input_ids=ids).logits
+    gap = ((ours - want).abs().max() / want.abs().max()).item()
+    assert gap <= 1e-5 and (want - plain).abs().max() > 1e-3, f"the engine and peft differ by {gap:.2e}"
+
+
+def test_sglang_files_what_the_sync_sends_under_its_moe_buffers(synced, wheel, monkeypatch, tmp_path):
     """The adapter sync's tensors and config (peft_config) read by SGLang 0.5.23's LoRAAdapter from the
     wheel, against the targets our launcher gives the server (lora_args): every expert's tensor filed
     under its expert's `<module>_moe` buffer (it wraps a MoE layer only when its targets hold gate_up_proj
@@ -146,15 +217,15 @@ def test_sglang_files_what_the_sync_sends_under_its_moe_buffers(exported, wheel,
     from bapo_megatron.models.lora import PEFT_CONFIG, peft_config
     from tests.unit.test_peft_sglang_loader import _sglang
 
-    out, hf_dir = exported
+    hf_dir, targets, sent = synced
     ns = _sglang(wheel, monkeypatch)
-    cfg = load_config(None, [f"model.hf_path={hf_dir}", *LORA, TARGETS])
+    cfg = load_config(None, [f"model.hf_path={hf_dir}", *LORA, targets])
     spec, lora = HFCheckpoint(hf_dir).spec, cfg.model.lora
     (tmp_path / PEFT_CONFIG).write_text(json.dumps(peft_config(spec, lora, str(hf_dir))))
     config = ns["LoRAConfig"](str(tmp_path))
     base = __import__("transformers").AutoConfig.from_pretrained(str(hf_dir))
     adapter = ns["LoRAAdapter"]("ours", config, base, None, None)
-    adapter.initialize_weights_from_tensors(dict(torch.load(out / "trainer.pt")["sent"]))
+    adapter.initialize_weights_from_tensors(sent)
     server = ns["get_normalized_target_modules"](
         lora_args(cfg.rollout, ServedLoRA.of(spec, lora))["lora-target-modules"]
     )

@@ -112,8 +112,8 @@ def test_a_tp_rank_holds_in_proj_qkv_whole_and_the_rest_split():
 
 
 def test_routed_experts_are_refused_naming_the_family():
-    with pytest.raises(ConfigError, match=r"model\.lora\.experts.*qwen3_5_moe_text.*not built"):
-        check_targets(tiny_spec("qwen3_5_moe_text"), LoRAConfig(rank=4, experts=True))
+    with pytest.raises(ConfigError, match=r"model\.lora\.experts.*gpt_oss.*not built"):
+        check_targets(tiny_spec("gpt_oss"), LoRAConfig(rank=4, experts=True))
 
 
 def test_a_base_stored_part_by_part_is_merged_as_the_whole():

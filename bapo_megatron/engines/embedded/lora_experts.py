@@ -1,6 +1,7 @@
 """The embedded engine's LoRA adapters on the routed experts (model.lora.experts): transformers 5's fused
-experts (Qwen3MoeExperts: gate_up_proj [E, 2w, d], down_proj [E, d, w]) run a request's rows with
-W + scaling B A, as PEFT's ParamWrapper computes them (its target_parameters), the base weights untouched.
+experts (Qwen3-MoE's, Qwen3.5-MoE's, GLM-4.5's, DeepSeek-V3's: gate_up_proj [E, 2w, d], down_proj
+[E, d, w]) run a request's rows with W + scaling B A, as PEFT's ParamWrapper computes them (its
+target_parameters), the base weights untouched.
 
 The tensors are what the adapter sync sends, SGLang's per-expert keys
 (`base_model.model.model.layers.L.mlp.experts.E.gate_up_proj.lora_A.weight` [r, d], `lora_B` [2w, r];
