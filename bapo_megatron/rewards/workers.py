@@ -2,6 +2,7 @@
 
     workers = RewardWorkers("pkg.module:fn", workers=4, timeout_s=20, memory_mb=2048)
     scored = await workers(text, ids, record)   # Scored(value, error): error None, or why it failed
+    many = await workers.score([(text, ids, record), ...])  # the same calls, a pipe round trip a worker
     workers.close()                              # every worker process gone
 
 A reward function is the user's code: it may hang (a sympy check on a pathological answer), leak
@@ -12,9 +13,13 @@ with MemoryError and is replaced, a worker that exits mid-call is replaced.
 
 A worker is `python -m bapo_megatron.rewards.workers NAME MEMORY_MB FD`: plain processes,
 not multiprocessing's (no semaphores in /dev/shm, no resource tracker to outlive a killed driver).
-It reads calls from stdin (length-prefixed pickles from the driver) and answers one JSON line a
-call on FD, so that the user's prints go to the job's output and the driver never unpickles what
-a worker (running user code) wrote. A worker dies with the driver (PR_SET_PDEATHSIG, and a
+It reads calls from stdin (length-prefixed pickles from the driver, a list of calls each) and
+answers one JSON line a call on FD, in order, each call bounded alone (its time counts from the
+previous answer); a call that fails its worker fails alone and the calls after it go to a new
+worker, so many calls in one message end as they would one by one, for a pipe round trip (a
+step's 256 samples one by one cost the loop 0.1 s on two cores). Answers go to FD, not stdout, so
+that the user's prints go to the job's output and the driver never unpickles what a worker
+(running user code) wrote. A worker dies with the driver (PR_SET_PDEATHSIG, and a
 watchdog thread on its parent's pid for the case where the signal cannot be set).
 """
 
@@ -81,32 +86,43 @@ class RewardWorkers:
         return cls(name, config.workers, timeout_s=config.timeout_s, memory_mb=config.memory_mb, bounds=config.range)
 
     async def __call__(self, text: str, ids: list[int], meta: dict[str, Any]) -> Scored:
-        if self.inline:
-            result = Scored(*score(self.name, text, ids, meta, self.bounds))
-        else:
-            result = await self._remote(pickle.dumps((text, list(ids), meta), protocol=pickle.HIGHEST_PROTOCOL))
-        if result.error is not None:
-            self.failures += 1
-        return result
+        return (await self.score([(text, ids, meta)]))[0]
 
-    async def _remote(self, call: bytes) -> Scored:
+    async def score(self, calls: list[tuple[str, list[int], dict[str, Any]]]) -> list[Scored]:
+        """Each (text, ids, record) call's result, in order: as the calls one by one would end (each
+        bounded alone, a failed one failing alone), the workers taking a share each."""
+        if self.inline:
+            results = [Scored(*score(self.name, text, ids, meta, self.bounds)) for text, ids, meta in calls]
+        else:
+            calls = [(text, list(ids), meta) for text, ids, meta in calls]
+            size = -(-len(calls) // self.size)
+            shares = [calls[i : i + size] for i in range(0, len(calls), size)]
+            results = [r for share in await asyncio.gather(*map(self._remote, shares)) for r in share]
+        self.failures += sum(r.error is not None for r in results)
+        return results
+
+    async def _remote(self, calls: list[tuple]) -> list[Scored]:
         if self._free is None:
             self._free = asyncio.Semaphore(self.size)
             self._threads = concurrent.futures.ThreadPoolExecutor(self.size, thread_name_prefix="reward")
+        results: list[Scored] = []
         async with self._free:
-            worker = self._idle.popleft() if self._idle else self._start()
-            loop = asyncio.get_running_loop()
-            try:
-                result = await loop.run_in_executor(self._threads, worker.call, call, self.timeout_s)
-            except BaseException:  # cancelled mid-call (a run's end): the worker's state is unknown
-                self._retire(worker)
-                raise
-            if worker.alive:
-                self._idle.append(worker)
-            else:
-                self._retire(worker)
-                self.replaced += 1
-            return result
+            while len(results) < len(calls):  # a worker that failed a call leaves the rest to a new one
+                worker = self._idle.popleft() if self._idle else self._start()
+                loop = asyncio.get_running_loop()
+                try:
+                    results += await loop.run_in_executor(
+                        self._threads, worker.call, calls[len(results) :], self.timeout_s
+                    )
+                except BaseException:  # cancelled mid-call (a run's end): the worker's state is unknown
+                    self._retire(worker)
+                    raise
+                if worker.alive:
+                    self._idle.append(worker)
+                else:
+                    self._retire(worker)
+                    self.replaced += 1
+        return results
 
     def _start(self) -> _Worker:
         # Started on the event loop's thread, which lives as long as the driver: the worker's
@@ -283,21 +299,23 @@ class _Worker:
         self.busy = False  # a thread is in `call`: it closes the answers' pipe, not `release`
         self._lock = threading.Lock()
 
-    def call(self, request: bytes, timeout_s: float) -> Scored:
-        """One call's result; a worker that does not answer in time, or exits, or runs out of
-        memory is killed (`alive` False) and the call is a failed one."""
+    def call(self, calls: list[tuple], timeout_s: float) -> list[Scored]:
+        """The results of the first calls, up to and including the first that ends the worker (one that
+        does not answer in time, exits, or runs out of memory is killed, `alive` False, and that call
+        is a failed one): the calls after it are not made here."""
         self.busy = True
         try:
-            return self._call(request, timeout_s)
+            return self._calls(calls, timeout_s)
         except OSError as err:  # the pipe closed under us: the pool is closing
             self.kill()
-            return Scored(0.0, f"the reward's worker was stopped during the call ({err})")
+            return [Scored(0.0, f"the reward's worker was stopped during the call ({err})")]
         finally:
             self.busy = False
             if not self.alive:
                 self.release()
 
-    def _call(self, request: bytes, timeout_s: float) -> Scored:
+    def _calls(self, calls: list[tuple], timeout_s: float) -> list[Scored]:
+        request = pickle.dumps(calls, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             if not self.ready:
                 self._answer(START_TIMEOUT_S)  # {"ready": ...}: the reward imported
@@ -306,7 +324,14 @@ class _Worker:
             self.proc.stdin.flush()
         except (OSError, _Gone) as err:
             self.kill()
-            return Scored(0.0, f"the reward's worker did not start or died before the call ({self._exit(err)})")
+            return [Scored(0.0, f"the reward's worker did not start or died before the call ({self._exit(err)})")]
+        results: list[Scored] = []
+        while self.alive and len(results) < len(calls):
+            results.append(self._result(timeout_s))
+        return results
+
+    def _result(self, timeout_s: float) -> Scored:
+        """The next call's answer, within timeout_s."""
         try:
             answer = self._answer(timeout_s)
         except TimeoutError:
@@ -423,13 +448,13 @@ def worker_main(argv: list[str]) -> None:
         header = requests.read(4)
         if len(header) < 4:
             return  # the driver closed our stdin
-        text, ids, meta = pickle.loads(requests.read(struct.unpack(">I", header)[0]))
-        value, error = score(name, text, ids, meta, (low, high))
-        if error is not None and error.startswith("MemoryError"):  # what it allocated may still be held
-            answers.write(json.dumps({"value": 0.0, "error": f"{error} (over reward.memory_mb)", "exit": True}))
-            answers.write("\n")
-            os._exit(0)
-        answers.write(json.dumps({"value": value, "error": error}) + "\n")
+        for text, ids, meta in pickle.loads(requests.read(struct.unpack(">I", header)[0])):
+            value, error = score(name, text, ids, meta, (low, high))
+            if error is not None and error.startswith("MemoryError"):  # what it allocated may still be held
+                answers.write(json.dumps({"value": 0.0, "error": f"{error} (over reward.memory_mb)", "exit": True}))
+                answers.write("\n")
+                os._exit(0)
+            answers.write(json.dumps({"value": value, "error": error}) + "\n")
 
 
 if __name__ == "__main__":

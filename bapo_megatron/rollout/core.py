@@ -2,8 +2,10 @@
 
 `RolloutCore` sends a buffer request to the least-loaded live engine (the one holding a
 continued sample's prefix when it is alive), records each completion's tokens, log-probs and
-versions in the buffer as it arrives, and scores finished samples beside generation. The
-strategies (rollout/strategies.py) decide only when to send, when to stop and what to cut.
+versions in the buffer as it arrives, and scores finished samples beside generation (those that
+finish in one turn of the event loop in one reward call: a step's samples, all finishing at once,
+cost a message to the reward workers, not a task and a pipe round trip each). The strategies
+(rollout/strategies.py) decide only when to send, when to stop and what to cut.
 
 Faults: a request that fails with EngineUnavailable marks its engine dead (engines/pool.py) and
 is resubmitted elsewhere. One answered wrongly (BadAnswer: engines/client.py checks every answer
@@ -75,7 +77,8 @@ class RolloutCore:
         self.deterministic_seed = deterministic_seed
         self.running: dict[asyncio.Task, Flight] = {}
         self.cutting: dict[asyncio.Task, Flight] = {}  # being aborted: theirs to record, nobody else's
-        self.scoring: dict[asyncio.Task, SampleState] = {}
+        self.scoring: dict[asyncio.Task, list[SampleState]] = {}  # a reward call of these samples
+        self._to_score: list[SampleState] | None = None  # the call forming in this turn of the loop
         self.tokens = 0  # recorded so far (a step's count is a difference)
         self._attempt = 0
         self._home: dict[str, int] = {}  # sample uid -> the engine that generated its last tokens
@@ -92,7 +95,8 @@ class RolloutCore:
     def busy(self) -> frozenset[str]:
         """Samples being generated, aborted or scored now."""
         flights = [*self.running.values(), *self.cutting.values()]
-        return frozenset(f.request.sample.uid for f in flights) | frozenset(s.uid for s in self.scoring.values())
+        scored = frozenset(s.uid for samples in self.scoring.values() for s in samples)
+        return frozenset(f.request.sample.uid for f in flights) | scored
 
     def stale_flights(self, version: int) -> list[asyncio.Task]:
         """Requests whose tokens policy version `version` may no longer train on: sent by an older
@@ -154,7 +158,11 @@ class RolloutCore:
             self._score_later(flight.request.sample)
 
     def _score_later(self, sample: SampleState) -> None:
-        self.scoring[asyncio.create_task(self._score(sample))] = sample
+        """Score `sample` in the reward call that the samples finishing in this turn of the loop form."""
+        if self._to_score is None:
+            self._to_score = []
+            self.scoring[asyncio.create_task(self._score(self._to_score))] = self._to_score
+        self._to_score.append(sample)
 
     def _scored(self, task: asyncio.Task) -> None:
         if self.scoring.pop(task, None) is not None:  # (two waiters may see it done)
@@ -166,6 +174,7 @@ class RolloutCore:
         or launch_idle after a restore)."""
         tasks = list(self.scoring)
         self.scoring.clear()  # before they end: a waiter that sees them end must not take them as its own
+        self._to_score = None
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -266,12 +275,14 @@ class RolloutCore:
                 f"sample {uid}: the engine failed it {self._failures[uid]} times in a row, last: {completion.error}"
             )
 
-    async def _score(self, s: SampleState) -> None:
-        group = self.buffer.group_of(s)
-        response = list(s.response_ids)
-        scored = await self.reward(self.decode(response), response, group.meta)
-        if self.buffer.apply_reward(s, response, scored):
-            self._home.pop(s.uid, None)
+    async def _score(self, samples: list[SampleState]) -> None:
+        if self._to_score is samples:  # the turn that formed the call is over: later samples form another
+            self._to_score = None
+        responses = [list(s.response_ids) for s in samples]
+        calls = [(self.decode(r), r, self.buffer.group_of(s).meta) for s, r in zip(samples, responses, strict=True)]
+        for s, response, scored in zip(samples, responses, await self.reward.score(calls), strict=True):
+            if self.buffer.apply_reward(s, response, scored):
+                self._home.pop(s.uid, None)
 
     # -- a step's figures -----------------------------------------------------------------------
     def stats(self, start: float, tokens_before: int, reward_wait: float, rounds: int) -> dict[str, float]:

@@ -99,10 +99,13 @@ def save_sharded(
 ) -> None:
     """dist_checkpointing.save into `directory` through a fresh temporary sibling, renamed when
     complete, with `extra_files` (rank 0's: name -> text, bytes, or a StreamedFile) written beside it
-    and every file checksummed; `strategy`: a sharded save strategy other than Megatron's default
-    torch_dist one. Every rank raises when any part failed (rank 0's files: SaveFailed or DiskFull,
-    one message naming the file), and then nothing of the checkpoint is left."""
+    and every file checksummed; `strategy`: a sharded save strategy other than Megatron's torch_dist
+    one (whose small saves are written without forked writers: save_writers.py). Every rank raises
+    when any part failed (rank 0's files: SaveFailed or DiskFull, one message naming the file), and
+    then nothing of the checkpoint is left."""
     from megatron.core import dist_checkpointing
+
+    from bapo_megatron.trainer.save_writers import SmallSavesInProcess
 
     in_process_results_queue()
     forked_children_die_with_this_process()  # the writer processes Megatron forks for the save
@@ -115,7 +118,7 @@ def save_sharded(
         dist.broadcast_object_list(box, src=0)
     tmp = Path(box[0])
     try:
-        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy)
+        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy or SmallSavesInProcess())
         barrier()
         mine = checksums(tmp, sorted(p.name for p in tmp.glob(f"__{rank()}_*.distcp")))  # what this rank wrote
         gathered = [mine]

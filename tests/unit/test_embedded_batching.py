@@ -95,3 +95,55 @@ def test_an_idle_engine_gathers_a_burst_into_one_prefill(model_dir, monkeypatch)
     assert len(waits) == 6  # five arrivals, then one gap without
     core.step()  # a decode step of the six running: no wait
     assert len(waits) == 6 and core.counters["decode_steps"] == 1
+
+
+def test_a_groups_samples_share_their_prefill_row_and_draw_their_own_tokens(model_dir):
+    """Three prompts of four samples each prefill as three rows of one forward; each sample copies its
+    row's keys and values into a slot of its own and samples its own tokens, whose log-probs are
+    still transformers' own."""
+    core = EngineCore(model_dir, max_batch=12)
+    prompts = [[(3 * p + j) % 11 + 2 for j in range(7)] for p in range(3)]
+    requests = [
+        EngineRequest(f"p{p}/{s}", list(prompts[p]), SamplingParams(max_new_tokens=6, ignore_eos=True))
+        for p in range(3)
+        for s in range(4)
+    ]
+    for request in requests:
+        core.add(request)
+    while core.busy:
+        core.step()
+    assert core.counters["prefill_forwards"] == 1 and core.counters["prefill_requests"] == 12
+    assert core.counters["prefill_positions"] == 3 * 7  # one row a prompt
+    assert len({tuple(r.output_ids) for r in requests}) > 3  # a group's samples drew apart
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for request in requests:
+        torch.testing.assert_close(
+            torch.tensor(request.logprobs), _reference_logprobs(model, request), rtol=0, atol=1e-5
+        )
+
+
+def test_an_engine_idle_between_bursts_keeps_its_cache(model_dir, monkeypatch):
+    """Between two bursts (a sync loop's train step) the served engine keeps its slotted cache: the
+    second runs in the same tensors, not in memory freed and faulted back in (it is given back after
+    server.IDLE_SHRINK_S idle: tests/e2e/test_engine_bad_input.py waits for that)."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from bapo_megatron.engines.embedded import server
+
+    monkeypatch.setattr(server, "IDLE_SHRINK_S", 3600.0)
+    core = EngineCore(model_dir, max_batch=4)
+    body = {"input_ids": [[1, 2, 3]] * 4, "sampling_params": {"max_new_tokens": 3}}
+
+    async def run():
+        async with TestClient(TestServer(server.EmbeddedServer(core).app())) as client:
+            assert (await client.post("/generate", json=body)).status == 200
+            first = core.kv.keys[0]
+            for _ in range(20):  # let the idle engine's loop run on (it gave the cache back here at once)
+                await asyncio.sleep(0.01)
+            assert (await client.post("/generate", json=body)).status == 200
+            return first, core.kv.keys[0]
+
+    first, second = asyncio.run(run())
+    assert second is first

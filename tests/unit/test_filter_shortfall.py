@@ -50,6 +50,9 @@ class ScriptedRewards:
     async def __call__(self, text, ids, meta):
         return (float(len(ids)) if meta["spread"] else 0.0), None
 
+    async def score(self, calls):
+        return [await self(*call) for call in calls]
+
 
 def core_where(spread) -> RolloutCore:
     """2-sample groups p0, p1, ...: prompt i's rewards differ when spread(i); max_staleness 0 (the

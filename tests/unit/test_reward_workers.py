@@ -95,6 +95,47 @@ def test_good_calls_after_a_replaced_worker_and_nothing_left(rewards_file, tmp_p
     assert not [name for name in held if os.path.exists(name)], held
 
 
+BY_RECORD = """
+import os, sys, time
+def by_record(text, ids, record):
+    if record["do"] == "hang":
+        time.sleep(3600)
+    if record["do"] == "dies":
+        os._exit(3)
+    if record["do"] == "exits":
+        sys.exit(0)
+    return float(len(ids))
+"""
+
+
+def test_calls_sent_together_end_as_they_would_one_by_one(tmp_path):
+    """Many calls in one message to one worker: a call that hangs or kills its worker fails alone, the
+    calls after it go to a new worker, and every call ends as it does sent alone."""
+    path = tmp_path / "by_record.py"
+    path.write_text(BY_RECORD)
+    plan = ["good", "dies", "good", "hang", "good", "exits", "good"]
+    calls = [("x", [1] * (i + 1), {"do": do}) for i, do in enumerate(plan)]
+
+    def run(together: bool):
+        workers = RewardWorkers(f"{path}:by_record", workers=1, timeout_s=1.0)
+
+        async def scored():
+            return await workers.score(calls) if together else [await workers(*call) for call in calls]
+
+        try:
+            return asyncio.run(scored()), workers.replaced, workers.failures
+        finally:
+            workers.close()
+
+    results, replaced, failures = run(together=True)
+    assert [r.value for r in results] == [1.0, 0.0, 3.0, 0.0, 5.0, 0.0, 7.0], results
+    assert "exited during the call (exit code 3)" in results[1].error and "timed out" in results[3].error
+    assert "SystemExit" in results[5].error
+    assert (replaced, failures) == (2, 3)
+    alone = run(together=False)
+    assert [r.value for r in alone[0]] == [r.value for r in results] and alone[1:] == (replaced, failures)
+
+
 def _groups(errors: list[list[str | None]]) -> list[GroupState]:
     groups = []
     for g, row in enumerate(errors):

@@ -470,6 +470,9 @@ class SlowRewards:
         await asyncio.sleep(self.seconds)
         return 1.0, None
 
+    async def score(self, calls):
+        return [await self(*call) for call in calls]
+
 
 def test_async_drain_with_rewards_in_flight_leaves_the_producer_running():
     """A checkpoint's drain cancels the reward calls in progress while the producer waits on them: the
@@ -589,6 +592,9 @@ class SpreadRewards:
 
     async def __call__(self, text, ids, meta):
         return (float(len(ids)) if meta["spread"] else 0.0), None
+
+    async def score(self, calls):
+        return [await self(*call) for call in calls]
 
 
 def spread_core(engine, spread, max_staleness=3, max_new=12):

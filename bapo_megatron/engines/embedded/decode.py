@@ -7,8 +7,11 @@ positions with a per-row mask, so nothing is copied per step (a finished request
 by moving the last one into it). A request cut short leaves its keys and values in the prefix store
 (prefixes.py), whence it resumes without a prefill. Requests arriving together are prefilled in
 forwards of similar lengths (prefill_chunks), unmasked and right-padded, with logits at each row's
-last token only. A mixture-of-experts model's routes (the experts each position went to) are kept
-per request and with its stored prefix (routing.py).
+last token only; requests of one sequence under one adapter (a group's samples of one prompt) share
+a row of the forward, whose keys and values each copies into its own slot and whose logits each
+samples from with its own draw (SGLang shares them through its radix cache). A mixture-of-experts
+model's routes (the experts each position went to) are kept per request and with its stored prefix
+(routing.py).
 """
 
 from __future__ import annotations
@@ -161,25 +164,27 @@ class DecodeLoop:
         return finished
 
     def _prefill_chunk(self, batch: list[EngineRequest]) -> list[EngineRequest]:
-        """One forward over the requests' whole sequences, right-padded and with no attention mask:
-        under the causal mask a real token never attends to a pad after it, so the padding changes
-        nothing a request keeps (its first len(seq) keys/values, the logits at its last token), and
-        attention runs on the fused causal kernel. Logits only at each row's last token."""
+        """One forward over the requests' distinct sequences (shared_rows), right-padded and with no
+        attention mask: under the causal mask a real token never attends to a pad after it, so the
+        padding changes nothing a request keeps (its first len(seq) keys/values, the logits at its
+        last token), and attention runs on the fused causal kernel. Logits only at each row's last token."""
         sequences = [r.input_ids + r.output_ids for r in batch]
+        row_of, firsts = shared_rows(batch, sequences)
         longest = max(len(s) for s in sequences)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        for b, seq in enumerate(sequences):
-            ids[b, : len(seq)] = torch.tensor(seq)
+        ids = torch.zeros(len(firsts), longest, dtype=torch.long)
+        for row, b in enumerate(firsts):
+            ids[row, : len(sequences[b])] = torch.tensor(sequences[b])
         self.counters["prefill_forwards"] += 1
         self.counters["prefill_requests"] += len(batch)
         self.counters["prefill_positions"] += ids.numel()
-        ends = torch.tensor([[len(seq) - 1] for seq in sequences])
-        out = self._forward(batch, input_ids=ids, use_cache=True, logits_to_keep=ends)
-        self._keep_routes(batch, [len(seq) for seq in sequences], fresh=True)
+        ends = torch.tensor([[len(sequences[b]) - 1] for b in firsts])
+        out = self._forward([batch[b] for b in firsts], input_ids=ids, use_cache=True, logits_to_keep=ends)
+        self._keep_routes(batch, [len(seq) for seq in sequences], fresh=True, rows=row_of)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         self.kv.reserve(layers, longest + 1)
+        logits = out.logits[:, -1] if len(firsts) == len(batch) else out.logits[torch.tensor(row_of), -1]
         finished, kept = [], []
-        for b, (request, picked) in enumerate(zip(batch, self._sample(batch, out.logits[:, -1]), strict=True)):
+        for b, (request, picked) in enumerate(zip(batch, self._sample(batch, logits), strict=True)):
             if isinstance(picked, Exception) or self._emit(request, *picked):
                 if isinstance(picked, Exception):
                     self.finish(request, failure(picked))
@@ -188,21 +193,25 @@ class DecodeLoop:
                 kept.append(b)
         # the unfinished rows into the next free slots at once (padding past a row's length is
         # copied too: its decode steps overwrite and mask those positions)
-        self.kv.put_rows(len(self.queue.running), layers, kept, longest)
+        self.kv.put_rows(len(self.queue.running), layers, [row_of[b] for b in kept], longest)
         self.queue.running += [batch[b] for b in kept]
         return finished
 
-    def _keep_routes(self, batch: list[EngineRequest], lengths: list[int], fresh: bool) -> None:
-        """A MoE model's routes of the forward just run, kept with its requests: row b's first
-        lengths[b] positions (the rest is padding), after the request's earlier ones, or instead of
-        them when `fresh` (a prefill runs every position anew: a retracted request's again)."""
+    def _keep_routes(
+        self, batch: list[EngineRequest], lengths: list[int], fresh: bool, rows: list[int] | None = None
+    ) -> None:
+        """A MoE model's routes of the forward just run, kept with its requests: batch[b]'s are the first
+        lengths[b] positions (the rest is padding) of the forward's row rows[b] (None: row b), after
+        the request's earlier ones, or instead of them when `fresh` (a prefill runs every position
+        anew: a retracted request's again)."""
         if self.route_recorder is None:
             return
-        picked = self.route_recorder.take(len(batch))
-        for b, (request, n) in enumerate(zip(batch, lengths, strict=True)):
+        rows = rows or list(range(len(batch)))
+        picked = self.route_recorder.take(max(rows) + 1)
+        for request, row, n in zip(batch, rows, lengths, strict=True):
             if fresh:
                 request.routes = []
-            request.routes.append(picked[b, :n].clone())
+            request.routes.append(picked[row, :n].clone())
 
     def _forward_alone(self, request: EngineRequest, ids: list[int]) -> list[EngineRequest]:
         """Batch-invariant mode: one forward of `request` alone over its own cache (none: a prefill
@@ -331,6 +340,21 @@ class DecodeLoop:
                 self.kv.move(moved_from, slot)
         if request.on_finish is not None:
             request.on_finish(request)
+
+
+def shared_rows(batch: Sequence[EngineRequest], sequences: Sequence[list[int]]) -> tuple[list[int], list[int]]:
+    """The rows of a prefill forward over `batch`: requests of one sequence under one adapter share a
+    row (their forwards would be the same). Returns row_of (batch[b] is computed in row row_of[b])
+    and firsts (row r computes batch[firsts[r]]'s sequence)."""
+    rows: dict[tuple, int] = {}
+    row_of, firsts = [], []
+    for b, (request, seq) in enumerate(zip(batch, sequences, strict=True)):
+        key = (request.lora_id, *seq)
+        if key not in rows:
+            rows[key] = len(firsts)
+            firsts.append(b)
+        row_of.append(rows[key])
+    return row_of, firsts
 
 
 def prefill_chunks(lengths: Sequence[int], overhead: int) -> list[list[int]]:
