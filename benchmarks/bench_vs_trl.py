@@ -19,8 +19,10 @@ Per stack, over the steps after --warmup of every run: the median and (min-max) 
 its split (generation; reward: TRL's reward call, the project's wait for rewards once generation
 ended, as its reward workers score samples while others generate; train: the rest of the step
 but the weight sync, log-probs, loss, backward, optimizer); generated tokens per second of generation;
-peak RSS of all its processes summed (children included, sampled every 50 ms; shared pages
-count once per process); and, with --eval-prompts, held-out greedy accuracy before and after.
+peak memory of all its processes summed (children included, sampled every 50 ms) as RSS (shared
+pages count once per process: a forked child's copy-on-write pages twice) and as PSS (each shared
+page split among the processes that map it: what the processes hold together); and, with
+--eval-prompts, held-out greedy accuracy before and after.
 
 --engine-only: the generation alone on the same batch, medians over --repeats interleaved
 repeats: transformers' `generate` in this process, the embedded engine's core in this process
@@ -67,15 +69,15 @@ def warm_start(args) -> dict[str, Path]:
     return paths
 
 
-class PeakRSS:
-    """The largest sum of RSS over a process and all its descendants, sampled on a thread."""
+class PeakMemory:
+    """The largest sums of RSS and of PSS over a process and all its descendants, sampled on a thread."""
 
     def __init__(self, pid: int, interval_s: float = 0.05) -> None:
-        self.pid, self.interval_s, self.peak = pid, interval_s, 0
+        self.pid, self.interval_s, self.rss, self.pss = pid, interval_s, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> PeakRSS:
+    def __enter__(self) -> PeakMemory:
         self._thread.start()
         return self
 
@@ -91,26 +93,33 @@ class PeakRSS:
         except psutil.NoSuchProcess:
             return
         while not self._stop.is_set():
-            total = 0
+            rss = pss = 0
             try:
                 for p in [root, *root.children(recursive=True)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile
-                        total += p.memory_info().rss
+                    with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+                        rss += p.memory_info().rss  # (ended meanwhile: counts nothing)
+                        pss += _pss(p.pid)
             except psutil.NoSuchProcess:
                 return
-            self.peak = max(self.peak, total)
+            self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
             self._stop.wait(self.interval_s)
 
 
-def _run_measured(command: list[str], env: dict[str, str], log: Path) -> int:
-    """Run `command` to its end (its output to `log`); the peak RSS of its process tree, in bytes."""
+def _pss(pid: int) -> int:
+    """A process's proportional set size in bytes (Linux: /proc/PID/smaps_rollup)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+
+
+def _run_measured(command: list[str], env: dict[str, str], log: Path) -> dict[str, int]:
+    """Run `command` to its end (its output to `log`); the peak RSS and PSS of its process tree, in bytes."""
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
-        with PeakRSS(process.pid) as rss:
+        with PeakMemory(process.pid) as peak:
             code = process.wait()
     if code != 0:
         raise SystemExit(f"{command[:4]} failed (exit {code}); its log: {log}\n{log.read_text()[-3000:]}")
-    return rss.peak
+    return {"peak_rss": peak.rss, "peak_pss": peak.pss}
 
 
 def run_project(warm: dict[str, Path], out: Path, args) -> dict:
@@ -124,6 +133,7 @@ def run_project(warm: dict[str, Path], out: Path, args) -> dict:
         "checkpoint.resume=false",
         "checkpoint.interval=0",
         f"seed={args.seed}",
+        f"data.seed={args.seed}",  # the prompt order: TRL's seed moves its sampler's too
         f"steps={args.steps}",
         "algo.loss=ppo",
         "algo.updates_per_batch=1",
@@ -154,7 +164,7 @@ def run_project(warm: dict[str, Path], out: Path, args) -> dict:
         for r in records
         if "time/step" in r
     ]
-    return {"steps": steps[args.warmup :], "peak_rss": peak, "model": out / "ckpt"}
+    return {"steps": steps[args.warmup :], **peak, "model": out / "ckpt"}
 
 
 def run_trl(warm: dict[str, Path], out: Path, args) -> dict:
@@ -169,7 +179,7 @@ def run_trl(warm: dict[str, Path], out: Path, args) -> dict:
     ]
     peak = _run_measured(command, dict(os.environ), out.with_suffix(".log"))
     steps = json.loads((out / "steps.json").read_text())
-    return {"steps": steps[args.warmup :], "peak_rss": peak, "model": out / "model"}
+    return {"steps": steps[args.warmup :], **peak, "model": out / "model"}
 
 
 # -- the generation alone (--engine-only) ------------------------------------------------------
@@ -324,7 +334,7 @@ def accuracy(model_dir: Path, warm: dict[str, Path], args) -> float:
 
 
 def summary(runs: list[dict]) -> dict:
-    """A stack's figures over its runs: medians and (min, max) of the split, tokens/s, peak RSS, gains."""
+    """A stack's figures over its runs: medians and (min, max) of the split, tokens/s, peak RSS and PSS, gains."""
     rows = [s for r in runs for s in r["steps"]]
     out = {"steps": len(rows)}
     for name in SPLIT:
@@ -332,11 +342,15 @@ def summary(runs: list[dict]) -> dict:
         out[name], out[f"{name}_range"] = statistics.median(values), [min(values), max(values)]
     rates = [s["tokens"] / s["generate"] for s in rows if s["generate"] > 0]
     out["tokens_per_s"], out["tokens_per_s_range"] = statistics.median(rates), [min(rates), max(rates)]
-    peaks = [r["peak_rss"] / 2**30 for r in runs]
-    out["peak_rss_gib"], out["peak_rss_gib_range"] = statistics.median(peaks), [min(peaks), max(peaks)]
+    for kind in ("rss", "pss"):
+        peaks = [r[f"peak_{kind}"] / 2**30 for r in runs]
+        out[f"peak_{kind}_gib"], out[f"peak_{kind}_gib_range"] = statistics.median(peaks), [min(peaks), max(peaks)]
     gains = [r["accuracy"] for r in runs if "accuracy" in r]
     if gains:
         out["accuracy_after"], out["accuracy_after_range"] = statistics.median(gains), [min(gains), max(gains)]
+        out["accuracy_mean"] = statistics.fmean(gains)
+        # the pairs run seeds seed..seed+pairs-1: their spread is the runs', one seed's draw swings ~5 points
+        out["accuracy_sem"] = statistics.stdev(gains) / len(gains) ** 0.5 if len(gains) > 1 else None
     return out
 
 
@@ -350,8 +364,8 @@ def print_table(results: dict[str, dict], args, load: tuple[float, float]) -> No
         f"{args.pairs} interleaved pair(s) of {args.steps} steps ({args.warmup} warm-up); "
         f"{os.cpu_count()} CPU cores, load average {load[0]:.2f} before, {load[1]:.2f} after"
     )
-    print("seconds per step: median(min-max) over the steps after warm-up; peak RSS of all processes, GiB")
-    header = ["stack", *SPLIT, "gen tok/s", "peak RSS", "acc after"]
+    print("seconds per step: median(min-max) over the steps after warm-up; peak RSS and PSS of all processes, GiB")
+    header = ["stack", *SPLIT, "gen tok/s", "peak RSS", "peak PSS", "acc after"]
     print("  ".join(f"{h:>22}" if i else f"{h:>8}" for i, h in enumerate(header)))
     print("-" * (8 + 24 * (len(header) - 1)))
     for stack, r in results.items():
@@ -360,14 +374,22 @@ def print_table(results: dict[str, dict], args, load: tuple[float, float]) -> No
         cells = [stack, *(_cell(r[n], r[f"{n}_range"]) for n in SPLIT)]
         cells.append(_cell(r["tokens_per_s"], r["tokens_per_s_range"], ".0f"))
         cells.append(_cell(r["peak_rss_gib"], r["peak_rss_gib_range"], ".2f"))
+        cells.append(_cell(r["peak_pss_gib"], r["peak_pss_gib_range"], ".2f"))
         cells.append(_cell(r["accuracy_after"], r["accuracy_after_range"]) if "accuracy_after" in r else "-")
         print("  ".join(f"{c:>22}" if i else f"{c:>8}" for i, c in enumerate(cells)))
     if "project" in results and "trl" in results:
         p, t = results["project"], results["trl"]
         print(
             f"vs TRL: step {p['step'] / t['step']:.2f}x, generation {p['generate'] / t['generate']:.2f}x, "
-            f"train {p['train'] / t['train']:.2f}x, peak RSS {p['peak_rss_gib'] / t['peak_rss_gib']:.2f}x"
+            f"train {p['train'] / t['train']:.2f}x, peak RSS {p['peak_rss_gib'] / t['peak_rss_gib']:.2f}x, "
+            f"peak PSS {p['peak_pss_gib'] / t['peak_pss_gib']:.2f}x"
         )
+    for stack, r in results.items():
+        if isinstance(r, dict) and r.get("accuracy_sem") is not None:
+            mean, sem = r["accuracy_mean"], r["accuracy_sem"]
+            print(
+                f"{stack}: held-out accuracy after, mean over the pairs' seeds {mean:.3f} +- {sem:.3f} (standard error)"
+            )
     if "accuracy_before" in results:
         print(f"held-out greedy accuracy of the warm start: {results['accuracy_before']:.3f}")
 
@@ -400,9 +422,12 @@ def side_by_side(warm: dict[str, Path], args) -> dict:
     runners = {"project": run_project, "trl": run_trl}
     runs: dict[str, list[dict]] = {stack: [] for stack in args.stacks}
     for pair in range(args.pairs):
+        # each pair its own seed, the same in both stacks: one seed's prompts and samples decide
+        # a run's accuracy (0.40 to 0.60 over seeds), so repeats of one seed would show no spread
+        seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + pair})
         for stack in args.stacks:
             out = Path(args.out) / f"{stack}-{pair}"
-            result = runners[stack](warm, out, args)
+            result = runners[stack](warm, out, seeded)
             if args.eval_prompts:
                 result["accuracy"] = accuracy(result["model"], warm, args)
             runs[stack].append(result)
@@ -427,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=6)
     parser.add_argument("--lr", type=float, default=3e-4, help="the demo's (examples/demo/rl.yaml)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="pair i runs seed SEED+i in both stacks")
     parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts scored (0: none)")
     parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl installed")
     parser.add_argument("--engine-only", action="store_true", help="the generation alone (see above)")

@@ -62,11 +62,12 @@ def test_generation_alone_compares_the_engine_with_generate(warm):
 def test_project_half_reports_the_split_memory_and_accuracy(warm, tmp_path):
     args = ["--warm", str(warm), "--stacks", "project", "--pairs", "1", "--steps", "3", "--warmup", "1", *SMALL]
     rows = _run(*args, "--eval-prompts", "20", "--out", str(tmp_path))
-    (stack, step, generate, reward, train, sync, tokens_per_s, rss, accuracy), *rest = (r.split() for r in rows)
+    (stack, step, generate, reward, train, sync, tokens_per_s, rss, pss, accuracy), *rest = (r.split() for r in rows)
     assert stack == "project" and rest[0][0] == "held-out"  # then the warm start's accuracy
     assert _cell(step)[0] >= _cell(generate)[0] + _cell(train)[0] > 0  # the split is within the step
     assert _cell(reward)[0] >= 0 and _cell(sync)[0] >= 0 and _cell(tokens_per_s)[0] > 0
     assert 0.1 < _cell(rss)[0] < 64  # GiB: the trainer's, the engine's and the reward workers' together
+    assert 0.05 < _cell(pss)[0] <= _cell(rss)[0]  # shared pages split among the processes, not counted in each
     assert 0 <= _cell(accuracy)[0] <= 1
     assert (tmp_path / "project-0" / "metrics.jsonl").exists()
 
