@@ -34,8 +34,9 @@ class LoRAConfig:
     experts: bool = False
     """Adapt the routed experts of a mixture-of-experts layer too: every expert's gate_up_proj and
     down_proj, as PEFT adapts transformers 5's fused expert tensors (target_parameters); whatever
-    target_modules says. Built for Qwen3-MoE, Qwen3.5-MoE, GLM-4.5 and DeepSeek-V3 (other families are
-    refused by name; a shared expert or dense MLP stays as target_modules says), with dropout 0 and
+    target_modules says. Built for Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next (sync "merged": SGLang serves none
+    of its expert adapters), GLM-4.5, DeepSeek-V3 and gpt-oss (another family is refused by name; a
+    shared expert or dense MLP stays as target_modules says), with dropout 0 and
     experts run one after another (model.moe.grouped_gemm false; models/lora_experts.py)."""
     init: Literal["kaiming", "gaussian"] = "kaiming"
     """A's initialisation as PEFT's init_lora_weights does it: "kaiming" (True there: kaiming-uniform

@@ -289,6 +289,11 @@ class Family(ABC):
     """Whether LoRA adapts its routed experts (model.lora.experts; models/lora_experts.py): its HF experts
     are transformers 5's fused gate_up_proj / down_proj tensors, as PEFT and SGLang read them."""
 
+    def lora_experts_unserved(self, spec: ModelSpec) -> str | None:
+        """Why SGLang 0.5.23 serves none of `spec`'s routed-expert adapters (model.lora.sync=adapter is
+        refused with that reason; sync=merged trains them); None: it serves them. Default: None."""
+        return None
+
 
 # -- answers shared by the families
 

@@ -295,8 +295,10 @@ class GptOss(RoutedExperts, Decoder):
         return None
 
     # -- LoRA
+    lora_experts = True  # [E, d, 2w] / [E, w, d], gate and up interleaved (models/lora_experts.py)
+
     def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:
-        """The attention's q/k/v/o (their biases and the sinks stay the base's); the experts: not built."""
+        """The attention's q/k/v/o (their biases and the sinks stay the base's)."""
         return attention_targets(spec, spec.num_heads * spec.head_dim)
 
     def lora_layout(self, spec: ModelSpec, layer: int, module: str) -> Layout:

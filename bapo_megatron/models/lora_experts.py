@@ -6,9 +6,12 @@ linear_fc1 ([gate; up]) and linear_fc2 are column- and row-parallel over the exp
 1 here (an expert is never split: trainer/megatron_config.py), its experts placed over EP. Every
 expert gets two adapters, as PEFT adapts transformers 5's fused expert tensors (gate_up_proj [E, 2w, d]
 and down_proj [E, d, w], by `target_parameters`: one rank-r adapter an expert and tensor). Qwen3-MoE,
-Qwen3.5-MoE, GLM-4.5 and DeepSeek-V3 lay their experts out so (Family.lora_experts; a shared expert
-or dense MLP beside them is no `mlp.experts.` tensor); a family laid out otherwise (gpt-oss: [E, d, 2w],
-gate and up interleaved) is refused by name. An expert's two adapters:
+Qwen3.5-MoE, Qwen3-Next, GLM-4.5 and DeepSeek-V3 lay their experts out so (Family.lora_experts; a
+shared expert or dense MLP beside them is no `mlp.experts.` tensor); gpt-oss's are [E, d, 2w] and
+[E, w, d] (x @ W), its gate and up columns interleaved (INTERLEAVED: PEFT's B rows follow them; SGLang's
+per-expert B stays [gate; up], its FusedMoE interleaving it). A family laid out otherwise is refused by
+name, and so is sync "adapter" where SGLang serves no expert adapter of the family
+(Family.lora_experts_unserved). An expert's two adapters:
   - gate_up_proj beside its linear_fc1: A [r, d], B [2w, r] writing gate and up rows together;
   - down_proj beside its linear_fc2: A [r, w], B [d, r].
 Their names:
@@ -45,6 +48,8 @@ LOCAL = EXPERTS + "local_experts."
 """Megatron's experts one after another (SequentialMLP): `local_experts.<E>.linear_fc1`."""
 FUSED = ("gate_up_proj", "down_proj")
 """transformers 5's fused expert tensors, as PEFT's target_parameters name them under `mlp.experts.`."""
+INTERLEAVED = frozenset({"gpt_oss"})
+"""The families whose HF gate_up_proj interleaves gate and up columns (gate even, up odd)."""
 
 
 def expert_targets(spec: ModelSpec, layer: int) -> tuple[Target, ...]:
@@ -87,6 +92,7 @@ def check_experts(spec: ModelSpec, lora: LoRAConfig, adapts_experts: bool, group
             f"LoRA on the routed experts of {spec.architecture} is not built yet (built for {built}); "
             "leave it false (attention, dense MLPs and shared experts are adapted)",
         )
+    _check_served(spec, lora)
     if lora.dropout > 0:
         raise ConfigError(
             "model.lora.dropout",
@@ -100,6 +106,20 @@ def check_experts(spec: ModelSpec, lora: LoRAConfig, adapts_experts: bool, group
             True,
             "model.lora.experts adapts experts run one after another (Megatron's SequentialMLP); "
             "set model.moe.grouped_gemm=false",
+        )
+
+
+def _check_served(spec: ModelSpec, lora: LoRAConfig) -> None:
+    """ConfigError under model.lora.sync=adapter where SGLang serves none of the family's expert adapters
+    (Family.lora_experts_unserved), as models/lora.py refuses the other unserved targets."""
+    from bapo_megatron.models import family_of  # the registry imports every family: asked here, not at import
+
+    reason = family_of(spec).lora_experts_unserved(spec) if lora.adapter_sync else None
+    if reason is not None:
+        raise ConfigError(
+            "model.lora.experts",
+            True,
+            f"{reason}: train the experts' adapters with model.lora.sync=merged, or leave model.lora.experts false",
         )
 
 
@@ -139,40 +159,62 @@ def peft_stacked(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> dict[s
         if sorted(by_expert) != list(range(experts)):
             raise ValueError(f"{head}<E>.{proj}.lora_{matrix}: experts {sorted(by_expert)}, not all {experts}")
         ordered = [by_expert[e] for e in range(experts)]
+        if matrix == "B" and proj == "gate_up_proj" and spec.architecture in INTERLEAVED:
+            ordered = [interleaved(b) for b in ordered]  # PEFT's rows: HF's columns
         wrapper = "base_layer." if proj == "gate_up_proj" else ""
         stacked = torch.cat(ordered) if matrix == "A" else torch.stack(ordered, dim=-1).flatten(1)
         out[f"{head}{wrapper}lora_{matrix}.weight"] = stacked
     return out
 
 
+def interleaved(b: torch.Tensor) -> torch.Tensor:
+    """Rows [gate; up] as gate and up interleaved (gate even, up odd)."""
+    gate, up = b.chunk(2)
+    return torch.stack([gate, up], dim=1).flatten(0, 1)
+
+
 def per_projection(
-    pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    spec: ModelSpec, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{HF weight: (A, B)} with every expert's gate_up_proj adapter given as its gate_proj's and up_proj's
-    (A shared, B's halves: rows [gate; up]), the weights a checkpoint on disk holds per expert."""
-    out = {}
+    """{HF weight: (A, B)}, B @ A its delta, for the weights a checkpoint on disk holds: an expert's
+    gate_up_proj adapter as its gate_proj's and up_proj's (A shared, B's halves: rows [gate; up]); a
+    layer's experts of an INTERLEAVED family as its fused tensors' (one per projection, [E, in, out]:
+    A the experts' (interleaved) B transposed, B their A transposed)."""
+    out, fused = {}, {}
     for weight, (a, b) in pairs.items():
-        names = hf_weight_names(weight)
-        if len(names) == 1:
+        names, match = hf_weight_names(spec, weight), _EXPERT_WEIGHT.fullmatch(weight)
+        if match is not None and spec.architecture in INTERLEAVED:
+            b = interleaved(b) if match["proj"] == "gate_up_proj" else b
+            fused.setdefault(names[0], {})[int(match["expert"])] = (a, b)
+        elif len(names) == 1:
             out[weight] = (a, b)
         else:  # gate's rows, then up's
             out |= dict(zip(names, ((a, half) for half in b.chunk(2)), strict=True))
+    for name, by_expert in fused.items():
+        experts = [by_expert[e] for e in sorted(by_expert)]
+        out[name] = (torch.stack([b.T for _, b in experts]), torch.stack([a.T for a, _ in experts]))
     return out
 
 
-_GATE_UP = ".gate_up_proj.weight"
+_GATE_UP = "gate_up_proj"
 
 
-def hf_weight_names(weight: str) -> tuple[str, ...]:
-    """The per-expert HF weights an adapted weight name stands for (an expert's gate_up_proj: its
-    gate_proj and up_proj, as checkpoints on disk name them); others: itself."""
-    if _EXPERT_WEIGHT.fullmatch(weight) is None or not weight.endswith(_GATE_UP):
+def hf_weight_names(spec: ModelSpec, weight: str) -> tuple[str, ...]:
+    """The HF weights on disk an adapted weight name stands for: an expert's gate_up_proj its gate_proj
+    and up_proj, or, in an INTERLEAVED family, every expert's projection the layer's fused tensor
+    (`mlp.experts.gate_up_proj`); others: itself."""
+    match = _EXPERT_WEIGHT.fullmatch(weight)
+    if match is None:
         return (weight,)
-    head = weight.removesuffix(_GATE_UP)
+    if spec.architecture in INTERLEAVED:
+        return (f"{match['head']}.{match['proj']}",)
+    if match["proj"] != _GATE_UP:
+        return (weight,)
+    head = f"{match['head']}.{match['expert']}"
     return (f"{head}.gate_proj.weight", f"{head}.up_proj.weight")
 
 
-_EXPERT_WEIGHT = re.compile(r".*\.mlp\.experts\.\d+\.\w+\.weight")
+_EXPERT_WEIGHT = re.compile(r"(?P<head>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
 
 
 def stored_per_expert(prefix: str, suffix: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -30,7 +30,20 @@ class Qwen3Next(Qwen3_5Moe):
     name = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
     required = REQUIRED  # its dense layers' width (mlp_only_layers, decoder_sparse_step)
-    lora_experts = False  # Qwen3.5-MoE's experts LoRA, not yet checked against PEFT and SGLang for this family
+    lora_experts = True  # transformers 5's Qwen3NextExperts: Qwen3-MoE's fused [E, 2w, d] / [E, d, w]
+
+    def lora_experts_unserved(self, spec: ModelSpec) -> str | None:
+        """SGLang 0.5.23's Qwen3NextForCausalLM has no get_hidden_dim: the experts' targets gate_up_proj
+        and down_proj also wrap the shared expert's, whose LoRA buffers the fallback sizes by
+        intermediate_size (the dense MLP's), and set_lora_info refuses a buffer unlike its layer."""
+        dense, shared = spec.ffn_hidden_size, spec.moe.shared_ffn_hidden_size
+        if not shared or shared == dense:
+            return None
+        return (
+            f"SGLang 0.5.23's Qwen3NextForCausalLM sizes the shared expert's gate_up_proj/down_proj LoRA "
+            f"buffers (wrapped by the experts' targets) by intermediate_size {dense}, not its "
+            f"shared_expert_intermediate_size {shared} (it has no get_hidden_dim), and refuses to start"
+        )
 
     # -- LoRA
     def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:

@@ -199,7 +199,7 @@ class MergedModel:
                 else:
                     out[name] = tensor
             yield out
-        wanted = {w for peft in self.names.values() for w in hf_weight_names(_weight_of(peft))}
+        wanted = {w for peft in self.names.values() for w in hf_weight_names(self.spec, _weight_of(peft))}
         if wanted - merged:
             missing = sorted(wanted - merged)[0]
             raise ValueError(f"base {self.base.path} has no weight {missing} to merge an adapter into")
@@ -216,7 +216,8 @@ class MergedModel:
         for name, tensor in self.source.adapters(layer).items():
             peft = self.names[name]
             found.setdefault(_weight_of(peft), {})["A" if ".lora_A." in peft else "B"] = tensor
-        return per_projection({weight: (m["A"], m["B"]) for weight, m in found.items()})  # experts' per weight
+        pairs = {weight: (m["A"], m["B"]) for weight, m in found.items()}
+        return per_projection(self.spec, pairs)  # experts' per weight
 
     def _merge(self, name: str, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         delta = self.scaling * (b.float() @ a.float())

@@ -1,5 +1,5 @@
-"""LoRA on the routed experts (model.lora.experts) of the tiny Qwen3-MoE, Qwen3.5-MoE, GLM-4.5 and
-DeepSeek-V3 (its shared experts and dense MLP unadapted):
+"""LoRA on the routed experts (model.lora.experts) of the tiny Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next,
+GLM-4.5, DeepSeek-V3 and gpt-oss (shared experts and dense MLPs unadapted):
 Megatron's per-expert adapters against PEFT's on transformers 5's fused expert tensors, and expert
 parallel against one process.
 
@@ -27,8 +27,12 @@ FAMILIES = {
     "qwen3_moe": (ATTENTION, ((1, 2), (2, 1))),
     # gated attention, the delta rule's output and the shared expert beside the routed experts
     "qwen3_5_moe_text": (("q_proj", "o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"), ((1, 2),)),
+    # its delta rule's grouped projections (sync merged: SGLang serves none of its expert adapters)
+    "qwen3_next": (("o_proj", "in_proj_qkvz", "out_proj"), ((1, 2),)),
     "glm4_moe": (ATTENTION, ((1, 2),)),
     "deepseek_v3": (("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj"), ((1, 2),)),
+    # its experts' biases and clamped SwiGLU beside the adapters, gate and up interleaved in PEFT's B
+    "gpt_oss": (ATTENTION, ((1, 2),)),
 }
 """Each family: its target modules beside the experts, and the (TP, EP) layouts stepped against EP 1."""
 
@@ -42,7 +46,8 @@ def _spec(arch: str):
 def _lora(arch: str):
     from bapo_megatron.config.lora import LoRAConfig
 
-    return LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=FAMILIES[arch][0], experts=True)
+    sync = "merged" if arch == "qwen3_next" else "adapter"
+    return LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=FAMILIES[arch][0], experts=True, sync=sync)
 
 
 def _setup(tp: int, ep: int):

@@ -39,8 +39,8 @@ def test_transformer_engine_with_lora_is_refused_until_built():
 def test_unknown_targets_are_refused_naming_the_valid_ones():
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules=\['qkv_proj'\].*'q_proj'.*'down_proj'"):
         check_targets(tiny_spec("qwen2"), LoRAConfig(rank=4, target_modules=("q_proj", "qkv_proj")))
-    with pytest.raises(ConfigError, match=r"model\.lora\.experts.*not built"):
-        check_targets(tiny_spec("gpt_oss"), LoRAConfig(rank=4, experts=True))
+    with pytest.raises(ConfigError, match=r"model\.lora\.experts.*no routed experts"):
+        check_targets(tiny_spec("qwen3"), LoRAConfig(rank=4, experts=True))
 
 
 def test_a_moe_model_adapts_attention_and_its_dense_layers_only():

@@ -1,6 +1,7 @@
 """LoRA on the routed experts (model.lora.experts, models/lora_experts.py): the adapters' names, shapes
-and counts against PEFT's on transformers 5's Qwen3-MoE, Qwen3.5-MoE, GLM-4.5 and DeepSeek-V3 (their fused expert
-tensors, gate_up_proj [E, 2w, d] and down_proj [E, d, w] alike, by target_parameters),
+and counts against PEFT's on transformers 5's Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, GLM-4.5 and
+DeepSeek-V3 (their fused expert tensors, gate_up_proj [E, 2w, d] and down_proj [E, d, w] alike) and
+gpt-oss ([E, d, 2w] and [E, w, d], gate and up interleaved), by target_parameters,
 the merge against PEFT's merge_and_unload, the parameter count per expert-parallel rank, and the
 refusals by name. Megatron's layers against PEFT and EP 2: tests/dist/test_lora_experts.py."""
 
@@ -10,7 +11,7 @@ import torch
 from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.lora import adapter_names, adapter_params, check_targets, merge_adapters, peft_config
-from bapo_megatron.models.lora_experts import check_experts, peft_stacked, per_projection
+from bapo_megatron.models.lora_experts import INTERLEAVED, check_experts, interleaved, peft_stacked, per_projection
 from bapo_megatron.models.spec import tiny_spec
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -18,10 +19,20 @@ TARGETS = {
     "qwen3_moe": ATTENTION,
     # gated attention, the delta rule's output and the shared expert beside the routed experts
     "qwen3_5_moe_text": ("q_proj", "o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_next": ("o_proj", "in_proj_qkvz", "out_proj"),  # its delta rule's grouped projections
     "glm4_moe": ATTENTION,
     "deepseek_v3": ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj"),  # its latent attention
+    "gpt_oss": ATTENTION,
 }
 """Each family whose routed experts LoRA adapts, with the modules adapted beside them."""
+SYNC = {"qwen3_next": "merged"}
+"""The families whose expert adapters SGLang does not serve: trained under sync merged."""
+
+
+def _config(spec, targets, **kwargs) -> LoRAConfig:
+    return LoRAConfig(
+        rank=4, target_modules=targets, experts=True, sync=SYNC.get(spec.architecture, "adapter"), **kwargs
+    )
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -53,7 +64,7 @@ def test_names_shapes_and_counts_are_pefts(moe):
     (Attention and experts: PEFT 0.21 on transformers 5 takes any gate_proj/up_proj/down_proj module of a
     Qwen3-MoE model, a dense layer's too, for the v4 experts' and moves it to the fused tensors.)"""
     spec, model, targets = moe
-    lora = LoRAConfig(rank=4, target_modules=targets, experts=True)
+    lora = _config(spec, targets)
     names = adapter_names(spec, lora)
     experts = [n for n in names.values() if ".mlp.experts." in n]
     assert len(experts) == 2 * 2 * spec.moe.num_experts * len(spec.moe.sparse_layers)
@@ -67,6 +78,13 @@ def test_names_shapes_and_counts_are_pefts(moe):
     stacked = peft_stacked(spec, shapes)
     assert {k: v.shape for k, v in stacked.items()} == theirs
     assert adapter_params(spec, lora, list(range(spec.num_layers)), 1) == sum(s.numel() for s in theirs.values())
+
+
+def _hf_delta(spec, b, a):
+    """Expert gate_up_proj's B A as transformers holds the tensor (PEFT's delta for it)."""
+    if spec.architecture not in INTERLEAVED:
+        return b @ a
+    return (interleaved(b) @ a).T
 
 
 def _targets(spec, lora, layer):
@@ -84,7 +102,7 @@ def test_the_stacked_layout_is_pefts_delta_per_expert(moe):
     from tests.families import hf_state
 
     spec, model, targets = moe
-    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=targets, experts=True, sync="merged")
+    lora = _config(spec, targets, alpha=8.0)
     names = adapter_names(spec, lora)
     g = torch.Generator().manual_seed(1)
     adapters = {}
@@ -102,7 +120,7 @@ def test_the_stacked_layout_is_pefts_delta_per_expert(moe):
     delta = wrapper.get_delta_weight("default")
     a = adapters["decoder.layers.2.mlp.experts.local_experts.3.linear_fc1_lora.gate_up_proj.lora_A.weight"]
     b = adapters["decoder.layers.2.mlp.experts.local_experts.3.linear_fc1_lora.gate_up_proj.lora_B.weight"]
-    torch.testing.assert_close(delta[3], 2.0 * b @ a)
+    torch.testing.assert_close(delta[3], _hf_delta(spec, 2.0 * b, a))
     reference = hf_state(theirs.merge_and_unload())
     hf = {k: v.detach().clone() for k, v in hf_state(model).items()}
     mg = {**hf_to_megatron(spec, hf, spec.vocab_size, "local"), **adapters}
@@ -116,7 +134,7 @@ def test_the_stacked_layout_is_pefts_delta_per_expert(moe):
         peft_name = names[ours]
         weight = peft_name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] + ".weight"
         found.setdefault(weight, {})[peft_name[-8]] = tensor
-    pairs = per_projection({w: (m["A"], m["B"]) for w, m in found.items()})
+    pairs = per_projection(spec, {w: (m["A"], m["B"]) for w, m in found.items()})
     assert set(pairs) == changed
     for w, (a, b) in pairs.items():
         torch.testing.assert_close(hf[w] + 2.0 * b @ a, reference[w], rtol=1e-6, atol=1e-6, msg=w)
@@ -124,8 +142,9 @@ def test_the_stacked_layout_is_pefts_delta_per_expert(moe):
 
 @pytest.mark.parametrize("arch", list(TARGETS))
 def test_an_expert_parallel_rank_holds_its_experts_adapters(arch):
-    spec, beside = tiny_spec(arch), LoRAConfig(rank=4, target_modules=TARGETS[arch])
-    lora = LoRAConfig(rank=4, target_modules=TARGETS[arch], experts=True)
+    spec = tiny_spec(arch)
+    lora = _config(spec, TARGETS[arch])
+    beside = LoRAConfig(rank=4, target_modules=TARGETS[arch], sync=lora.sync)
     layers = list(range(spec.num_layers))
     attention = adapter_params(spec, beside, layers, 2)
     experts = adapter_params(spec, lora, layers, 1) - adapter_params(spec, beside, layers, 1)
@@ -136,11 +155,14 @@ def test_an_expert_parallel_rank_holds_its_experts_adapters(arch):
     assert adapter_params(spec, lora, layers, 2, ep=2) == attention + experts // 2  # experts whole: expert TP 1
 
 
-def test_what_is_not_built_is_refused_by_name():
-    built = r"built for deepseek_v3, glm4_moe, qwen3_5_moe_text, qwen3_moe\)"
-    for arch in ("gpt_oss", "qwen3_next"):
-        with pytest.raises(ConfigError, match=rf"model\.lora\.experts.*{arch} is not built.*{built}"):
-            check_targets(tiny_spec(arch), LoRAConfig(rank=4, target_modules=("o_proj",), experts=True))
+def test_what_is_not_built_is_refused_by_name(monkeypatch):
+    from bapo_megatron.models import family_of
+
+    monkeypatch.setattr(type(family_of("gpt_oss")), "lora_experts", False)  # as if not built
+    built = r"built for deepseek_v3, glm4_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next\)"
+    with pytest.raises(ConfigError, match=rf"model\.lora\.experts.*gpt_oss is not built.*{built}"):
+        check_targets(tiny_spec("gpt_oss"), LoRAConfig(rank=4, target_modules=("o_proj",), experts=True))
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match=r"model\.lora\.experts.*qwen3.*no routed experts"):
         check_targets(tiny_spec("qwen3"), LoRAConfig(rank=4, experts=True))
     with pytest.raises(ConfigError, match=r"model\.lora\.dropout=0\.1.*PEFT"):
@@ -148,7 +170,50 @@ def test_what_is_not_built_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"model\.moe\.grouped_gemm.*false"):
         check_experts(tiny_spec("qwen3_moe"), LoRAConfig(rank=4, experts=True), True, grouped=True)
     for arch, targets in TARGETS.items():
-        check_targets(tiny_spec(arch), LoRAConfig(rank=4, target_modules=targets, experts=True))
+        check_targets(tiny_spec(arch), _config(tiny_spec(arch), targets))
+
+
+def test_gpt_oss_experts_layout_is_the_one_the_adapters_follow():
+    """transformers 5's GptOssExperts hold gate_up_proj as [E, d, 2w] (x @ W), gate and up columns
+    interleaved, and PEFT 0.21 adapts it unswapped (in d, out 2w): its B rows are those interleaved
+    columns, where Megatron's linear_fc1 and the per-expert B are [gate; up] (models/lora_experts.py)."""
+    import peft
+
+    from tests.families import random_hf_model
+
+    spec = tiny_spec("gpt_oss")
+    e, d, w = spec.moe.num_experts, spec.hidden_size, spec.moe.ffn_hidden_size
+    model = random_hf_model(spec)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (e, d, 2 * w) and experts.is_transposed
+    x = torch.randn(1, d)
+    gate_up = x @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    gate = gate_up[..., ::2].clamp(max=experts.limit)
+    up = gate_up[..., 1::2].clamp(-experts.limit, experts.limit)
+    want = (up + 1) * gate * torch.sigmoid(gate * experts.alpha) @ experts.down_proj[0] + experts.down_proj_bias[0]
+    routing = torch.zeros(1, e)
+    routing[0, 0] = 1.0
+    got = experts(x, torch.tensor([[0]]), routing)
+    torch.testing.assert_close(got, want, msg="gate even columns, up odd")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    wrapper = peft.get_peft_model(model, config).base_model.model.model.layers[0].mlp.experts
+    assert (wrapper.in_features, wrapper.out_features) == (d, 2 * w) and not wrapper._did_swap_in_out_features
+
+
+def test_qwen3_next_expert_adapters_are_refused_under_adapter_sync_by_sglangs_reason():
+    """SGLang 0.5.23's Qwen3-Next sizes the shared expert's LoRA buffers by the dense MLP's width: its
+    expert adapters are trained under sync merged, refused under sync adapter with the widths named,
+    served where the two widths agree."""
+    import dataclasses
+
+    spec = tiny_spec("qwen3_next")
+    assert spec.moe.shared_ffn_hidden_size != spec.ffn_hidden_size
+    want = rf"model\.lora\.experts=True: SGLang.*intermediate_size {spec.ffn_hidden_size}, not its.*sync=merged"
+    with pytest.raises(ConfigError, match=want):
+        check_targets(spec, LoRAConfig(rank=4, target_modules=("o_proj",), experts=True))
+    check_targets(spec, LoRAConfig(rank=4, target_modules=("o_proj",), experts=True, sync="merged"))
+    same = dataclasses.replace(spec, ffn_hidden_size=spec.moe.shared_ffn_hidden_size)
+    check_targets(same, LoRAConfig(rank=4, target_modules=("o_proj",), experts=True))
 
 
 def test_the_activation_estimate_counts_each_routed_tokens_expert_adapters():

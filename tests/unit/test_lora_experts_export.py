@@ -4,7 +4,8 @@ whole under SGLang's per-expert names; the checkpoint's PEFT adapter (weights/pe
 experts stacked as PEFT holds them) loads with peft onto transformers' Qwen3-MoE and gives the
 trainer's logits; SGLang 0.5.23's LoRA loader, from its wheel, files every sent tensor under its
 MoE buffers with their shapes, for Qwen3-MoE and the other families whose experts LoRA adapts
-(Qwen3.5-MoE, GLM-4.5, DeepSeek-V3)."""
+(Qwen3.5-MoE, GLM-4.5, DeepSeek-V3, gpt-oss: its B [gate; up] as SGLang interleaves it); Qwen3-Next's,
+which the embedded engine serves, SGLang's model would refuse (the wheel's reason checked)."""
 
 from pathlib import Path
 
@@ -21,7 +22,9 @@ WHEEL_TARGETS = {
     # o_proj: a module whose SGLang buffer is the default's in each (Qwen3.5's gated q_proj is not)
     "qwen3_5_moe_text": "model.lora.target_modules=[o_proj]",
     "glm4_moe": "model.lora.target_modules=[o_proj]",
+    "qwen3_next": "model.lora.target_modules=[o_proj]",  # SGLang refuses its expert adapters (sync merged)
     "deepseek_v3": "model.lora.target_modules=[q_b_proj]",  # its o_proj reads v_head_dim, not the default's
+    "gpt_oss": "model.lora.target_modules=[o_proj]",
 }
 """The families whose synced expert adapters SGLang's loader reads, with the modules adapted beside."""
 
@@ -219,6 +222,9 @@ def test_sglang_files_what_the_sync_sends_under_its_moe_buffers(synced, wheel, m
 
     hf_dir, targets, sent = synced
     ns = _sglang(wheel, monkeypatch)
+    if HFCheckpoint(hf_dir).spec.architecture == "qwen3_next":
+        _check_sglang_refuses_qwen3_next(ns, wheel, hf_dir)
+        return
     cfg = load_config(None, [f"model.hf_path={hf_dir}", *LORA, targets])
     spec, lora = HFCheckpoint(hf_dir).spec, cfg.model.lora
     (tmp_path / PEFT_CONFIG).write_text(json.dumps(peft_config(spec, lora, str(hf_dir))))
@@ -246,6 +252,29 @@ def test_sglang_files_what_the_sync_sends_under_its_moe_buffers(synced, wheel, m
         for module in ("gate_up_proj_moe", "down_proj_moe"):
             assert served[f"{i}.{module}"] == {(e, m) for e in range(experts) for m in "AB"}, (i, module)
     assert not any(k.endswith("_moe") for k in served if int(k.split(".")[0]) not in spec.moe.sparse_layers)
+
+
+def _check_sglang_refuses_qwen3_next(ns: dict, wheel, hf_dir: Path) -> None:
+    """The wheel's Qwen3NextForCausalLM has no get_hidden_dim: the fallback sizes the LoRA buffers of the
+    shared expert's gate_up_proj and down_proj (which the experts' targets wrap) by intermediate_size,
+    and set_lora_info refuses a B buffer unlike its layer's output: what check_targets refuses by name."""
+    import transformers
+
+    from bapo_megatron.common.hf_io import HFCheckpoint
+    from bapo_megatron.config.lora import LoRAConfig
+    from bapo_megatron.errors import ConfigError
+    from bapo_megatron.models.lora import check_targets
+    from tests.sglang_wheel import source
+
+    assert "def get_hidden_dim" not in source(wheel, "models/qwen3_next.py")
+    assert "base partition prefix dim" in source(wheel, "lora/layers.py")  # set_lora_info's ValueError
+    base = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    shared = base.shared_expert_intermediate_size
+    layer = HFCheckpoint(hf_dir).spec.moe.sparse_layers[0]
+    assert ns["get_default_hidden_dim"]("gate_up_proj", base, layer) != (base.hidden_size, 2 * shared)
+    assert ns["get_default_hidden_dim"]("down_proj", base, layer) != (shared, base.hidden_size)
+    with pytest.raises(ConfigError, match=rf"intermediate_size {base.intermediate_size}.*{shared}"):
+        check_targets(HFCheckpoint(hf_dir).spec, LoRAConfig(rank=4, target_modules=("o_proj",), experts=True))
 
 
 def test_the_embedded_engine_serves_the_synced_expert_adapters_with_the_trainers_logits(exported):

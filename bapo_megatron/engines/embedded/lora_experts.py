@@ -1,7 +1,8 @@
 """The embedded engine's LoRA adapters on the routed experts (model.lora.experts): transformers 5's fused
-experts (Qwen3-MoE's, Qwen3.5-MoE's, GLM-4.5's, DeepSeek-V3's: gate_up_proj [E, 2w, d], down_proj
-[E, d, w]) run a request's rows with W + scaling B A, as PEFT's ParamWrapper computes them (its
-target_parameters), the base weights untouched.
+experts (gate_up_proj [E, 2w, d], down_proj [E, d, w]; a module marked is_transposed holds them as
+[E, d, 2w] and [E, w, d], and one not is_concatenated interleaves gate and up columns: gpt-oss) run a
+request's rows with W + scaling B A, as PEFT's ParamWrapper computes them (its target_parameters),
+the base weights untouched.
 
 The tensors are what the adapter sync sends, SGLang's per-expert keys
 (`base_model.model.model.layers.L.mlp.experts.E.gate_up_proj.lora_A.weight` [r, d], `lora_B` [2w, r];
@@ -18,6 +19,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from bapo_megatron.models.lora import PEFT_PREFIX
+from bapo_megatron.models.lora_experts import interleaved
 
 FUSED = ("gate_up_proj", "down_proj")
 """The fused expert tensors adapted, as PEFT's target_parameters name them under `mlp.experts.`."""
@@ -57,7 +59,7 @@ def build_deltas(
         module, proj, matrix, expert = match["module"], match["proj"], match["matrix"], int(match["expert"])
         if module not in modules:
             raise ValueError(f"{name}: the served model has no fused experts {module}")
-        experts, out, inp = getattr(modules[module], proj).shape
+        experts, out, inp = _shape(modules[module], proj)
         want = (r, inp) if matrix == "A" else (out, r)
         if expert >= experts or tuple(tensor.shape) != want:
             raise ValueError(f"{name}: expert {expert} of {experts}, shape {tuple(tensor.shape)}, expected {want}")
@@ -69,8 +71,19 @@ def build_deltas(
         for proj in FUSED:
             weight = getattr(experts_module, proj)
             a, b = (_stacked(found, module, proj, m, weight.shape[0]) for m in "AB")
-            deltas.setdefault(module, {})[proj] = (scaling * torch.bmm(b.float(), a.float())).to(weight.dtype)
+            if proj == "gate_up_proj" and not getattr(experts_module, "is_concatenated", True):
+                b = torch.stack([interleaved(e) for e in b])  # the sent B is [gate; up]
+            delta = scaling * torch.bmm(b.float(), a.float())
+            if getattr(experts_module, "is_transposed", False):
+                delta = delta.transpose(1, 2)
+            deltas.setdefault(module, {})[proj] = delta.to(weight.dtype)
     return deltas
+
+
+def _shape(module: torch.nn.Module, proj: str) -> tuple[int, int, int]:
+    """(experts, out, in) of fused tensor `proj` of an experts module, whichever way it holds them."""
+    experts, first, second = getattr(module, proj).shape
+    return (experts, second, first) if getattr(module, "is_transposed", False) else (experts, first, second)
 
 
 def _stacked(found: dict, module: str, proj: str, matrix: str, experts: int) -> torch.Tensor:
