@@ -60,3 +60,31 @@ def _no_run_left_behind():
     online = sys.modules.get("tests.online")
     if online is not None:
         online.kill_leftovers()
+
+
+RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_world_left_behind():
+    """A command run in pytest's process (train.run, hf_to_mcore, verify) makes a world of one there:
+    rendezvous variables and a process group whose store holds MASTER_PORT. Undone after the test, or
+    every later bapo-train subprocess inherits RANK and a port this process holds (EADDRINUSE) and
+    in-process reductions see a group."""
+    import os
+    import sys
+
+    before = {k: os.environ.get(k) for k in RENDEZVOUS}
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        parallel_state = sys.modules.get("megatron.core.parallel_state")
+        if parallel_state is not None:
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -122,26 +122,7 @@ def test_mxfp4_blocks_without_scales_are_refused(releases, tmp_path):
         HFCheckpoint(directory)
 
 
-@pytest.fixture
-def converter():
-    """hf_to_mcore is a command's: it makes a world of one in its process (rendezvous variables, a
-    process group, Megatron's groups). Undone after the test, or every later test's subprocess
-    inherits RANK and a MASTER_PORT this process holds, and in-process reductions see a group."""
-    import os
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    saved = dict(os.environ)
-    yield
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def test_export_writes_the_release_layout_back(releases, tmp_path, converter):
+def test_export_writes_the_release_layout_back(releases, tmp_path):
     """hf-to-mcore then mcore-to-hf (float32): the release's tensor names and dtypes, its fp8 codes
     bitwise and its scales within one float32 rounding, its quantization_config; with dequantized,
     unquantized and without it. `verify` on the release (partial edge blocks) passes."""
@@ -179,7 +160,7 @@ def test_export_writes_the_release_layout_back(releases, tmp_path, converter):
         assert torch.equal(written[name], read[name].to(written[name].dtype)), name
 
 
-def test_mxfp4_export_writes_the_experts_back_as_they_were(releases, tmp_path, converter):
+def test_mxfp4_export_writes_the_experts_back_as_they_were(releases, tmp_path):
     from bapo_megatron.weights.convert import hf_to_mcore, mcore_to_hf
 
     release = releases / "gpt_oss-mxfp4"
@@ -197,7 +178,7 @@ def test_mxfp4_export_writes_the_experts_back_as_they_were(releases, tmp_path, c
         assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj_blocks").get_dtype() == "U8"
 
 
-def test_transformers_loads_the_release_and_the_export_as_we_read_them(releases, tmp_path, converter):
+def test_transformers_loads_the_release_and_the_export_as_we_read_them(releases, tmp_path):
     """transformers on the CPU dequantizes an fp8 release itself (FineGrainedFP8, dequantize): its
     weights are ours, of the release and of its export (the layout written back loads). Its loader
     refuses partial blocks ("not divisible by scale grid"): this release's blocks tile every tensor."""
