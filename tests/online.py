@@ -171,7 +171,9 @@ def train_holding_shm(argv: list[str]) -> tuple[str, set[str]]:
 
 
 def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """The run's metric records so far: its complete lines (a running run may be writing the last one)."""
+    text = (run / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def trained_groups(run: Path) -> list[list[str]]:
