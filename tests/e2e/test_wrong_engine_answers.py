@@ -22,8 +22,9 @@ WRONG_TOKEN = 999
 
 
 class SpoilingProxy:
-    """Forwards every request to the engine at `target`; /generate answers come back with their first
-    output token (and its log-prob's) replaced by WRONG_TOKEN. Runs on a thread of its own."""
+    """Forwards every request to the engine at `target`; /generate answers (each row of a batched one)
+    come back with their first output token (and its log-prob's) replaced by WRONG_TOKEN. Runs on a
+    thread of its own."""
 
     def __init__(self, target: str) -> None:
         self.target, self.port = target, free_port()
@@ -45,9 +46,10 @@ class SpoilingProxy:
             data = await resp.read()
             if request.path == "/generate" and resp.status == 200:
                 answer = json.loads(data)
-                if answer["output_ids"]:
-                    answer["output_ids"][0] = WRONG_TOKEN
-                    answer["meta_info"]["output_token_logprobs"][0][1] = WRONG_TOKEN
+                for one in answer if isinstance(answer, list) else [answer]:  # SGLang's batch form: a row each
+                    if one["output_ids"]:
+                        one["output_ids"][0] = WRONG_TOKEN
+                        one["meta_info"]["output_token_logprobs"][0][1] = WRONG_TOKEN
                 data = json.dumps(answer).encode()
             return web.Response(body=data, status=resp.status, content_type=resp.content_type)
 
