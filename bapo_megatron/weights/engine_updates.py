@@ -256,12 +256,15 @@ class EngineUpdates:
             self.loop.call(self.pool.mark_dead, index)
         self._waiting = [i for i in self.members if i in self.pool.refitting]
 
-    def revive(self, engines: list[int]) -> None:
-        """These engines took the current weights and passed the checks: they serve again."""
+    def revive(self, engines: list[int]) -> int:
+        """These engines took the current weights and passed the checks: they serve again (how many)."""
+        revived = 0
         for index in engines:
             if index in self.pool.refitting:  # (not dead since)
                 print(f"engine {self.engines.clients[index].base_url} has the current weights: it serves again")
                 self.loop.call(self.pool.revive, index)
+                revived += 1
+        return revived
 
     def _send(self, buckets: Iterable, version: int, flush: bool) -> int:
         from bapo_megatron.weights.sync import WeightSendFailed

@@ -57,8 +57,8 @@ class Outlet(Protocol):
     def waiting(self) -> list[int]:
         """The engines this publish sent the weights to while they waited for them (rank 0)."""
 
-    def revive(self, engines: list[int]) -> None:
-        """These engines passed the checks: they serve again (rank 0)."""
+    def revive(self, engines: list[int]) -> int:
+        """These engines passed the checks: they serve again (rank 0); how many came back."""
 
     def needs_base(self) -> bool:
         """(LoRA adapter sync, rank 0) Whether the engines need the base before the adapter."""
@@ -90,8 +90,8 @@ class Gathering:
     def waiting(self) -> list[int]:
         return []
 
-    def revive(self, engines: list[int]) -> None:
-        pass
+    def revive(self, engines: list[int]) -> int:
+        return 0
 
     def needs_base(self) -> bool:
         return False  # (rank 0 decides)
@@ -127,7 +127,10 @@ class WeightPublisher:
             gap = self._gap(version, None)
             if gap is not None:
                 metrics["sync/probe_logprob_gap"] = gap
-        metrics.update(self._refit_checks(version))
+        refit, revived = self._refit_checks(version)
+        metrics.update(refit)
+        if revived and "engine/live" in metrics:  # counted as the weights went out, before these came back
+            metrics["engine/live"] += revived
         return metrics
 
     def _verified(self, publish, verify: bool) -> dict[str, float]:
@@ -174,17 +177,17 @@ class WeightPublisher:
             return made
         return quantized_buckets(made, self.quantization)
 
-    def _refit_checks(self, version: int) -> dict[str, float]:
+    def _refit_checks(self, version: int) -> tuple[dict[str, float], int]:
         """Engines that took the weights in this publish while they waited for them serve again once
-        they pass the probe (with rollout.sync.check_every; without it, at once)."""
+        they pass the probe (with rollout.sync.check_every; without it, at once): the probe's figure
+        and how many serve again."""
         if not self.cfg.rollout.sync.check_every:
-            self.outlet.revive(self.outlet.waiting())
-            return {}
+            return {}, self.outlet.revive(self.outlet.waiting())
         engines = broadcast(self.outlet.waiting())
         gaps = [self._gap(version, engine) for engine in engines]
-        self.outlet.revive([e for e, gap in zip(engines, gaps, strict=True) if gap is not None])
+        revived = self.outlet.revive([e for e, gap in zip(engines, gaps, strict=True) if gap is not None])
         answered = [gap for gap in gaps if gap is not None]
-        return {"sync/refit_probe_gap": max(answered)} if answered else {}
+        return ({"sync/refit_probe_gap": max(answered)} if answered else {}), revived
 
     def _gap(self, version: int, engine: int | None) -> float | None:
         """The largest gap between the trainer's log-probs of rank 0's probe and the engine's (None:
