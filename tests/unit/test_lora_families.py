@@ -19,6 +19,7 @@ from bapo_megatron.models.lora import (
 )
 from bapo_megatron.models.lora import peft_config as peft_config_of
 from bapo_megatron.models.spec import tiny_spec
+from tests.lora_peft import assert_merge_is_pefts, peft_model, peft_shapes
 
 HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text")
 DELTA_RULE_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -33,23 +34,10 @@ def hybrid(request):
     return spec, random_hf_model(spec)
 
 
-def _peft(model, spec, lora):
-    import copy
-
-    import peft
-
-    config = peft.LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, target_modules=peft_config_of(spec, lora, None)["target_modules"]
-    )
-    return peft.get_peft_model(copy.deepcopy(model), config)
-
-
 def test_names_shapes_and_counts_are_pefts(hybrid):
     spec, model = hybrid
     lora = LoRAConfig(rank=4, sync="merged")
-    theirs = {
-        n.replace(".default.", "."): p.shape for n, p in _peft(model, spec, lora).named_parameters() if p.requires_grad
-    }
+    theirs = peft_shapes(peft_model(model, spec, lora))
     names = adapter_names(spec, lora)
     assert set(names.values()) == set(theirs)
     assert any("linear_attn.in_proj_qkv" in n for n in theirs) and any("self_attn.q_proj" in n for n in theirs)
@@ -61,27 +49,10 @@ def test_names_shapes_and_counts_are_pefts(hybrid):
 def test_the_merge_is_pefts_merge_and_unload(hybrid):
     """The gated q_proj's rows (each head's query and gate, held apart by Megatron) and the delta rule's
     fused in_proj take each adapter where PEFT's merge puts it."""
-    import peft
-
-    from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
-    from tests.families import hf_state
 
     spec, model = hybrid
     lora = LoRAConfig(rank=4, alpha=8.0, sync="merged")
-    theirs = _peft(model, spec, lora)
-    g = torch.Generator().manual_seed(1)
-    names = adapter_names(spec, lora)
-    shapes = {n.replace(".default.", "."): p.shape for n, p in theirs.named_parameters() if p.requires_grad}
-    adapters = {ours: 0.1 * torch.randn(shapes[peft_name], generator=g) for ours, peft_name in names.items()}
-    peft.set_peft_model_state_dict(theirs, {names[k]: v for k, v in adapters.items()})
-    reference = hf_state(theirs.merge_and_unload())
-    hf = {k: v.detach().clone() for k, v in hf_state(model).items()}
-    mg = {**hf_to_megatron(spec, hf, spec.vocab_size, "local"), **adapters}
-    merged = megatron_to_hf(spec, merge_adapters(spec, mg, lora.alpha / lora.rank), "local")
-    changed = {k for k in merged if not torch.equal(merged[k], hf[k])}
-    assert changed == {p.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] + ".weight" for p in names.values()}
-    for k in merged:
-        torch.testing.assert_close(merged[k], reference[k], rtol=1e-6, atol=1e-6, msg=k)
+    assert_merge_is_pefts(spec, model, lora)
 
 
 def test_adapter_sync_sends_what_sglang_serves():

@@ -4,7 +4,6 @@ merge_and_unload (rope_interleave false: the rotary rows Megatron interleaves); 
 down-projections whole on every TP rank; what SGLang 0.5.23's LoRA loader serves from the wheel.
 Megatron's layers against PEFT and TP 2: tests/dist/test_lora_families.py."""
 
-import copy
 import dataclasses
 
 import pytest
@@ -17,10 +16,10 @@ from bapo_megatron.models.lora import (
     adapter_params,
     check_targets,
     layer_targets,
-    merge_adapters,
     peft_config,
 )
 from bapo_megatron.models.spec import tiny_spec
+from tests.lora_peft import assert_merge_is_pefts, peft_model, peft_shapes
 
 LATENT = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
@@ -41,21 +40,10 @@ def latent(request):
     return spec, random_hf_model(spec)
 
 
-def _peft(model, spec, lora):
-    import peft
-
-    targets = peft_config(spec, lora, None)["target_modules"]
-    return peft.get_peft_model(
-        copy.deepcopy(model), peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets)
-    )
-
-
 def test_names_shapes_and_counts_are_pefts(latent):
     spec, model = latent
     lora = LoRAConfig(rank=4, sync="merged")
-    theirs = {
-        n.replace(".default.", "."): p.shape for n, p in _peft(model, spec, lora).named_parameters() if p.requires_grad
-    }
+    theirs = peft_shapes(peft_model(model, spec, lora))
     assert set(adapter_names(spec, lora).values()) == set(theirs)
     query = ("q_proj",) if spec.latent_attention.q_lora_rank is None else ("q_a_proj", "q_b_proj")
     assert {n.split(".")[-3] for n in theirs} == {*query, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
@@ -65,26 +53,10 @@ def test_names_shapes_and_counts_are_pefts(latent):
 def test_the_merge_is_pefts_merge_and_unload(latent):
     """Each adapter merged into its latent projection where PEFT's merge puts it: with rope_interleave
     false, q_proj's and kv_a_proj_with_mqa's rotary rows in Megatron's interleaved order."""
-    import peft
-
-    from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
-    from tests.families import hf_state
 
     spec, model = latent
     lora = LoRAConfig(rank=4, alpha=8.0, sync="merged")
-    theirs = _peft(model, spec, lora)
-    shapes = {n.replace(".default.", "."): p.shape for n, p in theirs.named_parameters() if p.requires_grad}
-    names, g = adapter_names(spec, lora), torch.Generator().manual_seed(1)
-    adapters = {ours: 0.1 * torch.randn(shapes[p], generator=g) for ours, p in names.items()}
-    peft.set_peft_model_state_dict(theirs, {names[k]: v for k, v in adapters.items()})
-    reference = hf_state(theirs.merge_and_unload())
-    hf = {k: v.detach().clone() for k, v in hf_state(model).items()}
-    mg = {**hf_to_megatron(spec, hf, spec.vocab_size, "local"), **adapters}
-    merged = megatron_to_hf(spec, merge_adapters(spec, mg, lora.alpha / lora.rank), "local")
-    changed = {k for k in merged if not torch.equal(merged[k], hf[k])}
-    assert changed == {p.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] + ".weight" for p in names.values()}
-    for k in merged:
-        torch.testing.assert_close(merged[k], reference[k], rtol=1e-6, atol=1e-6, msg=k)
+    assert_merge_is_pefts(spec, model, lora)
 
 
 def test_down_projections_are_whole_on_every_tp_rank():

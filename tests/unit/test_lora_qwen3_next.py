@@ -5,16 +5,15 @@ rows of B, and what SGLang 0.5.23 serves of it (its Qwen3NextForCausalLM read fr
 Megatron's layers against PEFT and TP 2: tests/dist/test_lora_families.py."""
 
 import ast
-import copy
 
 import pytest
 import torch
 
 from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.errors import ConfigError
-from bapo_megatron.models.lora import adapter_names, adapter_params, check_targets, layer_targets, merge_adapters
-from bapo_megatron.models.lora import peft_config as peft_config_of
+from bapo_megatron.models.lora import adapter_names, adapter_params, check_targets, layer_targets
 from bapo_megatron.models.spec import tiny_spec
+from tests.lora_peft import assert_merge_is_pefts, peft_model, peft_shapes
 
 DELTA_RULE = ("in_proj_qkvz", "in_proj_ba", "out_proj")
 
@@ -28,20 +27,10 @@ def next_model():
     return spec, random_hf_model(spec)
 
 
-def _peft(model, spec, lora):
-    import peft
-
-    targets = peft_config_of(spec, lora, None)["target_modules"]
-    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets)
-    return peft.get_peft_model(copy.deepcopy(model), config)
-
-
 def test_names_shapes_and_counts_are_pefts(next_model):
     spec, model = next_model
     lora = LoRAConfig(rank=4, sync="merged")
-    theirs = {
-        n.replace(".default.", "."): p.shape for n, p in _peft(model, spec, lora).named_parameters() if p.requires_grad
-    }
+    theirs = peft_shapes(peft_model(model, spec, lora))
     assert set(adapter_names(spec, lora).values()) == set(theirs)
     assert {n.split(".")[-3] for n in theirs} == {"q_proj", "k_proj", "v_proj", "o_proj", *DELTA_RULE}
     assert adapter_params(spec, lora, list(range(spec.num_layers)), 1) == sum(s.numel() for s in theirs.values())
@@ -50,27 +39,11 @@ def test_names_shapes_and_counts_are_pefts(next_model):
 def test_the_merge_is_pefts_merge_and_unload(next_model):
     """Each grouped projection's adapter merged into Megatron's in_proj parts (q, k, v, z, b, a) where
     PEFT's merge puts it in HF's per-key-head rows (two key heads: the order matters)."""
-    import peft
-
-    from bapo_megatron.weights.layout import hf_to_megatron, megatron_to_hf
-    from tests.families import hf_state
 
     spec, model = next_model
     assert spec.linear_attention.num_key_heads > 1
     lora = LoRAConfig(rank=4, alpha=8.0, sync="merged", target_modules=DELTA_RULE)
-    theirs = _peft(model, spec, lora)
-    shapes = {n.replace(".default.", "."): p.shape for n, p in theirs.named_parameters() if p.requires_grad}
-    names, g = adapter_names(spec, lora), torch.Generator().manual_seed(1)
-    adapters = {ours: 0.1 * torch.randn(shapes[p], generator=g) for ours, p in names.items()}
-    peft.set_peft_model_state_dict(theirs, {names[k]: v for k, v in adapters.items()})
-    reference = hf_state(theirs.merge_and_unload())
-    hf = {k: v.detach().clone() for k, v in hf_state(model).items()}
-    mg = {**hf_to_megatron(spec, hf, spec.vocab_size, "local"), **adapters}
-    merged = megatron_to_hf(spec, merge_adapters(spec, mg, lora.alpha / lora.rank), "local")
-    changed = {k for k in merged if not torch.equal(merged[k], hf[k])}
-    assert changed == {p.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] + ".weight" for p in names.values()}
-    for k in merged:
-        torch.testing.assert_close(merged[k], reference[k], rtol=1e-6, atol=1e-6, msg=k)
+    assert_merge_is_pefts(spec, model, lora)
 
 
 def test_a_tp_rank_holds_its_key_heads_rows_of_b():
