@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tests.dist.launch import run_workers
-from tests.dist.test_lora_layouts import MICRO_BATCHES, SEQ, _base, _close, _forward_step, _part, _tokens
+from tests.dist.test_lora_layouts import SEQ, _adam_step, _base, _close, _part, _tokens
 
 RANK, ALPHA = 4, 8.0
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -158,44 +158,16 @@ def _check_against_peft(hf_dir: Path, arch: str) -> None:
 def _step(hf_dir: Path, arch: str, whole: dict[str, torch.Tensor], tp: int, ep: int) -> dict:
     """One Adam step of the adapters at TP `tp` x EP `ep`: the loss, and by global name each adapter's
     gradient and updated value (this rank's: its part, its experts)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from bapo_megatron.trainer import megatron_config as mc
-    from bapo_megatron.trainer.lora import adapter_parameters, apply_lora
+    from bapo_megatron.trainer.lora import apply_lora
 
     cfg = _setup(tp, ep)
     spec = _spec(arch)
     gpt = _base(hf_dir, cfg)
     apply_lora(gpt, spec, _lora(arch))
     _set_adapters(gpt, whole)
-    ddp = DistributedDataParallel(config=gpt.config, ddp_config=mc.ddp_config(cfg.model), module=gpt)
-    optimizer = get_megatron_optimizer(mc.optimizer_config(cfg.optimizer, cfg.model), [ddp])
-    gpt.config.finalize_model_grads_func = finalize_model_grads
-    gpt.config.grad_scale_func = optimizer.scale_loss
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    reports = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iter(_tokens(spec, seed=1).split(1)),
-        model=ddp,
-        num_microbatches=MICRO_BATCHES,
-        seq_length=SEQ,
-        micro_batch_size=1,
-        forward_only=False,
+    return _adam_step(
+        gpt, cfg, spec, _global, lambda name, p, rank: _whole if ".mlp.experts." in name else _part(p, tp, rank)
     )
-    adapters = adapter_parameters(gpt)
-    grads = {_global(gpt, n): p.main_grad.clone() for n, p in adapters.items()}
-    assert optimizer.step()[0], "the step was taken"
-    rank = ps.get_tensor_model_parallel_rank()
-    return {
-        "loss": sum(r["loss"] for r in reports).item(),
-        "grads": grads,
-        "values": {_global(gpt, n): p.detach().clone() for n, p in adapters.items()},
-        "part": {_global(gpt, n): _whole if ".mlp.experts." in n else _part(p, tp, rank) for n, p in adapters.items()},
-    }
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,10 @@ import torch
 
 from tests.dist.launch import run_workers
 from tests.dist.test_lora_layouts import (
-    MICRO_BATCHES,
     SEQ,
+    _adam_step,
     _base,
     _close,
-    _forward_step,
     _global,
     _part,
     _peft_model,
@@ -121,44 +120,14 @@ def _check_against_peft(hf_dir: Path, arch: str) -> None:
 
 def _step(hf_dir: Path, arch: str, whole: dict[str, torch.Tensor], tp: int) -> dict:
     """One Adam step of the adapters at TP `tp`: the loss, each adapter's gradient and updated value."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from bapo_megatron.trainer import megatron_config as mc
-    from bapo_megatron.trainer.lora import adapter_parameters, apply_lora
+    from bapo_megatron.trainer.lora import apply_lora
 
     cfg = _setup(tp, 1)
     spec = _spec(arch)
     gpt = _base(hf_dir, cfg)
     apply_lora(gpt, spec, _lora(arch))
     _set_adapters(gpt, whole)
-    ddp = DistributedDataParallel(config=gpt.config, ddp_config=mc.ddp_config(cfg.model), module=gpt)
-    optimizer = get_megatron_optimizer(mc.optimizer_config(cfg.optimizer, cfg.model), [ddp])
-    gpt.config.finalize_model_grads_func = finalize_model_grads
-    gpt.config.grad_scale_func = optimizer.scale_loss
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    reports = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iter(_tokens(spec, seed=1).split(1)),
-        model=ddp,
-        num_microbatches=MICRO_BATCHES,
-        seq_length=SEQ,
-        micro_batch_size=1,
-        forward_only=False,
-    )
-    adapters = adapter_parameters(gpt)
-    grads = {_global(gpt, n): p.main_grad.clone() for n, p in adapters.items()}
-    assert optimizer.step()[0], "the step was taken"
-    rank = ps.get_tensor_model_parallel_rank()
-    return {
-        "loss": sum(r["loss"] for r in reports).item(),
-        "grads": grads,
-        "values": {_global(gpt, n): p.detach().clone() for n, p in adapters.items()},
-        "part": {_global(gpt, n): _part(p, tp, rank) for n, p in adapters.items()},
-    }
+    return _adam_step(gpt, cfg, spec, _global, lambda name, p, rank: _part(p, tp, rank))
 
 
 def _worker(rank: int, world: int, root: str) -> None:

@@ -273,6 +273,45 @@ def _check_checkpoint_shards(gpt, spec, lora) -> None:
         assert sh.replica_id[-1] == ps.get_data_parallel_rank(with_context_parallel=True), (sh.key, sh.replica_id)
 
 
+def _adam_step(gpt, cfg, spec, global_name, part_of) -> dict:
+    """One Adam step of `gpt`'s adapters through Megatron's DDP, optimizer and schedule on the test
+    batch: the loss and, by global_name(local name), each adapter's gradient, updated value and
+    part_of(local name, parameter, TP rank) (what of the whole matrix this rank holds)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from bapo_megatron.trainer import megatron_config as mc
+    from bapo_megatron.trainer.lora import adapter_parameters
+
+    ddp = DistributedDataParallel(config=gpt.config, ddp_config=mc.ddp_config(cfg.model), module=gpt)
+    optimizer = get_megatron_optimizer(mc.optimizer_config(cfg.optimizer, cfg.model), [ddp])
+    gpt.config.finalize_model_grads_func = finalize_model_grads
+    gpt.config.grad_scale_func = optimizer.scale_loss
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(_tokens(spec, seed=1).split(1)),
+        model=ddp,
+        num_microbatches=MICRO_BATCHES,
+        seq_length=SEQ,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    adapters = adapter_parameters(gpt)
+    grads = {global_name(gpt, n): p.main_grad.clone() for n, p in adapters.items()}
+    assert optimizer.step()[0], "the step was taken"
+    rank = ps.get_tensor_model_parallel_rank()
+    return {
+        "loss": sum(r["loss"] for r in reports).item(),
+        "grads": grads,
+        "values": {global_name(gpt, n): p.detach().clone() for n, p in adapters.items()},
+        "part": {global_name(gpt, n): part_of(n, p, rank) for n, p in adapters.items()},
+    }
+
+
 def _part(param: torch.Tensor, tp: int, rank: int):
     """What of a whole matrix this rank's `param` is."""
     dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
