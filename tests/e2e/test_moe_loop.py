@@ -2,6 +2,8 @@
 parallel 2 for them) under torchrun with the engine's routes replayed, the adapters alone sent to the
 engine every step (model.lora.sync=adapter), and the final checkpoint converted to a HF directory
 that transformers loads (the adapters merged; the experts and routers, not adapted, as they came).
+With model.lora.experts every expert's gate_up_proj and down_proj are adapted too: they move in the
+export, the routers and norms still do not.
 
 The embedded engine and the trainer run the same fp32 weights: after every sync the engine's
 log-probs are the trainer's (the probe and the first update's mismatch within 1e-5, partial
@@ -30,12 +32,13 @@ def task(tmp_path_factory):
     return write_task(root / "task", 64, root / "moe")
 
 
-def test_qwen3_moe_lora_trains_at_ep2_with_replayed_routes_and_exports_to_hf(task, tmp_path):
+@pytest.mark.parametrize("experts", [False, True], ids=["attention-and-dense", "experts-too"])
+def test_qwen3_moe_lora_trains_at_ep2_with_replayed_routes_and_exports_to_hf(task, tmp_path, experts):
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
     extra = ("parallel.expert=2", "algo.routing_replay=true", "rollout.mode=sync", "rollout.sync.check_every=1")
-    extra += ("model.lora.rank=8", "model.lora.alpha=16")
+    extra += ("model.lora.rank=8", "model.lora.alpha=16", f"model.lora.experts={str(experts).lower()}")
     train(args(task, run, 2, *extra), launcher=torchrun(2))
     steps = metrics(run)
     assert [m["step"] for m in steps] == [1, 2]
@@ -58,4 +61,8 @@ def test_qwen3_moe_lora_trains_at_ep2_with_replayed_routes_and_exports_to_hf(tas
     assert set(trained) == set(initial)
     moved = [k for k in trained if not torch.equal(trained[k], initial[k])]
     assert any("self_attn.q_proj" in k for k in moved), moved  # the adapters, merged
-    assert not any("experts" in k or "mlp.gate.weight" in k or "norm" in k for k in moved), moved
+    assert not any("mlp.gate.weight" in k or "norm" in k for k in moved), moved
+    if experts:
+        assert any("mlp.experts.gate_up_proj" in k for k in moved) and any("mlp.experts.down_proj" in k for k in moved)
+    else:
+        assert not any("experts" in k for k in moved), moved
