@@ -116,6 +116,20 @@ def random_hf_model(spec: ModelSpec, seed: int = 0):
     return model
 
 
+def multimodal_qwen3_5_config(spec: ModelSpec):
+    """transformers' Qwen3_5Config of the released multimodal layout around `spec`'s text model: a tiny
+    vision tower (one block) beside it."""
+    import transformers
+
+    text = {k: v for k, v in spec.to_hf_config().items() if k != "architectures"}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4}
+    return transformers.Qwen3_5Config(
+        text_config=text,
+        vision_config={**vision, "out_hidden_size": spec.hidden_size, "num_position_embeddings": 16},
+        tie_word_embeddings=spec.tie_embeddings,
+    )
+
+
 def save_hf_model(model, spec: ModelSpec, directory: Path) -> None:
     """`model` as a HF directory (several shards) with a word-level tokenizer of the vocabulary."""
     import tokenizers

@@ -125,19 +125,13 @@ def _multimodal_round_trip(rank: int, world: int, root: str) -> None:
 
     from bapo_megatron.common.hf_io import HFCheckpoint
     from bapo_megatron.weights.convert import verify_conversion
-    from tests.families import TOOLS, random_hf_model
+    from tests.families import TOOLS, multimodal_qwen3_5_config, random_hf_model
 
     sys.path.insert(0, str(TOOLS))
     import convert_checkpoint as cli
 
     spec, hf, mcore, back = tiny_spec("qwen3_5_text"), Path(root) / "hf", Path(root) / "mcore", Path(root) / "back"
-    text = {k: v for k, v in spec.to_hf_config().items() if k != "architectures"}
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4}
-    config = transformers.Qwen3_5Config(
-        text_config=text,
-        vision_config={**vision, "out_hidden_size": spec.hidden_size, "num_position_embeddings": 16},
-        tie_word_embeddings=spec.tie_embeddings,
-    )
+    config = multimodal_qwen3_5_config(spec)
     text_model = random_hf_model(spec)
     model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
     with torch.no_grad():  # the text model's random weights, under the multimodal names

@@ -17,15 +17,9 @@ def _multimodal_dir(spec, directory: Path) -> None:
     """A tiny Qwen3_5ForConditionalGeneration (one-block vision tower) saved in the released layout."""
     import transformers
 
-    from tests.families import random_hf_model, save_hf_model
+    from tests.families import multimodal_qwen3_5_config, random_hf_model, save_hf_model
 
-    text = {k: v for k, v in spec.to_hf_config().items() if k != "architectures"}
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4}
-    config = transformers.Qwen3_5Config(
-        text_config=text,
-        vision_config={**vision, "out_hidden_size": spec.hidden_size, "num_position_embeddings": 16},
-        tie_word_embeddings=spec.tie_embeddings,
-    )
+    config = multimodal_qwen3_5_config(spec)
     model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
     with torch.no_grad():  # a random text model under the multimodal names
         for name, tensor in random_hf_model(spec).state_dict().items():

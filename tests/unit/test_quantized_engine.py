@@ -16,7 +16,7 @@ from bapo_megatron.engines.embedded.core import EngineCore
 from bapo_megatron.engines.embedded.request_queue import EngineRequest
 from bapo_megatron.errors import BadInputError
 from bapo_megatron.models.spec import tiny_spec
-from tests.families import random_hf_model
+from tests.families import multimodal_qwen3_5_config, random_hf_model
 from tests.quantized_releases import FP8, all_tensors, make_releases, reference_fp8, rewrite
 
 pytestmark = pytest.mark.unit
@@ -85,13 +85,7 @@ def _multimodal_fp8(directory):
     released in: the text model under model.language_model., a vision tower beside it): the text
     decoder's linear weights in fp8 blocks, the rest bf16."""
     spec = tiny_spec("qwen3_5_text")
-    text = {k: v for k, v in spec.to_hf_config().items() if k != "architectures"}
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4}
-    config = transformers.Qwen3_5Config(
-        text_config=text,
-        vision_config={**vision, "out_hidden_size": spec.hidden_size, "num_position_embeddings": 16},
-        tie_word_embeddings=spec.tie_embeddings,
-    )
+    config = multimodal_qwen3_5_config(spec)
     model, state = transformers.Qwen3_5ForConditionalGeneration(config), random_hf_model(spec).state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
