@@ -205,12 +205,8 @@ def _step(
     """One Adam step of the adapters at the layout: the loss (last stage), and by global name each
     adapter's gradient and updated value (this rank's slices) and whether the base stayed put."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from bapo_megatron.trainer import megatron_config as mc
-    from bapo_megatron.trainer.lora import adapter_parameters, apply_lora
+    from bapo_megatron.trainer.lora import apply_lora
 
     cfg = _setup(tp, pp, recompute)
     spec, lora = _spec("qwen3"), _lora(PARITY["qwen3"], dropout)
@@ -219,36 +215,9 @@ def _step(
     _set_adapters(gpt, whole)
     base = {n: p.detach().clone() for n, p in gpt.named_parameters() if not p.requires_grad}
     _check_checkpoint_shards(gpt, spec, lora)
-    ddp = DistributedDataParallel(config=gpt.config, ddp_config=mc.ddp_config(cfg.model), module=gpt)
-    adapters = adapter_parameters(gpt)
-    buffered = {id(p) for buffer in ddp.buffers for p in buffer.params}
-    assert buffered == {id(p) for p in adapters.values()}, "gradient buffers hold only the adapters"
-    optimizer = get_megatron_optimizer(mc.optimizer_config(cfg.optimizer, cfg.model), [ddp])
-    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    assert optimized == {id(p) for p in adapters.values()}, "the optimizer holds only the adapters"
-    gpt.config.finalize_model_grads_func = finalize_model_grads
-    gpt.config.grad_scale_func = optimizer.scale_loss
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    reports = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iter(_tokens(spec, seed=1).split(1)),
-        model=ddp,
-        num_microbatches=MICRO_BATCHES,
-        seq_length=SEQ,
-        micro_batch_size=1,
-        forward_only=False,
-    )
-    grads = {_global(gpt, n): p.main_grad.clone() for n, p in adapters.items()}
-    assert optimizer.step()[0], "the step was taken"
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    return {
-        "loss": sum(r["loss"] for r in reports).item() if reports else None,
-        "grads": grads,
-        "values": {_global(gpt, n): p.detach().clone() for n, p in adapters.items()},
-        "part": {_global(gpt, n): _part(p, tp, tp_rank) for n, p in adapters.items()},
-        "base_kept": all(torch.equal(p, base[n]) for n, p in gpt.named_parameters() if n in base),
-    }
+    step = _adam_step(gpt, cfg, spec, _global, lambda name, p, rank: _part(p, tp, rank))
+    step["base_kept"] = all(torch.equal(p, base[n]) for n, p in gpt.named_parameters() if n in base)
+    return step
 
 
 def _check_checkpoint_shards(gpt, spec, lora) -> None:
@@ -275,7 +244,8 @@ def _check_checkpoint_shards(gpt, spec, lora) -> None:
 
 def _adam_step(gpt, cfg, spec, global_name, part_of) -> dict:
     """One Adam step of `gpt`'s adapters through Megatron's DDP, optimizer and schedule on the test
-    batch: the loss and, by global_name(local name), each adapter's gradient, updated value and
+    batch (its gradient buffers and optimizer holding the adapters alone): the loss (the last
+    stage's; None elsewhere) and, by global_name(local name), each adapter's gradient, updated value and
     part_of(local name, parameter, TP rank) (what of the whole matrix this rank holds)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -286,7 +256,12 @@ def _adam_step(gpt, cfg, spec, global_name, part_of) -> dict:
     from bapo_megatron.trainer.lora import adapter_parameters
 
     ddp = DistributedDataParallel(config=gpt.config, ddp_config=mc.ddp_config(cfg.model), module=gpt)
+    adapters = adapter_parameters(gpt)
+    buffered = {id(p) for buffer in (*ddp.buffers, *ddp.expert_parallel_buffers) for p in buffer.params}
+    assert buffered == {id(p) for p in adapters.values()}, "gradient buffers hold only the adapters"
     optimizer = get_megatron_optimizer(mc.optimizer_config(cfg.optimizer, cfg.model), [ddp])
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in adapters.values()}, "the optimizer holds only the adapters"
     gpt.config.finalize_model_grads_func = finalize_model_grads
     gpt.config.grad_scale_func = optimizer.scale_loss
     ddp.zero_grad_buffer()
@@ -300,12 +275,11 @@ def _adam_step(gpt, cfg, spec, global_name, part_of) -> dict:
         micro_batch_size=1,
         forward_only=False,
     )
-    adapters = adapter_parameters(gpt)
     grads = {global_name(gpt, n): p.main_grad.clone() for n, p in adapters.items()}
     assert optimizer.step()[0], "the step was taken"
     rank = ps.get_tensor_model_parallel_rank()
     return {
-        "loss": sum(r["loss"] for r in reports).item(),
+        "loss": sum(r["loss"] for r in reports).item() if reports else None,  # (the last stage's)
         "grads": grads,
         "values": {global_name(gpt, n): p.detach().clone() for n, p in adapters.items()},
         "part": {global_name(gpt, n): part_of(n, p, rank) for n, p in adapters.items()},
