@@ -28,7 +28,7 @@ from bapo_megatron.common.batch import RolloutBatch
 from bapo_megatron.config import JobConfig, load_config
 from bapo_megatron.errors import BadInputError, ConfigError, RunStopped
 from bapo_megatron.job import AlreadyFinished, Job, RolloutOnly
-from bapo_megatron.runinfo import Ending, RunStatus
+from bapo_megatron.runinfo import Ending, Interrupted, RunStatus
 
 
 def run(cfg: JobConfig) -> list[dict[str, float]]:
@@ -150,6 +150,15 @@ def throughput(batch: RolloutBatch, seconds: float) -> dict[str, float]:
     }
 
 
+def keep_exit_code() -> None:
+    """An interrupt's exit code stays 128 + the signal. CPython (3.11-3.13) run as `python -m` dies by
+    SIGINT at exit instead (-2; a shell shows 130 for both, a job script's `$?` check does not) when
+    a KeyboardInterrupt ended any string exec, even one caught later: dataclasses and namedtuple
+    build their methods with exec, so a Ctrl-C while Megatron is imported lands there. Each string
+    exec clears that record as it starts: this one, after the interrupt was handled, does."""
+    exec("None", {})
+
+
 def main(argv: list[str] | None = None) -> None:
     """`bapo-train` (and python -m bapo_megatron.train): see cli/args.py for the options."""
     quiet.hold_known_warnings()  # before Megatron is imported: its known notices go to the run's warnings.log
@@ -172,7 +181,11 @@ def main(argv: list[str] | None = None) -> None:
         run(cfg)  # every check that needs no model runs before any process group starts
     except KeyboardInterrupt:  # before a run began (a run's own interrupt is said, then exits: Interrupted)
         print("interrupted before the run started: nothing was done", file=sys.stderr)
+        keep_exit_code()
         raise SystemExit(130) from None
+    except Interrupted:
+        keep_exit_code()
+        raise
     except RunStopped as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,9 @@ def init_model_parallel(parallel: ParallelConfig, seed: int) -> ParallelInfo:
 
 
 def destroy_model_parallel() -> None:
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
+    """Megatron's groups destroyed where they were made. A run interrupted while Megatron was being
+    imported has none, and importing it again would fail on the half-imported modules (an
+    AttributeError from torch._dynamo in place of the interrupt's own exit)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and hasattr(ps, "destroy_model_parallel"):
+        ps.destroy_model_parallel()

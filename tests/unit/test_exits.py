@@ -3,7 +3,10 @@ checkpoint the same command resumes from, or that nothing was saved and what the
 over from. A run that starts over keeps the logs of the start before it (keep_earlier_logs)."""
 
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -148,3 +151,67 @@ def test_an_interrupt_while_the_banner_is_said_is_this_starts_to_record(tmp_path
         train.run(cfg)
     assert _status(cfg)["state"] == "interrupted" and _status(cfg)["step"] == 0
     assert json.loads((cfg.run_path / "previous" / "1" / "status.json").read_text())["step"] == 2
+
+
+PROBE = """
+import importlib.abc
+import sys
+from bapo_megatron import train
+from bapo_megatron.runinfo import Interrupted
+
+
+def run(cfg):  # an interrupt that lands in a string exec, as in a dataclass built while Megatron imports
+    try:
+        exec("raise KeyboardInterrupt", {})
+    except KeyboardInterrupt:
+        if sys.argv[1] == "during":
+            raise Interrupted(2) from None  # what the run's Ending raises once it has said what was left
+        raise
+
+
+class CtrlC(importlib.abc.MetaPathFinder):  # Ctrl-C while the trainer imports Megatron (and torch._dynamo)
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo.variables.misc":
+            sys.meta_path.remove(self)
+            raise KeyboardInterrupt
+
+
+if sys.argv[1] == "importing":
+    sys.meta_path.insert(0, CtrlC())
+else:
+    train.run = run
+train.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_an_interrupt_inside_a_string_exec_still_exits_130(tmp_path, when):
+    """`python -m bapo_megatron.train` interrupted exits 130, not by SIGINT (-2: CPython's record of a
+    KeyboardInterrupt that ended a string exec; CI saw it once in tests/e2e/test_ctrl_c.py)."""
+    from tests.online import ROOT
+
+    (tmp_path / "interrupt_probe.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "interrupt_probe", when, "steps=1", f"run_dir={tmp_path / 'run'}"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr[-2000:]
+
+
+def test_an_interrupt_while_megatron_imports_tears_down_without_importing_it_again(tmp_path):
+    """Ctrl-C in the middle of Megatron's import (torch._dynamo half imported): the run says what it
+    left and exits 130; its teardown destroyed no Megatron groups (there were none), where importing
+    Megatron again to do so failed on the half-imported modules (exit 1, an AttributeError)."""
+    from tests.helpers import make_batch
+    from tests.online import ROOT
+
+    (tmp_path / "interrupt_probe.py").write_text(PROBE)
+    (tmp_path / "replay").mkdir()
+    make_batch(0).save(tmp_path / "replay" / "step_000.safetensors")
+    overrides = [f"rollout.replay={tmp_path / 'replay'}", "steps=2", f"run_dir={tmp_path / 'run'}"]
+    overrides += ["logging.backends=[jsonl]", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "interrupt_probe", "importing", *overrides]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("interrupted at step 0 of 2: nothing was saved")
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "interrupted"
