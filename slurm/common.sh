@@ -81,7 +81,7 @@ trainer_rendezvous() {
 shared_admin_key() {
     local key_file=$RUN_DIR/admin_api_key
     if [[ ! -s $key_file ]]; then
-        (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$key_file")
+        (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' >"$key_file")
     fi
     echo "$key_file"
 }

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 from bapo_megatron.common.routes import recorded_routes
 from bapo_megatron.config import JobConfig
 from bapo_megatron.engines.client import EngineClient, EngineError, EngineUnavailable, ServedModel
-from bapo_megatron.engines.launcher import ServerProcess, embedded_servers
+from bapo_megatron.engines.launcher import ServerProcess, embedded_servers, new_admin_key
 from bapo_megatron.engines.loop import EngineLoop
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.errors import ConfigError, RunStopped
@@ -165,7 +164,7 @@ class Engines:
         if e.urls:
             return
         if e.kind == "embedded":
-            self.key = secrets.token_urlsafe(32)
+            self.key = new_admin_key()
             self.servers = embedded_servers(self._rollout_here(), model_dir, self.run_dir, self.cfg.seed, self.key)
             for server in self.servers:
                 server.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -38,6 +39,21 @@ LAUNCHER_ENV = frozenset(
     }
 )
 """The trainer's torchrun/srun variables: an engine is no rank of the trainer's job, and torch reads them."""
+
+
+def new_admin_key() -> str:
+    """A fresh admin key for the engines: hex, so that it never starts with "-" (one url-safe key in 64
+    did, and SGLang's argument parser read it as an option and would not start)."""
+    return secrets.token_hex(32)
+
+
+def checked_admin_key(key: str, source: str) -> str:
+    """A key the user gave (`source` names where from), refused where an engine could not take it."""
+    if len(key) < 16:
+        raise ValueError(f"{source}: the key is shorter than 16 characters")
+    if key.startswith("-"):
+        raise ValueError(f"{source}: the key starts with '-', which SGLang's argument parser reads as an option")
+    return key
 
 
 class EngineStartError(RuntimeError):

@@ -16,7 +16,6 @@ Readiness: /health_generate, with the server's log tail when it fails or times o
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ import yaml
 
 from bapo_megatron.config import SGLANG_LAUNCHER_ARGS, RolloutConfig
 from bapo_megatron.config.lora import LoRAConfig
-from bapo_megatron.engines.launcher import ServerProcess, is_loopback
+from bapo_megatron.engines.launcher import ServerProcess, checked_admin_key, is_loopback, new_admin_key
 from bapo_megatron.models.lora import served_modules
 from bapo_megatron.models.spec import ModelSpec
 
@@ -40,17 +39,14 @@ def admin_key(cfg: RolloutConfig, run_dir: str | Path) -> str | None:
         path = Path(cfg.engines.admin_key_file)
         if not path.is_file():
             raise ValueError(f"rollout.engines.admin_key_file={path}: no such file")
-        key = path.read_text().strip()
-        if len(key) < 16:
-            raise ValueError(f"rollout.engines.admin_key_file={path}: the key is shorter than 16 characters")
-        return key
+        return checked_admin_key(path.read_text().strip(), f"rollout.engines.admin_key_file={path}")
     if os.environ.get(KEY_ENV):
-        return os.environ[KEY_ENV]
+        return checked_admin_key(os.environ[KEY_ENV], f"${KEY_ENV}")
     if is_loopback(cfg.engines.host):
         return None
     path = Path(run_dir) / "admin_api_key"
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_urlsafe(32)
+    key = new_admin_key()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")

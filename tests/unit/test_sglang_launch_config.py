@@ -9,6 +9,7 @@ Skipped only when the wheel or the few packages its import needs cannot be downl
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,15 @@ import yaml
 
 from bapo_megatron.config import SGLANG_DEPRECATED_ARGS, load_config
 from bapo_megatron.config.lora import LoRAConfig
-from bapo_megatron.engines.sglang_launcher import Launch, ServedLoRA, server_args, sglang_servers
+from bapo_megatron.engines.launcher import new_admin_key
+from bapo_megatron.engines.sglang_launcher import (
+    KEY_ENV,
+    Launch,
+    ServedLoRA,
+    admin_key,
+    server_args,
+    sglang_servers,
+)
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.spec import tiny_spec
 from bapo_megatron.trainer.memory.estimate import rollout_mem_fraction
@@ -64,8 +73,11 @@ def test_sglang_parses_every_launcher_option_to_the_value_we_meant(sglang_parse,
     (tmp_path / "lora").mkdir()
     with_lora = Launch("/models/qwen", "7", 3, fraction, lora=adapters)
     sglang_servers(cfg, with_lora, tmp_path / "lora")
+    dashed = tmp_path / "dashed.yaml"  # a url-safe key that starts with "-" (one in 64 did; hex keys never do)
+    dashed.write_text(yaml.safe_dump({"model-path": "/m", "admin-api-key": "-" + key[1:]}))
     configs = [tmp_path / "sglang_0.yaml", tmp_path / "sglang_1.yaml", bad, refused, tmp_path / "lora/sglang_0.yaml"]
-    out = sglang_parse(*configs)
+    out = sglang_parse(*configs, dashed)
+    assert "--admin-api-key: expected one argument" in out["configs"][5]["error"]
     for index, result in enumerate(out["configs"][:2]):
         assert "error" not in result, result["error"]
         assert "None" not in result["argv"]
@@ -170,3 +182,22 @@ def test_each_server_config_names_its_placed_gpu(tmp_path):
     servers, _ = sglang_servers(cfg, Launch("/models/m"), tmp_path, base_gpus=[4, 6])
     assert [yaml.safe_load((tmp_path / f"sglang_{i}.yaml").read_text())["base-gpu-id"] for i in range(2)] == [4, 6]
     assert len(servers) == 2
+
+
+def test_admin_keys_are_keys_sglang_can_parse(tmp_path, monkeypatch):
+    """Generated keys are hex; a given key that starts with "-" (SGLang's parser reads it as an option,
+    above) or is short is refused, naming where it came from, before any server starts."""
+    assert all(re.fullmatch("[0-9a-f]{64}", new_admin_key()) for _ in range(256))
+    cfg = load_config(None, LAUNCH).rollout
+    assert re.fullmatch("[0-9a-f]{64}", admin_key(cfg, tmp_path))  # beyond loopback: generated
+    key_file = tmp_path / "given_key"
+    key_file.write_text("-" + "k" * 40 + "\n")
+    with_file = load_config(None, [*LAUNCH, f"rollout.engines.admin_key_file={key_file}"]).rollout
+    with pytest.raises(ValueError, match=f"admin_key_file={key_file}: the key starts with '-'"):
+        admin_key(with_file, tmp_path)
+    monkeypatch.setenv(KEY_ENV, "-" + "k" * 40)
+    with pytest.raises(ValueError, match=r"\$BAPO_ADMIN_API_KEY: the key starts with '-'"):
+        admin_key(cfg, tmp_path)
+    monkeypatch.setenv(KEY_ENV, "short")
+    with pytest.raises(ValueError, match=r"\$BAPO_ADMIN_API_KEY: the key is shorter than 16"):
+        admin_key(cfg, tmp_path)
