@@ -42,8 +42,10 @@ class AttentionMemory:
     rotary: int = 0
     """Whole on every TP rank whatever the layout: the rotary embedding's cos and sin (local modules)."""
     scores: bool = True
-    """A [heads, tokens, tokens] softmax (local modules, no flash attention); False for a recurrent
-    layer (Gated DeltaNet)."""
+    """A softmax over the tokens (local modules); False for a recurrent layer (Gated DeltaNet)."""
+    fused: bool = False
+    """That softmax runs in torch's fused kernel (models/local_attention.py): no [heads, tokens, tokens]
+    tensor kept; False: Megatron's op by op, which keeps its probabilities (gpt-oss' sinks and window)."""
 
 
 class Family(ABC):
@@ -61,6 +63,9 @@ class Family(ABC):
     dequantized: ClassVar[str] = "convert the checkpoint to bf16 first"
     """How to get an unquantized copy of a release whose quantization_config is not read
     (models/quantized.py reads fp8 block scales and mxfp4)."""
+    local_attention_fused: ClassVar[bool] = True
+    """Its local modules' core attention runs in torch's fused kernel (models/local_attention.py);
+    False where it keeps Megatron's op-by-op softmax (sink logits, a sliding window)."""
 
     # -- config.json <-> ModelSpec
     def read(self, hf: dict, source: str | Path = "config.json") -> ModelSpec:
@@ -217,13 +222,18 @@ class Family(ABC):
         qkv = (h + 2 * kv) * hd
         if not local:  # q/k/v, the attention output and linear_proj's input, the normalised q and k
             return AttentionMemory(split=qkv + 2 * h * hd + qk)
-        if selective:  # core attention keeps its inputs: q and k after rope, and v (the q/k/v output)
-            split = h * hd + kv * hd + qkv + h * hd
-        elif h > kv:  # q after rope, k and v repeated to every head, the context
-            split = 4 * h * hd
-        else:  # v, a view of the q/k/v output, keeps that whole; q and k after rope, the context
-            split = qkv + 3 * h * hd
-        return AttentionMemory(split=split + 3 * qk, rotary=4 * hd)  # a q/k norm: its input, x * rsqrt, output
+        # v, a view of the q/k/v output, keeps that whole; q and k after rope; linear_proj's input
+        inputs = qkv + h * hd + kv * hd + h * hd
+        if selective:  # core attention recomputed: it keeps its inputs only
+            split, fp32 = inputs, 0
+        elif self.local_attention_fused:  # the kernel's output, and its log-sum-exp a head (fp32)
+            split, fp32 = inputs + h * hd, h
+        elif h > kv:  # Megatron's: q after rope, k and v repeated to every head, the context
+            split, fp32 = 4 * h * hd, 0
+        else:
+            split, fp32 = qkv + 3 * h * hd, 0
+        # a q/k norm: its input, x * rsqrt, output
+        return AttentionMemory(split + 3 * qk, fp32, rotary=4 * hd, fused=self.local_attention_fused)
 
     def engine_cache_bytes(self, spec: ModelSpec, tp: int, dtype_bytes: int = 2) -> int:
         """Bytes one token's cache takes on one SGLang rank at TP `tp`, every layer (the dry run's KV

@@ -61,6 +61,7 @@ class GptOss(RoutedExperts, Decoder):
         "its MXFP4 releases are read; for another scheme use a bf16 copy (transformers: "
         "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained)"
     )
+    local_attention_fused = False  # its sink logits and windows: Megatron's softmax (gpt_oss_layers.WindowedAttention)
 
     # -- config.json
     def refuse(self, hf: dict) -> None:

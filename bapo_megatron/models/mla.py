@@ -44,6 +44,7 @@ import torch
 from bapo_megatron.models.decoder import Decoder
 from bapo_megatron.models.family import AttentionMemory
 from bapo_megatron.models.features import LatentAttentionSpec
+from bapo_megatron.models.local_attention import sdpa_attention
 from bapo_megatron.models.lora_targets import PROJ, Layout, Target
 from bapo_megatron.models.recipes import Fused, Recipe, Rows
 from bapo_megatron.models.spec import ModelSpec
@@ -180,13 +181,19 @@ class LatentAttention(Decoder):
         and under the fused layers the attention output once more; per token, whole, the latents: the
         query latent and the kv down-projection's output (the kv latent and the rotary key), each
         norm's output (and x * rsqrt under the local modules). Core attention's inputs are these same
-        tensors: recomputing it (selective) keeps the same."""
+        tensors; the local modules' fused kernel (models/local_attention.py) keeps, unless it is
+        recomputed (selective), the values padded to the query's width (nope + rope), its output at
+        that width and a float32 log-sum-exp a head besides."""
         mla, h = spec.latent_attention, spec.num_heads
         nope, rope, v = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        kernel = local and not selective
         split = h * (2 * (nope + rope) + (nope + v) + (1 if local else 2) * v)
+        if kernel:
+            split += h * (nope + rope) * (2 if v < nope + rope else 1)
         norms = 3 if local else 2  # a norm's input, (x * rsqrt,) output
         latents = norms * (mla.q_lora_rank or 0) + (mla.kv_lora_rank + rope) + (norms - 1) * mla.kv_lora_rank
-        return AttentionMemory(split=split, sequence=latents, rotary=4 * rope if local else 0)
+        rotary = 4 * rope if local else 0
+        return AttentionMemory(split, h if kernel else 0, latents, rotary, fused=self.local_attention_fused)
 
     def engine_differences(self, spec: ModelSpec) -> tuple[str, ...]:
         """transformers fixes the latent norms' epsilon at 1e-6 (DeepSeek-V3's rms_norm_eps); the
@@ -372,12 +379,12 @@ def _buildable_without_te_or_cuda(config: Any) -> Iterator[None]:
 def megatron_classes() -> tuple[type, type, type]:
     """(core attention, self-attention, config) classes of MLA on the local spec, built on first use
     (the package imports no Megatron until a model is built)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    class LatentCoreAttention(DotProductAttention):
-        """The local core attention taking MLA's key and value widths: its output is v_channels a head."""
+    class LatentCoreAttention(sdpa_attention()):
+        """The local core attention (models/local_attention.py) taking MLA's key and value widths: its
+        output is v_channels a head."""
 
         def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any):
             super().__init__(*args, **kwargs)

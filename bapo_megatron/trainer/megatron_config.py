@@ -11,6 +11,7 @@ import torch
 from bapo_megatron.config import ModelConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models import family_of
+from bapo_megatron.models.local_attention import with_sdpa_core_attention
 from bapo_megatron.models.spec import ModelSpec, check_layout, padded_vocab_size
 from bapo_megatron.trainer.lora import apply_lora
 
@@ -230,8 +231,11 @@ def wgrad_fusion_available() -> bool:
 def layer_spec(spec: ModelSpec, model: ModelConfig, config=None, vp_stage: int | None = None):
     """The transformer layer spec: Transformer Engine modules on GPU, Megatron's local ones otherwise.
     A mixture-of-experts model gets a block spec instead (its layers differ: dense or experts), which
-    needs the TransformerConfig `config` and the virtual stage being built."""
-    return family_of(spec).layer_spec(spec, model.transformer_impl == "transformer_engine", config, vp_stage)
+    needs the TransformerConfig `config` and the virtual stage being built. The local modules' core
+    attention runs in torch's fused kernel (models/local_attention.py)."""
+    te = model.transformer_impl == "transformer_engine"
+    built = family_of(spec).layer_spec(spec, te, config, vp_stage)
+    return built if te else with_sdpa_core_attention(built)
 
 
 def padded_vocab(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> int:

@@ -1,6 +1,6 @@
 """The memory estimate (trainer/memory/estimate.py) against what a CPU step measurably holds
 (trainer/memory/probe.py): parameters, gradients and Adam's state exactly, the activations of the
-local implementation within 20% for the tiny dense and MoE models; and issue 36's own check: full
+local implementation within 20% for the tiny dense and MoE models, padded and packed; and issue 36's own check: full
 recompute lowers a step's measured peak by about what the estimate predicts (that it leaves the
 step itself unchanged is tests/dist/test_recompute.py's)."""
 
@@ -12,7 +12,12 @@ from tests.dist.launch import run_workers
 SEQ = 512
 """Tokens of each sample and micro-batch: the attention's [heads, seq, seq] tensors and the
 per-token ones both count."""
-CASES = {("qwen2", "none"): [], ("qwen2", "full"): ["parallel.recompute=full"], ("qwen3_moe", "none"): []}
+CASES = {
+    ("qwen2", "none"): [],
+    ("qwen2", "full"): ["parallel.recompute=full"],
+    ("qwen3_moe", "none"): [],
+    ("qwen2", "packed"): ["parallel.packing=packed"],  # two samples a row: its block-diagonal mask kept too
+}
 
 
 def _measure(rank: int, world: int) -> None:
@@ -31,7 +36,8 @@ def _measure(rank: int, world: int) -> None:
         cfg = load_config(None, [f"parallel.max_tokens_per_microbatch={SEQ}", *extra])
         info = info or init_model_parallel(cfg.parallel, cfg.seed)
         trainer = PolicyTrainer(spec, cfg, info)
-        measured = measure_step(trainer, fixed_batch(spec.vocab_size, SEQ))
+        packed = "parallel.packing=packed" in extra
+        measured = measure_step(trainer, fixed_batch(spec.vocab_size, SEQ // 2 if packed else SEQ, 4 if packed else 2))
         estimate = stage_memory(spec, cfg.model, cfg.parallel, 1, 0, distributed_optimizer=False)
         case, steps = (arch, recompute), 4 * len(list(trainer.model[0].parameters()))
         assert (measured.params, measured.grads) == (estimate.params, estimate.grads), case

@@ -18,9 +18,10 @@ stage (tests compare with Megatron's own model); the rest follows Megatron's sto
     a 1F1B pipeline holds PP micro-batches at once; plus the last stage's logits and their
     gradient, and the log-prob temporaries (model.logprob_memory_mb);
   - activations with the local implementation (model.transformer_impl "local", the CPU's: no
-    fusion, no flash attention), local_activation_bytes: what its ops keep per token, each layer's
-    [heads, tokens, tokens] attention probabilities, and the peak of the phase that needs most
-    (the loss's backward, or a core attention's); measured on CPU (probe.py, benchmarks/bench_memory.py;
+    fusion but torch's fused attention kernel), local_activation_bytes: what its ops keep per token,
+    a packed row's mask, [heads, tokens, tokens] probabilities where Megatron's own softmax runs
+    (gpt-oss), and the peak of the phase that needs most (the loss's backward, or a core
+    attention's); measured on CPU (probe.py, benchmarks/bench_memory.py;
     tests/dist/test_memory_measured.py holds it to 20%).
 
 Mixture-of-experts layers (expert tensor parallel 1, Megatron's alltoall dispatcher): attention,
@@ -247,9 +248,25 @@ def local_layer_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelCon
 
 
 def softmax_attention(spec: ModelSpec, layer: int) -> bool:
-    """Whether layer `layer` attends with a [tokens x tokens] softmax; a Gated DeltaNet layer (Qwen3.5,
-    Qwen3-Next) keeps a recurrent state instead, no score tensor."""
-    return family_of(spec).attention_memory(spec, layer, local=True, selective=False).scores
+    """Whether layer `layer`'s local core attention keeps a [heads, tokens, tokens] softmax: Megatron's
+    op by op (gpt-oss). torch's fused kernel (models/local_attention.py, every other family) keeps
+    none, and a Gated DeltaNet layer (Qwen3.5, Qwen3-Next) keeps a recurrent state instead."""
+    attention = family_of(spec).attention_memory(spec, layer, local=True, selective=False)
+    return attention.scores and not attention.fused
+
+
+def packed_mask_bytes(
+    spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, layers: list[int], tokens: int
+) -> int:
+    """A packed row's block-diagonal mask, one a micro-batch (trainer/packing.py: one byte an entry),
+    and the fused kernel's additive copy of it in the parameters' dtype, made once and shared by the
+    layers it reaches (models/local_attention.py); padded rows are masked by the kernel itself."""
+    from bapo_megatron.trainer.packing import packs
+
+    if not packs(spec, model, parallel):
+        return 0
+    fused = any(family_of(spec).attention_memory(spec, i, local=True, selective=False).fused for i in layers)
+    return tokens * tokens * (1 + PARAM_BYTES[model.precision] * fused)
 
 
 def local_moe_token_bytes(spec: ModelSpec, model: ModelConfig) -> int:
@@ -272,11 +289,13 @@ def local_score_bytes(spec: ModelSpec, model: ModelConfig, parallel: ParallelCon
 def local_activation_bytes(
     spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig, tokens: int, stage: int
 ) -> int:
-    """activation_bytes for the local implementation (Megatron's DotProductAttention: no flash
-    attention), as measured on CPU (benchmarks/bench_memory.py). Each layer keeps local_layer_bytes
-    per token and, unless core attention is recomputed, its attention probabilities (one
-    local_score_bytes) and its causal mask (one byte per [tokens, tokens] entry); a layer under full
-    recompute keeps its input only. The peak is that of the phase that needs the most beside them:
+    """activation_bytes for the local implementation, as measured on CPU (benchmarks/bench_memory.py).
+    Each layer keeps local_layer_bytes per token (the fused kernel's output and statistics among
+    them) and, where Megatron's op-by-op softmax runs (softmax_attention: gpt-oss) unless core
+    attention is recomputed, its attention probabilities (one local_score_bytes) and its causal mask
+    (one byte per [tokens, tokens] entry); a packed micro-batch its mask (packed_mask_bytes); a layer
+    under full recompute keeps its input only. The peak is that of the phase that needs the most
+    beside them:
       - the loss's backward: the logits, their gradient and the op-by-op log-prob kernels'
         temporaries (logprobs.EAGER_TEMPORARIES float32 [tokens, the slice's real-vocabulary
         columns]: they slice the padding off; within model.logprob_memory_mb);
@@ -286,9 +305,9 @@ def local_activation_bytes(
         then); under selective recompute its probabilities rebuilt besides;
       - under full recompute, a rebuilt layer's: the recomputed layers' inputs and that layer whole,
         its three more besides (the later layers' activations are freed by then).
-    Plus Megatron's global memory buffer, which the scores are computed into: one score tensor, kept
-    from one step to the next; and the micro-batches a pipeline rank holds beside the running one
-    (micro_batches_in_flight), each with all it keeps."""
+    Plus, where Megatron's softmax runs, its global memory buffer, which the scores are computed into:
+    one score tensor, kept from one step to the next; and the micro-batches a pipeline rank holds
+    beside the running one (micro_batches_in_flight), each with all it keeps."""
     from bapo_megatron.trainer.logprobs import EAGER_TEMPORARIES
 
     layers = stage_layers(spec.num_layers, parallel.pipeline, stage, parallel.virtual_pipeline)
@@ -299,7 +318,7 @@ def local_activation_bytes(
     inputs = len(rerun) * tokens * PARAM_BYTES[model.precision] * spec.hidden_size // split
     kept_by = {i: kept_score if softmax_attention(spec, i) else 0 for i in layers}  # linear attention: no scores
     whole = [local_layer_bytes(spec, model, parallel, i) * tokens + kept_by[i] for i in layers if i not in rerun]
-    kept = inputs + sum(whole)
+    kept = inputs + sum(whole) + packed_mask_bytes(spec, model, parallel, layers, tokens)
     attends = any(softmax_attention(spec, i) for i in layers if i not in rerun)
     phases = [kept + (3 * score + (score if parallel.recompute == "selective" else 0)) * attends] if whole else []
     if rerun:  # the recomputed layers come first in a stage: rebuilt once the later ones are done
@@ -316,7 +335,8 @@ def local_activation_bytes(
         temporaries = min(model.logprob_memory_mb << 20, EAGER_TEMPORARIES * 4 * tokens * columns)
         phases.append(kept + 2 * PARAM_BYTES[model.precision] * logits + temporaries)  # logits, their gradient
     in_flight = micro_batches_in_flight(parallel, stage) - 1  # beside the running one
-    return int(in_flight * kept) + max(phases) + score
+    buffer = score if any(softmax_attention(spec, i) for i in layers) else 0
+    return int(in_flight * kept) + max(phases) + buffer
 
 
 def trainer_memory(
