@@ -38,7 +38,7 @@ from bapo_megatron.tasks import write_task
 from tests.online import PORTS, REWARD, ROOT, engine_port, metrics, no_engine_left, torchrun, train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-STEPS = 4
+STEPS = 3
 SAMPLES = 2 * 12
 """A step's samples: 2 prompts x 12."""
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
