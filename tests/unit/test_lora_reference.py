@@ -118,8 +118,9 @@ def _adapters_keep_what_the_estimate_counts(spec) -> None:
 
     _, full = build()
     full_finetuning = _per_token(full, spec.num_layers)
-    # the inputs of q/k/v and gate/up (hidden), of o (the heads') and of down (the MLP's width), fp32
-    inputs = 4 * (2 * spec.hidden_size + spec.num_heads * spec.head_dim + spec.ffn_hidden_size)
+    # the inputs of q/k/v and gate/up (hidden) and of down (the MLP's width), fp32; o's is the fused
+    # attention kernel's output, a view of what the kernel keeps adapted or not (models/local_attention.py)
+    inputs = 4 * (2 * spec.hidden_size + spec.ffn_hidden_size)
     for dropout in (0.0, 0.1):
         cfg, model = build("model.lora.rank=4", f"model.lora.dropout={dropout}")
         with adapters_off([model]):
