@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.metadata
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
@@ -38,6 +39,7 @@ SUPPORTED_MEGATRON_CORE = "0.16.1"
 
 PATCHED_CALL_SITES: dict[str, tuple[str, ...]] = {
     # module -> names the shim depends on; the canary checks they still exist there.
+    "megatron.core.jit": ("jit_fuser", "enable_jit_fuser", "disable_jit_fuser"),
     "megatron.core.tensor_parallel.random": ("_get_cuda_rng_state", "_set_cuda_rng_state", "CheckpointFunction"),
     "megatron.core.pipeline_parallel.p2p_communication": ("torch",),
     "megatron.core.models.common.embeddings.rotary_pos_embedding": ("torch",),
@@ -172,8 +174,32 @@ def megatron_core_version() -> str:
     return importlib.metadata.version("megatron-core")
 
 
+def _eager(model=None, **options):
+    """torch.compile's signature, compiling nothing: `@jit_fuser` returns the function itself."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron_eager() -> None:
+    """Megatron-Core as Megatron's own disable_jit_fuser() leaves it: megatron/core/jit.py sets
+    jit_fuser = torch.compile at import, and the fusions it decorates while megatron.core imports
+    pull in torch._dynamo and torch._inductor: 1.4 s and about 70 MB of PSS in every CPU process
+    that imports Megatron, for fusions the local spec calls eagerly or not at all (a compile on CPU
+    would need a C++ toolchain). Imported here with torch.compile a no-op for the length of the
+    import, unless something imported Megatron already; jit_fuser keeps the no-op, so modules
+    imported later decorate with it too."""
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = _eager
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_
+
+
 def activate_cpu_shim() -> None:
-    """Patch torch.cuda's CPU-hostile calls and megatron's RNG tracker for this process."""
+    """Patch torch.cuda's CPU-hostile calls and megatron's RNG tracker for this process (Megatron
+    imported without its compiled fusions when it is not yet: import_megatron_eager)."""
     if _state:
         return
     version = megatron_core_version()
@@ -184,6 +210,7 @@ def activate_cpu_shim() -> None:
         )
     if torch.cuda.is_available():
         raise RuntimeError("activate_cpu_shim() is for machines without CUDA; this one has it")
+    import_megatron_eager()
     import torch.distributed as dist
     from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.tensor_parallel import random as mrandom

@@ -2,12 +2,16 @@
 
 import importlib
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from bapo_megatron.trainer import cpu_shim
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for machines without CUDA")
 
 
@@ -124,3 +128,30 @@ def test_custom_backwards_run_in_the_mode_under_megatron_checkpoint():
     finally:
         cpu_shim.deactivate_cpu_shim()
     assert BackwardCFunction.apply is original
+
+
+EAGER_PROBE = """
+import sys
+import torch
+from bapo_megatron.trainer.cpu_shim import activate_cpu_shim
+
+activate_cpu_shim()
+from megatron.core import jit
+from megatron.core.fusions import fused_bias_swiglu
+
+assert torch.compile.__module__.startswith("torch"), "torch.compile left patched"
+assert jit.jit_fuser(len) is len and not hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable")
+print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+"""
+
+
+def test_megatron_imports_without_compiling_its_fusions():
+    """activate_cpu_shim imports Megatron with torch.compile a no-op for the import (Megatron's own
+    disable_jit_fuser state): its fusions stay plain functions and torch._dynamo / torch._inductor
+    are never imported (1.4 s and ~70 MB a process); Megatron still sets torch.compile there."""
+    from megatron.core import jit
+
+    assert "jit_fuser = torch.compile" in inspect.getsource(jit.enable_jit_fuser)
+    done = subprocess.run([sys.executable, "-c", EAGER_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout
