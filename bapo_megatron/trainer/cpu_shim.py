@@ -186,15 +186,21 @@ def import_megatron_eager() -> None:
     that imports Megatron, for fusions the local spec calls eagerly or not at all (a compile on CPU
     would need a C++ toolchain). Imported here with torch.compile a no-op for the length of the
     import, unless something imported Megatron already; jit_fuser keeps the no-op, so modules
-    imported later decorate with it too."""
+    imported later decorate with it too. wandb, which megatron.core imports for its inference
+    context's logging (0.34 s, 21 MB), is hidden from that import; the run's logger imports it
+    when logging.backends asks for it."""
     if "megatron.core" in sys.modules:
         return
-    compile_ = torch.compile
+    compile_, hidden = torch.compile, [name for name in ("wandb",) if name not in sys.modules]
     torch.compile = _eager
+    sys.modules.update(dict.fromkeys(hidden))  # None: an ImportError, which Megatron expects
     try:
         import megatron.core  # noqa: F401
     finally:
         torch.compile = compile_
+        for name in hidden:
+            if sys.modules.get(name, False) is None:
+                del sys.modules[name]
 
 
 def activate_cpu_shim() -> None:
