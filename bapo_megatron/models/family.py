@@ -298,6 +298,10 @@ class Family(ABC):
     lora_experts: ClassVar[bool] = False
     """Whether LoRA adapts its routed experts (model.lora.experts; models/lora_experts.py): its HF experts
     are transformers 5's fused gate_up_proj / down_proj tensors, as PEFT and SGLang read them."""
+    lora_experts_interleaved: ClassVar[bool] = False
+    """Whether its HF gate_up_proj holds the experts as [E, d, 2w] with gate and up columns interleaved
+    (gate even, up odd; gpt-oss), not Qwen3-MoE's [E, 2w, d] of gate rows, then up rows: PEFT's B rows
+    follow its layout, and the merge on disk writes its fused tensors (models/lora_experts.py)."""
 
     def lora_experts_unserved(self, spec: ModelSpec) -> str | None:
         """Why SGLang 0.5.23 serves none of `spec`'s routed-expert adapters (model.lora.sync=adapter is

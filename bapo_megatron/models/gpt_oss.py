@@ -296,7 +296,8 @@ class GptOss(RoutedExperts, Decoder):
         return None
 
     # -- LoRA
-    lora_experts = True  # [E, d, 2w] / [E, w, d], gate and up interleaved (models/lora_experts.py)
+    lora_experts = True
+    lora_experts_interleaved = True  # [E, d, 2w] / [E, w, d] (x @ W), gate and up columns interleaved
 
     def lora_targets(self, spec: ModelSpec, layer: int) -> dict[str, Target]:
         """The attention's q/k/v/o (their biases and the sinks stay the base's)."""

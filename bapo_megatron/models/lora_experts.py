@@ -8,10 +8,10 @@ expert gets two adapters, as PEFT adapts transformers 5's fused expert tensors (
 and down_proj [E, d, w], by `target_parameters`: one rank-r adapter an expert and tensor). Qwen3-MoE,
 Qwen3.5-MoE, Qwen3-Next, GLM-4.5 and DeepSeek-V3 lay their experts out so (Family.lora_experts; a
 shared expert or dense MLP beside them is no `mlp.experts.` tensor); gpt-oss's are [E, d, 2w] and
-[E, w, d] (x @ W), its gate and up columns interleaved (INTERLEAVED: PEFT's B rows follow them; SGLang's
-per-expert B stays [gate; up], its FusedMoE interleaving it). A family laid out otherwise is refused by
-name, and so is sync "adapter" where SGLang serves no expert adapter of the family
-(Family.lora_experts_unserved). An expert's two adapters:
+[E, w, d] (x @ W), its gate and up columns interleaved (Family.lora_experts_interleaved: PEFT's B
+rows follow them; SGLang's per-expert B stays [gate; up], its FusedMoE interleaving it). A family
+laid out otherwise is refused by name, and so is sync "adapter" where SGLang serves no expert
+adapter of the family (Family.lora_experts_unserved). An expert's two adapters:
   - gate_up_proj beside its linear_fc1: A [r, d], B [2w, r] writing gate and up rows together;
   - down_proj beside its linear_fc2: A [r, w], B [d, r].
 Their names:
@@ -48,8 +48,6 @@ LOCAL = EXPERTS + "local_experts."
 """Megatron's experts one after another (SequentialMLP): `local_experts.<E>.linear_fc1`."""
 FUSED = ("gate_up_proj", "down_proj")
 """transformers 5's fused expert tensors, as PEFT's target_parameters name them under `mlp.experts.`."""
-INTERLEAVED = frozenset({"gpt_oss"})
-"""The families whose HF gate_up_proj interleaves gate and up columns (gate even, up odd)."""
 
 
 def expert_targets(spec: ModelSpec, layer: int) -> tuple[Target, ...]:
@@ -109,6 +107,13 @@ def check_experts(spec: ModelSpec, lora: LoRAConfig, adapts_experts: bool, group
         )
 
 
+def interleaves(spec: ModelSpec) -> bool:
+    """Whether `spec`'s family interleaves gate and up in its HF experts (Family.lora_experts_interleaved)."""
+    from bapo_megatron.models import family_of  # the registry imports every family: asked here, not at import
+
+    return family_of(spec).lora_experts_interleaved
+
+
 def _check_served(spec: ModelSpec, lora: LoRAConfig) -> None:
     """ConfigError under model.lora.sync=adapter where SGLang serves none of the family's expert adapters
     (Family.lora_experts_unserved), as models/lora.py refuses the other unserved targets."""
@@ -159,7 +164,7 @@ def peft_stacked(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> dict[s
         if sorted(by_expert) != list(range(experts)):
             raise ValueError(f"{head}<E>.{proj}.lora_{matrix}: experts {sorted(by_expert)}, not all {experts}")
         ordered = [by_expert[e] for e in range(experts)]
-        if matrix == "B" and proj == "gate_up_proj" and spec.architecture in INTERLEAVED:
+        if matrix == "B" and proj == "gate_up_proj" and interleaves(spec):
             ordered = [interleaved(b) for b in ordered]  # PEFT's rows: HF's columns
         wrapper = "base_layer." if proj == "gate_up_proj" else ""
         stacked = torch.cat(ordered) if matrix == "A" else torch.stack(ordered, dim=-1).flatten(1)
@@ -178,12 +183,12 @@ def per_projection(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{HF weight: (A, B)}, B @ A its delta, for the weights a checkpoint on disk holds: an expert's
     gate_up_proj adapter as its gate_proj's and up_proj's (A shared, B's halves: rows [gate; up]); a
-    layer's experts of an INTERLEAVED family as its fused tensors' (one per projection, [E, in, out]:
-    A the experts' (interleaved) B transposed, B their A transposed)."""
+    layer's experts of a family that interleaves them (`interleaves`) as its fused tensors' (one per
+    projection, [E, in, out]: A the experts' (interleaved) B transposed, B their A transposed)."""
     out, fused = {}, {}
     for weight, (a, b) in pairs.items():
         names, match = hf_weight_names(spec, weight), _EXPERT_WEIGHT.fullmatch(weight)
-        if match is not None and spec.architecture in INTERLEAVED:
+        if match is not None and interleaves(spec):
             b = interleaved(b) if match["proj"] == "gate_up_proj" else b
             fused.setdefault(names[0], {})[int(match["expert"])] = (a, b)
         elif len(names) == 1:
@@ -201,12 +206,12 @@ _GATE_UP = "gate_up_proj"
 
 def hf_weight_names(spec: ModelSpec, weight: str) -> tuple[str, ...]:
     """The HF weights on disk an adapted weight name stands for: an expert's gate_up_proj its gate_proj
-    and up_proj, or, in an INTERLEAVED family, every expert's projection the layer's fused tensor
+    and up_proj, or, in a family that interleaves, every expert's projection the layer's fused tensor
     (`mlp.experts.gate_up_proj`); others: itself."""
     match = _EXPERT_WEIGHT.fullmatch(weight)
     if match is None:
         return (weight,)
-    if spec.architecture in INTERLEAVED:
+    if interleaves(spec):
         return (f"{match['head']}.{match['proj']}",)
     if match["proj"] != _GATE_UP:
         return (weight,)

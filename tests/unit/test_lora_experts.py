@@ -11,7 +11,7 @@ import torch
 from bapo_megatron.config.lora import LoRAConfig
 from bapo_megatron.errors import ConfigError
 from bapo_megatron.models.lora import adapter_names, adapter_params, check_targets, merge_adapters, peft_config
-from bapo_megatron.models.lora_experts import INTERLEAVED, check_experts, interleaved, peft_stacked, per_projection
+from bapo_megatron.models.lora_experts import check_experts, interleaved, interleaves, peft_stacked, per_projection
 from bapo_megatron.models.spec import tiny_spec
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -82,7 +82,7 @@ def test_names_shapes_and_counts_are_pefts(moe):
 
 def _hf_delta(spec, b, a):
     """Expert gate_up_proj's B A as transformers holds the tensor (PEFT's delta for it)."""
-    if spec.architecture not in INTERLEAVED:
+    if not interleaves(spec):
         return b @ a
     return (interleaved(b) @ a).T
 
