@@ -72,16 +72,15 @@ def _no_world_left_behind():
     every later bapo-train subprocess inherits RANK and a port this process holds (EADDRINUSE) and
     in-process reductions see a group."""
     import os
-    import sys
 
     before = {k: os.environ.get(k) for k in RENDEZVOUS}
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        parallel_state = sys.modules.get("megatron.core.parallel_state")
-        if parallel_state is not None:
-            parallel_state.destroy_model_parallel()
+        from bapo_megatron.trainer.parallel import destroy_model_parallel
+
+        destroy_model_parallel()  # the groups Megatron made, if any
         dist.destroy_process_group()
     for key, value in before.items():
         if value is None:

@@ -45,6 +45,7 @@ from bapo_megatron.models.lora import adapter_params
 from bapo_megatron.models.spec import ModelSpec
 from bapo_megatron.trainer.megatron_config import padded_vocab
 from bapo_megatron.trainer.memory.adapters import adapter_token_bytes
+from bapo_megatron.trainer.packing import packs
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
@@ -261,8 +262,6 @@ def packed_mask_bytes(
     """A packed row's block-diagonal mask, one a micro-batch (trainer/packing.py: one byte an entry),
     and the fused kernel's additive copy of it in the parameters' dtype, made once and shared by the
     layers it reaches (models/local_attention.py); padded rows are masked by the kernel itself."""
-    from bapo_megatron.trainer.packing import packs
-
     if not packs(spec, model, parallel):
         return 0
     fused = any(family_of(spec).attention_memory(spec, i, local=True, selective=False).fused for i in layers)
@@ -316,15 +315,16 @@ def local_activation_bytes(
     kept_score = 0 if parallel.recompute == "selective" else score + tokens * tokens
     split = parallel.tensor if parallel.sequence_parallel else 1
     inputs = len(rerun) * tokens * PARAM_BYTES[model.precision] * spec.hidden_size // split
-    kept_by = {i: kept_score if softmax_attention(spec, i) else 0 for i in layers}  # linear attention: no scores
-    whole = [local_layer_bytes(spec, model, parallel, i) * tokens + kept_by[i] for i in layers if i not in rerun]
+    scores = {i: softmax_attention(spec, i) for i in layers}  # fused or linear attention: none
+    whole = [
+        local_layer_bytes(spec, model, parallel, i) * tokens + kept_score * scores[i] for i in layers if i not in rerun
+    ]
     kept = inputs + sum(whole) + packed_mask_bytes(spec, model, parallel, layers, tokens)
-    attends = any(softmax_attention(spec, i) for i in layers if i not in rerun)
+    attends = any(scores[i] for i in layers if i not in rerun)
     phases = [kept + (3 * score + (score if parallel.recompute == "selective" else 0)) * attends] if whole else []
     if rerun:  # the recomputed layers come first in a stage: rebuilt once the later ones are done
         rebuilt = max(
-            local_layer_bytes(spec, model, parallel, i) * tokens
-            + (4 * score + tokens * tokens) * softmax_attention(spec, i)
+            local_layer_bytes(spec, model, parallel, i) * tokens + (4 * score + tokens * tokens) * scores[i]
             for i in rerun
         )
         phases.append(inputs + rebuilt)
@@ -335,7 +335,7 @@ def local_activation_bytes(
         temporaries = min(model.logprob_memory_mb << 20, EAGER_TEMPORARIES * 4 * tokens * columns)
         phases.append(kept + 2 * PARAM_BYTES[model.precision] * logits + temporaries)  # logits, their gradient
     in_flight = micro_batches_in_flight(parallel, stage) - 1  # beside the running one
-    buffer = score if any(softmax_attention(spec, i) for i in layers) else 0
+    buffer = score if any(scores.values()) else 0
     return int(in_flight * kept) + max(phases) + buffer
 
 
