@@ -239,8 +239,18 @@ def tiny_spec(architecture: Architecture = "qwen2") -> ModelSpec:
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int, pad_for_tp: int = 1) -> int:
-    """The embedding's row count: vocab_size rounded up to a multiple of divisible_by * lcm(tp, pad_for_tp)."""
-    multiple = divisible_by * math.lcm(tensor_parallel, pad_for_tp)
+    """The embedding's row count: vocab_size rounded up to a multiple of divisible_by * lcm(tp, pad_for_tp).
+    The alignment (divisible_by, for a GPU's GEMMs) is halved while one multiple would exceed the
+    vocabulary, so that padding stays below the vocabulary's own size (down to lcm(tp, pad_for_tp)
+    rows): the demo's 16 words stay 16 rows at TP 8, where 128 x 8 made its output layer 64 times
+    wider than its vocabulary (a tenth of its CPU train step). A vocabulary of divisible_by x lcm
+    words or more (every real one) is padded as Megatron pads it. The result depends on tp only
+    through the lcm, so a checkpoint loads at every TP dividing pad_for_tp."""
+    lcm = math.lcm(tensor_parallel, pad_for_tp)
+    align = divisible_by
+    while align > 1 and align * lcm > vocab_size:
+        align //= 2
+    multiple = align * lcm
     return math.ceil(vocab_size / multiple) * multiple
 
 

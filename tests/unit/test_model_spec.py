@@ -99,8 +99,11 @@ def test_vocab_padding():
     assert padded_vocab_size(152064, 128, 8) == 152576  # Qwen2.5: 149 x 1024
     assert padded_vocab_size(152064, 128, 4) == 152064
     # Padding as for TP 8 as well makes the size the same at every TP dividing 8.
-    for vocab, padded in ((152064, 152576), (128256, 129024), (250, 1024)):
+    # A small vocabulary: the alignment shrinks until one multiple fits in it (the demo's 16 words
+    # were 1,024 rows), still the same at every TP dividing 8; a large one is padded as Megatron pads.
+    for vocab, padded in ((152064, 152576), (128256, 129024), (1024, 1024), (1000, 1024), (250, 256), (16, 16), (5, 8)):
         assert {padded_vocab_size(vocab, 128, tp, pad_for_tp=8) for tp in (1, 2, 4, 8)} == {padded}
+    assert padded_vocab_size(16, 128, 16, pad_for_tp=8) == 16 and padded_vocab_size(40, 100, 2) == 48
 
 
 def test_fp8_errors_at_config_time():
