@@ -195,6 +195,14 @@ class RolloutConfig:
     length so far), and batch-invariant engines (the embedded one runs each request alone; SGLang
     gets --enable-deterministic-inference): two runs, or a run and its resumption, generate the
     same samples with the same log-probs. Synchronous rounds, so slower; mode sync only."""
+    calls: Literal["auto", "group", "round"] = "auto"
+    """How a sync step's requests share the engines' /generate calls (a call is answered when all of
+    its requests have finished). "group": a group's samples in one call, so that a complete group is
+    scored while the others generate. "round": all of a round's requests to an engine in one call,
+    where the step waits for every one of them anyway (no oversample and no filter_groups, or
+    deterministic rounds; elsewhere "group"): fewer calls, the rewards after the round. "auto":
+    "round" on the embedded engine, where a call costs about what a decode step of a small model
+    does (one call a step in place of 32 took the demo's rollout from 118 to 99 ms), "group" on SGLang."""
     record_routes: bool | None = None
     """Mixture-of-experts models: the engines return the experts they routed each position to, and
     samples keep them (1 byte a MoE layer and top-k slot while experts fit; the dry run prints a
@@ -253,6 +261,11 @@ class RolloutConfig:
                 True,
                 "mode=async generates while the trainer trains: the engines need GPUs of their own",
             )
+
+    @property
+    def round_calls(self) -> bool:
+        """Whether a round's requests may share one call an engine (`calls`, auto resolved)."""
+        return self.calls == "round" or (self.calls == "auto" and self.engines.kind == "embedded")
 
     @property
     def token_budget(self) -> int:

@@ -3,7 +3,7 @@
     strategy = make_strategy(cfg, rollout_core(cfg, pool, buffer, inputs, rewards))
 
 The strategy is picked by rollout.mode, rollout.deterministic and rollout.partial (rollout/strategies.py),
-with rollout.filter_groups' sieve (rollout/filtering.py).
+with rollout.filter_groups' sieve (rollout/filtering.py) and how requests share calls (rollout.calls).
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ def make_strategy(cfg: JobConfig, core: RolloutCore) -> Strategy:
     if ro.mode == "async":
         return AsyncStream(core, ro.prompts_per_step, ro.oversample, ro.pause_mode, sieve)
     if ro.deterministic:
-        return DeterministicRounds(core, ro.prompts_per_step, ro.oversample, sieve)
+        return DeterministicRounds(core, ro.prompts_per_step, ro.oversample, sieve, round_calls=ro.round_calls)
     if ro.partial.enabled and ro.partial.mode == "retract":
         return RetractSteps(core, ro.prompts_per_step, ro.oversample, sieve)
-    return AbortSteps(core, ro.prompts_per_step, ro.oversample, keep=ro.partial.enabled, filter_groups=sieve)
+    return AbortSteps(
+        core, ro.prompts_per_step, ro.oversample, ro.partial.enabled, filter_groups=sieve, round_calls=ro.round_calls
+    )

@@ -37,16 +37,15 @@ import math
 import time
 
 from bapo_megatron.rollout.buffer import GroupState
-from bapo_megatron.rollout.core import RolloutCore
+from bapo_megatron.rollout.core import Calls, RolloutCore
 from bapo_megatron.rollout.filtering import KeepAll, warn_if_nothing
 
 
 class Strategy:
     """The sync default of every question; the modes override what differs."""
 
-    by_group = False
-    """A group's requests go out in one /generate call (RolloutCore.launch): only in a mode that never
-    cuts part of a group's requests (a cut one would wait for the rest of its call)."""
+    calls = Calls.SAMPLE
+    """How its requests share /generate calls (rollout/core.Calls)."""
 
     def __init__(
         self, core: RolloutCore, prompts_per_step: int, oversample: float = 1.0, filter_groups: KeepAll | None = None
@@ -104,15 +103,13 @@ class Strategy:
         """Send what is idle (a sample cut at its round's budget begins its next round at once: the
         engines never wait for a round's slowest request) until the step has its groups."""
         while not self._settled():
-            self.core.launch_idle(version, self.by_group)
+            self.core.launch_idle(version, self.calls)
             await self.core.wait()
 
 
 class AbortSteps(Strategy):
     """Sync: generate until the step's groups are complete, then abort what still runs, keeping its
     output for the next step (partial rollout) or dropping it."""
-
-    by_group = True  # a step ends by cutting all its requests at once
 
     def __init__(
         self,
@@ -121,9 +118,16 @@ class AbortSteps(Strategy):
         oversample: float = 1.0,
         keep: bool = True,
         filter_groups: KeepAll | None = None,
+        round_calls: bool = False,
     ) -> None:
+        """round_calls: a round's requests share one call an engine when the step needs every group
+        it draws (no oversampling, no filter_groups: nothing is cut or replaced while they run); else
+        (and by default) a group's share one: a step ends by cutting all its requests at once, and a
+        complete group is scored while the others generate."""
         super().__init__(core, prompts_per_step, oversample, filter_groups)
         self.keep = keep
+        needs_all = self.generating == prompts_per_step and type(self.filter_groups) is KeepAll
+        self.calls = Calls.ROUND if round_calls and needs_all else Calls.GROUP
 
     async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
         start, tokens = time.monotonic(), self.core.tokens
@@ -164,7 +168,18 @@ class DeterministicRounds(Strategy):
     SGLang's sampling_seed), until prompts_per_step groups are complete. Completions are recorded
     in the buffer's order, whatever order they arrive in."""
 
-    by_group = True  # every round is waited for whole
+    def __init__(
+        self,
+        core: RolloutCore,
+        prompts_per_step: int,
+        oversample: float = 1.0,
+        filter_groups: KeepAll | None = None,
+        round_calls: bool = False,
+    ) -> None:
+        """round_calls: a round's requests share one call an engine (every round is waited for whole
+        and scored after it); else a group's share one."""
+        super().__init__(core, prompts_per_step, oversample, filter_groups)
+        self.calls = Calls.ROUND if round_calls else Calls.GROUP
 
     async def batch(self, version: int) -> tuple[list[GroupState], dict[str, float]]:
         start, tokens, waited = time.monotonic(), self.core.tokens, 0.0
@@ -176,7 +191,7 @@ class DeterministicRounds(Strategy):
             requests = self.buffer.begin_requests()
             if not requests:
                 raise RuntimeError("rollout stalled: nothing to generate and too few complete groups")
-            tasks = [self.core.launch(req, version, self.by_group) for req in requests]
+            tasks = self.core.launch_all(requests, version, self.calls)
             await asyncio.wait(tasks)
             for task in tasks:  # in the buffer's order
                 self.core.completed(task)

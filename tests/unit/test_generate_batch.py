@@ -21,8 +21,9 @@ from bapo_megatron.engines.client import BadAnswer, EngineClient, EngineError
 from bapo_megatron.engines.pool import EnginePool
 from bapo_megatron.rewards.workers import RewardWorkers
 from bapo_megatron.rollout.buffer import RolloutBuffer
-from bapo_megatron.rollout.core import RolloutCore
-from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, RetractSteps
+from bapo_megatron.rollout.core import Calls, RolloutCore
+from bapo_megatron.rollout.filtering import DropEqualRewards
+from bapo_megatron.rollout.strategies import AbortSteps, AsyncStream, DeterministicRounds, RetractSteps
 from tests.sglang_wheel import load_defs
 
 NAME = "qwen2-gqa2"
@@ -318,7 +319,7 @@ def test_a_caller_that_gives_up_has_its_row_aborted_and_the_others_are_answered(
 
 
 # -- the rollout -------------------------------------------------------------------------------------------
-def _strategy(kind, url):
+def _strategy(kind, url, **options):
     counter = iter(range(100))
     core = RolloutCore(
         EnginePool([EngineClient(url, retries=0)]),
@@ -327,19 +328,32 @@ def _strategy(kind, url):
         RewardWorkers("exact_ids", inline=True),
         SamplingParams(max_new_tokens=2),
     )
-    if kind is AsyncStream:
-        return AsyncStream(core, prompts_per_step=2)
-    return kind(core, prompts_per_step=2)
+    return kind(core, prompts_per_step=2, **options)
+
+
+CALLS = {  # a strategy and its options -> requests a call: "group" (a group's four), "round" (all), 1
+    "AbortSteps": (AbortSteps, {}, "group"),
+    "AbortSteps round": (AbortSteps, {"round_calls": True}, "round"),
+    "AbortSteps round oversampled": (AbortSteps, {"round_calls": True, "oversample": 1.5}, "group"),
+    "DeterministicRounds": (DeterministicRounds, {}, "group"),
+    "DeterministicRounds round": (DeterministicRounds, {"round_calls": True}, "round"),
+    "RetractSteps": (RetractSteps, {}, 1),
+    "AsyncStream": (AsyncStream, {}, 1),
+}
 
 
 @pytest.mark.filterwarnings("ignore:step .* trains on nothing:UserWarning")
-@pytest.mark.parametrize("kind", [AbortSteps, RetractSteps, AsyncStream], ids=lambda k: k.__name__)
-def test_a_sync_step_sends_each_group_in_one_call_the_cutting_modes_one_call_a_sample(kind):
+@pytest.mark.parametrize("name", list(CALLS))
+def test_requests_share_the_calls_their_strategy_waits_for_together(name):
+    """A sync step sends a group's requests in one call; with round calls, all of a round's where the
+    step needs every group it draws (else a group's: an oversampled or filtered step cuts or replaces
+    groups while others run); the cutting and asynchronous modes one call a sample."""
+    kind, options, calls = CALLS[name]
     engine = Scripted()
     engine.release.set()
 
     async def run(client):
-        steps = _strategy(kind, str(client.base_url))
+        steps = _strategy(kind, str(client.base_url), **options)
         groups, _ = await steps.batch(0)
         await steps.close()
         for c in steps.pool.clients:
@@ -349,8 +363,16 @@ def test_a_sync_step_sends_each_group_in_one_call_the_cutting_modes_one_call_a_s
     groups = _client_run(engine, run)
     assert [g.uid for g in groups] == ["p0", "p1"]
     rids = [body["rid"] if isinstance(body["rid"], list) else [body["rid"]] for body in engine.calls]
-    if kind is AbortSteps:
+    if calls == "round":  # (the engine answers one token: two rounds) every request of a round in one call
+        assert len(rids) == 2 and all(len(r) == 8 for r in rids), rids
+    elif calls == "group":
         assert all(len(r) == 4 for r in rids)  # every round of a group's four samples in one call
         assert all(len({rid.partition("/")[0] for rid in r}) == 1 for r in rids)  # one group a call
     else:
         assert all(len(r) == 1 for r in rids) and len(rids) >= 8
+
+
+def test_round_calls_fall_back_to_a_group_a_call_where_a_step_replaces_groups():
+    filtered = _strategy(AbortSteps, "http://127.0.0.1:9", round_calls=True, filter_groups=DropEqualRewards(1))
+    assert filtered.calls is Calls.GROUP
+    assert _strategy(AbortSteps, "http://127.0.0.1:9", round_calls=True).calls is Calls.ROUND
