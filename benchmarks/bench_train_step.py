@@ -205,8 +205,8 @@ def main() -> None:
         spread = f"{r['spread'][0]:.3f}-{r['spread'][1]:.3f}"
         print(
             f"{r['impl']:>18} {r['precision']:>9} {r['recipe']:>10} {r['tokens']:>8} {r['seconds']:>8.3f} "
-            f"{spread:>13} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} {mfu:>6} {r['memory_gib']:>8.2f} "
-            f"{r['estimate_gib']:>8.2f}"
+            f"{spread:>13} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} {mfu:>6} {_gib(r['memory_gib']):>8} "
+            f"{_gib(r['estimate_gib']):>8}"
         )
     bf16 = next((r for r in rows if r["precision"] == "bf16" and r["impl"] == "transformer_engine"), None)
     for r in rows:
@@ -217,6 +217,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "seq": seq, "prompts": prompts, "rows": rows, "failed": failed}, f, indent=1)
+
+
+def _gib(value: float) -> str:
+    """GiB to two decimals; a tiny model's below 0.01 to two significant digits (not 0.00)."""
+    return f"{value:.2f}" if value >= 0.01 else f"{value:.1e}"
 
 
 if __name__ == "__main__":

@@ -381,7 +381,7 @@ def test_qwen3_and_moe_round_trip(tmp_path, capsys):
     assert reshard.main([*moe, "--no-progress"]) == 2
     assert "pre-split layout of a mixture-of-experts model (its fused experts) is not mapped" in capsys.readouterr().err
     assert not (tmp_path / "sglang-moe").exists()
-    # the converter's checkpoint (its vocabulary padded to 1024 rows) exports as the model it records:
+    # the converter's checkpoint (its vocabulary of 250 padded to 256 rows) exports as the model it records:
     # a template's other vocabulary (it was cut or padded) or top-k (top-3 routing on a top-2 model) is refused
     source_config = json.loads((tmp_path / "qwen3-moe" / "config.json").read_text())
     for key, value in (("vocab_size", 251), ("vocab_size", 1000), ("num_experts_per_tok", 3)):

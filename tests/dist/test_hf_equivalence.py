@@ -2,7 +2,7 @@
 
 Random Qwen2, Llama, Qwen3 and Qwen3-MoE models (transformers, offline, every weight randomised
 including the norms and the routers) cover GQA ratios 1, 2 and 4, a vocabulary that needs padding
-(250 -> 1024), tied and untied embeddings, QKV bias on and off, q/k norms, a MoE model with a dense
+(250 -> 256), tied and untied embeddings, QKV bias on and off, q/k norms, a MoE model with a dense
 first layer (4 experts, top-2, renormalised and not). The map back to HF names is bitwise exact.
 """
 
