@@ -11,30 +11,28 @@ update per batch, prompts tokenized identically (checked). The project runs `bap
 algo.loss=ppo, sync rollout on its embedded engine (a process of its own), no partial rollout;
 TRL runs GRPOTrainer with loss_type="dapo" (token-mean clipped loss), beta 0, fp32, gradient
 checkpointing off, in a process of its own under --trl-python (benchmarks/trl_grpo.py; TRL is an
-optional benchmark extra, never a test dependency: pip install 'bapo-megatron[bench]'; a separate
-virtual environment keeps it off the project's). The runs are interleaved
-(project, trl, project, trl, ...), so a change in the machine's load hits both alike.
+optional benchmark extra, never a test dependency: pip install 'bapo-megatron[bench]' in a virtual
+environment of its own). The runs are interleaved (project, trl, ...): a change in load hits both.
 
 Per stack, over the steps after --warmup of every run: the median and (min-max) of the step and
 its split (generation; reward: TRL's reward call, the project's wait for rewards once generation
 ended, as its reward workers score samples while others generate; train: the rest of the step
 but the weight sync, log-probs, loss, backward, optimizer); generated tokens per second of generation;
-peak memory of all its processes summed (children included, sampled every 50 ms) as RSS (shared
-pages count once per process: a forked child's copy-on-write pages twice) and as PSS (each shared
-page split among the processes that map it: what the processes hold together); and, with
---eval-prompts, held-out greedy accuracy before and after.
+peak memory of all its processes summed (children included; PeakMemory) as RSS (shared pages count
+once per process) and as PSS (each shared page split among the processes that map it: what they
+hold together); and, with --eval-prompts, held-out greedy accuracy before and after.
 
 --engine-only: the generation alone on the same batch, medians over --repeats interleaved
 repeats: transformers' `generate` in this process, the embedded engine's core in this process
-(no HTTP), and the embedded engine as the project runs it: its own process, one /generate call a
-group of samples (as a sync rollout sends them) and one call a sample (as the async and retract
-modes do). The load average is printed: figures from a loaded machine are not figures (on a shared
-machine, --threads 1 keeps torch's threads from spinning against other work).
+(no HTTP), and the embedded engine in its own process: one /generate call a group of samples and
+one call a sample (as the async and retract modes send them). The load average is printed: figures
+from a loaded machine are not figures (--threads 1 keeps torch's threads off other work).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -101,10 +99,10 @@ class PeakMemory:
                 tree = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
-            rss = sum(_quietly(lambda p=p: p.memory_info().rss) for p in tree)  # (ended meanwhile: 0)
+            rss = sum(_quietly(lambda p=p: p.memory_info().rss) for p in tree)
             if rss > self.rss or time.monotonic() - last_pss >= self.pss_every_s:
-                pss, last_pss = sum(_quietly(lambda p=p: _pss(p.pid)) for p in tree), time.monotonic()
-                self.pss = max(self.pss, pss)
+                self.pss = max(self.pss, sum(_quietly(lambda p=p: _pss(p.pid)) for p in tree))
+                last_pss = time.monotonic()
             self.rss = max(self.rss, rss)
             self._stop.wait(self.interval_s)
 
@@ -113,10 +111,9 @@ def _quietly(read) -> int:
     """read() of a process that may have ended meanwhile (0 then)."""
     import psutil
 
-    try:
+    with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
         return read()
-    except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
-        return 0
+    return 0
 
 
 def _pss(pid: int) -> int:

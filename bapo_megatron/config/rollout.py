@@ -200,9 +200,10 @@ class RolloutConfig:
     its requests have finished). "group": a group's samples in one call, so that a complete group is
     scored while the others generate. "round": all of a round's requests to an engine in one call,
     where the step waits for every one of them anyway (no oversample and no filter_groups, or
-    deterministic rounds; elsewhere "group"): fewer calls, the rewards after the round. "auto":
-    "round" on the embedded engine, where a call costs about what a decode step of a small model
-    does (one call a step in place of 32 took the demo's rollout from 118 to 99 ms), "group" on SGLang."""
+    deterministic rounds; refused elsewhere): fewer calls, the rewards after the round. "auto":
+    "round" on the embedded engine where it applies (else "group"): a call costs it about what a
+    decode step of a small model does (one call a step in place of 32 took bench_vs_trl's rollout
+    from 118 to 99 ms); "group" on SGLang."""
     record_routes: bool | None = None
     """Mixture-of-experts models: the engines return the experts they routed each position to, and
     samples keep them (1 byte a MoE layer and top-k slot while experts fit; the dry run prints a
@@ -247,6 +248,16 @@ class RolloutConfig:
                 "deterministic",
                 True,
                 "needs partial.mode=abort (in retract mode the engines decide when a request continues)",
+            )
+        if self.calls == "round":  # where it cannot apply, said rather than quietly a group a call
+            cuts = self.mode == "async" or (self.partial.enabled and self.partial.mode == "retract")
+            check(not cuts, "calls", "round", "applies to mode=sync with partial.mode=abort (these send one a sample)")
+            replaces = not self.deterministic and (self.oversample > 1 or self.filter_groups.enabled)
+            check(
+                not replaces,
+                "calls",
+                "round",
+                "needs a step that waits for every group it draws: oversample=1, filter_groups off (or deterministic)",
             )
         if self.mode == "async":
             check(

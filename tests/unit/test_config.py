@@ -102,6 +102,21 @@ def test_every_example_config_loads():
         load_config(path)
 
 
+def test_round_calls_are_refused_where_a_step_cuts_or_replaces_requests():
+    for overrides, phrase in (
+        (["rollout.oversample=1.5"], "waits for every group it draws"),
+        (["rollout.filter_groups.enabled=true"], "waits for every group it draws"),
+        (["rollout.mode=async"], "applies to mode=sync with partial.mode=abort"),
+        (["rollout.partial.enabled=true", "rollout.partial.mode=retract"], "applies to mode=sync"),
+    ):
+        with pytest.raises(ConfigError, match=f"rollout.calls='round': .*{phrase}"):
+            load_config(None, ["rollout.calls=round", *overrides])
+    deterministic = ["rollout.calls=round", "rollout.oversample=1.5", "rollout.deterministic=true"]
+    assert load_config(None, deterministic).rollout.round_calls
+    assert load_config(None, []).rollout.round_calls  # auto on the embedded engine
+    assert not load_config(None, ["rollout.engines.kind=sglang"]).rollout.round_calls
+
+
 def test_partial_budget_must_reach_max_new_tokens_before_staleness():
     with pytest.raises(ConfigError, match=r"rollout.partial.token_budget=8: x \(max_staleness \+ 1\) = 40 tokens"):
         load_config(
