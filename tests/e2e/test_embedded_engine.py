@@ -381,11 +381,11 @@ def test_prefix_store_holds_no_more_positions_than_the_slots(model_dir):
     from bapo_megatron.engines.embedded.request_queue import EngineRequest
 
     core = EngineCore(model_dir, max_batch=1)
-    for i in range(4):  # each leaves 39 cached positions; one slot of capacity 64 bounds the store at 64
+    for i in range(4):  # each leaves 39 cached positions; one slot's store room of 64 bounds the store
         core.add(EngineRequest(f"r{i}", [i + 1] * 30, SamplingParams(max_new_tokens=10, ignore_eos=True)))
         while core.busy:
             core.step()
-    assert core.kv.capacity == 64
+    assert core.kv.capacity == 40 and core.kv.store_room == 64  # the cache: what its requests reach
     assert [key[:30] for key in core.prefixes] == [(4,) * 30]  # only the newest fits
 
 

@@ -47,6 +47,8 @@ def test_finishes_in_one_decode_step_leave_the_others_exact(model_dir):
         steps += 1
         if steps == 3:  # the short ones finished this step: the long ones fill slots 0..3
             assert sorted(r.rid for r in core.running) == ["r1", "r3", "r5", "r6"]
+    # the slots hold what the requests can reach (r6: 10 + 9 positions), not a growth's 64
+    assert core.kv.capacity == max(len(r.input_ids) + n for r, n in zip(requests, lengths, strict=True)) == 19
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     for request, n in zip(requests, lengths, strict=True):
         assert request.finish["type"] == "length" and len(request.output_ids) == n
@@ -57,7 +59,8 @@ def test_finishes_in_one_decode_step_leave_the_others_exact(model_dir):
 
 def test_a_resumed_prefix_leaves_the_store_room_for_the_next(model_dir):
     """The store counts its positions as it goes: a prefix taken back frees its positions, so the next
-    one cut short is kept (one slot of 64 positions holds one prefix of 39)."""
+    one cut short is kept (one slot's store room of 64 positions holds one prefix of 39; the cache
+    itself holds the 40 positions its requests reach)."""
     core = EngineCore(model_dir, max_batch=1)
     first = _request(0, 30, 10)
     core.add(first)
@@ -72,7 +75,7 @@ def test_a_resumed_prefix_leaves_the_store_room_for_the_next(model_dir):
     core.add(second)
     while core.busy:
         core.step()
-    assert core.kv.capacity == 64
+    assert core.kv.capacity == 40 and core.kv.store_room == 64
     assert [len(key) for key in core.prefixes] == [40, 19]  # both fit: 59 positions of 64
 
 

@@ -181,7 +181,7 @@ class DecodeLoop:
         out = self._forward([batch[b] for b in firsts], input_ids=ids, use_cache=True, logits_to_keep=ends)
         self._keep_routes(batch, [len(seq) for seq in sequences], fresh=True, rows=row_of)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        self.kv.reserve(layers, longest + 1)
+        self.kv.reserve(layers, longest + 1, reach([*self.queue.running, *batch]))
         logits = out.logits[:, -1] if len(firsts) == len(batch) else out.logits[torch.tensor(row_of), -1]
         finished, kept = [], []
         for b, (request, picked) in enumerate(zip(batch, self._sample(batch, logits), strict=True)):
@@ -253,7 +253,7 @@ class DecodeLoop:
         batch = list(self.queue.running)
         positions = torch.tensor([r.length - 1 for r in batch])  # cached positions; the last token is the input
         span = int(positions.max()) + 1
-        self.kv.reserve(self.kv.layers(), span)
+        self.kv.reserve(self.kv.layers(), span, reach(batch))
         blocked = (torch.arange(span)[None, :] > positions[:, None])[:, None, None, :]
         dtype = self.model.dtype
         mask = torch.zeros(len(batch), 1, 1, span, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
@@ -340,6 +340,11 @@ class DecodeLoop:
                 self.kv.move(moved_from, slot)
         if request.on_finish is not None:
             request.on_finish(request)
+
+
+def reach(requests: Sequence[EngineRequest]) -> int:
+    """The most positions any of `requests` can hold: its prompt and max_new_tokens of output."""
+    return max(len(r.input_ids) + r.sampling.max_new_tokens for r in requests)
 
 
 def shared_rows(batch: Sequence[EngineRequest], sequences: Sequence[list[int]]) -> tuple[list[int], list[int]]:

@@ -59,7 +59,7 @@ class PrefixStore:
         self._stored[key] = _Prefix(layers, routes, request.lora_id)
         self._positions += len(key)
         # at most as many positions as the slots hold: the store never more than doubles the cache
-        limit = kv.slots * kv.capacity
+        limit = kv.slots * kv.store_room
         while self._positions > limit:
             dropped, _ = self._stored.popitem(last=False)  # the oldest first
             self._positions -= len(dropped)
