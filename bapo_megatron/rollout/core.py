@@ -54,7 +54,7 @@ class Calls(enum.Enum):
     ROUND = "round"
     """Every request sent together (launch_all): one call an engine. For a strategy that waits for
     every request of a round, where a call costs as much as generation (the embedded engine: a
-    step's 32 group calls took 19 ms of its 118 ms rollout on the demo)."""
+    step's 32 group calls took 19 ms of its 118 ms rollout in benchmarks/bench_vs_trl.py)."""
 
 
 class RolloutError(RunStopped):
